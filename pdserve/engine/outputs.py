@@ -1,0 +1,51 @@
+"""What the engine hands back after each step, per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.core.request import FinishReason
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one sampled token and the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestMetrics:
+    """Clock readings (time.monotonic seconds) along one request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    # Seconds spent in forward passes that computed this request's prompt.
+    prefill_time: float = 0.0
+
+
+@dataclass
+class RequestOutput:
+    """The increment one `LLMEngine.step()` produced for one request.
+
+    `new_text` is the detokenized text of `new_token_ids` (possibly empty while a multi-byte
+    character is incomplete, or when held back because it could begin a stop string).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprob] | None = None
+    # Set on a prefill worker's final output (disaggregated serving): where the KV lives.
+    kv_transfer_params: dict | None = None
