@@ -36,6 +36,7 @@ class Request:
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Tokens of the prompt found in the prefix cache at the latest admission.
@@ -70,9 +71,15 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens still to compute before this request can sample again."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
     def is_prefilling(self) -> bool:
-        """True while the prompt itself is not yet fully computed."""
-        return self.num_computed_tokens < self.num_prompt_tokens
+        """True while more than the newest token is uncomputed (a prompt, or a preempted
+        request recomputing its context); False for a plain decode step."""
+        return self.num_remaining_tokens > 1 or self.num_output_tokens == 0
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -1,0 +1,194 @@
+"""Paged KV-cache block manager with prefix caching.
+
+Blocks are fixed-size pages of the KV cache. A request owns an ordered `block_table`; a token
+at position p lives in block `block_table[p // block_size]`. Full blocks are content-addressed
+by a chained hash (parent hash + the block's token ids), so a later request whose prompt starts
+with the same tokens reuses them instead of recomputing.
+
+Invariants:
+- A block is in exactly one of: the free queue (ref_count == 0) or some block tables
+  (ref_count == number of tables holding it).
+- A free block may still hold cached content (its hash stays registered) until it is evicted,
+  least recently freed first, when a fresh block is needed.
+- A hash hit is verified against the stored token ids and parent hash before reuse, so a hash
+  collision can only cost a cache miss, never a wrong KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pdserve.core.request import Request
+
+BlockHash = int
+HashFn = Callable[[BlockHash | None, Sequence[int]], BlockHash]
+
+
+def chained_block_hash(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """64-bit BLAKE2b of the parent block's hash and this block's token ids.
+
+    Stable across processes (unlike Python's `hash`), so workers and routers agree.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    h.update((parent or 0).to_bytes(8, "little"))
+    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    parent_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] | None = None
+
+    def reset(self) -> None:
+        self.block_hash = None
+        self.parent_hash = None
+        self.token_ids = None
+
+
+class BlockManager:
+    """Allocates KV blocks to requests; shares and caches full blocks by content."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_fn: HashFn = chained_block_hash) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._hash_fn = hash_fn
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order: the front is evicted first.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+        # Per request: the hashes of its full blocks registered so far (a chain prefix).
+        self._block_hashes: dict[str, list[BlockHash]] = {}
+        self.num_prefix_queries = 0  # prompt tokens looked up
+        self.num_prefix_hits = 0  # of which found in the cache
+
+    # ---- queries -----------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_prefix_hits / self.num_prefix_queries if self.num_prefix_queries else 0.0
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """The longest run of cached full blocks matching the start of `request`'s tokens.
+
+        At least one token is always left to compute, so the request can produce logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        tokens = request.all_token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        hit: list[int] = []
+        parent: BlockHash | None = None
+        for i in range(max_blocks):
+            chunk = tokens[i * self.block_size:(i + 1) * self.block_size]
+            block_hash = self._hash_fn(parent, chunk)
+            block_id = self._cached.get(block_hash)
+            if block_id is None or not self._verify(self.blocks[block_id], parent, chunk):
+                break
+            hit.append(block_id)
+            parent = block_hash
+        return hit
+
+    # ---- allocation --------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: Sequence[int] = ()) -> bool:
+        """Grow `request.block_table` to hold its computed tokens plus `num_new_tokens`.
+
+        `computed_blocks` (from `get_computed_blocks`, only for a request holding no blocks)
+        are shared rather than allocated, and the request's `num_computed_tokens` advances
+        past them. Returns False, changing nothing, when there are not enough free blocks.
+        """
+        num_hit_tokens = len(computed_blocks) * self.block_size
+        total = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        num_needed = self.num_blocks_needed(total) - len(request.block_table) - len(computed_blocks)
+        # Hit blocks sitting in the free queue are taken out of it, so they don't count as free.
+        num_hits_free = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        if num_needed > len(self._free) - num_hits_free:
+            return False
+        if not request.block_table and self.enable_prefix_caching:  # an admission
+            self.num_prefix_queries += request.num_prompt_tokens
+            self.num_prefix_hits += min(num_hit_tokens, request.num_prompt_tokens)
+        for block_id in computed_blocks:
+            self._take(block_id)
+        request.block_table.extend(computed_blocks)
+        if computed_blocks:
+            request.num_computed_tokens += num_hit_tokens
+            request.num_cached_tokens = num_hit_tokens
+            self._block_hashes[request.request_id] = [
+                self.blocks[b].block_hash for b in computed_blocks]
+        for _ in range(max(num_needed, 0)):
+            request.block_table.append(self._allocate_fresh())
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_full):
+            parent = hashes[-1] if hashes else None
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            block_hash = self._hash_fn(parent, chunk)
+            hashes.append(block_hash)
+            block = self.blocks[request.block_table[i]]
+            if block.block_hash is None and block_hash not in self._cached:
+                block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, chunk
+                self._cached[block_hash] = block.block_id
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks. Freed in reverse, so a sequence's tail is evicted first
+        and its shared prefix stays cached longest."""
+        for block_id in reversed(request.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:  # nothing cached: reuse it first
+                    self._free.move_to_end(block_id, last=False)
+        request.block_table = []
+        self._block_hashes.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        for block_hash, block_id in list(self._cached.items()):
+            self.blocks[block_id].reset()
+            del self._cached[block_hash]
+
+    # ---- internals ---------------------------------------------------------------------
+    def _verify(self, block: Block, parent: BlockHash | None, chunk: Sequence[int]) -> bool:
+        return block.parent_hash == parent and block.token_ids == tuple(chunk)
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _allocate_fresh(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict cached content
+            del self._cached[block.block_hash]
+            block.reset()
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,216 @@
+"""The scheduler: which requests compute how many tokens in the next step.
+
+There are no phases. Every request has `num_computed_tokens` catching up to `num_tokens`; a step
+gives each scheduled request `num_new_tokens` of that gap. Chunked prefill is just a per-step
+token budget (`max_num_batched_tokens`): running decodes are taken first, then the oldest
+partial prefill, then new prompts. Colocated scheduling takes waiting prompts whole, in a step
+of their own, before any decode (classic continuous batching, which stalls running streams).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.core.block_manager import BlockManager
+from pdserve.core.config import CacheConfig, SchedulerConfig, SchedulingPolicy
+from pdserve.core.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def is_sampling(self) -> bool:
+        """Whether this step brings the request level with its tokens, so it samples one."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+
+class Scheduler:
+    """Continuous-batching scheduler over a paged KV cache (see module docstring)."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.config = scheduler_config
+        self.block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size,
+                                          cache_config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is the newest
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- request lifecycle -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.finish_request(request_id, FinishReason.ABORT)
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
+        """End a request now (abort, stop string found by the detokenizer); frees its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.block_manager.usage,
+                              self.block_manager.prefix_cache_hit_rate, self.num_preemptions)
+
+    # ---- scheduling --------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        if self.config.scheduling is SchedulingPolicy.COLOCATED:
+            self._schedule_waiting(output, budget, is_chunking=False)
+            if output.is_empty:
+                self._schedule_running(output, budget=None)
+        else:
+            budget = self._schedule_running(output, budget)
+            self._schedule_waiting(output, budget, is_chunking=True)
+        now = time.monotonic()
+        for scheduled in output.scheduled:
+            scheduled.request.status = RequestStatus.RUNNING
+            if scheduled.request.first_scheduled_time is None:
+                scheduled.request.first_scheduled_time = now
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int | None) -> int | None:
+        """Decodes first, then partial prefills oldest first. Returns the budget left."""
+        ordered = sorted(self.running, key=lambda r: r.is_prefilling)  # stable: keeps age order
+        for request in ordered:
+            if request not in self.running:  # preempted earlier in this loop
+                continue
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                break
+            if not self._allocate_or_preempt(request, num_new, output):
+                continue
+            output.scheduled.append(ScheduledRequest(request, num_new))
+            budget = None if budget is None else budget - num_new
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int,
+                          is_chunking: bool) -> None:
+        """Admit waiting requests in FCFS order while blocks, seats and budget last.
+
+        Without chunking a prompt is taken whole (alone if it exceeds the budget)."""
+        num_partial = sum(1 for s in output.scheduled if not s.is_sampling)
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            request = self.waiting[0]
+            computed = self.block_manager.get_computed_blocks(request)
+            num_hit = len(computed) * self.block_manager.block_size
+            remaining = request.num_tokens - request.num_computed_tokens - num_hit
+            if is_chunking:
+                num_new = self._cap(remaining, budget, request.is_prefilling)
+                if num_new < remaining and num_partial >= self.config.max_num_partial_prefills:
+                    return
+            elif remaining > budget and not output.is_empty:
+                return
+            else:
+                num_new = remaining
+            if not self.block_manager.allocate_slots(request, num_new, computed):
+                return
+            self.waiting.popleft()
+            self.running.append(request)
+            scheduled = ScheduledRequest(request, num_new)
+            output.scheduled.append(scheduled)
+            num_partial += not scheduled.is_sampling
+            budget -= num_new
+
+    def _num_new_tokens(self, request: Request, budget: int | None) -> int:
+        return self._cap(request.num_remaining_tokens, budget, request.is_prefilling)
+
+    def _cap(self, num_tokens: int, budget: int | None, is_prefill: bool) -> int:
+        if budget is not None:
+            num_tokens = min(num_tokens, budget)
+        threshold = self.config.long_prefill_token_threshold
+        if is_prefill and threshold is not None and budget is not None:
+            num_tokens = min(num_tokens, threshold)
+        return max(num_tokens, 0)
+
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             output: SchedulerOutput) -> bool:
+        """Find blocks for `request`, preempting the newest unscheduled running requests
+        (possibly `request` itself) until they fit. Returns whether `request` still runs."""
+        scheduled = {id(s.request) for s in output.scheduled}
+        while not self.block_manager.allocate_slots(request, num_new):
+            victims = [r for r in self.running if id(r) not in scheduled]
+            victim = victims[-1]  # never empty: `request` itself is unscheduled
+            self._preempt(victim, output)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        """Free the request's blocks; it recomputes later (its full blocks may stay cached)."""
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        output.preempted.append(request)
+
+    # ---- after the forward pass --------------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish requests that stop.
+
+        `sampled` maps request id to the token sampled for each request that sampled.
+        Returns the requests that finished in this step.
+        """
+        finished: list[Request] = []
+        for scheduled in output.scheduled:
+            request = scheduled.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += scheduled.num_new_tokens
+            self.block_manager.cache_full_blocks(request)
+            token_id = sampled.get(request.request_id)
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            reason = request.check_stop(self.config.max_model_len)
+            if reason is not None:
+                finished.append(self.finish_request(request.request_id, reason))
+        return finished

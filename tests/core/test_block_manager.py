@@ -1,0 +1,92 @@
+from pdserve.core.block_manager import BlockManager, chained_block_hash
+from tests.core.helpers import make_request
+
+
+def _admit(manager: BlockManager, request, num_new: int | None = None) -> list[int]:
+    computed = manager.get_computed_blocks(request)
+    hit = len(computed) * manager.block_size
+    num_new = request.num_tokens - hit if num_new is None else num_new
+    assert manager.allocate_slots(request, num_new, computed)
+    request.num_computed_tokens += num_new
+    manager.cache_full_blocks(request)
+    return computed
+
+
+def test_allocate_and_free_returns_every_block():
+    manager = BlockManager(num_blocks=8, block_size=4)
+    request = make_request("a", 10)
+    _admit(manager, request)
+    assert len(request.block_table) == 3
+    assert manager.num_free_blocks == 5
+    manager.free(request)
+    assert manager.num_free_blocks == 8
+    assert request.block_table == []
+
+
+def test_allocation_fails_atomically_when_blocks_run_out():
+    manager = BlockManager(num_blocks=2, block_size=4)
+    request = make_request("a", 12)
+    assert not manager.allocate_slots(request, 12)
+    assert request.block_table == [] and manager.num_free_blocks == 2
+
+
+def test_prefix_hit_shares_blocks_and_counts_refs():
+    manager = BlockManager(num_blocks=16, block_size=4)
+    first = make_request("a", 10)
+    _admit(manager, first)
+    second = make_request("b", 10)
+    computed = _admit(manager, second)
+    # 10 tokens = 2 full blocks; both shared, the partial third block is not.
+    assert computed == first.block_table[:2]
+    assert second.num_cached_tokens == 8
+    assert manager.blocks[computed[0]].ref_count == 2
+    manager.free(first)
+    assert manager.blocks[computed[0]].ref_count == 1
+    manager.free(second)
+    assert manager.num_free_blocks == 16
+
+
+def test_hit_always_leaves_a_token_to_compute():
+    manager = BlockManager(num_blocks=16, block_size=4)
+    _admit(manager, make_request("a", 8))
+    again = make_request("b", 8)
+    assert len(manager.get_computed_blocks(again)) == 1  # not 2: the last token must run
+
+
+def test_freed_cached_blocks_survive_until_evicted_lru():
+    manager = BlockManager(num_blocks=4, block_size=4)
+    old = make_request("old", 8, first_token=100)
+    _admit(manager, old)
+    manager.free(old)
+    # The cached blocks are free but still hit.
+    assert len(manager.get_computed_blocks(make_request("x", 9, first_token=100))) == 2
+    filler = make_request("filler", 16, first_token=500)
+    _admit(manager, filler)  # needs all four blocks: evicts the cached ones
+    assert manager.get_computed_blocks(make_request("y", 9, first_token=100)) == []
+
+
+def test_hash_collision_is_verified_not_trusted():
+    manager = BlockManager(num_blocks=16, block_size=4, hash_fn=lambda parent, tokens: 42)
+    _admit(manager, make_request("a", 9, first_token=100))
+    other = make_request("b", 9, first_token=300)  # same (constant) hash, different tokens
+    assert manager.get_computed_blocks(other) == []
+
+
+def test_chained_hash_depends_on_parent():
+    tokens = [1, 2, 3, 4]
+    assert chained_block_hash(None, tokens) != chained_block_hash(chained_block_hash(None, [9]),
+                                                                  tokens)
+    assert chained_block_hash(None, tokens) == chained_block_hash(None, list(tokens))
+
+
+def test_prefix_caching_disabled_never_hits():
+    manager = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    _admit(manager, make_request("a", 9))
+    assert manager.get_computed_blocks(make_request("b", 9)) == []
+
+
+def test_hit_rate_counts_prompt_tokens():
+    manager = BlockManager(num_blocks=16, block_size=4)
+    _admit(manager, make_request("a", 8))
+    _admit(manager, make_request("b", 8))
+    assert manager.prefix_cache_hit_rate == 4 / 16
