@@ -1,0 +1,181 @@
+"""Physical cost of one engine step on one tensor-parallel group, and of moving KV caches.
+
+Step time = linear layers (roofline) + attention (per-sequence roofline) + TP all-reduces
++ overhead. All FLOP and byte counts are per device: a TP group of `tp` devices splits the
+weights, the heads and the KV cache `tp` ways (KV heads are replicated once tp exceeds them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.sim.efficiency import Efficiency, default_efficiency
+from pdserve.sim.errors import SimConfigError
+from pdserve.sim.hardware import Hardware
+from pdserve.sim.model_spec import ModelSpec, dtype_bytes
+from pdserve.sim.network import NETWORKS, Interconnect
+
+ACTIVATION_DTYPE = "bf16"
+
+
+@dataclass(frozen=True)
+class SeqWork:
+    """One sequence's share of a step: `num_new_tokens` computed on top of
+    `num_context_tokens` already in the KV cache; `is_sampling` if it yields a token."""
+
+    num_new_tokens: int
+    num_context_tokens: int
+    is_sampling: bool = True
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one step, by where they go."""
+
+    linear_s: float
+    attention_s: float
+    communication_s: float
+    overhead_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.linear_s + self.attention_s + self.communication_s + self.overhead_s
+
+
+def roofline(flops: float, num_bytes: float, flops_per_s: float, bytes_per_s: float) -> float:
+    """Seconds for a kernel bounded by whichever of compute and memory traffic is slower."""
+    return max(flops / flops_per_s, num_bytes / bytes_per_s)
+
+
+def ring_all_reduce_s(num_bytes: float, tp: int, bandwidth: float, latency_s: float) -> float:
+    """A ring all-reduce: each device sends and receives 2(tp-1)/tp of the buffer."""
+    if tp == 1:
+        return 0.0
+    return 2 * (tp - 1) / tp * num_bytes / bandwidth + latency_s
+
+
+class CostModel:
+    """Step and transfer times for `model` on a TP group of `tp` `hardware` devices."""
+
+    def __init__(self, model: ModelSpec, hardware: Hardware, tp: int = 1, *,
+                 dtype: str = "bf16", kv_dtype: str = "bf16",
+                 efficiency: Efficiency | None = None,
+                 inter_node_link: Interconnect | None = None) -> None:
+        if tp < 1:
+            raise SimConfigError(f"--tp must be >= 1, got {tp}")
+        if tp > hardware.devices_per_node and inter_node_link is None:
+            raise SimConfigError(f"--tp {tp} spans nodes of {hardware.devices_per_node} "
+                                 f"{hardware.name}; give --network for the link between them")
+        self.model = model
+        self.hardware = hardware
+        self.tp = tp
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype
+        self.efficiency = efficiency or default_efficiency(hardware.name)
+        within_node = tp <= hardware.devices_per_node
+        self.tp_link = NETWORKS[hardware.intra_node_link] if within_node else inter_node_link
+        self._init_constants()
+
+    def _init_constants(self) -> None:
+        # Everything below is per device and fixed for the deployment; step_cost only sums.
+        m, eff, tp = self.model, self.efficiency, self.tp
+        wbytes = dtype_bytes(self.dtype)
+        self._flops_per_s = self.hardware.peak_flops(self.dtype) * eff.linear_compute
+        self._attn_flops_per_s = self.hardware.peak_flops("bf16") * eff.attention_compute
+        self._bytes_per_s = self.hardware.memory_bandwidth * eff.memory
+        self._layer_flops_per_token = 2 * m.num_layers * m.linear_params_per_layer / tp
+        self._layer_weight_bytes = m.num_layers * m.linear_params_per_layer * wbytes / tp
+        self._head_flops_per_token = 2 * m.lm_head_params / tp
+        self._head_weight_bytes = m.lm_head_params * wbytes / tp
+        # Q·K and P·V: 2 matmuls × 2 FLOPs per multiply-add, per query-key pair.
+        self._attn_flops_per_pair = 4 * m.num_layers * m.q_size / tp
+        self._kv_bytes_per_token_device = self.kv_bytes_per_token * self.kv_shard_fraction
+        self._all_reduce_bytes_per_token = m.hidden_size * dtype_bytes(ACTIVATION_DTYPE)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token over the whole model (all layers, all KV heads)."""
+        return self.model.kv_bytes_per_token(self.kv_dtype)
+
+    @property
+    def kv_shard_fraction(self) -> float:
+        """Fraction of a token's KV each device holds (heads replicate past tp = KV heads)."""
+        return max(1 / self.tp, 1 / self.model.num_kv_heads)
+
+    def step_cost(self, batch: Sequence[SeqWork]) -> StepCost:
+        """Seconds one forward pass over `batch` takes, by component."""
+        num_tokens = sum(seq.num_new_tokens for seq in batch)
+        num_sampled = sum(1 for seq in batch if seq.is_sampling)
+        linear = roofline(num_tokens * self._layer_flops_per_token, self._layer_weight_bytes,
+                          self._flops_per_s, self._bytes_per_s)
+        if num_sampled:
+            linear += roofline(num_sampled * self._head_flops_per_token,
+                               self._head_weight_bytes, self._flops_per_s, self._bytes_per_s)
+        attention = sum(self._attention_s(seq) for seq in batch)
+        eff = self.efficiency
+        overhead = eff.step_overhead_s + eff.per_seq_overhead_s * len(batch)
+        return StepCost(linear, attention, self._all_reduces_s(num_tokens), overhead)
+
+    def step_time(self, batch: Sequence[SeqWork]) -> float:
+        return self.step_cost(batch).total_s
+
+    def _attention_s(self, seq: SeqWork) -> float:
+        new, context = seq.num_new_tokens, seq.num_context_tokens
+        # Causal: new token i sees the context plus new tokens 0..i.
+        pairs = new * (context + (new + 1) / 2)
+        # Reads K and V of every visible token once; writes the new tokens' K and V.
+        kv_bytes = (context + 2 * new) * self._kv_bytes_per_token_device
+        return roofline(pairs * self._attn_flops_per_pair, kv_bytes,
+                        self._attn_flops_per_s, self._bytes_per_s)
+
+    def _all_reduces_s(self, num_tokens: int) -> float:
+        # Two all-reduces per layer (after attention's o_proj and the MLP's down_proj).
+        if self.tp == 1 or num_tokens == 0:
+            return 0.0
+        link = self.tp_link
+        one = ring_all_reduce_s(num_tokens * self._all_reduce_bytes_per_token, self.tp,
+                                link.bandwidth * self.efficiency.network, link.latency_s)
+        return 2 * self.model.num_layers * one
+
+    def prefill_time(self, num_tokens: int, chunk_size: int | None = None) -> float:
+        """Seconds to prefill a lone prompt, whole or in chunks of `chunk_size` tokens."""
+        chunk = chunk_size or num_tokens
+        total, done = 0.0, 0
+        while done < num_tokens:
+            new = min(chunk, num_tokens - done)
+            total += self.step_time([SeqWork(new, done, done + new == num_tokens)])
+            done += new
+        return total
+
+    def kv_transfer_time(self, num_tokens: int, link: Interconnect,
+                         num_devices: int | None = None) -> float:
+        """Seconds to move `num_tokens` tokens of KV over an otherwise idle `link` from a
+        group of `num_devices` devices (default: this TP group)."""
+        lanes_bw = link.transfer_bandwidth(num_devices or self.tp) * self.efficiency.network
+        return link.latency_s + num_tokens * self.kv_bytes_per_token / lanes_bw
+
+    def activation_reserve_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> float:
+        """Rough peak activation memory per device: one layer's widest live tensors for a
+        full token budget (residual, normed input, gate and up outputs) + fp32 logits."""
+        m = self.model
+        per_token = (2 * m.hidden_size + 2 * m.intermediate_size / self.tp)
+        act = max_num_batched_tokens * per_token * dtype_bytes(ACTIVATION_DTYPE)
+        return act + max_num_seqs * m.vocab_size / self.tp * 4
+
+    def kv_capacity_tokens(self, max_num_batched_tokens: int, max_num_seqs: int,
+                           memory_utilization: float = 0.9) -> int:
+        """Tokens of KV the group holds: device memory × utilization − weights − activations.
+
+        Raises `SimConfigError` when the weights alone do not fit.
+        """
+        per_device = self.hardware.memory_capacity * memory_utilization
+        weights = self.model.weight_bytes(self.dtype) / self.tp
+        free = per_device - weights - self.activation_reserve_bytes(max_num_batched_tokens,
+                                                                     max_num_seqs)
+        if free <= 0:
+            raise SimConfigError(
+                f"{self.model.name} needs {weights / 1e9:.1f} GB of weights per device at "
+                f"--tp {self.tp}; a {self.hardware.name} has "
+                f"{self.hardware.memory_capacity / 1e9:.0f} GB: raise --tp")
+        return int(free / self._kv_bytes_per_token_device)

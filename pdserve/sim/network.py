@@ -1,0 +1,92 @@
+"""Interconnect catalog: bandwidth per lane (one direction), lanes per node, latency.
+
+Bandwidths are line rates from vendor spec sheets, one direction (NVLink's headline figures
+are bidirectional and are halved here). Latencies are typical one-way message latencies for
+the transport (RDMA for InfiniBand/RoCE, TCP for Ethernet), not spec-sheet figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.sim.errors import SimConfigError
+
+GBIT = 1e9 / 8  # bytes/s in one Gb/s
+GBYTE = 1e9
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """A link: `num_lanes` lanes per node, each `bandwidth` bytes/s in one direction.
+
+    A transfer from a tensor-parallel group of `tp` devices uses at most `min(tp, num_lanes)`
+    lanes (each device drives its own NIC); concurrent transfers from one node share the
+    node's `num_lanes * bandwidth`.
+    """
+
+    name: str
+    bandwidth: float
+    latency_s: float
+    num_lanes: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise SimConfigError(f"network {self.name}: bandwidth must be positive")
+        if self.latency_s < 0:
+            raise SimConfigError(f"network {self.name}: latency_s must be >= 0")
+        if self.num_lanes < 1:
+            raise SimConfigError(f"network {self.name}: num_lanes must be >= 1")
+
+    @property
+    def node_bandwidth(self) -> float:
+        """Bytes/s one node can push through this link with every lane busy."""
+        return self.bandwidth * self.num_lanes
+
+    def transfer_bandwidth(self, num_devices: int) -> float:
+        """Bytes/s one transfer from a group of `num_devices` devices can reach alone."""
+        return self.bandwidth * min(num_devices, self.num_lanes)
+
+
+NETWORKS: dict[str, Interconnect] = {
+    link.name: link
+    for link in (
+        # NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional per GPU -> 450 GB/s each way.
+        # Latency: typical NCCL small-message all-reduce step on one HGX board.
+        Interconnect("nvlink-h100", 450 * GBYTE, 5e-6),
+        # NVLink 3 (A100 SXM): 600 GB/s bidirectional -> 300 GB/s each way.
+        Interconnect("nvlink-a100", 300 * GBYTE, 5e-6),
+        # NVLink 5 (B200): 1.8 TB/s bidirectional -> 900 GB/s each way.
+        Interconnect("nvlink-b200", 900 * GBYTE, 5e-6),
+        # PCIe Gen4 x16 (L40S has no NVLink): 32 GB/s each way.
+        Interconnect("pcie-gen4", 32 * GBYTE, 10e-6),
+        # One NDR InfiniBand port (ConnectX-7): 400 Gb/s, one NIC per node.
+        Interconnect("ib-400", 400 * GBIT, 5e-6),
+        # DGX/HGX H100 compute fabric: eight 400 Gb/s NDR ports per node, one per GPU.
+        Interconnect("ib-8x400", 400 * GBIT, 5e-6, num_lanes=8),
+        # RDMA over Converged Ethernet at 100 Gb/s and at 400 Gb/s (one NIC per node).
+        Interconnect("roce-100", 100 * GBIT, 10e-6),
+        Interconnect("roce-400", 400 * GBIT, 10e-6),
+        # Commodity 25 Gb/s Ethernet with TCP.
+        Interconnect("eth-25", 25 * GBIT, 50e-6),
+        # Shared memory between worker processes on the local CPU: a memcpy bounded by one
+        # core's DRAM bandwidth (the brief's 16 GB/s), plus a wake-up of the receiver.
+        Interconnect("shm", 16 * GBYTE, 50e-6),
+    )
+}
+
+
+def get_network(spec: str) -> Interconnect:
+    """A catalog link by name, or an ad-hoc one from a number of Gb/s (e.g. "200")."""
+    by_lower = {key.lower(): link for key, link in NETWORKS.items()}
+    if spec.lower() in by_lower:
+        return by_lower[spec.lower()]
+    try:
+        gbps = float(spec.lower().removesuffix("gbps"))
+    except ValueError:
+        raise SimConfigError(
+            f"--network: unknown link {spec!r}; give a number of Gb/s or one of "
+            f"{', '.join(sorted(NETWORKS))}"
+        ) from None
+    if not gbps > 0:
+        raise SimConfigError(f"--network: bandwidth must be positive, got {spec!r}")
+    return Interconnect(f"{gbps:g}gbps", gbps * GBIT, 10e-6)

@@ -1,0 +1,96 @@
+import pytest
+
+from pdserve.sim.cost_model import CostModel, SeqWork, ring_all_reduce_s
+from pdserve.sim.efficiency import Efficiency
+from pdserve.sim.errors import SimConfigError
+from pdserve.sim.hardware import get_hardware
+from pdserve.sim.model_spec import MODELS
+from pdserve.sim.network import get_network
+
+# Peak everything, no overhead: times are pure physics and easy to compute by hand.
+IDEAL = Efficiency(linear_compute=1, attention_compute=1, memory=1, network=1,
+                   step_overhead_s=0, per_seq_overhead_s=0)
+H100 = get_hardware("H100-SXM")
+LLAMA_8B = MODELS["Llama-3.1-8B"]
+LLAMA_70B = MODELS["Llama-3-70B"]
+
+
+def ideal(model=LLAMA_8B, tp=1, **kwargs):
+    return CostModel(model, H100, tp, efficiency=IDEAL, **kwargs)
+
+
+def test_decode_is_weight_bandwidth_bound():
+    cost = ideal().step_cost([SeqWork(1, 1000)])
+    layers_bytes = 2 * 32 * 218_103_808  # bf16 q/k/v/o/gate/up/down of 32 layers
+    head_bytes = 2 * 128256 * 4096
+    assert cost.linear_s == pytest.approx((layers_bytes + head_bytes) / 3.35e12)
+    # Attention reads 1000 tokens' KV and writes one token's K and V (read + write).
+    assert cost.attention_s == pytest.approx(1002 * 131_072 / 3.35e12)
+    assert cost.communication_s == 0
+
+
+def test_prefill_is_compute_bound():
+    cost = ideal().step_cost([SeqWork(4096, 0, is_sampling=False)])
+    assert cost.linear_s == pytest.approx(2 * 4096 * 32 * 218_103_808 / 989e12)
+    # 4096 × 4097 / 2 causal query-key pairs, 4 FLOPs each per (layer, q-dim).
+    pairs = 4096 * 4097 / 2
+    assert cost.attention_s == pytest.approx(4 * 32 * 4096 * pairs / 989e12)
+
+
+def test_chunk_attends_to_its_context():
+    model = ideal()
+    first = model.step_cost([SeqWork(512, 0, False)]).attention_s
+    later = model.step_cost([SeqWork(512, 8192, False)]).attention_s
+    assert later / first == pytest.approx((8192 + 256.5) / 256.5)
+
+
+def test_ring_all_reduce():
+    assert ring_all_reduce_s(1e6, 8, 1e9, 0.0) == pytest.approx(1.75e-3)
+    assert ring_all_reduce_s(1e6, 1, 1e9, 1.0) == 0
+
+
+def test_tp_all_reduces_two_per_layer():
+    cost = ideal(LLAMA_70B, tp=8).step_cost([SeqWork(1024, 0)])
+    one = 2 * 7 / 8 * 1024 * 8192 * 2 / 450e9 + 5e-6
+    assert cost.communication_s == pytest.approx(2 * 80 * one)
+
+
+def test_tp_across_nodes_needs_a_network():
+    with pytest.raises(SimConfigError, match="--network"):
+        ideal(LLAMA_70B, tp=16)
+    model = ideal(LLAMA_70B, tp=16, inter_node_link=get_network("ib-400"))
+    assert model.tp_link.name == "ib-400"
+    # 8 KV heads over 16 devices: each device holds one head, i.e. 1/8 of the KV.
+    assert model.kv_shard_fraction == 1 / 8
+
+
+def test_kv_transfer_time_70b_28k_over_400gbps():
+    seconds = ideal(LLAMA_70B, tp=8).kv_transfer_time(28_000, get_network("ib-400"))
+    assert seconds == pytest.approx(5e-6 + 28_000 * 327_680 / 50e9)  # ~183.5 ms
+    eight_lanes = ideal(LLAMA_70B, tp=8).kv_transfer_time(28_000, get_network("ib-8x400"))
+    assert eight_lanes == pytest.approx(5e-6 + 28_000 * 327_680 / 400e9)
+
+
+def test_kv_capacity_is_memory_minus_weights():
+    model = ideal()
+    tokens = model.kv_capacity_tokens(2048, 256, memory_utilization=0.9)
+    free = 72e9 - LLAMA_8B.weight_bytes() - model.activation_reserve_bytes(2048, 256)
+    assert tokens == int(free / 131_072)
+    with pytest.raises(SimConfigError, match="raise --tp"):
+        ideal(LLAMA_70B, tp=1).kv_capacity_tokens(2048, 256)
+
+
+def test_efficiency_and_overhead_slow_steps_down():
+    batch = [SeqWork(1, 500)] * 32
+    fast = ideal().step_time(batch)
+    slow = CostModel(LLAMA_8B, H100, efficiency=Efficiency()).step_time(batch)
+    assert slow > fast + Efficiency().step_overhead_s
+
+
+def test_prefill_time_in_chunks_costs_more_attention_passes():
+    model = ideal()
+    whole = model.prefill_time(8192)
+    chunked = model.prefill_time(8192, chunk_size=1024)
+    # Same FLOPs either way, but each chunk re-reads the weights (and the KV so far).
+    assert chunked >= whole
+    assert chunked == pytest.approx(whole, rel=0.05)
