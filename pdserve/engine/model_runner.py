@@ -1,0 +1,53 @@
+"""Runs one forward pass for a scheduled step and samples the requests that are due."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.core.scheduler import SchedulerOutput
+from pdserve.engine.sampler import SampledToken, Sampler
+from pdserve.model.attention import AttentionMetadata
+from pdserve.model.kv_cache import allocate_kv_cache
+from pdserve.model.loader import LoadedModel
+
+
+class ModelRunner:
+    """Owns the model and its paged KV cache; turns a `SchedulerOutput` into sampled tokens.
+
+    The KV cache is one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+    """
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int) -> None:
+        self.model = loaded.model
+        self.config = loaded.config
+        self.device = loaded.device
+        self.block_size = block_size
+        self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype,
+                                          loaded.device)
+        self.sampler = Sampler(seed)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
+        """Forward the step's flat batch; return the sampled token of each sampling request."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seqs = []
+        for scheduled in output.scheduled:
+            request = scheduled.request
+            start = request.num_computed_tokens
+            end = start + scheduled.num_new_tokens
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            seqs.append((request.block_table, start, scheduled.num_new_tokens))
+        metadata = AttentionMetadata.build(seqs, self.block_size, self.device)
+        hidden = self.model(torch.tensor(input_ids, device=self.device),
+                            torch.tensor(positions, device=self.device), self.kv_cache, metadata)
+        # The last new token of each request that catches up is the one that predicts.
+        ends = torch.cumsum(torch.tensor([s.num_new_tokens for s in output.scheduled]), 0) - 1
+        rows = [i for i, s in enumerate(output.scheduled) if s.is_sampling]
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[ends[rows].to(self.device)])
+        requests = [output.scheduled[i].request for i in rows]
+        sampled = self.sampler(logits, requests)
+        return {r.request_id: s for r, s in zip(requests, sampled, strict=True)}

@@ -1,0 +1,88 @@
+"""Turns the logits of the rows that sample into tokens (and logprobs when asked)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.core.request import Request
+from pdserve.engine.outputs import TokenLogprob
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+class Sampler:
+    """Greedy, temperature, top-k and top-p sampling with per-request seeded generators.
+
+    A request with a seed owns a `torch.Generator` for its whole life, so its output is
+    reproducible whatever else shares the batch.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self._default_generator = torch.Generator().manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        """logits: [N, vocab] float32, one row per request in `requests` (same order)."""
+        logits = logits.float().cpu()
+        self._mask_early_stops(logits, requests)
+        token_ids = logits.argmax(dim=-1).tolist()
+        for row, request in enumerate(requests):
+            if not request.sampling_params.is_greedy:
+                token_ids[row] = self._sample_row(logits[row], request)
+        return [SampledToken(t, self._logprob(logits[row], t, request))
+                for row, (t, request) in enumerate(zip(token_ids, requests, strict=True))]
+
+    def _mask_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        """Before `min_tokens` outputs, EOS and stop tokens cannot be sampled."""
+        for row, request in enumerate(requests):
+            params = request.sampling_params
+            if request.num_output_tokens >= params.min_tokens:
+                continue
+            banned = list(params.stop_token_ids)
+            if request.eos_token_id is not None:
+                banned.append(request.eos_token_id)
+            logits[row, banned] = float("-inf")
+
+    def _sample_row(self, row: torch.Tensor, request: Request) -> int:
+        params = request.sampling_params
+        row = row / params.temperature
+        if params.top_k is not None and params.top_k < row.numel():
+            kth = torch.topk(row, params.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+            drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=self._generator(request)).item())
+
+    def _generator(self, request: Request) -> torch.Generator:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return self._default_generator
+        generator = self._generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator().manual_seed(seed)
+            self._generators[request.request_id] = generator
+        return generator
+
+    @staticmethod
+    def _logprob(row: torch.Tensor, token_id: int, request: Request) -> TokenLogprob | None:
+        num_top = request.sampling_params.logprobs
+        if num_top is None:
+            return None
+        logprobs = torch.log_softmax(row, dim=-1)
+        top = torch.topk(logprobs, num_top) if num_top else None
+        top_list = list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else []
+        return TokenLogprob(token_id, float(logprobs[token_id]), top_list)
