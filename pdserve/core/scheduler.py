@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from pdserve.core.block_manager import BlockManager
 from pdserve.core.config import CacheConfig, SchedulerConfig, SchedulingPolicy
+from pdserve.core.kv_connector import KVConnectorScheduler
 from pdserve.core.request import FinishReason, Request, RequestStatus
 
 
@@ -55,13 +56,19 @@ class SchedulerStats:
 class Scheduler:
     """Continuous-batching scheduler over a paged KV cache (see module docstring)."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 connector: KVConnectorScheduler | None = None) -> None:
         self.config = scheduler_config
         self.block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
+        self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.requests: dict[str, Request] = {}
+        # Holding blocks while their KV arrives from another worker.
+        self.receiving: dict[str, Request] = {}
+        # Finished, but their blocks are still read or written by the connector.
+        self.held: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # ---- request lifecycle -------------------------------------------------------------
@@ -81,11 +88,14 @@ class Scheduler:
             return None
         if request in self.running:
             self.running.remove(request)
-        else:
+        elif self.receiving.pop(request_id, None) is None:
             self.waiting.remove(request)
-        self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if self.connector is not None and self.connector.request_finished(request):
+            self.held[request_id] = request
+        else:
+            self.block_manager.free(request)
         return request
 
     def has_unfinished_requests(self) -> bool:
@@ -136,7 +146,9 @@ class Scheduler:
         num_partial = sum(1 for s in output.scheduled if not s.is_sampling)
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.waiting[0]
-            computed = self.block_manager.get_computed_blocks(request)
+            # A request arriving with blocks (its KV was received) has nothing to look up.
+            computed = [] if request.block_table else \
+                self.block_manager.get_computed_blocks(request)
             num_hit = len(computed) * self.block_manager.block_size
             remaining = request.num_tokens - request.num_computed_tokens - num_hit
             if is_chunking:
@@ -147,6 +159,8 @@ class Scheduler:
                 return
             else:
                 num_new = remaining
+            if self._start_receiving(request, computed):
+                continue
             if not self.block_manager.allocate_slots(request, num_new, computed):
                 return
             self.waiting.popleft()
@@ -155,6 +169,48 @@ class Scheduler:
             output.scheduled.append(scheduled)
             num_partial += not scheduled.is_sampling
             budget -= num_new
+
+    def _start_receiving(self, request: Request, computed: list[int]) -> bool:
+        """Admit a request whose KV comes from another worker: allocate its blocks and
+        hand them to the connector. Returns True if the request left the waiting queue."""
+        if self.connector is None:
+            return False
+        num_local = request.num_computed_tokens + len(computed) * self.block_manager.block_size
+        num_external = self.connector.get_num_new_matched_tokens(request, num_local)
+        if num_external == 0:
+            return False
+        if not self.block_manager.allocate_slots(request, num_external, computed):
+            return False
+        self.waiting.popleft()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.num_external_tokens = num_external
+        self.receiving[request.request_id] = request
+        self.connector.update_state_after_alloc(request, num_external)
+        return True
+
+    def update_kv_transfers(self) -> list[Request]:
+        """Apply finished transfers. Returns requests whose KV just arrived (ready to run)."""
+        if self.connector is None:
+            return []
+        events = self.connector.get_finished()
+        for request_id in events.finished_sending | events.finished_recving | \
+                events.failed_recving:
+            held = self.held.pop(request_id, None)
+            if held is not None:
+                self.block_manager.free(held)
+        for request_id in events.failed_recving & self.receiving.keys():
+            if self.connector.recompute_on_failure:
+                self._requeue(self.receiving.pop(request_id))
+            else:
+                self.finish_request(request_id, FinishReason.ERROR)
+        ready = [self.receiving.pop(rid) for rid in events.finished_recving & self.receiving.keys()]
+        for request in ready:
+            request.num_computed_tokens += request.num_external_tokens
+            request.num_external_tokens = 0
+            self.block_manager.cache_full_blocks(request)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        return ready
 
     def _num_new_tokens(self, request: Request, budget: int | None) -> int:
         return self._cap(request.num_remaining_tokens, budget, request.is_prefilling)
@@ -181,15 +237,20 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
-        """Free the request's blocks; it recomputes later (its full blocks may stay cached)."""
         self.running.remove(request)
-        self.block_manager.free(request)
-        request.num_computed_tokens = 0
+        self._requeue(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
         output.preempted.append(request)
+
+    def _requeue(self, request: Request) -> None:
+        """Free the request's blocks; it recomputes later (its full blocks may stay cached)."""
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_external_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     # ---- after the forward pass --------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput,
