@@ -1,0 +1,190 @@
+"""One benchmark against one server: plan the workload, run it at each rate, summarize."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from pdserve.bench.client import EndpointConfig, make_http_client
+from pdserve.bench.errors import BenchError
+from pdserve.bench.interference import InterferenceConfig, InterferenceReport, detect_interference
+from pdserve.bench.metrics import BenchMetrics, compute_metrics
+from pdserve.bench.prompts import PromptSynthesizer
+from pdserve.bench.records import RequestRecord
+from pdserve.bench.runner import ServerInfo, probe_server, run_requests, warm_up
+from pdserve.bench.tokenizer import TokenizerLike, load_tokenizer
+from pdserve.bench.workloads.base import BenchRequest, Workload
+
+# Independent random streams derived from the one --seed: what the requests say, and when
+# they arrive. (A trace window's start uses a third, chosen by the caller.)
+CONTENT_STREAM = 0
+ARRIVAL_STREAM = 1
+TRACE_WINDOW_STREAM = 2
+
+
+def seeded_rng(seed: int, stream: int) -> np.random.Generator:
+    """The random generator for one purpose (`*_STREAM`) of a run seeded with `seed`."""
+    return np.random.default_rng([seed, stream])
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """Everything that defines a run except the tokenizer.
+
+    `request_rates` holds one rate per run (a sweep when several); None means the workload's
+    own default (its steady rate, or a trace's recorded pace), inf means all at once.
+    `max_model_len` overrides what the server reports when capping request lengths.
+    """
+
+    endpoint: EndpointConfig
+    workload: Workload
+    seed: int = 0
+    request_rates: tuple[float | None, ...] = (None,)
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    num_warmups: int = 1
+    slos: Mapping[str, float] = field(default_factory=dict)
+    interference: InterferenceConfig = field(default_factory=InterferenceConfig)
+    max_model_len: int | None = None
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.request_rates:
+            raise BenchError("--request-rate: give at least one rate")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise BenchError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if self.num_warmups < 0:
+            raise BenchError(f"--num-warmups must be >= 0, got {self.num_warmups}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise BenchError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+
+    def describe(self) -> dict:
+        """The run configuration, JSON-ready."""
+        e = self.endpoint
+        return {
+            "base_url": e.base_url,
+            "endpoint": e.endpoint,
+            "temperature": e.temperature,
+            "workload": self.workload.describe(),
+            "seed": self.seed,
+            "burstiness": self.burstiness,
+            "max_concurrency": self.max_concurrency,
+            "num_warmups": self.num_warmups,
+            "goodput_slos_ms": dict(self.slos),
+            "interference": asdict(self.interference),
+            "max_model_len": self.max_model_len,
+        }
+
+
+@dataclass(frozen=True)
+class WorkloadPlan:
+    """The requests of a run, built once so that every rate and every server sees the same."""
+
+    workload: Workload
+    requests: tuple[BenchRequest, ...]
+    seed: int
+    max_model_len: int | None
+
+    def arrivals(self, request_rate: float | None, burstiness: float) -> np.ndarray:
+        """Arrival times for one rate; the same for the same seed."""
+        rng = seeded_rng(self.seed, ARRIVAL_STREAM)
+        return self.workload.arrival_times(list(self.requests), request_rate, burstiness, rng)
+
+
+def plan_workload(
+    workload: Workload, tokenizer: TokenizerLike, seed: int, max_model_len: int | None
+) -> WorkloadPlan:
+    """Build a workload's requests from the tokenizer, reproducibly from `seed`."""
+    synth = PromptSynthesizer(tokenizer)
+    requests = workload.build(synth, seeded_rng(seed, CONTENT_STREAM), max_model_len)
+    if not requests:
+        raise BenchError(f"workload {workload.name!r} produced no requests")
+    return WorkloadPlan(workload, tuple(requests), seed, max_model_len)
+
+
+@dataclass
+class BenchResult:
+    """One run: its records (times in seconds since `t0`, a time.perf_counter value),
+    metrics, and interference findings."""
+
+    label: str
+    model: str
+    spec: BenchSpec
+    request_rate: float | None
+    records: list[RequestRecord]
+    t0: float
+    metrics: BenchMetrics
+    interference: InterferenceReport
+
+
+def summarize(
+    label: str,
+    model: str,
+    spec: BenchSpec,
+    request_rate: float | None,
+    records: list[RequestRecord],
+    t0: float,
+) -> BenchResult:
+    """Compute a run's metrics and interference report from its records."""
+    metrics = compute_metrics(records, dict(spec.slos))
+    report = detect_interference(records, spec.interference)
+    return BenchResult(label, model, spec, request_rate, records, t0, metrics, report)
+
+
+async def run_plan(
+    spec: BenchSpec, plan: WorkloadPlan, server: ServerInfo, label: str = ""
+) -> list[BenchResult]:
+    """Run a planned workload once per rate of the spec against one server."""
+    results = []
+    async with make_http_client(spec.endpoint) as http:
+        await warm_up(http, spec.endpoint, server.model, list(plan.requests), spec.num_warmups)
+        for rate in spec.request_rates:
+            resolved = plan.workload.resolve_rate(rate)
+            run_label = _run_label(label, resolved, len(spec.request_rates) > 1)
+            records, t0 = await run_requests(
+                http,
+                spec.endpoint,
+                server.model,
+                list(plan.requests),
+                plan.arrivals(rate, spec.burstiness),
+                spec.max_concurrency,
+                spec.show_progress,
+                run_label,
+            )
+            results.append(summarize(run_label, server.model, spec, resolved, records, t0))
+    return results
+
+
+async def probe(spec: BenchSpec) -> ServerInfo:
+    """Ask the spec's server which model it serves and its context length."""
+    async with make_http_client(spec.endpoint) as http:
+        return await probe_server(http, spec.endpoint)
+
+
+def context_cap(spec: BenchSpec, server: ServerInfo) -> int | None:
+    """The context length requests are fitted to: the spec's override, else the server's."""
+    return spec.max_model_len or server.max_model_len
+
+
+def run_benchmark(
+    spec: BenchSpec, tokenizer: TokenizerLike | None = None, label: str = ""
+) -> list[BenchResult]:
+    """Probe the server, build the workload, and run it at each rate: one result per rate.
+
+    `tokenizer` defaults to pdserve's default model's (loaded lazily).
+    """
+    server = asyncio.run(probe(spec))
+    tokenizer = tokenizer or load_tokenizer(None)
+    plan = plan_workload(spec.workload, tokenizer, spec.seed, context_cap(spec, server))
+    return asyncio.run(run_plan(spec, plan, server, label))
+
+
+def _run_label(label: str, rate: float | None, is_sweep: bool) -> str:
+    if not is_sweep:
+        return label or "run"
+    rate_text = "trace" if rate is None else ("inf" if math.isinf(rate) else f"{rate:g}")
+    return f"{label} rate={rate_text}".strip()

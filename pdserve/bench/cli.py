@@ -1,0 +1,389 @@
+"""`pdserve bench`, `pdserve bench compare` and `pdserve bench convert-trace`.
+
+The top-level CLI wires this in with `add_parser(subparsers)` and calls `run(args)`;
+`python -m pdserve.bench ...` works on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+from pathlib import Path
+
+from pdserve.bench.arrivals import parse_request_rates
+from pdserve.bench.benchmark import TRACE_WINDOW_STREAM, BenchSpec, run_benchmark, seeded_rng
+from pdserve.bench.client import CHAT_COMPLETIONS, COMPLETIONS, EndpointConfig
+from pdserve.bench.compare import (
+    DEFAULT_MODES,
+    CompareSpec,
+    format_table,
+    run_compare,
+    save_compare,
+)
+from pdserve.bench.errors import BenchError
+from pdserve.bench.interference import InterferenceConfig
+from pdserve.bench.launcher import DEFAULT_SERVER_COMMAND, LaunchConfig
+from pdserve.bench.metrics import parse_goodput
+from pdserve.bench.report import write_report
+from pdserve.bench.results import save_results
+from pdserve.bench.summary import format_summary
+from pdserve.bench.tokenizer import load_tokenizer
+from pdserve.bench.workloads import (
+    WORKLOAD_NAMES,
+    LengthRange,
+    TraceWindow,
+    WorkloadOptions,
+    default_trace_path,
+    load_trace,
+    make_workload,
+    write_trace_jsonl,
+)
+
+_DESCRIPTION = (
+    "Load-test an OpenAI-compatible server (pdserve, vLLM, llama.cpp) with streaming requests "
+    "and report TTFT, TPOT, ITL, E2EL, throughput, goodput and phase interference."
+)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add `bench` (with its `compare` and `convert-trace` subcommands) to a CLI."""
+    parser = subparsers.add_parser("bench", help="benchmark a server", description=_DESCRIPTION)
+    configure_parser(parser)
+    return parser
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Give `parser` the bench options and subcommands; `run(args)` executes the result."""
+    parser.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="server to benchmark (default: %(default)s)",
+    )
+    _add_run_args(parser, default_report=None)
+    parser.set_defaults(func=run, bench_command=None)
+    sub = parser.add_subparsers(dest="bench_command", metavar="{compare,convert-trace}")
+    compare = sub.add_parser(
+        "compare",
+        help="run one workload against each serving mode in turn",
+        description="Start pdserve in each mode in turn, run the same workload and seed "
+        "against each, and print one table plus a recommendation.",
+    )
+    _add_run_args(compare, default_report="bench-compare")
+    _add_compare_args(compare)
+    convert = sub.add_parser(
+        "convert-trace",
+        help="cut a window from a trace (e.g. the Azure CSV) into pdserve trace JSONL",
+    )
+    _add_convert_args(convert)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute parsed `bench` arguments; the process exit code."""
+    try:
+        if args.bench_command == "compare":
+            return _run_compare(args)
+        if args.bench_command == "convert-trace":
+            return _run_convert(args)
+        return _run_bench(args)
+    except BenchError as exc:
+        print(f"pdserve bench: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pdserve bench: interrupted", file=sys.stderr)
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pdserve.bench", description=_DESCRIPTION)
+    configure_parser(parser)
+    return run(parser.parse_args(argv))
+
+
+# --- arguments -----------------------------------------------------------------------------
+
+
+def _add_run_args(p: argparse.ArgumentParser, default_report: str | None) -> None:
+    server = p.add_argument_group("server")
+    server.add_argument("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT_COMPLETIONS])
+    server.add_argument("--model", help="model name to request (default: the server's first)")
+    server.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    server.add_argument("--temperature", type=float, default=0.0)
+    server.add_argument("--timeout", type=float, default=3600.0, help="per request, seconds")
+    server.add_argument(
+        "--tokenizer",
+        help="tokenizer.json, a folder with one, or a GGUF (default: pdserve's default model)",
+    )
+    server.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context to fit requests into (default: what /v1/models reports)",
+    )
+
+    load = p.add_argument_group("load")
+    load.add_argument("--workload", default="mixed", choices=WORKLOAD_NAMES)
+    load.add_argument("--num-prompts", type=int, help="requests per run (default: per workload)")
+    load.add_argument(
+        "--request-rate",
+        help="req/s, 'inf' (all at once), or a sweep '0.5,1,2,4' "
+        "(default: the workload's; mixed 1, trace its own pace, others inf)",
+    )
+    load.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of arrival gaps: 1 Poisson, <1 burstier",
+    )
+    load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests first")
+    load.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="METRIC:MS",
+        help="SLOs for goodput, e.g. ttft:2000 tpot:100 e2el:30000",
+    )
+    load.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    shape = p.add_argument_group("workload shape")
+    shape.add_argument(
+        "--input-len",
+        type=int,
+        help="random: prompt tokens; prefix-repetition: tokens after the shared prefix",
+    )
+    shape.add_argument("--output-len", type=int, help="random, prefix-repetition: output tokens")
+    shape.add_argument("--range-ratio", type=float, default=0.0, help="random: length spread")
+    shape.add_argument("--prefix-len", type=int, help="prefix-repetition: shared prefix tokens")
+    shape.add_argument("--num-prefixes", type=int, help="prefix-repetition: distinct prefixes")
+    shape.add_argument("--long-fraction", type=float, help="mixed: share of long documents")
+    shape.add_argument("--burst-size", type=int, help="mixed: long documents per burst")
+    for name, what in (
+        ("chat-input-len", "mixed: chat prompt tokens"),
+        ("chat-output-len", "mixed: chat output tokens"),
+        ("long-input-len", "mixed, long-context: document tokens"),
+        ("long-output-len", "mixed, long-context: summary tokens"),
+    ):
+        shape.add_argument(f"--{name}", metavar="LOW:HIGH", help=f"{what} (N or LOW:HIGH)")
+    _add_trace_args(shape, with_path=True)
+
+    out = p.add_argument_group("analysis and output")
+    out.add_argument(
+        "--spike-factor",
+        type=float,
+        default=3.0,
+        help="an ITL spike is a gap above this x the median ITL",
+    )
+    out.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=1024,
+        help="prompts at least this long count as long for the detector",
+    )
+    out.add_argument("--save-result", metavar="FILE.json", help="write results as JSON")
+    out.add_argument(
+        "--report",
+        metavar="DIR",
+        default=default_report,
+        help="write report.md and plots to DIR"
+        + (" (default: %(default)s)" if default_report else ""),
+    )
+
+
+def _add_trace_args(p, with_path: bool) -> None:
+    if with_path:
+        p.add_argument(
+            "--trace", help=f"trace: JSONL or Azure CSV (default: {default_trace_path()})"
+        )
+    p.add_argument(
+        "--trace-window-start",
+        default="0",
+        metavar="SECONDS|random",
+        help="trace: where the replayed window starts",
+    )
+    p.add_argument("--trace-duration", type=float, help="trace: window length, seconds")
+    p.add_argument(
+        "--trace-time-scale",
+        type=float,
+        default=1.0,
+        help="trace: multiply timestamps (2 = half speed)",
+    )
+    p.add_argument("--trace-max-input-len", type=int, help="trace: clip prompt lengths")
+    p.add_argument("--trace-max-output-len", type=int, help="trace: clip output lengths")
+
+
+def _add_compare_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("servers")
+    g.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help="comma-separated modes to launch, in order; '' for none",
+    )
+    g.add_argument(
+        "--external",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="an already-running server to add as a row (repeatable)",
+    )
+    g.add_argument(
+        "--server-cmd",
+        default=" ".join(DEFAULT_SERVER_COMMAND),
+        help="command template, placeholders {python} {mode} {host} {port} (default: %(default)s)",
+    )
+    g.add_argument("--server-args", default="", help="extra arguments for every server")
+    g.add_argument(
+        "--health-timeout", type=float, default=600.0, help="seconds to wait for GET /health == 200"
+    )
+    g.add_argument(
+        "--stop-grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL"
+    )
+
+
+def _add_convert_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", default=str(default_trace_path()), help="trace CSV or JSONL")
+    p.add_argument("--output", required=True, help="JSONL file to write")
+    p.add_argument("--num-prompts", type=int, help="requests to keep")
+    p.add_argument("--seed", type=int, default=0, help="picks a random window start")
+    _add_trace_args(p, with_path=False)
+
+
+# --- building specs from arguments ---------------------------------------------------------
+
+
+def _length_range(text: str | None, option: str) -> LengthRange | None:
+    return None if text is None else LengthRange.parse(text, option)
+
+
+def _trace_window(args: argparse.Namespace, num_prompts: int | None) -> TraceWindow:
+    start = args.trace_window_start
+    if start == "random":
+        start_s = None
+    else:
+        try:
+            start_s = float(start)
+        except ValueError:
+            raise BenchError(
+                f"--trace-window-start: expected seconds or 'random', got {start!r}"
+            ) from None
+    return TraceWindow(
+        start_s=start_s,
+        num_prompts=num_prompts,
+        duration_s=args.trace_duration,
+        time_scale=args.trace_time_scale,
+        max_input_len=args.trace_max_input_len,
+        max_output_len=args.trace_max_output_len,
+    )
+
+
+def _workload_options(args: argparse.Namespace) -> WorkloadOptions:
+    return WorkloadOptions(
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
+        long_fraction=args.long_fraction,
+        burst_size=args.burst_size,
+        chat_input_len=_length_range(args.chat_input_len, "--chat-input-len"),
+        chat_output_len=_length_range(args.chat_output_len, "--chat-output-len"),
+        long_input_len=_length_range(args.long_input_len, "--long-input-len"),
+        long_output_len=_length_range(args.long_output_len, "--long-output-len"),
+        trace=args.trace,
+        trace_window=_trace_window(args, None),
+    )
+
+
+def _bench_spec(args: argparse.Namespace, base_url: str) -> BenchSpec:
+    rates = parse_request_rates(args.request_rate) if args.request_rate else [None]
+    workload = make_workload(
+        args.workload, _workload_options(args), seeded_rng(args.seed, TRACE_WINDOW_STREAM)
+    )
+    return BenchSpec(
+        endpoint=EndpointConfig(
+            base_url=base_url,
+            endpoint=args.endpoint,
+            model=args.model,
+            api_key=args.api_key,
+            temperature=args.temperature,
+            request_timeout_s=args.timeout,
+        ),
+        workload=workload,
+        seed=args.seed,
+        request_rates=tuple(rates),
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        num_warmups=args.num_warmups,
+        slos=parse_goodput(args.goodput),
+        interference=InterferenceConfig(
+            spike_factor=args.spike_factor, long_prompt_tokens=args.long_prompt_tokens
+        ),
+        max_model_len=args.max_model_len,
+        show_progress=not args.no_progress,
+    )
+
+
+def _externals(items: list[str]) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for item in items:
+        name, sep, url = item.partition("=")
+        if not sep or not name or not url:
+            raise BenchError(f"--external: expected NAME=URL, got {item!r}")
+        pairs.append((name, url))
+    return tuple(pairs)
+
+
+# --- commands ------------------------------------------------------------------------------
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    spec = _bench_spec(args, args.base_url)
+    tokenizer = load_tokenizer(args.tokenizer)
+    results = run_benchmark(spec, tokenizer)
+    for result in results:
+        print(format_summary(result))
+    if args.save_result:
+        print(f"results: {save_results(results, args.save_result)}")
+    if args.report:
+        title = f"pdserve bench: {spec.workload.name} against {spec.endpoint.base_url}"
+        print(f"report: {write_report(results, args.report, title)}")
+    return 0 if any(r.metrics.completed for r in results) else 1
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    report_dir = Path(args.report)
+    spec = CompareSpec(
+        bench=_bench_spec(args, "http://placeholder"),
+        launch=LaunchConfig(
+            command=tuple(shlex.split(args.server_cmd)),
+            extra_args=tuple(shlex.split(args.server_args)),
+            health_timeout_s=args.health_timeout,
+            stop_grace_s=args.stop_grace,
+            log_dir=report_dir / "logs",
+        ),
+        modes=tuple(m for m in args.modes.split(",") if m),
+        externals=_externals(args.external),
+    )
+    result = run_compare(spec, load_tokenizer(args.tokenizer))
+    for name, run_result in result.results.items():
+        print(f"{name}: {run_result.interference.verdict}")
+    print(format_table(result.rows))
+    for row in result.rows:
+        if row.error:
+            print(f"{row.name}: failed to run: {row.error}")
+    if result.recommendation:
+        print(result.recommendation)
+    json_path, report = save_compare(result, report_dir, args.save_result)
+    print(f"results: {json_path}\nreport: {report}")
+    return 0
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    window = _trace_window(args, args.num_prompts)
+    entries = window.select(load_trace(args.input), seeded_rng(args.seed, TRACE_WINDOW_STREAM))
+    write_trace_jsonl(entries, args.output)
+    span = entries[-1].timestamp
+    rate = (len(entries) - 1) / span if span > 0 else math.inf
+    print(f"wrote {len(entries)} requests over {span:.1f} s ({rate:.2f} req/s) to {args.output}")
+    return 0

@@ -1,0 +1,55 @@
+"""`long-context`: long documents to summarize, short answers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdserve.bench.prompts import PromptSynthesizer
+from pdserve.bench.workloads.base import (
+    BenchRequest,
+    LengthRange,
+    Workload,
+    check_positive,
+    make_request,
+)
+
+DOCUMENT_LEAD = "Summarize the following document in a few sentences.\n\nDocument:"
+
+
+@dataclass(frozen=True)
+class LongContextWorkload(Workload):
+    """Prompts of `input_len` tokens (a range) asking for a summary of `output_len` tokens."""
+
+    num_prompts: int = 10
+    input_len: LengthRange = field(default_factory=lambda: LengthRange(4000, 6000))
+    output_len: LengthRange = field(default_factory=lambda: LengthRange(64, 128))
+    name = "long-context"
+
+    def __post_init__(self) -> None:
+        check_positive("--num-prompts", self.num_prompts)
+
+    def build(
+        self, synth: PromptSynthesizer, rng: np.random.Generator, max_model_len: int | None
+    ) -> list[BenchRequest]:
+        return long_documents(
+            synth, rng, self.num_prompts, self.input_len, self.output_len, max_model_len
+        )
+
+
+def long_documents(
+    synth: PromptSynthesizer,
+    rng: np.random.Generator,
+    num: int,
+    input_len: LengthRange,
+    output_len: LengthRange,
+    max_model_len: int | None,
+) -> list[BenchRequest]:
+    """`num` summarize-this-document requests (kind "long-doc")."""
+    prompt_lens = input_len.draw(rng, num)
+    output_lens = output_len.draw(rng, num)
+    return [
+        make_request(synth, rng, p, o, max_model_len, "long-doc", DOCUMENT_LEAD)
+        for p, o in zip(prompt_lens, output_lens, strict=True)
+    ]

@@ -1,0 +1,159 @@
+"""A stub OpenAI-compatible server that streams tokens on a known schedule.
+
+Run: `python -m tests.bench.stub_server --port P [--mode colocated|chunked|disagg] ...`.
+Each request's first token is due `--ttft-ms` after it arrives (`--long-ttft-ms` for prompts
+of at least `--long-prompt-words` words), then one token every `--itl-ms`. While a long prompt
+"prefills", other streams stall until it ends (`--stall`, the colocated preset) or run
+`--slowdown` times slower (the chunked preset). The usage chunk reports when each token was
+really sent (`stub_emit_times`, time.perf_counter, comparable across processes on Linux) and
+a timing breakdown (`pdserve_timing`), like pdserve's router does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+MODEL = "stub-model"
+MAX_MODEL_LEN = 8192
+MODE_PRESETS = {
+    "colocated": {"stall": True, "slowdown": 1.0},
+    "chunked": {"stall": False, "slowdown": 2.0},
+    "disagg": {"stall": False, "slowdown": 1.0},
+}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    ttft_s: float = 0.05
+    itl_s: float = 0.02
+    long_prompt_words: int = 1000
+    long_ttft_s: float = 0.5
+    stall: bool = False
+    slowdown: float = 1.0
+
+
+class _Prefills:
+    """Time windows (loop clock) during which a long prompt is prefilling."""
+
+    def __init__(self) -> None:
+        self.windows: list[tuple[float, float]] = []
+
+    def add(self, start: float, end: float) -> None:
+        self.windows.append((start, end))
+
+    def covering(self, t: float) -> tuple[float, float] | None:
+        return next((w for w in self.windows if w[0] <= t < w[1]), None)
+
+
+def create_app(schedule: Schedule) -> FastAPI:
+    app = FastAPI()
+    prefills = _Prefills()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": MODEL, "max_model_len": MAX_MODEL_LEN}]}
+
+    async def stream(request: Request, is_chat: bool) -> StreamingResponse | JSONResponse:
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        body = await request.json()
+        if body.get("model") != MODEL:
+            error = {"message": f"model {body.get('model')!r} not found", "param": "model"}
+            return JSONResponse({"error": error}, status_code=404)
+        prompt = body["messages"][-1]["content"] if is_chat else body["prompt"]
+        num_words = len(prompt.split())
+        is_long = num_words >= schedule.long_prompt_words
+        ttft = schedule.long_ttft_s if is_long else schedule.ttft_s
+        if is_long:
+            prefills.add(arrived, arrived + ttft)
+        events = _events(body, is_chat, num_words, arrived + ttft, is_long, ttft)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    async def _events(body, is_chat, num_words, first_due, is_long, ttft):
+        loop = asyncio.get_running_loop()
+        emitted: list[float] = []
+        if is_chat:
+            # A role-only preamble sent at once, as some servers do: not a token.
+            yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+        due = first_due
+        for i in range(body["max_tokens"]):
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            window = prefills.covering(loop.time())
+            if schedule.stall and not is_long and window is not None:
+                await asyncio.sleep(max(0.0, window[1] - loop.time()))
+                due = window[1]
+            emitted.append(time.perf_counter())
+            yield _sse({"choices": [_choice(is_chat, f" w{i}")]})
+            slow = schedule.slowdown if prefills.covering(due) is not None else 1.0
+            due += schedule.itl_s * slow
+        yield _sse({"choices": [{**_choice(is_chat, ""), "finish_reason": "length"}]})
+        n = body["max_tokens"]
+        usage = {
+            "prompt_tokens": num_words,
+            "completion_tokens": n,
+            "total_tokens": num_words + n,
+            "pdserve_timing": {"queue_ms": 0.0, "prefill_ms": ttft * 1000.0},
+            "stub_emit_times": emitted,
+        }
+        yield _sse({"choices": [], "usage": usage})
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await stream(request, is_chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await stream(request, is_chat=True)
+
+    return app
+
+
+def _choice(is_chat: bool, text: str) -> dict:
+    if is_chat:
+        return {"index": 0, "delta": {"content": text}, "finish_reason": None}
+    return {"index": 0, "text": text, "finish_reason": None}
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--mode", choices=sorted(MODE_PRESETS))
+    parser.add_argument("--ttft-ms", type=float, default=50.0)
+    parser.add_argument("--itl-ms", type=float, default=20.0)
+    parser.add_argument("--long-prompt-words", type=int, default=1000)
+    parser.add_argument("--long-ttft-ms", type=float, default=500.0)
+    parser.add_argument("--stall", action="store_true")
+    parser.add_argument("--slowdown", type=float, default=1.0)
+    args = parser.parse_args()
+    preset = MODE_PRESETS.get(args.mode, {})
+    schedule = Schedule(
+        ttft_s=args.ttft_ms / 1000.0,
+        itl_s=args.itl_ms / 1000.0,
+        long_prompt_words=args.long_prompt_words,
+        long_ttft_s=args.long_ttft_ms / 1000.0,
+        stall=preset.get("stall", args.stall),
+        slowdown=preset.get("slowdown", args.slowdown),
+    )
+    uvicorn.run(create_app(schedule), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
