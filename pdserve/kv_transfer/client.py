@@ -1,0 +1,124 @@
+"""`KVClient`: the decode worker's connection to one prefill worker's `KVServer`.
+
+Requests are strictly one at a time per connection (guarded by the caller). Any failure part-way
+through a response leaves the stream in an unknown state, so the connection is closed and the
+next request reconnects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+from typing import Any
+
+from pdserve.kv_transfer.errors import (
+    FrameError,
+    KVIncompatibleError,
+    KVLeaseError,
+    KVProtocolError,
+    KVTransferError,
+)
+from pdserve.kv_transfer.fields import get_str
+from pdserve.kv_transfer.protocol import check_protocol_version
+from pdserve.kv_transfer.wire import (
+    ConnectionClosed,
+    MessageType,
+    VersionMismatch,
+    read_frame,
+    recv_exact_into,
+    send_frame,
+)
+
+_ERROR_CODES = {"lease": KVLeaseError, "incompatible": KVIncompatibleError,
+                "bad_request": KVProtocolError}
+
+
+class KVClient:
+    """Framed request/response over one TCP connection, reconnecting when it went stale."""
+
+    def __init__(self, host: str, port: int, timeout: float) -> None:
+        self.host = host
+        self.port = port
+        self._timeout = timeout
+        self._sock: socket.socket | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def call(self, msg_type: MessageType, meta: dict[str, Any], *,
+             expect: MessageType = MessageType.REPLY, payload_len: int = 0) -> dict[str, Any]:
+        """Send a request and read the response header and metadata.
+
+        For `expect=DATA` the caller then reads exactly `payload_len` bytes with `recv_into`.
+        A remote ERROR frame raises the matching `KVTransferError` subclass.
+        """
+        sock = self._connected()
+        try:
+            send_frame(sock, msg_type, meta)
+            frame = read_frame(sock, max_payload=payload_len)
+        except VersionMismatch as exc:
+            self.close()
+            check_protocol_version(exc.version, f"KV server {self.address}")
+            raise
+        except (FrameError, ConnectionClosed, OSError) as exc:
+            self.close()
+            raise _failure(self.address, exc) from None
+        if frame.msg_type is MessageType.ERROR:
+            self._raise_remote_error(frame.meta)
+        if frame.msg_type is not expect or frame.payload_len != payload_len:
+            self.close()
+            raise FrameError(f"KV server {self.address} answered {frame.msg_type.name} with "
+                             f"{frame.payload_len} payload bytes; expected {expect.name} with "
+                             f"{payload_len}")
+        return frame.meta
+
+    def recv_into(self, view: memoryview) -> None:
+        """Read the next `len(view)` payload bytes of the current DATA frame."""
+        assert self._sock is not None, "recv_into outside a DATA response"
+        try:
+            recv_exact_into(self._sock, view)
+        except (FrameError, OSError) as exc:
+            self.close()
+            raise _failure(self.address, exc) from None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+
+    def _connected(self) -> socket.socket:
+        if self._sock is not None and _is_stale(self._sock):
+            self.close()
+        if self._sock is None:
+            try:
+                self._sock = socket.create_connection((self.host, self.port), self._timeout)
+            except OSError as exc:
+                raise KVTransferError(f"cannot reach KV server {self.address}: {exc}") from None
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self._sock
+
+    def _raise_remote_error(self, meta: dict[str, Any]) -> None:
+        code = meta.get("code")
+        message = get_str(meta, "error", "ERROR", required=False, max_len=4096) or "no reason"
+        if code != "lease":
+            self.close()  # the server closes after any other error
+        error_type = _ERROR_CODES.get(code, KVTransferError)
+        raise error_type(f"KV server {self.address} refused: {message}")
+
+
+def _is_stale(sock: socket.socket) -> bool:
+    # Between requests nothing may arrive: a readable socket means EOF (server idle timeout
+    # or restart) or garbage, either way unusable.
+    readable, _, _ = select.select([sock], [], [], 0)
+    return bool(readable)
+
+
+def _failure(address: str, exc: BaseException) -> KVTransferError:
+    if isinstance(exc, FrameError):
+        return FrameError(f"KV server {address} sent a bad frame: {exc}")
+    if isinstance(exc, ConnectionClosed):
+        return KVTransferError(f"KV server {address} closed the connection")
+    return KVTransferError(f"KV transfer with {address} failed: {exc}")

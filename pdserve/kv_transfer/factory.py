@@ -1,0 +1,37 @@
+"""`create_kv_transport`: the one call an engine makes to take part in KV transfer."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.kv_transfer.blocks import TORCH_DTYPES
+from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.lease import FreeBlocksFn, LeaseManager
+from pdserve.kv_transfer.protocol import KVLayout
+from pdserve.kv_transfer.shm import ShmTransport
+from pdserve.kv_transfer.shm_segment import SharedKVCache
+from pdserve.kv_transfer.tcp import TcpTransport
+from pdserve.kv_transfer.transport import KVTransport
+
+
+def create_kv_transport(config: KVTransferConfig, layout: KVLayout, num_blocks: int, *,
+                        free_blocks: FreeBlocksFn | None = None,
+                        device: str | torch.device = "cpu") -> KVTransport:
+    """Allocate the engine's KV cache and the transport that moves it.
+
+    The engine must use `transport.kv_cache` as its KV cache tensor (for a shm producer it
+    lives in shared memory). A producer needs `free_blocks(request_id, block_ids)`, called
+    from `transport.collect()` when a lease ends.
+    """
+    leases = None
+    if config.is_producer:
+        if free_blocks is None:
+            raise ValueError("a kv_producer needs free_blocks to return leased blocks")
+        leases = LeaseManager(free_blocks, config.kv_lease_timeout)
+    if config.transport == "tcp":
+        cache = torch.zeros(layout.cache_shape(num_blocks), dtype=TORCH_DTYPES[layout.dtype],
+                            device=device)
+        return TcpTransport(cache, layout, config, leases)
+    if torch.device(device).type != "cpu":
+        raise ValueError("the 'shm' KV transport needs the KV cache in CPU memory; use 'tcp'")
+    return ShmTransport(SharedKVCache.create(layout, num_blocks), layout, config, leases)

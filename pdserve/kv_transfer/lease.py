@@ -1,0 +1,154 @@
+"""Sender-side leases: KV blocks handed out for a request stay allocated until the receiver
+releases them or `lease_timeout` seconds pass, then go back to the engine.
+
+Threads: `grant`/`collect` run on the engine thread; `acquire`/`reading`/`release` run on the
+KV server's connection threads. Blocks are returned only inside `collect()`, on the caller's
+thread, so the engine's (single-threaded) block manager is never touched from another thread.
+An expired lease is refused at once by `acquire`, but its blocks are only freed by the next
+`collect()`, and never while a sender-side read of them is in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from pdserve.kv_transfer.errors import KVLeaseError
+
+logger = logging.getLogger(__name__)
+
+# free_blocks(request_id, block_ids): give a finished lease's blocks back to the block manager.
+FreeBlocksFn = Callable[[str, list[int]], None]
+
+
+@dataclass
+class Lease:
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    deadline: float  # clock() value after which the lease is expired
+    num_readers: int = 0  # sender-side reads in flight (tcp FETCH); pin the blocks
+    is_released: bool = False
+
+
+class LeaseManager:
+    """Thread-safe registry of leased KV blocks with timeout."""
+
+    def __init__(self, free_blocks: FreeBlocksFn, lease_timeout: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not lease_timeout > 0:
+            raise ValueError(f"kv_lease_timeout must be positive, got {lease_timeout!r}")
+        self._free_blocks = free_blocks
+        self.lease_timeout = float(lease_timeout)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+
+    def grant(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> Lease:
+        """Hold `block_ids` for `request_id`; the engine must not free them itself."""
+        with self._lock:
+            if request_id in self._leases:
+                raise ValueError(f"request {request_id!r} already holds a KV lease")
+            lease = Lease(request_id, tuple(block_ids), num_tokens,
+                          self._clock() + self.lease_timeout)
+            self._leases[request_id] = lease
+            return lease
+
+    def acquire(self, request_id: str) -> Lease:
+        """Confirm the lease is live and extend it by `lease_timeout` (a receiver is copying)."""
+        with self._lock:
+            lease = self._live(request_id)
+            lease.deadline = max(lease.deadline, self._clock() + self.lease_timeout)
+            return lease
+
+    @contextlib.contextmanager
+    def reading(self, request_id: str) -> Iterator[Lease]:
+        """Pin a live lease while the sender reads its blocks (not freed even if it expires)."""
+        with self._lock:
+            lease = self._live(request_id)
+            lease.num_readers += 1
+        try:
+            yield lease
+        finally:
+            with self._lock:
+                lease.num_readers -= 1
+
+    def release(self, request_id: str) -> bool:
+        """Receiver is done. True iff the lease was still live (so every read saw valid data)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.is_released:
+                return False
+            lease.is_released = True
+            return self._clock() < lease.deadline
+
+    def revoke(self, request_id: str) -> bool:
+        """Engine-side abort: stop serving the lease; its blocks go back at the next collect."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return False
+            lease.is_released = True
+            return True
+
+    def collect(self) -> list[str]:
+        """Return released and expired leases' blocks through `free_blocks`; call from the
+        thread that owns the block manager. Returns the freed request ids."""
+        now = self._clock()
+        with self._lock:
+            done = [lease for lease in self._leases.values()
+                    if (lease.is_released or now >= lease.deadline) and lease.num_readers == 0]
+            for lease in done:
+                del self._leases[lease.request_id]
+        for lease in done:
+            if not lease.is_released:
+                logger.warning("KV lease for request %r expired after %.1fs unfetched; "
+                               "freeing %d blocks", lease.request_id, self.lease_timeout,
+                               len(lease.block_ids))
+        self._return_blocks(done)
+        return [lease.request_id for lease in done]
+
+    def close(self) -> list[str]:
+        """Release every lease and return all blocks (shutdown; serve no more reads first)."""
+        with self._lock:
+            for lease in self._leases.values():
+                lease.is_released = True
+        return self.collect()
+
+    @property
+    def num_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    @property
+    def num_held_blocks(self) -> int:
+        with self._lock:
+            return sum(len(lease.block_ids) for lease in self._leases.values())
+
+    def _live(self, request_id: str) -> Lease:
+        lease = self._leases.get(request_id)
+        if lease is None:
+            raise KVLeaseError(f"no KV lease for request {request_id!r} (unknown or freed)")
+        if lease.is_released:
+            raise KVLeaseError(f"KV lease for request {request_id!r} was already released")
+        if self._clock() >= lease.deadline:
+            raise KVLeaseError(f"KV lease for request {request_id!r} expired "
+                               f"(kv_lease_timeout {self.lease_timeout:g}s)")
+        return lease
+
+    def _return_blocks(self, leases: list[Lease]) -> None:
+        # Every lease's blocks are returned even if one callback fails: a raise must not leak
+        # the rest. The first failure is re-raised afterwards.
+        first_error: BaseException | None = None
+        for lease in leases:
+            try:
+                self._free_blocks(lease.request_id, list(lease.block_ids))
+            except Exception as exc:
+                logger.exception("free_blocks failed for request %r", lease.request_id)
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error

@@ -1,0 +1,222 @@
+"""The versioned hand-off schema between a prefill worker and a decode worker.
+
+Flow (after vLLM's disaggregated serving, so a router can front other engines too):
+
+1. The router sends the prefill leg with ``max_tokens=1`` and
+   ``kv_transfer_params = {"do_remote_decode": true}``.
+2. The prefill worker computes the prompt, leases its KV blocks and answers with
+   ``kv_transfer_params`` naming where the blocks are (`KVTransferParams.to_dict()` with
+   ``do_remote_prefill: true``).
+3. The router sends the decode leg with those params; the decode worker fetches the blocks into
+   its own cache and tells the prefill worker to release them.
+
+Both ends refuse a different `KV_TRANSFER_PROTOCOL_VERSION`, model, dtype or block layout with
+a `KVIncompatibleError` naming what differs. This module is pure Python (no torch) so the
+router and the scheduler can use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from pdserve.kv_transfer.errors import KVIncompatibleError, KVProtocolError
+from pdserve.kv_transfer.fields import (
+    get_bool,
+    get_int,
+    get_int_list,
+    get_str,
+    reject_unknown,
+)
+
+# Bump on any change to `KVTransferParams`, `KVLayout` hashing or the wire format (wire.py).
+KV_TRANSFER_PROTOCOL_VERSION = 1
+
+TRANSPORT_NAMES = ("shm", "tcp")
+
+# dtype name -> bytes per element.
+DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Upper bound on blocks one request may name (a 1M-token prompt at block_size 16 is 65,536).
+MAX_BLOCKS_PER_REQUEST = 1 << 20
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a KV block means: the two ends must agree on all of it to exchange raw bytes.
+
+    The cache tensor is ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``;
+    one block of one layer's K (or V) is ``[block_size, num_kv_heads, head_dim]``, contiguous.
+    """
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        _validate_layout_dict(asdict(self), "kv layout")
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block of one layer's K (or V)."""
+        return math.prod(self.block_shape) * self.itemsize
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, *self.block_shape)
+
+    def nbytes(self, num_blocks: int, num_layers: int | None = None) -> int:
+        """Bytes of K and V for `num_blocks` blocks over `num_layers` layers (default all)."""
+        layers = self.num_layers if num_layers is None else num_layers
+        return layers * 2 * num_blocks * self.block_nbytes
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def layout_hash(self) -> str:
+        """Stable short hash of the layout (same on every host and Python run)."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "kv layout") -> KVLayout:
+        if not isinstance(data, Mapping):
+            raise KVProtocolError(f"{where} must be a JSON object")
+        reject_unknown(data, {f.name for f in fields(cls)}, where)
+        _validate_layout_dict(data, where)
+        return cls(**data)
+
+
+def _validate_layout_dict(data: Mapping[str, Any], where: str) -> None:
+    get_str(data, "model_id", where, max_len=1024)
+    for key in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+        get_int(data, key, where, min_value=1, max_value=1 << 20)
+    dtype = get_str(data, "dtype", where)
+    if dtype not in DTYPE_ITEMSIZE:
+        raise KVProtocolError(
+            f"{where}.dtype must be one of {sorted(DTYPE_ITEMSIZE)}, got {dtype!r}")
+
+
+def check_compatible(local: KVLayout, remote: KVLayout,
+                     remote_version: int = KV_TRANSFER_PROTOCOL_VERSION) -> None:
+    """Raise `KVIncompatibleError` naming every difference that forbids a raw-byte transfer."""
+    differences = []
+    if remote_version != KV_TRANSFER_PROTOCOL_VERSION:
+        differences.append(f"protocol version differs (local {KV_TRANSFER_PROTOCOL_VERSION}, "
+                           f"remote {remote_version})")
+    if local.model_id != remote.model_id:
+        differences.append(f"model differs (local {local.model_id!r}, remote {remote.model_id!r})")
+    if local.dtype != remote.dtype:
+        differences.append(f"dtype differs (local {local.dtype}, remote {remote.dtype})")
+    shape_keys = ("num_layers", "num_kv_heads", "head_dim", "block_size")
+    shape_diffs = [f"{k} local {getattr(local, k)} remote {getattr(remote, k)}"
+                   for k in shape_keys if getattr(local, k) != getattr(remote, k)]
+    if shape_diffs:
+        differences.append("block layout differs (" + ", ".join(shape_diffs) + ")")
+    if differences:
+        raise KVIncompatibleError("KV transfer refused: " + "; ".join(differences), differences)
+
+
+def check_protocol_version(version: int, where: str) -> None:
+    if version != KV_TRANSFER_PROTOCOL_VERSION:
+        raise KVIncompatibleError(
+            f"{where}: KV transfer protocol version {version} is not supported "
+            f"(this worker speaks version {KV_TRANSFER_PROTOCOL_VERSION})",
+            [f"protocol version differs (local {KV_TRANSFER_PROTOCOL_VERSION}, remote {version})"])
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    """vLLM-style ``kv_transfer_params`` carried by the router between the two legs.
+
+    Prefill leg (router -> prefill worker): ``do_remote_decode=True``, nothing else.
+    Decode leg (prefill worker -> router -> decode worker): ``do_remote_prefill=True`` and
+    every field naming where the KV blocks are. `remote_request_id` is the lease key on the
+    prefill worker; `remote_num_tokens` is how many tokens of KV the blocks hold.
+    """
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_block_ids: tuple[int, ...] = field(default_factory=tuple)
+    remote_num_tokens: int = 0
+    transport: str | None = None
+    shm_name: str | None = None
+    layout_hash: str | None = None
+    protocol_version: int = KV_TRANSFER_PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "remote_block_ids", tuple(self.remote_block_ids))
+        _validate_params_dict(self.to_dict(), "kv_transfer_params")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (block ids as a list)."""
+        data = asdict(self)
+        data["remote_block_ids"] = list(self.remote_block_ids)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "kv_transfer_params") -> KVTransferParams:
+        """Validate untrusted JSON; raises `KVProtocolError` / `KVIncompatibleError`."""
+        if not isinstance(data, Mapping):
+            raise KVProtocolError(f"{where} must be a JSON object")
+        reject_unknown(data, {f.name for f in fields(cls)}, where)
+        _validate_params_dict(data, where)
+        values = {k: v for k, v in data.items() if v is not None}
+        return cls(**values)
+
+
+def _validate_params_dict(data: Mapping[str, Any], where: str) -> None:
+    do_remote_decode = get_bool(data, "do_remote_decode", where)
+    do_remote_prefill = get_bool(data, "do_remote_prefill", where)
+    if do_remote_decode and do_remote_prefill:
+        raise KVProtocolError(f"{where}: do_remote_decode and do_remote_prefill are exclusive")
+    # The decode leg must carry the version its producer spoke; the prefill leg may omit it.
+    version = get_int(data, "protocol_version", where, required=do_remote_prefill)
+    if version is not None:
+        check_protocol_version(version, where)
+    get_str(data, "remote_engine_id", where, required=do_remote_prefill)
+    get_str(data, "remote_request_id", where, required=do_remote_prefill, max_len=1024)
+    get_str(data, "remote_host", where, required=do_remote_prefill)
+    get_int(data, "remote_port", where, required=do_remote_prefill, min_value=1,
+            max_value=65535)
+    get_str(data, "layout_hash", where, required=do_remote_prefill)
+    if data.get("remote_block_ids") is not None:
+        get_int_list(data, "remote_block_ids", where, max_len=MAX_BLOCKS_PER_REQUEST)
+    get_int(data, "remote_num_tokens", where, required=False)
+    transport = get_str(data, "transport", where, required=do_remote_prefill)
+    if transport is not None and transport not in TRANSPORT_NAMES:
+        raise KVProtocolError(
+            f"{where}.transport must be one of {list(TRANSPORT_NAMES)}, got {transport!r}")
+    get_str(data, "shm_name", where, required=do_remote_prefill and transport == "shm")
+    if do_remote_prefill:
+        _validate_hand_off(data, where)
+
+
+def _validate_hand_off(data: Mapping[str, Any], where: str) -> None:
+    if not data.get("remote_block_ids"):
+        raise KVProtocolError(f"{where}.remote_block_ids must name at least one block")
+    if not data.get("remote_num_tokens"):
+        raise KVProtocolError(f"{where}.remote_num_tokens must be at least 1")
+    if len(set(data["remote_block_ids"])) != len(data["remote_block_ids"]):
+        raise KVProtocolError(f"{where}.remote_block_ids has duplicates")

@@ -1,0 +1,209 @@
+"""`KVServer`: the prefill worker's background thread answering KV requests.
+
+One listening socket, one thread per connection (a few decode workers keep one connection
+each; the count is capped). Requests carry no payload. A malformed or hostile frame is
+logged and counted, answered with an ERROR frame when the socket still works, and closes that
+connection only; a semantic refusal (unknown or expired lease) keeps the connection open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pdserve.kv_transfer.blocks import StagingBuffer, byte_view, copy_blocks, dtype_name
+from pdserve.kv_transfer.errors import KVLeaseError, KVProtocolError
+from pdserve.kv_transfer.fields import get_int, get_int_list, get_str
+from pdserve.kv_transfer.lease import LeaseManager
+from pdserve.kv_transfer.protocol import KV_TRANSFER_PROTOCOL_VERSION, KVLayout
+from pdserve.kv_transfer.wire import (
+    REQUEST_TYPES,
+    ConnectionClosed,
+    MessageType,
+    VersionMismatch,
+    read_frame,
+    send_frame,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 64
+# After rejecting a frame: how long and how much to drain before closing.
+_DRAIN_SECONDS = 0.2
+_DRAIN_BYTES = 1 << 20
+
+
+class KVServer:
+    """Serves HELLO / ACQUIRE / FETCH / RELEASE for the leases of one engine's `kv_cache`."""
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseManager, *,
+                 engine_id: str, host: str, port: int, idle_timeout: float,
+                 hello_extra: dict[str, Any] | None = None) -> None:
+        self._kv_cache = kv_cache
+        self._layout = layout
+        self._leases = leases
+        self._hello = {"protocol_version": KV_TRANSFER_PROTOCOL_VERSION, "engine_id": engine_id,
+                       "layout": layout.to_dict(), "num_blocks": kv_cache.shape[2],
+                       **(hello_extra or {})}
+        self._idle_timeout = idle_timeout
+        self._listener = socket.create_server((host, port))
+        self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()
+        self._is_closed = False
+        self.num_rejected_frames = 0
+        self.num_bytes_sent = 0
+        self._handlers: dict[MessageType, Callable[[socket.socket, dict, Any], None]] = {
+            MessageType.HELLO: self._on_hello, MessageType.ACQUIRE: self._on_acquire,
+            MessageType.FETCH: self._on_fetch, MessageType.RELEASE: self._on_release}
+        self._acceptor = threading.Thread(target=self._accept_loop, name="kv-server",
+                                          daemon=True)
+        self._acceptor.start()
+
+    @property
+    def port(self) -> int:
+        return self._listener.getsockname()[1]
+
+    def close(self) -> None:
+        """Stop accepting, drop every connection and wait for the acceptor thread."""
+        with self._lock:
+            self._is_closed = True
+            connections = list(self._connections)
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._acceptor.join(timeout=5)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            with self._lock:
+                refuse = self._is_closed or len(self._connections) >= MAX_CONNECTIONS
+                if not refuse:
+                    self._connections.add(conn)
+            if refuse:
+                logger.warning("KV server refusing connection from %s: %d connections open",
+                               peer, MAX_CONNECTIONS)
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), name=f"kv-conn-{peer}",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
+        conn.settimeout(self._idle_timeout)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        staging = StagingBuffer(self._layout)
+        try:
+            while self._handle_one(conn, peer, staging):
+                pass
+        except Exception:
+            # Last line of defence: a bug in a handler ends this connection, never the server.
+            logger.exception("KV server connection from %s failed", peer)
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
+
+    def _handle_one(self, conn: socket.socket, peer: Any, staging: StagingBuffer) -> bool:
+        """Serve one request; False ends the connection."""
+        try:
+            frame = read_frame(conn, max_payload=0)
+            if frame.msg_type not in REQUEST_TYPES:
+                raise KVProtocolError(f"{frame.msg_type.name} is not a request")
+            self._handlers[frame.msg_type](conn, frame.meta, staging)
+            return True
+        except (ConnectionClosed, OSError):
+            return False  # peer gone, idle timeout, or server closing
+        except VersionMismatch as exc:
+            return self._reject(conn, peer, "incompatible", str(exc))
+        except KVProtocolError as exc:
+            return self._reject(conn, peer, "bad_request", str(exc))
+        except KVLeaseError as exc:
+            send_frame(conn, MessageType.ERROR, {"code": "lease", "error": str(exc)})
+            return True
+
+    def _reject(self, conn: socket.socket, peer: Any, code: str, reason: str) -> bool:
+        with self._lock:
+            self.num_rejected_frames += 1
+        logger.warning("KV server rejected a frame from %s: %s", peer, reason)
+        with contextlib.suppress(OSError):
+            send_frame(conn, MessageType.ERROR, {"code": code, "error": reason})
+            _drain(conn)
+        return False
+
+    def _on_hello(self, conn: socket.socket, meta: dict, staging: StagingBuffer) -> None:
+        send_frame(conn, MessageType.REPLY, self._hello)
+
+    def _on_acquire(self, conn: socket.socket, meta: dict, staging: StagingBuffer) -> None:
+        lease = self._leases.acquire(_request_id(meta, "ACQUIRE"))
+        send_frame(conn, MessageType.REPLY,
+                   {"block_ids": list(lease.block_ids), "num_tokens": lease.num_tokens})
+
+    def _on_release(self, conn: socket.socket, meta: dict, staging: StagingBuffer) -> None:
+        request_id = _request_id(meta, "RELEASE")
+        # Request ids are only unique per engine: never release for a previous incarnation.
+        engine_id = get_str(meta, "engine_id", "RELEASE")
+        if engine_id != self._hello["engine_id"]:
+            raise KVLeaseError(f"RELEASE names engine {engine_id}, this is engine "
+                               f"{self._hello['engine_id']}")
+        released = self._leases.release(request_id)
+        send_frame(conn, MessageType.REPLY, {"released": released})
+
+    def _on_fetch(self, conn: socket.socket, meta: dict, staging: StagingBuffer) -> None:
+        request_id = _request_id(meta, "FETCH")
+        num_layers = self._layout.num_layers
+        start = get_int(meta, "layer_start", "FETCH", max_value=num_layers - 1)
+        end = get_int(meta, "layer_end", "FETCH", min_value=start + 1, max_value=num_layers)
+        num_blocks = self._kv_cache.shape[2]
+        block_ids = get_int_list(meta, "block_ids", "FETCH", max_len=num_blocks,
+                                 max_value=num_blocks - 1)
+        if not block_ids:
+            raise KVProtocolError("FETCH.block_ids names no blocks")
+        with self._leases.reading(request_id) as lease:
+            outside = set(block_ids) - set(lease.block_ids)
+            if outside:
+                raise KVLeaseError(f"FETCH.block_ids {sorted(outside)[:8]} are not leased to "
+                                   f"request {request_id!r}")
+            self._send_layers(conn, start, end, block_ids, staging)
+
+    def _send_layers(self, conn: socket.socket, start: int, end: int,
+                     block_ids: tuple[int, ...], staging: StagingBuffer) -> None:
+        # Gather one layer at a time into a small staging buffer that stays in cache while the
+        # kernel copies it into the socket: bounded memory, no whole-request temporary.
+        layer = staging.layer(len(block_ids))
+        payload_len = (end - start) * layer.numel() * layer.element_size()
+        send_frame(conn, MessageType.DATA,
+                   {"dtype": dtype_name(layer.dtype), "shape": [end - start, *layer.shape[1:]]},
+                   payload_len)
+        staging_ids = range(len(block_ids))
+        for index in range(start, end):
+            copy_blocks(layer, staging_ids, self._kv_cache[index:index + 1], block_ids)
+            conn.sendall(byte_view(layer))
+        with self._lock:
+            self.num_bytes_sent += payload_len
+
+
+def _request_id(meta: dict, where: str) -> str:
+    return get_str(meta, "request_id", where, max_len=1024)
+
+
+
+def _drain(conn: socket.socket) -> None:
+    """Half-close and swallow what the peer already sent (bounded), so closing does not
+    reset the connection and the peer can read our ERROR frame."""
+    conn.shutdown(socket.SHUT_WR)
+    conn.settimeout(_DRAIN_SECONDS)
+    budget = _DRAIN_BYTES
+    while budget > 0 and (chunk := conn.recv(min(budget, 65536))):
+        budget -= len(chunk)

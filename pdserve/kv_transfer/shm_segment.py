@@ -1,0 +1,122 @@
+"""`SharedKVCache`: a KV cache tensor in a /dev/shm file that other processes can map.
+
+The prefill worker allocates its whole KV cache here, so a decode worker on the same host
+copies leased blocks straight out of it into its own cache: one copy of the bytes, no staging
+on the sender, and the sender's CPU stays free for the next prompt.
+
+Plain files rather than `multiprocessing.shared_memory`: on Python < 3.13 an attaching process
+registers the segment with its resource tracker, which unlinks it when that process exits.
+Names carry the owner's pid so `remove_stale_segments()` can clean up after a killed owner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import uuid
+from pathlib import Path
+
+import torch
+
+from pdserve.kv_transfer.blocks import TORCH_DTYPES
+from pdserve.kv_transfer.errors import KVProtocolError, KVTransferError
+from pdserve.kv_transfer.protocol import KVLayout
+
+SHM_DIR = Path("/dev/shm")
+_NAME_RE = re.compile(r"^pdserve-kv-(\d+)-[0-9a-f]{12}$")
+
+
+class SharedKVCache:
+    """A ``[num_layers, 2, num_blocks, block_size, heads, dim]`` tensor backed by shared memory.
+
+    `create` makes (and `close` unlinks) the segment; `attach` maps another process's segment.
+    """
+
+    def __init__(self, name: str, tensor: torch.Tensor, is_owner: bool) -> None:
+        self.name = name
+        self.tensor = tensor
+        self.is_owner = is_owner
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tensor.shape[2]
+
+    @classmethod
+    def create(cls, layout: KVLayout, num_blocks: int) -> SharedKVCache:
+        """Allocate a zeroed cache for this process (removing dead owners' segments first)."""
+        remove_stale_segments()
+        name = f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        nbytes = layout.nbytes(num_blocks)
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            tensor = _map(fd, nbytes, layout, num_blocks)
+        except BaseException:
+            os.unlink(SHM_DIR / name)
+            raise
+        finally:
+            os.close(fd)
+        return cls(name, tensor, is_owner=True)
+
+    @classmethod
+    def attach(cls, name: str, layout: KVLayout) -> SharedKVCache:
+        """Map a segment another process created; `name` comes off the wire, so it is checked
+        against the naming pattern before it touches the filesystem."""
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise KVProtocolError(f"shm_name {name!r} is not a pdserve KV segment name")
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDWR)
+        except FileNotFoundError:
+            raise KVTransferError(
+                f"shared-memory KV segment {name} not found: the 'shm' transport needs both "
+                "workers on one host (use 'tcp' across hosts), or the prefill worker exited"
+            ) from None
+        try:
+            nbytes = os.fstat(fd).st_size
+            per_block = layout.nbytes(1)
+            if nbytes == 0 or nbytes % per_block:
+                raise KVProtocolError(f"shm segment {name} is {nbytes} bytes, not a whole "
+                                      f"number of {per_block}-byte blocks of {layout}")
+            tensor = _map(fd, nbytes, layout, nbytes // per_block)
+        finally:
+            os.close(fd)
+        return cls(name, tensor, is_owner=False)
+
+    def close(self) -> None:
+        """Owner: unlink the segment (mappings stay valid until their tensors are dropped)."""
+        if self.is_owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(SHM_DIR / self.name)
+
+
+def _map(fd: int, nbytes: int, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+    # MAP_POPULATE faults every page in now, so the first transfer is not slowed by page faults.
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    buffer = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    # frombuffer keeps `buffer` alive as long as the tensor is.
+    flat = torch.frombuffer(buffer, dtype=TORCH_DTYPES[layout.dtype])
+    return flat.view(layout.cache_shape(num_blocks))
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink segments whose owner process no longer exists; returns their names."""
+    removed = []
+    for path in SHM_DIR.glob("pdserve-kv-*"):
+        match = _NAME_RE.match(path.name)
+        if match and not _is_alive(int(match.group(1))):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path.name)
+    return removed
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True

@@ -1,0 +1,333 @@
+"""`KVTransport`: the one interface every KV transport implements, for both roles.
+
+Sender (prefill worker, `kv_producer`)::
+
+    params = transport.expose(request_id, block_ids, num_tokens)   # lease + hand-off params
+    ...                                                             # router carries params
+    transport.collect()        # on the engine thread, each step: frees released/expired leases
+
+Receiver (decode worker, `kv_consumer`)::
+
+    stats = transport.receive(params, local_block_ids)   # fetch every layer, then release
+
+or, for overlapped transfers, `fetch(params, units)` any number of times (each unit a layer
+range of blocks, see `unit.py`), then `release(params)`.
+
+A transport talks to each remote engine over one `KVClient` (control, and data for tcp),
+opened on first use with a HELLO that checks protocol version, model, dtype and block layout.
+Subclasses implement only how a unit's bytes reach the local cache (`_read_units`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from pdserve.kv_transfer.blocks import StagingBuffer, check_cache
+from pdserve.kv_transfer.client import KVClient
+from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.errors import (
+    KVIncompatibleError,
+    KVLeaseError,
+    KVProtocolError,
+    KVTransferError,
+)
+from pdserve.kv_transfer.fields import check_int, get_int, get_str
+from pdserve.kv_transfer.lease import LeaseManager
+from pdserve.kv_transfer.protocol import (
+    KVLayout,
+    KVTransferParams,
+    check_compatible,
+)
+from pdserve.kv_transfer.server import KVServer
+from pdserve.kv_transfer.unit import KVTransferUnit, plan_units
+from pdserve.kv_transfer.wire import MessageType
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one `fetch`/`receive` moved, for the per-request timing breakdown."""
+
+    num_bytes: int
+    num_units: int
+    seconds: float
+
+    @property
+    def gbytes_per_second(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+@dataclass
+class RemoteEngine:
+    """A connected, compatibility-checked prefill engine."""
+
+    engine_id: str
+    layout: KVLayout
+    num_blocks: int
+    client: KVClient
+    hello: dict[str, Any]
+    staging: StagingBuffer
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    attachment: Any = None  # transport-specific (shm: the mapped remote cache)
+
+
+class KVTransport(ABC):
+    """Moves KV blocks between a prefill worker's and a decode worker's `kv_cache`.
+
+    `kv_cache` is the engine's cache tensor,
+    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``. A producer needs a
+    `LeaseManager` (its `free_blocks` callback returns blocks to the engine) and starts a
+    background `KVServer`.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, config: KVTransferConfig,
+                 leases: LeaseManager | None = None) -> None:
+        check_cache(kv_cache, layout)
+        if config.transport != self.name:
+            raise ValueError(f"config.transport is {config.transport!r}, not {self.name!r}")
+        if config.is_producer and leases is None:
+            raise ValueError("a kv_producer transport needs a LeaseManager")
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.config = config
+        self.leases = leases
+        self.engine_id = config.engine_id or uuid.uuid4().hex
+        self._lock = threading.Lock()
+        self._remotes: dict[tuple[str, str, int], RemoteEngine] = {}
+        self._server: KVServer | None = None
+        if config.is_producer:
+            self._server = KVServer(
+                kv_cache, layout, leases, engine_id=self.engine_id, host=config.kv_host,
+                port=config.kv_port, idle_timeout=config.kv_idle_timeout,
+                hello_extra=self._hello_extra())
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.shape[2]
+
+    @property
+    def server(self) -> KVServer | None:
+        return self._server
+
+    # ---- sender (prefill worker) ----
+
+    def expose(self, request_id: str, block_ids: Sequence[int],
+               num_tokens: int) -> KVTransferParams:
+        """Lease the blocks holding `num_tokens` tokens of `request_id`'s KV and return the
+        decode leg's params. From now until `collect()` frees them the engine must not reuse
+        these blocks."""
+        if self._server is None:
+            raise KVTransferError("this transport is not a kv_producer")
+        check_int(num_tokens, "num_tokens", min_value=1)
+        if len(block_ids) != self.layout.num_blocks_for(num_tokens):
+            raise KVProtocolError(f"{num_tokens} tokens need "
+                                  f"{self.layout.num_blocks_for(num_tokens)} blocks of "
+                                  f"{self.layout.block_size}, got {len(block_ids)}")
+        for block_id in block_ids:
+            check_int(block_id, "block_ids[]", max_value=self.num_blocks - 1)
+        self.leases.grant(request_id, block_ids, num_tokens)
+        return KVTransferParams(
+            do_remote_prefill=True, remote_engine_id=self.engine_id,
+            remote_request_id=request_id, remote_host=self.config.advertise_host,
+            remote_port=self._server.port, remote_block_ids=tuple(block_ids),
+            remote_num_tokens=num_tokens, transport=self.name,
+            layout_hash=self.layout.layout_hash(), **self._params_extra())
+
+    def collect(self) -> list[str]:
+        """Free released and expired leases through the engine's callback (engine thread)."""
+        return self.leases.collect() if self.leases is not None else []
+
+    # ---- receiver (decode worker) ----
+
+    def receive(self, params: KVTransferParams, local_block_ids: Sequence[int], *,
+                skip_blocks: int = 0) -> TransferStats:
+        """Fetch the request's KV, every layer, into `local_block_ids`, then release it.
+
+        The first `skip_blocks` remote blocks are not fetched (the decode worker already has
+        them from its prefix cache); `local_block_ids[i]` receives remote block
+        ``skip_blocks + i``. The remote lease is released even when the fetch fails.
+        """
+        remote_ids = params.remote_block_ids[skip_blocks:skip_blocks + len(local_block_ids)]
+        if skip_blocks < 0 or len(remote_ids) != len(local_block_ids):
+            raise KVProtocolError(f"cannot place remote blocks {skip_blocks}.. of "
+                                  f"{len(params.remote_block_ids)} into "
+                                  f"{len(local_block_ids)} local blocks")
+        try:
+            stats = self.fetch(params, plan_units(self.layout.num_layers, remote_ids,
+                                                  local_block_ids))
+        except KVTransferError:
+            self._release_quietly(params)
+            raise
+        self.release(params)
+        return stats
+
+    def fetch(self, params: KVTransferParams, units: Sequence[KVTransferUnit]) -> TransferStats:
+        """Copy each unit's remote blocks into this engine's `kv_cache`; blocks until done.
+
+        Raises `KVIncompatibleError` (version/model/dtype/layout), `KVLeaseError` (the sender
+        no longer holds the blocks) or `KVTransferError` (unreachable, bad frames)."""
+        if not params.do_remote_prefill:
+            raise KVProtocolError("kv_transfer_params.do_remote_prefill is not set: "
+                                  "nothing to fetch")
+        if params.transport != self.name:
+            raise KVProtocolError(f"kv_transfer_params.transport is {params.transport!r}; "
+                                  f"this worker's KV transport is {self.name!r}")
+        # Connect first: HELLO names a version/model/dtype/layout mismatch precisely, before
+        # block counts computed from a foreign layout could fail confusingly.
+        remote = self._remote(params)
+        self._check_units(params, units)
+        start = time.perf_counter()
+        with remote.lock:
+            try:
+                num_bytes = self._read_units(remote, params.remote_request_id, units)
+            except KVLeaseError:
+                raise
+            except KVTransferError:
+                self._forget(remote)
+                raise
+        return TransferStats(num_bytes, len(units), time.perf_counter() - start)
+
+    def release(self, params: KVTransferParams) -> bool:
+        """Tell the sender it may free the request's blocks; also valid without any fetch
+        (the decode side aborted the request). True iff the lease was still live."""
+        meta = {"request_id": params.remote_request_id, "engine_id": params.remote_engine_id}
+        with self._lock:
+            remote = self._remotes.get(_remote_key(params))
+        if remote is not None:
+            with remote.lock:
+                reply = remote.client.call(MessageType.RELEASE, meta)
+        else:
+            # Never fetched (aborted, or refused as incompatible): RELEASE needs no layout
+            # agreement, so a one-off connection without HELLO does.
+            client = KVClient(params.remote_host, params.remote_port,
+                              self.config.kv_transfer_timeout)
+            try:
+                reply = client.call(MessageType.RELEASE, meta)
+            finally:
+                client.close()
+        released = reply.get("released")
+        if not isinstance(released, bool):
+            raise KVProtocolError("RELEASE reply.released must be a boolean")
+        return released
+
+    def close(self) -> None:
+        """Stop serving, free every lease, drop remote connections."""
+        if self._server is not None:
+            self._server.close()
+            self.leases.close()
+        with self._lock:
+            remotes = list(self._remotes.values())
+            self._remotes.clear()
+        for remote in remotes:
+            remote.client.close()
+
+    # ---- subclass hooks ----
+
+    def _hello_extra(self) -> dict[str, Any]:
+        """Extra HELLO reply fields a receiver of this transport needs."""
+        return {}
+
+    def _params_extra(self) -> dict[str, Any]:
+        """Extra `KVTransferParams` fields this transport sets on `expose`."""
+        return {}
+
+    def _attach(self, remote: RemoteEngine, params: KVTransferParams) -> Any:
+        """Transport-specific setup on first contact; the result is `remote.attachment`."""
+        return None
+
+    @abstractmethod
+    def _read_units(self, remote: RemoteEngine, request_id: str,
+                    units: Sequence[KVTransferUnit]) -> int:
+        """Bring every unit's bytes into `self.kv_cache`; return the bytes moved. Called with
+        `remote.lock` held."""
+
+    # ---- internals ----
+
+    def _check_units(self, params: KVTransferParams, units: Sequence[KVTransferUnit]) -> None:
+        needed = self.layout.num_blocks_for(params.remote_num_tokens)
+        if len(params.remote_block_ids) != needed:
+            raise KVProtocolError(f"kv_transfer_params: {params.remote_num_tokens} tokens need "
+                                  f"{needed} blocks, remote_block_ids has "
+                                  f"{len(params.remote_block_ids)}")
+        leased = set(params.remote_block_ids)
+        for unit in units:
+            if unit.layer_end > self.layout.num_layers:
+                raise KVProtocolError(f"unit layers [{unit.layer_start}, {unit.layer_end}) "
+                                      f"exceed {self.layout.num_layers} layers")
+            if not leased.issuperset(unit.remote_block_ids):
+                raise KVProtocolError("unit.remote_block_ids are not all in "
+                                      "kv_transfer_params.remote_block_ids")
+            if max(unit.local_block_ids) >= self.num_blocks:
+                raise KVProtocolError(f"unit.local_block_ids exceed the local cache's "
+                                      f"{self.num_blocks} blocks")
+
+    def _remote(self, params: KVTransferParams) -> RemoteEngine:
+        key = _remote_key(params)
+        with self._lock:
+            remote = self._remotes.get(key)
+            if remote is None:
+                remote = self._connect(params)
+                self._remotes[key] = remote
+            return remote
+
+    def _connect(self, params: KVTransferParams) -> RemoteEngine:
+        client = KVClient(params.remote_host, params.remote_port,
+                          self.config.kv_transfer_timeout)
+        try:
+            hello = client.call(MessageType.HELLO, {})
+            remote = self._check_hello(client, hello, params)
+            remote.attachment = self._attach(remote, params)
+        except BaseException:
+            client.close()
+            raise
+        return remote
+
+    def _check_hello(self, client: KVClient, hello: dict[str, Any],
+                     params: KVTransferParams) -> RemoteEngine:
+        where = f"KV server {client.address} HELLO"
+        version = get_int(hello, "protocol_version", where)
+        engine_id = get_str(hello, "engine_id", where)
+        remote_layout = KVLayout.from_dict(hello.get("layout"), f"{where}.layout")
+        num_blocks = get_int(hello, "num_blocks", where, min_value=1)
+        check_compatible(self.layout, remote_layout, version)
+        if engine_id != params.remote_engine_id:
+            raise KVTransferError(f"stale kv_transfer_params: {client.address} is engine "
+                                  f"{engine_id}, not {params.remote_engine_id}")
+        if params.layout_hash != remote_layout.layout_hash():
+            raise KVIncompatibleError(
+                f"kv_transfer_params.layout_hash {params.layout_hash} does not match the KV "
+                f"layout of {client.address} ({remote_layout.layout_hash()})",
+                ["layout hash differs"])
+        return RemoteEngine(engine_id, remote_layout, num_blocks, client, hello,
+                            StagingBuffer(remote_layout))
+
+    def _forget(self, remote: RemoteEngine) -> None:
+        remote.client.close()
+        with self._lock:
+            for key, value in list(self._remotes.items()):
+                if value is remote:
+                    del self._remotes[key]
+
+    def _release_quietly(self, params: KVTransferParams) -> None:
+        # After a failed fetch the lease is released if the sender is reachable; if not, its
+        # lease timeout frees the blocks.
+        try:
+            self.release(params)
+        except KVTransferError as exc:
+            logger.info("could not release KV lease %r: %s", params.remote_request_id, exc)
+
+
+def _remote_key(params: KVTransferParams) -> tuple[str, str, int]:
+    return (params.remote_engine_id, params.remote_host, params.remote_port)
