@@ -1,0 +1,181 @@
+"""Transport behaviour in one process (the two-process tests cover the real boundary):
+producer-side validation, abort release, shutdown, reconnects, background receive, and the
+shm lease re-check."""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import subprocess
+import time
+
+import pytest
+import torch
+
+from pdserve.kv_transfer import (
+    KVLeaseError,
+    KVProtocolError,
+    KVTransferConfig,
+    KVTransferError,
+    LeaseManager,
+    plan_units,
+)
+from pdserve.kv_transfer import shm as shm_module
+from pdserve.kv_transfer.background import BackgroundReceiver
+from pdserve.kv_transfer.factory import create_kv_transport
+from pdserve.kv_transfer.shm import ShmTransport
+from pdserve.kv_transfer.shm_segment import SHM_DIR, SharedKVCache, remove_stale_segments
+from tests.kv_transfer.helpers import NUM_BLOCKS, bits, reference_cache, tiny_layout
+
+LAYOUT = tiny_layout("bfloat16")
+
+
+class Pair:
+    """A producer and a consumer transport in this process."""
+
+    def __init__(self, transport: str, **producer_config) -> None:
+        self.freed: list[tuple[str, list[int]]] = []
+        producer = KVTransferConfig(transport=transport, kv_role="kv_producer",
+                                    **producer_config)
+        self.producer = create_kv_transport(producer, LAYOUT, NUM_BLOCKS,
+                                            free_blocks=lambda r, b: self.freed.append((r, b)))
+        self.producer.kv_cache.copy_(reference_cache(LAYOUT))
+        consumer = KVTransferConfig(transport=transport, kv_role="kv_consumer")
+        self.consumer = create_kv_transport(consumer, LAYOUT, NUM_BLOCKS)
+
+    def close(self) -> None:
+        self.consumer.close()
+        self.producer.close()
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def pair(request):
+    pair = Pair(request.param)
+    yield pair
+    pair.close()
+
+
+def test_expose_validates_blocks_against_tokens(pair):
+    with pytest.raises(KVProtocolError, match="9 tokens need 3 blocks"):
+        pair.producer.expose("r", [1, 2], 9)
+    with pytest.raises(KVProtocolError, match=r"block_ids\[\] must be in"):
+        pair.producer.expose("r", [NUM_BLOCKS], 1)
+    with pytest.raises(KVTransferError, match="not a kv_producer"):
+        pair.consumer.expose("r", [1], 1)
+    assert pair.producer.leases.num_leases == 0
+
+
+def test_abort_before_fetch_releases_the_lease(pair):
+    params = pair.producer.expose("aborted", [4, 5], 8)
+    assert pair.consumer.release(params) is True
+    assert pair.producer.collect() == ["aborted"]
+    assert pair.freed == [("aborted", [4, 5])]
+
+
+def test_producer_close_returns_every_leased_block(pair):
+    pair.producer.expose("a", [1], 2)
+    pair.producer.expose("b", [2, 3], 5)
+    pair.producer.close()
+    assert sorted(pair.freed) == [("a", [1]), ("b", [2, 3])]
+
+
+def test_params_for_another_transport_are_refused(pair):
+    other = "tcp" if pair.producer.name == "shm" else "shm"
+    with contextlib.closing(Pair(other)) as foreign:
+        params = foreign.producer.expose("x", [1], 1)
+        with pytest.raises(KVProtocolError, match="transport is"):
+            pair.consumer.fetch(params, plan_units(4, [1], [1]))
+
+
+def test_background_receiver_reports_success_and_failure(pair):
+    receiver = BackgroundReceiver(pair.consumer)
+    good = pair.producer.expose("good", [7, 8, 9], 12)
+    bad = pair.producer.expose("bad", [10], 1)
+    pair.producer.leases.revoke("bad")
+    receiver.submit("local-good", good, [0, 1, 2])
+    receiver.submit("local-bad", bad, [3])
+    finished = []
+    deadline = time.monotonic() + 30
+    while len(finished) < 2 and time.monotonic() < deadline:
+        finished += receiver.poll()
+    receiver.close()
+    outcome = {f.request_id: f for f in finished}
+    assert outcome["local-good"].is_ok and outcome["local-good"].stats.num_bytes > 0
+    assert isinstance(outcome["local-bad"].error, KVLeaseError)
+    assert receiver.num_pending == 0
+    assert torch.equal(bits(pair.consumer.kv_cache[:, :, [0, 1, 2]]),
+                       bits(reference_cache(LAYOUT)[:, :, [7, 8, 9]]))
+    assert sorted(pair.producer.collect()) == ["bad", "good"]
+
+
+def test_consumer_reconnects_after_server_dropped_idle_connection():
+    with contextlib.closing(Pair("tcp", kv_idle_timeout=0.1)) as pair:
+        pair.consumer.receive(pair.producer.expose("first", [1], 1), [1])
+        # Wait (real clock) until the server's idle timeout has closed our connection.
+        remote = next(iter(pair.consumer._remotes.values()))
+        deadline = time.monotonic() + 10
+        while not _peer_closed(remote.client._sock):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        pair.consumer.receive(pair.producer.expose("second", [2], 1), [2])
+        assert sorted(pair.producer.collect()) == ["first", "second"]
+
+
+def _peer_closed(sock) -> bool:
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def test_shm_copy_that_outlives_its_lease_is_refused(monkeypatch):
+    """If the lease expired while the receiver copied, the blocks may have been reused: the
+    second ACQUIRE catches it."""
+    now = [0.0]
+    freed = []
+    leases = LeaseManager(lambda r, b: freed.append(r), lease_timeout=5, clock=lambda: now[0])
+    producer = ShmTransport(SharedKVCache.create(LAYOUT, NUM_BLOCKS), LAYOUT,
+                            KVTransferConfig(transport="shm", kv_role="kv_producer"), leases)
+    consumer = create_kv_transport(KVTransferConfig(transport="shm", kv_role="kv_consumer"),
+                                   LAYOUT, NUM_BLOCKS)
+    real_copy = shm_module.copy_blocks
+
+    def slow_copy(*args):
+        real_copy(*args)
+        now[0] += 6  # the copy took longer than the lease
+
+    monkeypatch.setattr(shm_module, "copy_blocks", slow_copy)
+    try:
+        params = producer.expose("slow", [1, 2], 5)
+        with pytest.raises(KVLeaseError, match="while its blocks were being copied"):
+            consumer.receive(params, [1, 2])
+        assert producer.collect() == ["slow"]
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_shm_names_off_the_wire_cannot_escape_dev_shm():
+    for name in ("../../etc/passwd", "pdserve-kv-1-../../x", "other", ""):
+        with pytest.raises(KVProtocolError, match="not a pdserve KV segment name"):
+            SharedKVCache.attach(name, LAYOUT)
+    with pytest.raises(KVTransferError, match="needs both workers on one host"):
+        SharedKVCache.attach("pdserve-kv-1-0123456789ab", LAYOUT)
+
+
+def test_segments_of_dead_owners_are_removed():
+    dead_pid = _dead_pid()
+    stale = SHM_DIR / f"pdserve-kv-{dead_pid}-0123456789ab"
+    stale.write_bytes(b"x")
+    mine = SharedKVCache.create(LAYOUT, 1)
+    try:
+        assert not stale.exists()
+        assert stale.name not in remove_stale_segments()
+        assert (SHM_DIR / mine.name).exists()  # live owner's segment kept
+    finally:
+        mine.close()
+    assert not (SHM_DIR / mine.name).exists()
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
