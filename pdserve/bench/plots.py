@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import NullFormatter, ScalarFormatter
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 from pdserve.bench.benchmark import BenchResult
 
@@ -21,9 +21,12 @@ def _figure(width: float = 9.0, height: float = 4.5) -> Figure:
     return figure
 
 
-def _log_scale(axis) -> None:
-    """Log scale with plain-number labels on major ticks only."""
-    axis.set_scale("log")
+def _log_scale(ax, which: str) -> None:
+    """Log scale on axis `which` ("x" or "y"), plain-number labels on major ticks only."""
+    getattr(ax, f"set_{which}scale")("log")
+    axis = getattr(ax, f"{which}axis")
+    # Ticks at 1-2-5 steps: latencies often span less than one decade.
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     axis.set_major_formatter(ScalarFormatter())
     axis.set_minor_formatter(NullFormatter())
 
@@ -49,7 +52,7 @@ def plot_itl_timeline(result: BenchResult, path: Path) -> Path:
     threshold = result.interference.spike_threshold_ms
     if threshold > 0:
         ax.axhline(threshold, color="k", ls="--", lw=0.8, label=f"spike > {threshold:.0f} ms")
-        _log_scale(ax.yaxis)
+        _log_scale(ax, "y")
     ax.set(xlabel="time since start (s)", ylabel="inter-token latency (ms)")
     ax.set_title(f"ITL over time, every stream — {result.label}", fontsize=10)
     ax.legend(fontsize=8, loc="upper right")
@@ -64,9 +67,10 @@ def plot_cdfs(series: Mapping[str, Sequence[float]], xlabel: str, title: str, pa
     for name, values in series.items():
         if len(values):
             x = np.sort(np.asarray(values, dtype=float))
-            ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=name)
+            y = np.arange(1, len(x) + 1) / len(x)
+            ax.step(np.r_[x[0], x], np.r_[0.0, y], where="post", label=name)
     ax.set(xlabel=xlabel, ylabel="fraction of samples", ylim=(0, 1.02))
-    _log_scale(ax.xaxis)
+    _log_scale(ax, "x")
     ax.grid(alpha=0.3)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="lower right")

@@ -66,5 +66,4 @@ class PromptSynthesizer:
 
 
 def _is_single_token(tokenizer: TokenizerLike, text: str) -> bool:
-    ids = tokenizer.encode(text)
-    return len(ids) == 1 and tokenizer.decode(ids) == text
+    return len(tokenizer.encode(text)) == 1
