@@ -1,0 +1,311 @@
+"""One client request through the router: route, prefill leg, decode leg, relay.
+
+1. Tokenize (when routing needs ids), pick a decode worker, and decide: a prompt whose
+   uncached length on that worker is below --local-prefill-threshold goes to it directly.
+2. Otherwise the prefill leg goes to a prefill worker; a connection error, 429 or 5xx (or an
+   answer without ``kv_transfer_params``) is retried once on another prefill worker, then the
+   decode worker prefills locally. A 4xx is the client's fault and is relayed as is.
+3. The decode leg (original body + ``kv_transfer_params`` + ``router_timing``) is relayed:
+   SSE untouched for streams, the body plus an ``x-pdserve-timing`` header otherwise. A decode
+   worker unreachable before answering is replaced once; one that breaks mid-stream ends the
+   client's stream with an error event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.disconnect import ClientDisconnected, until_disconnected
+from pdserve.router.errors import RouterHTTPError
+from pdserve.router.health import HealthMonitor
+from pdserve.router.legs import decode_leg_body, prefill_leg_body, wants_usage
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pool import Lease, WorkerRegistry
+from pdserve.router.prompt import PromptInfo, literal_token_ids
+from pdserve.router.relay import ManagedStreamingResponse, relay_events
+from pdserve.router.request_body import read_json_body
+from pdserve.router.timing import (
+    TIMING_HEADER,
+    RequestTiming,
+    Route,
+    extract_worker_timing,
+    now_ms,
+)
+from pdserve.router.tokenizer import RemoteTokenizer
+from pdserve.router.worker import Worker
+
+logger = logging.getLogger("pdserve.router")
+
+PREFILL_ATTEMPTS = 2
+DECODE_ATTEMPTS = 2
+# Headers of a worker's answer kept when the router relays it.
+_RELAYED_HEADERS = ("retry-after",)
+
+
+class _UpstreamAnswer(Exception):
+    """A worker's answer that goes to the client as is (e.g. a 400 naming a bad field)."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+@dataclass
+class _Flight:
+    """One request's routing state; `decode` is the lease on its current decode worker."""
+
+    endpoint: str
+    body: dict[str, Any]
+    prompt: PromptInfo
+    timing: RequestTiming
+    decode: Lease | None = None
+    is_finished: bool = False
+
+
+class Dispatcher:
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry,
+                 client: httpx.AsyncClient, health: HealthMonitor, metrics: RouterMetrics,
+                 tokenizer: RemoteTokenizer) -> None:
+        self.config = config
+        self.registry = registry
+        self.client = client
+        self.health = health
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+
+    async def handle(self, request: Request, endpoint: str) -> Response:
+        """Serve `endpoint` (``/v1/completions`` or ``/v1/chat/completions``)."""
+        timing = RequestTiming(f"rtr-{uuid.uuid4().hex[:16]}")
+        flight: _Flight | None = None
+        try:
+            body = await read_json_body(request, self.config.max_body_bytes)
+            flight = _Flight(endpoint, body, await self._prompt_info(endpoint, body), timing)
+            return await self._dispatch(request, flight)
+        except RouterHTTPError as exc:
+            response = exc.response()
+        except _UpstreamAnswer as answer:
+            response = answer.response
+        except ClientDisconnected:
+            self.metrics.count_error("client_disconnected")
+            response = Response(status_code=499)
+        except BaseException:
+            if flight is not None:
+                self._finish(flight)
+            raise
+        if flight is not None:
+            self._finish(flight)
+        response.headers["x-request-id"] = timing.request_id
+        return response
+
+    async def _prompt_info(self, endpoint: str, body: dict[str, Any]) -> PromptInfo:
+        if not self.config.needs_token_ids:
+            return PromptInfo.estimate(body)
+        token_ids = literal_token_ids(body) or await self.tokenizer.token_ids(endpoint, body)
+        if token_ids is None:
+            return PromptInfo.estimate(body)
+        return PromptInfo.from_token_ids(token_ids, self.config.block_size)
+
+    async def _dispatch(self, request: Request, flight: _Flight) -> Response:
+        selection = self.registry.decode.select(flight.prompt)
+        if selection is None:
+            raise self._fail("no_worker", 503, "no healthy decode worker")
+        flight.decode = self.registry.decode.acquire(selection.worker)
+        flight.timing.mark_dispatched()
+        kv_params = await self._kv_params(request, flight, selection.num_cached_tokens)
+        upstream = await self._open_decode(request, flight, kv_params)
+        if upstream.status_code != 200:
+            return await self._relay_failure(request, flight, upstream)
+        if flight.body.get("stream"):
+            return self._stream(flight, upstream)
+        return await self._complete(request, flight, upstream)
+
+    # ---- prefill leg -------------------------------------------------------------------
+    async def _kv_params(self, request: Request, flight: _Flight,
+                         num_cached_tokens: int) -> dict[str, Any] | None:
+        """The prefill worker's ``kv_transfer_params``, or None when decode prefills."""
+        num_uncached = flight.prompt.num_tokens - num_cached_tokens
+        if not self.registry.prefill.workers or (
+                num_uncached < self.config.local_prefill_threshold):
+            flight.timing.route = Route.LOCAL
+            return None
+        params = await until_disconnected(request, self._prefill(flight))
+        if params is None:
+            self.metrics.count_error("prefill_failed")
+            flight.timing.route = Route.LOCAL_FALLBACK
+        else:
+            flight.timing.route = Route.REMOTE
+        return params
+
+    async def _prefill(self, flight: _Flight) -> dict[str, Any] | None:
+        started = now_ms()
+        leg = prefill_leg_body(flight.body)
+        tried: list[str] = []
+        try:
+            for attempt in range(PREFILL_ATTEMPTS):
+                selection = self.registry.prefill.select(flight.prompt, exclude=tried)
+                if selection is None:
+                    return None
+                if attempt:
+                    self.metrics.prefill_retries.inc()
+                worker = selection.worker
+                tried.append(worker.worker_id)
+                flight.timing.num_prefill_attempts += 1
+                params = await self._prefill_once(worker, flight, leg)
+                if params is not None:
+                    flight.timing.prefill_worker = worker.worker_id
+                    return params
+            return None
+        finally:
+            flight.timing.prefill_ms = now_ms() - started
+
+    async def _prefill_once(self, worker: Worker, flight: _Flight,
+                            leg: dict[str, Any]) -> dict[str, Any] | None:
+        """The KV params of one attempt; None when it failed in a way worth retrying."""
+        lease = self.registry.prefill.acquire(worker, flight.prompt.num_tokens)
+        try:
+            response = await self.client.post(f"{worker.url}{flight.endpoint}", json=leg,
+                                              headers=self._leg_headers(flight))
+        except httpx.TransportError as exc:
+            self.health.report_failure(worker, f"prefill leg: {_describe(exc)}")
+            return None
+        finally:
+            lease.release()
+        if response.status_code == 429 or response.status_code >= 500:
+            logger.warning("prefill worker %s answered %d; retrying elsewhere",
+                           worker.worker_id, response.status_code)
+            return None
+        if response.status_code != 200:
+            raise _UpstreamAnswer(_relayed(response, response.content))
+        params = _json_object_field(response.content, "kv_transfer_params")
+        if params is None:
+            logger.warning("prefill worker %s answered without kv_transfer_params",
+                           worker.worker_id)
+        return params
+
+    # ---- decode leg --------------------------------------------------------------------
+    async def _open_decode(self, request: Request, flight: _Flight,
+                           kv_params: dict[str, Any] | None) -> httpx.Response:
+        """Send the decode leg and return its response, headers read, body still streaming."""
+        leg = decode_leg_body(flight.body, kv_params, flight.timing.router_timing_field(),
+                              force_usage=True)
+        tried: list[str] = []
+        for _ in range(DECODE_ATTEMPTS):
+            worker = flight.decode.worker
+            tried.append(worker.worker_id)
+            flight.timing.decode_worker = worker.worker_id
+            try:
+                return await until_disconnected(request, self._send(worker, flight, leg))
+            except httpx.TransportError as exc:
+                self.health.report_failure(worker, f"decode leg: {_describe(exc)}")
+            flight.decode.release()
+            selection = self.registry.decode.select(flight.prompt, exclude=tried)
+            if selection is None:
+                break
+            flight.decode = self.registry.decode.acquire(selection.worker)
+        raise self._fail("decode_failed", 502, "no decode worker could take the request")
+
+    async def _send(self, worker: Worker, flight: _Flight, leg: dict[str, Any]) -> httpx.Response:
+        upstream = self.client.build_request("POST", f"{worker.url}{flight.endpoint}", json=leg,
+                                             headers=self._leg_headers(flight))
+        return await self.client.send(upstream, stream=True)
+
+    async def _relay_failure(self, request: Request, flight: _Flight,
+                             upstream: httpx.Response) -> Response:
+        content = await self._read(request, flight, upstream)
+        if upstream.status_code >= 500:
+            self.metrics.count_error("decode_failed")
+        raise _UpstreamAnswer(_relayed(upstream, content))
+
+    def _stream(self, flight: _Flight, upstream: httpx.Response) -> Response:
+        events = relay_events(upstream, flight.timing, strip_usage=not wants_usage(flight.body),
+                              on_broken=partial(self._on_stream_broken, flight))
+
+        async def on_close() -> None:
+            await upstream.aclose()
+            self._finish(flight)
+
+        return ManagedStreamingResponse(events, on_close, media_type="text/event-stream",
+                                        headers=self._client_headers(flight))
+
+    async def _complete(self, request: Request, flight: _Flight,
+                        upstream: httpx.Response) -> Response:
+        content = await self._read(request, flight, upstream)
+        flight.timing.mark_first_byte()
+        flight.timing.worker.update(extract_worker_timing(_json(content)) or {})
+        self._finish(flight)
+        return _relayed(upstream, content, self._client_headers(flight))
+
+    async def _read(self, request: Request, flight: _Flight, upstream: httpx.Response) -> bytes:
+        try:
+            return await until_disconnected(request, upstream.aread())
+        except httpx.TransportError as exc:
+            self.health.report_failure(flight.decode.worker, f"decode leg: {_describe(exc)}")
+            raise self._fail("decode_failed", 502,
+                             f"decode worker failed mid-response: {_describe(exc)}") from exc
+        finally:
+            await upstream.aclose()
+
+    # ---- bookkeeping -------------------------------------------------------------------
+    def _on_stream_broken(self, flight: _Flight, reason: str, is_transport_error: bool) -> None:
+        self.metrics.count_error("decode_stream_broken")
+        logger.warning("request %s: %s", flight.timing.request_id, reason)
+        if is_transport_error:
+            self.health.report_failure(flight.decode.worker, reason)
+
+    def _finish(self, flight: _Flight) -> None:
+        if flight.is_finished:
+            return
+        flight.is_finished = True
+        if flight.decode is not None:
+            flight.decode.release()
+        flight.timing.mark_done()
+        self.metrics.observe(flight.timing)
+        logger.info("request %s", flight.timing.header_value())
+
+    def _fail(self, error_type: str, status: int, message: str) -> RouterHTTPError:
+        self.metrics.count_error(error_type)
+        return RouterHTTPError(status, message, code=error_type)
+
+    @staticmethod
+    def _leg_headers(flight: _Flight) -> dict[str, str]:
+        return {"x-request-id": flight.timing.request_id}
+
+    @staticmethod
+    def _client_headers(flight: _Flight) -> dict[str, str]:
+        return {TIMING_HEADER: flight.timing.header_value(),
+                "x-request-id": flight.timing.request_id}
+
+
+def _relayed(upstream: httpx.Response, content: bytes,
+             headers: dict[str, str] | None = None) -> Response:
+    kept = {k: upstream.headers[k] for k in _RELAYED_HEADERS if k in upstream.headers}
+    return Response(content, status_code=upstream.status_code, headers={**kept, **(headers or {})},
+                    media_type=upstream.headers.get("content-type"))
+
+
+def _json(content: bytes) -> Any:
+    try:
+        return json.loads(content)
+    except ValueError:
+        return None
+
+
+def _json_object_field(content: bytes, key: str) -> dict[str, Any] | None:
+    """``body[key]`` when the body is a JSON object and that field is an object."""
+    body = _json(content)
+    value = body.get(key) if isinstance(body, dict) else None
+    return value if isinstance(value, dict) else None
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

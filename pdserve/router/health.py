@@ -1,0 +1,89 @@
+"""Health checks and the circuit breaker.
+
+Every `health_interval_s` each registered worker gets ``GET /health``. A worker leaves
+rotation after `unhealthy_threshold` consecutive failures, or at once when a request to it
+breaks at the connection level (`report_failure`); a single passing check puts it back. A
+healthy worker's load gauges are scraped from its /metrics in the same round when its pool's
+policy uses them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Collection
+
+import httpx
+
+from pdserve.router.load_scrape import parse_worker_load
+from pdserve.router.policies import PoolRole
+from pdserve.router.pool import WorkerRegistry
+from pdserve.router.worker import Worker, WorkerState
+
+logger = logging.getLogger("pdserve.router")
+
+
+class HealthMonitor:
+    def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, *,
+                 interval_s: float, timeout_s: float, unhealthy_threshold: int,
+                 scrape_roles: Collection[PoolRole] = ()) -> None:
+        self.registry = registry
+        self.client = client
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.unhealthy_threshold = unhealthy_threshold
+        self.scrape_roles = frozenset(scrape_roles)
+
+    async def run(self) -> None:
+        """Check every worker, forever, one round per interval."""
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.interval_s)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in self.registry.all_workers()))
+
+    async def check(self, worker: Worker) -> None:
+        try:
+            response = await self.client.get(f"{worker.url}/health", timeout=self.timeout_s)
+        except httpx.HTTPError as exc:
+            self._record_failure(worker, f"/health: {type(exc).__name__}: {exc}")
+            return
+        if response.status_code != 200:
+            self._record_failure(worker, f"/health returned {response.status_code}")
+            return
+        self._mark_healthy(worker)
+        if worker.role in self.scrape_roles:
+            await self._scrape(worker)
+
+    def report_failure(self, worker: Worker, reason: str) -> None:
+        """A request to the worker failed at the connection level: open its circuit now."""
+        self._open(worker, reason)
+
+    def _record_failure(self, worker: Worker, reason: str) -> None:
+        worker.num_consecutive_failures += 1
+        worker.last_error = reason
+        if (worker.state is not WorkerState.HEALTHY
+                or worker.num_consecutive_failures >= self.unhealthy_threshold):
+            self._open(worker, reason)
+
+    def _open(self, worker: Worker, reason: str) -> None:
+        worker.last_error = reason
+        if worker.state is not WorkerState.UNHEALTHY:
+            logger.warning("worker %s (%s) out of rotation: %s", worker.worker_id, worker.url,
+                           reason)
+        worker.state = WorkerState.UNHEALTHY
+
+    def _mark_healthy(self, worker: Worker) -> None:
+        if worker.state is not WorkerState.HEALTHY:
+            logger.info("worker %s (%s) healthy, in rotation", worker.worker_id, worker.url)
+        worker.state = WorkerState.HEALTHY
+        worker.num_consecutive_failures = 0
+
+    async def _scrape(self, worker: Worker) -> None:
+        try:
+            response = await self.client.get(f"{worker.url}/metrics", timeout=self.timeout_s)
+        except httpx.HTTPError:
+            return  # load stays as last scraped; health decides rotation
+        if response.status_code == 200:
+            worker.scraped = parse_worker_load(response.text)

@@ -1,0 +1,134 @@
+"""Worker pools (prefill, decode): membership, selection through a policy, in-flight leases."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
+
+from pdserve.router.policies import PoolRole, RoutingPolicy
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.prompt import PromptInfo
+from pdserve.router.worker import Worker
+
+
+@dataclass(frozen=True)
+class Selection:
+    worker: Worker
+    # Tokens of the prompt the router believed cached on the worker before this request.
+    num_cached_tokens: int
+
+
+class DuplicateWorkerError(ValueError):
+    """A worker with that role and URL is already registered."""
+
+
+class Lease:
+    """One request's share of a worker's in-flight counts; `release` is idempotent."""
+
+    def __init__(self, pool: WorkerPool, worker: Worker, num_prefill_tokens: int) -> None:
+        self._pool = pool
+        self.worker = worker
+        self._num_prefill_tokens = num_prefill_tokens
+        self._is_released = False
+        worker.num_inflight += 1
+        worker.num_inflight_prefill_tokens += num_prefill_tokens
+
+    def release(self) -> None:
+        if self._is_released:
+            return
+        self._is_released = True
+        self.worker.num_inflight -= 1
+        self.worker.num_inflight_prefill_tokens -= self._num_prefill_tokens
+        self._pool.on_released(self.worker)
+
+
+class WorkerPool:
+    """The workers of one role. Selection only considers routable (healthy, not draining)
+    workers and records the prompt's blocks against the chosen one in the prefix index."""
+
+    def __init__(self, role: PoolRole, policy: RoutingPolicy, prefix_index: PrefixIndex) -> None:
+        self.role = role
+        self.policy = policy
+        self.prefix_index = prefix_index
+        self.workers: dict[str, Worker] = {}
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(list(self.workers.values()))
+
+    def routable(self, exclude: Collection[str] = ()) -> list[Worker]:
+        return [w for w in self.workers.values()
+                if w.is_routable and w.worker_id not in exclude]
+
+    def select(self, prompt: PromptInfo, exclude: Collection[str] = ()) -> Selection | None:
+        """Pick a worker for `prompt` (None when no routable worker is left)."""
+        candidates = self.routable(exclude)
+        if not candidates:
+            return None
+        cached = [self.prefix_index.num_cached_tokens(w.worker_id, prompt.block_hashes)
+                  for w in candidates]
+        loads = [w.load(n) for w, n in zip(candidates, cached, strict=True)]
+        index = self.policy.select(loads, prompt.num_tokens)
+        worker = candidates[index]
+        self.prefix_index.record(worker.worker_id, prompt.block_hashes)
+        return Selection(worker, cached[index])
+
+    def acquire(self, worker: Worker, num_prefill_tokens: int = 0) -> Lease:
+        return Lease(self, worker, num_prefill_tokens)
+
+    def add(self, worker: Worker) -> None:
+        self.workers[worker.worker_id] = worker
+
+    def remove(self, worker_id: str) -> None:
+        self.workers.pop(worker_id, None)
+        self.prefix_index.remove_worker(worker_id)
+
+    def on_released(self, worker: Worker) -> None:
+        if worker.is_draining and worker.num_inflight == 0:
+            self.remove(worker.worker_id)
+
+
+class WorkerRegistry:
+    """Both pools, and the runtime add / drain / lookup behind ``/workers``."""
+
+    def __init__(self, prefill: WorkerPool, decode: WorkerPool) -> None:
+        self.pools = {PoolRole.PREFILL: prefill, PoolRole.DECODE: decode}
+        self._next_index = {role: itertools.count() for role in PoolRole}
+
+    @property
+    def prefill(self) -> WorkerPool:
+        return self.pools[PoolRole.PREFILL]
+
+    @property
+    def decode(self) -> WorkerPool:
+        return self.pools[PoolRole.DECODE]
+
+    def all_workers(self) -> list[Worker]:
+        return [w for pool in self.pools.values() for w in pool]
+
+    def get(self, worker_id: str) -> Worker | None:
+        for pool in self.pools.values():
+            if worker_id in pool.workers:
+                return pool.workers[worker_id]
+        return None
+
+    def add(self, url: str, role: PoolRole) -> Worker:
+        """Register a worker (out of rotation until its first health check passes)."""
+        pool = self.pools[role]
+        if any(w.url == url for w in pool):
+            raise DuplicateWorkerError(f"url: a {role.value} worker at {url} is already registered")
+        worker = Worker(f"{role.value}-{next(self._next_index[role])}", url, role)
+        pool.add(worker)
+        return worker
+
+    def drain(self, worker_id: str) -> Worker | None:
+        """Stop routing to the worker; it leaves its pool once its in-flight count is 0."""
+        worker = self.get(worker_id)
+        if worker is None:
+            return None
+        worker.is_draining = True
+        self.pools[worker.role].on_released(worker)
+        return worker
+
+    def is_registered(self, worker: Worker) -> bool:
+        return self.pools[worker.role].workers.get(worker.worker_id) is worker

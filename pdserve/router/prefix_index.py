@@ -1,0 +1,60 @@
+"""The router's belief of which prompt prefixes each worker has cached.
+
+It records the full-block chained hashes (`pdserve.core.block_manager.chained_block_hash`, the
+same function the workers' block managers use) of every prompt routed to a worker. A later
+prompt's cached prefix on that worker is the longest run of its block hashes, from the first,
+that the index holds. It is a belief, not the truth: a worker may have evicted blocks since, so
+each worker's entries are bounded and least recently routed ones are forgotten first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from pdserve.core.block_manager import BlockHash, chained_block_hash
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """Chained hashes of the prompt's full blocks, in order (a partial last block has none)."""
+    hashes: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chained_block_hash(parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class PrefixIndex:
+    """Per worker, an LRU set of block hashes of the prompts routed there."""
+
+    def __init__(self, block_size: int, max_blocks_per_worker: int) -> None:
+        if block_size < 1 or max_blocks_per_worker < 1:
+            raise ValueError("block_size and max_blocks_per_worker must be positive")
+        self.block_size = block_size
+        self.max_blocks_per_worker = max_blocks_per_worker
+        self._blocks: dict[str, OrderedDict[BlockHash, None]] = {}
+
+    def num_cached_tokens(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> int:
+        """Tokens of the longest prefix of `block_hashes` believed cached on the worker."""
+        cached = self._blocks.get(worker_id)
+        if not cached:
+            return 0
+        num_blocks = 0
+        for block_hash in block_hashes:
+            if block_hash not in cached:
+                break
+            num_blocks += 1
+        return num_blocks * self.block_size
+
+    def record(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """The prompt with these block hashes was routed to the worker (it will cache them)."""
+        cached = self._blocks.setdefault(worker_id, OrderedDict())
+        for block_hash in block_hashes:
+            cached[block_hash] = None
+            cached.move_to_end(block_hash)
+        while len(cached) > self.max_blocks_per_worker:
+            cached.popitem(last=False)
+
+    def remove_worker(self, worker_id: str) -> None:
+        self._blocks.pop(worker_id, None)

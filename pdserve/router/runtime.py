@@ -1,0 +1,88 @@
+"""A running router's parts: pools, HTTP client, health monitor, metrics, dispatcher."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import httpx
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import Dispatcher
+from pdserve.router.health import HealthMonitor
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.policies import PoolRole, RoundRobin, make_policy
+from pdserve.router.pool import WorkerPool, WorkerRegistry
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.tokenizer import RemoteTokenizer
+
+
+def build_registry(config: RouterConfig) -> WorkerRegistry:
+    """Both pools with their policies and the configured workers (not yet checked)."""
+    pools = {}
+    for role, policy in ((PoolRole.PREFILL, config.prefill_policy),
+                         (PoolRole.DECODE, config.decode_policy)):
+        pools[role] = WorkerPool(role, make_policy(policy, role, config.balance_factor),
+                                 PrefixIndex(config.block_size, config.prefix_index_blocks))
+    registry = WorkerRegistry(pools[PoolRole.PREFILL], pools[PoolRole.DECODE])
+    for url in config.prefill_urls:
+        registry.add(url, PoolRole.PREFILL)
+    for url in config.decode_urls:
+        registry.add(url, PoolRole.DECODE)
+    return registry
+
+
+class RouterRuntime:
+    """Built at app creation; `start` (in the event loop) opens the connection pool, runs the
+    first health round and starts the periodic checks; `stop` undoes it."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.registry = build_registry(config)
+        self.metrics = RouterMetrics(self.registry.all_workers)
+        self._client: httpx.AsyncClient | None = None
+        self._health: HealthMonitor | None = None
+        self._dispatcher: Dispatcher | None = None
+        self._health_task: asyncio.Task | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        assert self._client is not None, "router not started"
+        return self._client
+
+    @property
+    def health(self) -> HealthMonitor:
+        assert self._health is not None, "router not started"
+        return self._health
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        assert self._dispatcher is not None, "router not started"
+        return self._dispatcher
+
+    async def start(self) -> None:
+        config = self.config
+        self._client = httpx.AsyncClient(
+            # Legs may run as long as they generate; only connecting is bounded.
+            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            trust_env=False)
+        scrape = [role for role, pool in self.registry.pools.items()
+                  if not isinstance(pool.policy, RoundRobin)]
+        self._health = HealthMonitor(
+            self.registry, self._client, interval_s=config.health_interval_s,
+            timeout_s=config.health_timeout_s, unhealthy_threshold=config.unhealthy_threshold,
+            scrape_roles=scrape)
+        tokenizer = RemoteTokenizer(self.registry, self._client, config.health_timeout_s)
+        self._dispatcher = Dispatcher(config, self.registry, self._client, self._health,
+                                      self.metrics, tokenizer)
+        await self._health.check_all()
+        self._health_task = asyncio.create_task(self._health.run())
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        if self._client is not None:
+            await self._client.aclose()

@@ -1,0 +1,96 @@
+"""Per-request timing breakdown: the router's own clocks plus the decode worker's report.
+
+The router sends the decode leg a ``router_timing`` object (`ROUTER_TIMING_KEYS`, ms) for the
+worker to echo. The decode worker's final usage chunk (streaming) or response body
+(non-streaming) carries ``pdserve_timing``, at the top level or inside ``usage``; the router
+reads `WORKER_TIMING_KEYS` from it for its histograms and passes everything through.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+ROUTER_TIMING_KEYS = ("router_queue_ms", "prefill_ms")
+# What a decode worker reports: KV bytes fetched, fetch time, its first decode step's time.
+WORKER_TIMING_KEYS = ("kv_transfer_bytes", "kv_transfer_ms", "first_decode_step_ms")
+TIMING_HEADER = "x-pdserve-timing"
+
+
+class Route(enum.Enum):
+    # Prefill worker computed the prompt; its KV moved to the decode worker.
+    REMOTE = "remote"
+    # Uncached prompt below --local-prefill-threshold (or no prefill worker): decode prefills.
+    LOCAL = "local"
+    # The prefill leg failed (twice, or no usable KV params): decode prefills.
+    LOCAL_FALLBACK = "local_fallback"
+
+
+def now_ms() -> float:
+    return time.perf_counter() * 1e3
+
+
+@dataclass
+class RequestTiming:
+    request_id: str
+    arrival_ms: float = field(default_factory=now_ms)
+    route: Route | None = None
+    router_queue_ms: float | None = None
+    prefill_ms: float | None = None
+    num_prefill_attempts: int = 0
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    # Router-side: arrival to the first byte of the decode worker's body, and to its end.
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+    worker: dict[str, Any] = field(default_factory=dict)
+
+    def mark_dispatched(self) -> None:
+        """The first leg is about to be sent: routing (tokenize, select) is over."""
+        self.router_queue_ms = now_ms() - self.arrival_ms
+
+    def mark_first_byte(self) -> None:
+        if self.ttft_ms is None:
+            self.ttft_ms = now_ms() - self.arrival_ms
+
+    def mark_done(self) -> None:
+        self.e2e_ms = now_ms() - self.arrival_ms
+
+    def router_timing_field(self) -> dict[str, float]:
+        """The ``router_timing`` object sent with the decode leg."""
+        return {"router_queue_ms": _round(self.router_queue_ms or 0.0),
+                "prefill_ms": _round(self.prefill_ms or 0.0)}
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "request_id": self.request_id,
+            "route": None if self.route is None else self.route.value,
+            "prefill_worker": self.prefill_worker, "decode_worker": self.decode_worker,
+            "num_prefill_attempts": self.num_prefill_attempts,
+            **self.router_timing_field(),
+        }
+        for key in ("ttft_ms", "e2e_ms"):
+            if getattr(self, key) is not None:
+                data[key] = _round(getattr(self, key))
+        data.update({k: v for k, v in self.worker.items() if k not in data})
+        return data
+
+    def header_value(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+
+def extract_worker_timing(payload: Any) -> dict[str, Any] | None:
+    """``pdserve_timing`` from a response body or SSE chunk, wherever the worker put it."""
+    if not isinstance(payload, dict):
+        return None
+    timing = payload.get("pdserve_timing")
+    if timing is None and isinstance(payload.get("usage"), dict):
+        timing = payload["usage"].get("pdserve_timing")
+    return timing if isinstance(timing, dict) else None
+
+
+def _round(value: float) -> float:
+    return round(value, 3)
