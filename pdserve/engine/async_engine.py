@@ -1,0 +1,439 @@
+"""Runs a synchronous `LLMEngine` on its own thread and streams its outputs to asyncio.
+
+Threading model: the engine thread is the only one that touches the `LLMEngine`. The event
+loop hands it new requests and aborts through lock-protected inboxes, which the thread applies
+between steps; the thread hands results back with one `loop.call_soon_threadsafe` per step,
+which feeds each request's `asyncio.Queue`. So a long forward pass never blocks HTTP handling,
+and an abort (client disconnect) takes effect before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pdserve.core.request import FinishReason
+from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
+from pdserve.engine.outputs import RequestMetrics, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# The idle engine thread wakes this often just to refresh its heartbeat.
+HEARTBEAT_INTERVAL_S = 0.5
+DEFAULT_MAX_QUEUE = 256
+DEFAULT_HEALTH_TIMEOUT_S = 60.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (crashed or shut down); no request can be served."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Admission control: the waiting queue is full. Retry after `retry_after_s`."""
+
+    def __init__(self, num_waiting: int, max_queue: int, retry_after_s: int) -> None:
+        super().__init__(f"server is overloaded: {num_waiting} requests waiting "
+                         f"(max_queue={max_queue}); retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+class RequestFailedError(RuntimeError):
+    """The engine raised while running this request; the request is gone, the server is not."""
+
+
+class EngineProtocol(Protocol):
+    """What the async wrapper needs from `LLMEngine` (see docs/architecture.md)."""
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling_params: SamplingParams, kv_transfer_params: dict | None = None,
+                    arrival_time: float | None = None) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def get_stats(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class AsyncEngineStats:
+    """A snapshot the engine thread publishes after every step (and while idle)."""
+
+    num_running: int = 0
+    # Requests queued in the engine plus those not yet handed to it.
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    # time.monotonic() of the engine loop's latest iteration.
+    heartbeat: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Submission:
+    stream: RequestStream
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    kv_transfer_params: dict | None
+
+
+class _Accepted:
+    """First item of a stream's queue once the engine thread has admitted the request."""
+
+
+_ACCEPTED = _Accepted()
+# What the engine thread pushes into a stream: an output, the admission marker or an error.
+_StreamItem = RequestOutput | _Accepted | BaseException
+
+
+class RequestStream:
+    """The outputs of one request, in order, as an async iterator.
+
+    Ends after the output with `finished=True`; raises `RequestFailedError` or
+    `EngineDeadError` if the engine failed the request. `close()` aborts an unfinished request.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, num_prompt_tokens: int,
+                 arrival_time: float) -> None:
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self._engine = engine
+        self._queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
+        self.is_finished = False
+        # Engine-thread bookkeeping, so an abort can produce a truthful final output.
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.is_finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.is_finished = True
+            raise item
+        assert isinstance(item, RequestOutput)
+        self.is_finished = item.finished
+        return item
+
+    async def _wait_accepted(self) -> None:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.is_finished = True
+            raise item
+
+    def close(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.is_finished:
+            self.is_finished = True
+            self._engine.abort(self.request_id)
+        self._engine._forget(self.request_id)
+
+    def _put(self, item: _StreamItem) -> None:
+        self._queue.put_nowait(item)
+
+
+class AsyncLLMEngine:
+    """Serves an `LLMEngine` to asyncio code: `add_request()`/`generate()`, `abort()`, stats.
+
+    `max_queue` bounds the requests waiting for their first step (admission control).
+    `step_observer(seconds)` is called on the engine thread after every step.
+    """
+
+    def __init__(self, engine: EngineProtocol, *, max_queue: int = DEFAULT_MAX_QUEUE,
+                 step_observer: Callable[[float], None] | None = None) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be at least 1, got {max_queue}")
+        self.engine = engine
+        self.max_queue = max_queue
+        self._step_observer = step_observer
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._new: list[_Submission] = []
+        self._aborts: list[str] = []
+        self._stats = AsyncEngineStats()
+        self._num_engine_waiting = 0  # as of the latest snapshot; guarded by _lock
+        self._shutdown_deadline: float | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._last_step_time = 0.0
+        # Loop side: ids with a live stream (rejects duplicates). Engine side: admitted streams.
+        self._active_ids: set[str] = set()
+        self._running: dict[str, RequestStream] = {}
+
+    # ---- lifecycle (event loop) ------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; must be called from the event loop that will consume."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncLLMEngine already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    def begin_shutdown(self, grace_s: float = 0.0) -> None:
+        """Stop admitting; in-flight requests get `grace_s` seconds to finish, then are aborted
+        with a final `finish_reason=abort` output. Thread-safe and idempotent."""
+        with self._lock:
+            deadline = time.monotonic() + max(grace_s, 0.0)
+            if self._shutdown_deadline is None or deadline < self._shutdown_deadline:
+                self._shutdown_deadline = deadline
+        self._wakeup.set()
+
+    async def shutdown(self, grace_s: float = 0.0, timeout_s: float = 30.0) -> None:
+        """`begin_shutdown` and wait for the engine thread to exit."""
+        self.begin_shutdown(grace_s)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, grace_s + timeout_s)
+
+    # ---- requests (event loop) -------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt_token_ids: list[int],
+                          sampling_params: SamplingParams,
+                          kv_transfer_params: dict | None = None,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Queue a request; return its stream once the engine thread has admitted it.
+
+        `arrival_time` (time.monotonic(), default now) is when the request reached the server;
+        the engine's per-request clocks start there.
+
+        Raises `EngineOverloadedError` (queue full), `EngineDeadError`, `ValueError` (duplicate
+        id) or, from the engine's own checks, `InvalidParameterError`. Admission happens at the
+        start of the next step, so waiting for it costs no latency the request would not pay.
+        """
+        self._check_alive()
+        if request_id in self._active_ids:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream = RequestStream(self, request_id, len(prompt_token_ids),
+                               time.monotonic() if arrival_time is None else arrival_time)
+        with self._lock:
+            if self._shutdown_deadline is not None:
+                raise EngineDeadError("server is shutting down")
+            num_waiting = self._num_engine_waiting + len(self._new)
+            if num_waiting >= self.max_queue:
+                raise EngineOverloadedError(num_waiting, self.max_queue, self._retry_after_s())
+            self._new.append(_Submission(stream, list(prompt_token_ids), sampling_params,
+                                         kv_transfer_params))
+        self._active_ids.add(request_id)
+        self._wakeup.set()
+        try:
+            await stream._wait_accepted()
+        except BaseException:
+            # Rejected, or the caller went away (e.g. cancelled) before admission.
+            stream.close()
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       sampling_params: SamplingParams,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs; closing or cancelling the iterator aborts it."""
+        stream = await self.add_request(request_id, prompt_token_ids, sampling_params,
+                                        kv_transfer_params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe); it leaves the engine before the next step."""
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wakeup.set()
+
+    def _forget(self, request_id: str) -> None:
+        self._active_ids.discard(request_id)
+
+    # ---- health and stats (any thread) -----------------------------------------------------
+    @property
+    def stats(self) -> AsyncEngineStats:
+        return self._stats
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    def is_healthy(self, timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S) -> bool:
+        """True while the engine thread is alive and its loop made progress within
+        `timeout_s` (an idle loop still beats every `HEARTBEAT_INTERVAL_S`)."""
+        return (self.is_running and self._shutdown_deadline is None
+                and time.monotonic() - self._stats.heartbeat < timeout_s)
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop died: {self._error!r}")
+        if not self.is_running:
+            raise EngineDeadError("engine loop is not running")
+
+    def _retry_after_s(self) -> int:
+        # A rough time for the queue to move: a few steps, at least one second.
+        return max(1, round(self._last_step_time * 4))
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        outbox: list[tuple[RequestStream, _StreamItem]] = []
+        try:
+            while True:
+                self._wakeup.clear()
+                self._apply_inbox(outbox)
+                if self._shutdown_due():
+                    self._abort_all(outbox)
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step(outbox)
+                else:
+                    self._publish_stats()
+                    self._flush(outbox)
+                    self._wakeup.wait(self._idle_wait_s())
+                self._flush(outbox)
+        except BaseException as exc:  # the loop itself broke: fail everyone, keep the server up
+            logger.exception("engine loop died")
+            self._error = exc
+            error = EngineDeadError(f"engine loop died: {exc!r}")
+            outbox.extend((s, error) for s in self._running.values())
+            with self._lock:
+                outbox.extend((sub.stream, error) for sub in self._new)
+                self._new.clear()
+            self._running.clear()
+        finally:
+            self._flush(outbox)
+
+    def _apply_inbox(self, outbox: list[tuple[RequestStream, _StreamItem]]) -> None:
+        with self._lock:
+            new, self._new = self._new, []
+            aborts, self._aborts = self._aborts, []
+        for sub in new:
+            outbox.append((sub.stream, self._admit(sub)))
+        for request_id in aborts:
+            stream = self._running.pop(request_id, None)
+            if stream is not None:
+                self.engine.abort_request(request_id)
+                outbox.append((stream, _final_output(stream, FinishReason.ABORT)))
+        if new or aborts:
+            self._publish_stats()
+
+    def _admit(self, sub: _Submission) -> _StreamItem:
+        stream = sub.stream
+        try:
+            self.engine.add_request(stream.request_id, sub.prompt_token_ids,
+                                    sub.sampling_params, sub.kv_transfer_params,
+                                    stream.metrics.arrival_time)
+        except InvalidParameterError as exc:
+            return exc
+        except Exception as exc:
+            logger.exception("engine rejected request %s", stream.request_id)
+            return RequestFailedError(f"engine could not add the request: {exc}")
+        self._running[stream.request_id] = stream
+        return _ACCEPTED
+
+    def _step(self, outbox: list[tuple[RequestStream, _StreamItem]]) -> None:
+        start = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing its %d requests", len(self._running))
+            self._fail_running(outbox, RequestFailedError(f"engine step failed: {exc}"))
+            return
+        self._last_step_time = time.perf_counter() - start
+        if self._step_observer is not None:
+            self._step_observer(self._last_step_time)
+        for output in outputs:
+            stream = self._running.get(output.request_id)
+            if stream is None:  # aborted while the step ran
+                continue
+            stream.num_output_tokens = output.num_output_tokens
+            stream.num_cached_tokens = output.num_cached_tokens
+            stream.metrics = output.metrics
+            if output.finished:
+                del self._running[output.request_id]
+            outbox.append((stream, output))
+        self._publish_stats(num_steps=self._stats.num_steps + 1)
+
+    def _fail_running(self, outbox: list[tuple[RequestStream, _StreamItem]],
+                      error: BaseException) -> None:
+        for request_id, stream in self._running.items():
+            self.engine.abort_request(request_id)
+            outbox.append((stream, error))
+        self._running.clear()
+
+    def _abort_all(self, outbox: list[tuple[RequestStream, _StreamItem]]) -> None:
+        for request_id, stream in self._running.items():
+            self.engine.abort_request(request_id)
+            outbox.append((stream, _final_output(stream, FinishReason.ABORT)))
+        self._running.clear()
+        with self._lock:  # late arrivals raced with begin_shutdown
+            outbox.extend((sub.stream, EngineDeadError("server is shutting down"))
+                          for sub in self._new)
+            self._new.clear()
+        self._publish_stats()
+
+    def _shutdown_due(self) -> bool:
+        deadline = self._shutdown_deadline
+        if deadline is None:
+            return False
+        return time.monotonic() >= deadline or not self._running
+
+    def _idle_wait_s(self) -> float:
+        deadline = self._shutdown_deadline
+        if deadline is None:
+            return HEARTBEAT_INTERVAL_S
+        return max(0.0, min(HEARTBEAT_INTERVAL_S, deadline - time.monotonic()))
+
+    def _publish_stats(self, num_steps: int | None = None) -> None:
+        engine_stats = self.engine.get_stats()
+        with self._lock:
+            num_pending = len(self._new)
+            self._num_engine_waiting = engine_stats.num_waiting
+        self._stats = AsyncEngineStats(
+            num_running=engine_stats.num_running,
+            num_waiting=engine_stats.num_waiting + num_pending,
+            kv_cache_usage=engine_stats.kv_cache_usage,
+            num_free_blocks=engine_stats.num_free_blocks,
+            num_total_blocks=engine_stats.num_total_blocks,
+            prefix_cache_hit_rate=engine_stats.prefix_cache_hit_rate,
+            num_preemptions=engine_stats.num_preemptions,
+            num_steps=self._stats.num_steps if num_steps is None else num_steps,
+            heartbeat=time.monotonic(),
+        )
+
+    def _flush(self, outbox: list[tuple[RequestStream, _StreamItem]]) -> None:
+        """Hand this iteration's items to the event loop in one thread-safe call."""
+        if not outbox:
+            return
+        items = list(outbox)
+        outbox.clear()
+        assert self._loop is not None
+        # A closed event loop raises RuntimeError: nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list[tuple[RequestStream, _StreamItem]]) -> None:
+    for stream, item in items:
+        stream._put(item)
+
+
+def _final_output(stream: RequestStream, reason: FinishReason) -> RequestOutput:
+    """The last output of a request the engine will not continue (abort, shutdown)."""
+    metrics = stream.metrics
+    if metrics.finished_time is None:
+        metrics.finished_time = time.monotonic()
+    return RequestOutput(
+        request_id=stream.request_id, new_token_ids=[], new_text="", finished=True,
+        finish_reason=reason, num_prompt_tokens=stream.num_prompt_tokens,
+        num_output_tokens=stream.num_output_tokens, num_cached_tokens=stream.num_cached_tokens,
+        metrics=metrics)

@@ -1,0 +1,244 @@
+"""AsyncLLMEngine over the real LLMEngine (default model, float32, small KV cache)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from pdserve.core.request import FinishReason
+from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
+from pdserve.engine.args import engine_config_from_kwargs
+from pdserve.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+)
+from pdserve.engine.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.slow
+
+NUM_KV_BLOCKS = 128
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def make_engine(loaded_fp32):
+    def build(**kwargs) -> LLMEngine:
+        config = engine_config_from_kwargs(dtype="float32", device="cpu",
+                                           num_kv_blocks=NUM_KV_BLOCKS, **kwargs)
+        return LLMEngine(config, loaded=loaded_fp32)
+
+    return build
+
+
+def run_async(engine: LLMEngine, body, **kwargs):
+    """Run `body(async_engine)` on a fresh event loop with a started engine thread."""
+
+    async def main():
+        async_engine = AsyncLLMEngine(engine, **kwargs)
+        async_engine.start()
+        try:
+            return await body(async_engine)
+        finally:
+            await async_engine.shutdown()
+
+    return asyncio.run(main())
+
+
+async def collect(async_engine: AsyncLLMEngine, request_id: str, prompt: list[int],
+                  params: SamplingParams = GREEDY):
+    outputs = [out async for out in async_engine.generate(request_id, prompt, params)]
+    tokens = [t for out in outputs for t in out.new_token_ids]
+    return tokens, "".join(out.new_text for out in outputs), outputs[-1]
+
+
+def sync_generate(engine: LLMEngine, prompt: list[int], params: SamplingParams = GREEDY):
+    engine.add_request("sync", prompt, params)
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    return tokens
+
+
+async def wait_for_stats(async_engine: AsyncLLMEngine, predicate, max_steps: int = 50):
+    """Wait (on engine heartbeats, not a timer) until predicate(stats) holds."""
+    for _ in range(max_steps * 10):
+        if predicate(async_engine.stats):
+            return async_engine.stats
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine stats never satisfied the predicate: {async_engine.stats}")
+
+
+def test_outputs_match_the_synchronous_engine(make_engine, chat_token_ids):
+    expected = [sync_generate(make_engine(), p) for p in chat_token_ids[:3]]
+
+    async def body(async_engine):
+        results = await asyncio.gather(*(collect(async_engine, f"r{i}", p)
+                                         for i, p in enumerate(chat_token_ids[:3])))
+        return results
+
+    results = run_async(make_engine(), body)
+    for (tokens, _, final), want in zip(results, expected, strict=True):
+        assert tokens == want
+        assert final.finished and final.num_output_tokens == len(want)
+        assert final.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+def test_closing_the_iterator_aborts_within_one_step(make_engine, chat_token_ids):
+    async def body(async_engine):
+        generator = async_engine.generate("long", chat_token_ids[0], LONG)
+        first = await generator.__anext__()
+        assert first.new_token_ids and not first.finished
+        steps_at_close = async_engine.stats.num_steps
+        await generator.aclose()
+        stats = await wait_for_stats(
+            async_engine, lambda s: s.num_running == 0 and s.num_free_blocks == NUM_KV_BLOCKS)
+        # The abort lands between steps: at most the step already running completes.
+        assert stats.num_steps - steps_at_close <= 1
+        # The id is free again and the engine keeps serving.
+        tokens, _, _ = await collect(async_engine, "long", chat_token_ids[1])
+        return tokens
+
+    assert run_async(make_engine(), body)
+
+
+def test_cancelled_consumer_aborts(make_engine, chat_token_ids):
+    async def body(async_engine):
+        async def consume():
+            async for _ in async_engine.generate("c", chat_token_ids[0], LONG):
+                pass
+
+        task = asyncio.create_task(consume())
+        await wait_for_stats(async_engine, lambda s: s.num_running == 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_for_stats(async_engine, lambda s: s.num_running == 0
+                             and s.num_free_blocks == NUM_KV_BLOCKS)
+
+    run_async(make_engine(), body)
+
+
+def test_invalid_request_is_rejected_at_admission(make_engine):
+    async def body(async_engine):
+        with pytest.raises(InvalidParameterError) as info:
+            await async_engine.add_request("bad", [1] * (NUM_KV_BLOCKS * 16 + 5), GREEDY)
+        assert info.value.param == "prompt"
+        with pytest.raises(InvalidParameterError):
+            await async_engine.add_request("empty", [], GREEDY)
+        assert async_engine.is_healthy()
+        tokens, _, _ = await collect(async_engine, "bad", [1, 2, 3])  # id reusable
+        return tokens
+
+    assert run_async(make_engine(), body)
+
+
+def test_engine_exception_fails_requests_not_the_server(make_engine, chat_token_ids):
+    engine = make_engine()
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def failing_once():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected forward-pass failure")
+        return real_step()
+
+    engine.step = failing_once
+
+    async def body(async_engine):
+        with pytest.raises(RequestFailedError, match="injected"):
+            await collect(async_engine, "victim", chat_token_ids[0], LONG)
+        assert async_engine.is_healthy()
+        await wait_for_stats(async_engine, lambda s: s.num_free_blocks == NUM_KV_BLOCKS)
+        tokens, _, final = await collect(async_engine, "after", chat_token_ids[1])
+        assert final.finished
+        return tokens
+
+    assert run_async(engine, body)
+
+
+def test_admission_control_bounds_the_waiting_queue(make_engine, chat_token_ids):
+    engine = make_engine()
+    release = threading.Event()
+    in_step = threading.Event()
+    real_step = engine.step
+
+    calls = {"n": 0}
+
+    def held_step():
+        # From the second step on (request "a" is running, nothing waits), a forward pass
+        # that lasts until the test lets it go: no timers involved.
+        calls["n"] += 1
+        if calls["n"] >= 2:
+            in_step.set()
+            release.wait()
+        return real_step()
+
+    engine.step = held_step
+
+    async def body(async_engine):
+        first = await async_engine.add_request("a", chat_token_ids[0], GREEDY)
+        await asyncio.to_thread(in_step.wait)
+        # The engine thread is inside a step: new requests wait in the inbox.
+        second = asyncio.create_task(async_engine.add_request("b", chat_token_ids[1], GREEDY))
+        await asyncio.sleep(0)  # let it queue
+        with pytest.raises(EngineOverloadedError) as info:
+            await async_engine.add_request("c", chat_token_ids[2], GREEDY)
+        assert info.value.retry_after_s >= 1
+        release.set()
+        second_stream = await second
+        outs = [o async for o in first] + [o async for o in second_stream]
+        first.close()
+        second_stream.close()
+        return outs
+
+    outputs = run_async(engine, body, max_queue=1)
+    assert sum(o.finished for o in outputs) == 2
+
+
+def test_kv_transfer_params_pass_through(make_engine):
+    params = {"do_remote_decode": True, "note": "opaque to the async layer"}
+
+    async def body(async_engine):
+        stream = await async_engine.add_request("kv", [1, 2, 3], GREEDY,
+                                                kv_transfer_params=params)
+        outputs = [o async for o in stream]
+        stream.close()
+        return outputs
+
+    outputs = run_async(make_engine(), body)
+    assert outputs[-1].kv_transfer_params == params
+
+
+def test_shutdown_aborts_in_flight_with_a_final_output(make_engine, chat_token_ids):
+    async def body(async_engine):
+        stream = await async_engine.add_request("s", chat_token_ids[0], LONG)
+        first = await stream.__anext__()
+        async_engine.begin_shutdown(grace_s=0.0)
+        rest = [o async for o in stream]
+        with pytest.raises(EngineDeadError):
+            await async_engine.add_request("late", [1, 2], GREEDY)
+        assert not async_engine.is_healthy()
+        return first, rest
+
+    first, rest = run_async(make_engine(), body)
+    final = rest[-1]
+    assert final.finished and final.finish_reason is FinishReason.ABORT
+    assert final.num_output_tokens == 1 + sum(len(o.new_token_ids) for o in rest)
+    assert first.num_prompt_tokens == final.num_prompt_tokens
+
+
+def test_idle_engine_keeps_a_heartbeat(make_engine):
+    async def body(async_engine):
+        beat = async_engine.stats.heartbeat
+        await wait_for_stats(async_engine, lambda s: s.heartbeat > beat)
+        assert async_engine.is_healthy()
+        assert not async_engine.is_healthy(timeout_s=1e-9)
+
+    run_async(make_engine(), body)
