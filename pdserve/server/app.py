@@ -1,0 +1,121 @@
+"""The OpenAI-compatible FastAPI app over an `AsyncLLMEngine`.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. `create_app()` wires one engine thread, one metrics registry and the guards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+
+from pdserve.engine.async_engine import AsyncLLMEngine
+from pdserve.server.errors import APIError, install_handlers
+from pdserve.server.inputs import ModelInfo, prepare_chat, prepare_completion
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
+from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.server.responses import ChatResponses, CompletionResponses, TokenTexts
+from pdserve.server.serving import ServerState, new_request_id, serve
+from pdserve.server.settings import ServerSettings
+
+logger = logging.getLogger("pdserve.server.access")
+
+
+class _ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error envelope (documented in the OpenAPI schema)."""
+
+    error: _ErrorDetail
+
+
+_ERROR_RESPONSES = {status: {"model": ErrorBody} for status in (400, 401, 404, 413, 429, 503)}
+
+
+def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
+    """Build the app over a (not yet started) synchronous `LLMEngine`; the engine thread
+    starts with the app's lifespan and stops with it."""
+    metrics = ServerMetrics(settings.served_model_names[0], stats=lambda: engine.stats)
+    engine = AsyncLLMEngine(llm_engine, max_queue=settings.max_queue,
+                            step_observer=metrics.step_time.observe)
+    model = ModelInfo(settings.served_model_names, llm_engine.tokenizer,
+                      llm_engine.max_model_len, llm_engine.model_config.vocab_size)
+    state = ServerState(engine, model, metrics, TokenTexts(llm_engine.tokenizer), settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown(grace_s=0.0)
+
+    app = FastAPI(title="pdserve", description="OpenAI-compatible LLM server",
+                  lifespan=lifespan)
+    app.state.pdserve = state
+
+    def on_error(error: APIError, path: str) -> None:
+        metrics.count_error(error.error_type.type_name)
+        logger.info("- %s status=%d type=%s param=%s: %s", path, error.error_type.status_code,
+                    error.error_type.type_name, error.param, error.message)
+
+    install_handlers(app, on_error)
+    # Added last = runs first: a request without the key is refused before its body is read.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes,
+                       on_error=on_error)
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, on_error=on_error)
+    _add_routes(app, state)
+    return app
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions", responses=_ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, http_request: Request) -> Response:
+        arrival_time = time.monotonic()
+        prepared = prepare_completion(body, state.model)
+        responses = CompletionResponses(new_request_id(http_request, "cmpl"),
+                                        body.model or state.model.name, state.token_texts,
+                                        body.include_usage)
+        return await serve(http_request, state, prepared, responses, stream=bool(body.stream),
+                           endpoint="completions", arrival_time=arrival_time)
+
+    @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
+        arrival_time = time.monotonic()
+        prepared = prepare_chat(body, state.model)
+        responses = ChatResponses(new_request_id(http_request, "chatcmpl"),
+                                  body.model or state.model.name, state.token_texts,
+                                  body.include_usage)
+        return await serve(http_request, state, prepared, responses, stream=bool(body.stream),
+                           endpoint="chat", arrival_time=arrival_time)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "pdserve",
+             "root": state.model.name, "max_model_len": state.model.max_model_len}
+            for name in state.model.served_model_names]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.engine.is_healthy(state.settings.health_timeout_s):
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

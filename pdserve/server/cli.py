@@ -1,0 +1,94 @@
+"""`pdserve serve`: the OpenAI-compatible server on one engine, under uvicorn.
+
+SIGTERM (or Ctrl-C) stops accepting connections, gives in-flight requests `--shutdown-grace`
+seconds, aborts the rest with a final `finish_reason: abort` event, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+
+import uvicorn
+
+from pdserve.engine.args import add_engine_args
+from pdserve.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
+
+DEFAULT_PORT = 8000
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_server_args(parser)
+    add_engine_args(parser)
+    parser.set_defaults(run=run)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--mode", choices=("colocated", "chunked"), default="chunked",
+                       help="scheduling: whole-prompt continuous batching or chunked prefill")
+    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--port", type=int, default=DEFAULT_PORT)
+    group.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1/* "
+                            "(default: $PDSERVE_API_KEY)")
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="names clients may use for the model (default: the model's name)")
+    group.add_argument("--max-queue", type=int, default=ServerSettings.max_queue,
+                       help="waiting requests beyond which new ones get 429")
+    group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    group.add_argument("--shutdown-grace", type=float, default=ServerSettings.shutdown_grace_s,
+                       help="seconds in-flight requests get to finish on SIGTERM")
+    group.add_argument("--health-timeout", type=float, default=ServerSettings.health_timeout_s,
+                       help="/health is 503 when the engine loop stalls this long")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.engine.args import engine_config_from_args
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.server.app import create_app
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    llm_engine = LLMEngine(engine_config_from_args(args, args.mode))
+    settings = ServerSettings(
+        served_model_names=tuple(args.served_model_name or (llm_engine.model_name,)),
+        api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+        shutdown_grace_s=args.shutdown_grace, health_timeout_s=args.health_timeout)
+    app = create_app(llm_engine, settings)
+    # One line per request comes from our own access logger, whatever --log-level says.
+    logging.getLogger("pdserve.server.access").setLevel(logging.INFO)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10)
+    server = GracefulServer(config, on_exit=lambda: app.state.pdserve.engine.begin_shutdown(
+        settings.shutdown_grace_s))
+    logging.getLogger(__name__).warning("pdserve serving %s on http://%s:%d",
+                                        settings.served_model_names[0], args.host, args.port)
+    server.run()
+    return 0 if server.started else 1
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, plus: a stop signal starts the engine's drain, and the process then
+    exits normally (0) instead of re-raising the signal after shutdown."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()  # handled here: do not re-raise it after shutdown
+        if self._loop is not None:
+            # A signal handler must not take locks the interrupted code may hold.
+            self._loop.call_soon_threadsafe(self._on_exit)

@@ -1,0 +1,87 @@
+"""Per-request timing on the event loop: feeds the metrics and writes one log line per request.
+
+Token times are taken when an output reaches the event loop, i.e. what the HTTP layer sees;
+queue and prefill times come from the engine's own clocks (same `time.monotonic` base, since
+the server passes its arrival time to the engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pdserve.engine.outputs import RequestOutput
+from pdserve.server.metrics import ServerMetrics
+
+access_logger = logging.getLogger("pdserve.server.access")
+
+
+class RequestTracker:
+    """Observes one request's outputs; `finish()` records its metrics and log line once."""
+
+    def __init__(self, request_id: str, endpoint: str, metrics: ServerMetrics,
+                 arrival_time: float) -> None:
+        self.request_id = request_id
+        self._endpoint = endpoint
+        self._metrics = metrics
+        self.arrival_time = arrival_time
+        self._first_token_time: float | None = None
+        self._last_token_time: float | None = None
+        self._final: RequestOutput | None = None
+        self._is_done = False
+
+    def observe(self, output: RequestOutput) -> None:
+        """Call for every output as it arrives on the event loop."""
+        num_new = len(output.new_token_ids)
+        if num_new:
+            now = time.monotonic()
+            if self._first_token_time is None:
+                self._first_token_time = now
+                self._metrics.prompt_tokens.inc(output.num_prompt_tokens)
+                self._metrics.time_to_first_token.observe(now - self.arrival_time)
+            else:
+                gap = (now - self._last_token_time) / num_new
+                for _ in range(num_new):
+                    self._metrics.inter_token_latency.observe(gap)
+            self._last_token_time = now
+            self._metrics.generation_tokens.inc(num_new)
+        if output.finished:
+            self._final = output
+
+    def finish(self, status: str = "ok") -> None:
+        """Record the request (idempotent). `status` tags requests that ended in an error."""
+        if self._is_done:
+            return
+        self._is_done = True
+        now = time.monotonic()
+        final = self._final
+        if final is not None:
+            self._record_finished(final, now)
+        ttft = (self._first_token_time - self.arrival_time
+                if self._first_token_time is not None else None)
+        access_logger.info(
+            "%s %s status=%s finish=%s prompt_tokens=%s output_tokens=%s cached_tokens=%s "
+            "ttft_ms=%s e2e_ms=%.1f", self.request_id, self._endpoint, status,
+            final.finish_reason.value if final and final.finish_reason else "none",
+            final.num_prompt_tokens if final else "-", final.num_output_tokens if final else "-",
+            final.num_cached_tokens if final else "-",
+            f"{ttft * 1e3:.1f}" if ttft is not None else "-", (now - self.arrival_time) * 1e3)
+
+    def _record_finished(self, final: RequestOutput, now: float) -> None:
+        metrics = self._metrics
+        reason = final.finish_reason.value if final.finish_reason else "none"
+        metrics.count_success(reason)
+        metrics.e2e_latency.observe(now - self.arrival_time)
+        metrics.prompt_tokens_per_request.observe(final.num_prompt_tokens)
+        metrics.generation_tokens_per_request.observe(final.num_output_tokens)
+        engine_clock = final.metrics
+        if engine_clock.first_scheduled_time is not None:
+            metrics.queue_time.observe(engine_clock.first_scheduled_time - self.arrival_time)
+        if engine_clock.prefill_time:
+            metrics.prefill_time.observe(engine_clock.prefill_time)
+        first, last = self._first_token_time, self._last_token_time
+        if first is not None and last is not None:
+            metrics.decode_time.observe(last - first)
+            if final.num_output_tokens > 1:
+                metrics.time_per_output_token.observe(
+                    (last - first) / (final.num_output_tokens - 1))
