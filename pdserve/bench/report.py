@@ -43,10 +43,16 @@ def _overview_plots(results: Sequence[BenchResult], out: Path) -> list[str]:
     plot_cdfs(ttfts, "TTFT (ms)", "CDF of time to first token", out / "ttft_cdf.png")
     plot_cdfs(itls, "ITL (ms)", "CDF of inter-token latency", out / "itl_cdf.png")
     lines = ["## Latency distributions", "", "![TTFT CDF](ttft_cdf.png)", "![ITL CDF](itl_cdf.png)"]
-    sweep = [r for r in results if r.request_rate is not None and math.isfinite(r.request_rate)]
-    if len(sweep) >= 2 and len(sweep) == len(results):
-        lines += ["", *_sweep_section(sweep, out)]
+    if _is_sweep(results):
+        lines += ["", *_sweep_section(results, out)]
     return [*lines, ""]
+
+
+def _is_sweep(results: Sequence[BenchResult]) -> bool:
+    """Several runs, each at its own finite rate."""
+    rates = {r.request_rate for r in results}
+    finite = all(rate is not None and math.isfinite(rate) for rate in rates)
+    return finite and len(results) >= 2 and len(rates) == len(results)
 
 
 def _sweep_section(results: Sequence[BenchResult], out: Path) -> list[str]:

@@ -47,8 +47,8 @@ class HFTokenizer:
 def load_tokenizer(spec: str | Path | None = None) -> TokenizerLike:
     """Load a tokenizer from a `tokenizer.json`, a folder holding one, or a model.
 
-    `spec` None (pdserve's default model) or a GGUF file goes through
-    `pdserve.model.loader.load_tokenizer`, imported only here.
+    `spec` None (pdserve's default model), a GGUF file or a model folder is read with
+    pdserve's own model loader, imported only then.
     """
     if spec is not None:
         path = Path(spec)
@@ -62,14 +62,16 @@ def load_tokenizer(spec: str | Path | None = None) -> TokenizerLike:
 
 
 def _load_model_tokenizer(model: str | None) -> TokenizerLike:
+    # Lazy: pdserve.model pulls in torch, which the benchmark needs for nothing else.
     try:
-        from pdserve.model.loader import load_tokenizer as load_model_tokenizer
+        from pdserve.model.errors import ModelLoadError
+        from pdserve.model.loader import open_checkpoint, resolve_model_path
     except ImportError as exc:
         raise BenchError(
-            "cannot load the model's tokenizer (pdserve.model.loader.load_tokenizer is not "
-            f"available: {exc}); pass --tokenizer PATH to a tokenizer.json"
+            f"cannot load the model's tokenizer ({exc}); pass --tokenizer PATH to a "
+            "tokenizer.json"
         ) from exc
     try:
-        return load_model_tokenizer(model)
-    except (OSError, ValueError) as exc:
-        raise BenchError(f"--tokenizer {model}: {exc}") from exc
+        return open_checkpoint(resolve_model_path(model)).tokenizer()
+    except ModelLoadError as exc:
+        raise BenchError(f"--tokenizer: {exc}") from exc

@@ -20,6 +20,8 @@ from tests.bench.conftest import running_stub
 TTFT_MS, ITL_MS, LONG_TTFT_MS = 50.0, 20.0, 300.0
 LONG_WORDS = 200
 # Client-side delivery of a chunk the server has sent: loopback plus event-loop latency.
+# Medians must agree this closely. Means get twice the room: on a busy 2-core machine a
+# woken client sometimes waits a scheduler tick (4 ms) before it reads a chunk.
 TOLERANCE_MS = 2.0
 
 pytestmark = pytest.mark.slow
@@ -68,22 +70,22 @@ def _expected(result) -> dict[str, list[float]]:
 
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT_COMPLETIONS])
 def test_latencies_match_the_servers_schedule(stub_url, tokenizer, endpoint):
-    workload = RandomWorkload(num_prompts=6, input_len=64, output_len=12)
+    workload = RandomWorkload(num_prompts=16, input_len=64, output_len=6)
     [result] = run_benchmark(_spec(stub_url, workload, endpoint), tokenizer)
     m = result.metrics
-    assert (m.completed, m.failed, m.total_output_tokens) == (6, 0, 72)
+    assert (m.completed, m.failed, m.total_output_tokens) == (16, 0, 96)
     expected = _expected(result)
     for name in ("ttft", "itl", "tpot", "e2el"):
         measured = getattr(m, name)
-        assert measured.mean == pytest.approx(np.mean(expected[name]), abs=TOLERANCE_MS), name
         assert measured.median == pytest.approx(np.median(expected[name]), abs=TOLERANCE_MS)
+        assert measured.mean == pytest.approx(np.mean(expected[name]), abs=2 * TOLERANCE_MS)
     # Per token, too: the typical gap is within a millisecond of the server's.
     measured_gaps = np.array([g * 1000 for r in result.records for g in r.itls])
     assert np.median(np.abs(measured_gaps - np.array(expected["itl"]))) < 1.0
     # And the nominal schedule (sleep overshoot and request transit add a little).
     assert TTFT_MS <= m.ttft.median < TTFT_MS + 10
     assert ITL_MS - 1 <= m.itl.median < ITL_MS + 2
-    assert m.e2el.median == pytest.approx(TTFT_MS + 11 * ITL_MS, abs=12)
+    assert m.e2el.median == pytest.approx(TTFT_MS + 5 * ITL_MS, abs=12)
 
 
 def test_chat_role_preamble_is_not_a_token(stub_url, tokenizer):

@@ -192,3 +192,13 @@ def test_registry_builds_by_name_with_defaults_and_overrides():
 def test_bad_options_name_the_option(make, option):
     with pytest.raises(BenchError, match=option):
         make()
+
+
+@pytest.mark.slow
+def test_prompts_are_exact_with_pdserves_own_tokenizer():
+    pytest.importorskip("pdserve.model.loader")
+    from pdserve.bench.tokenizer import load_tokenizer
+
+    real = load_tokenizer(None)  # the default model's, via pdserve's loader
+    plan = plan_workload(SMALL_MIXED, real, seed=0, max_model_len=None)
+    _assert_exact(real, plan.requests)

@@ -1,0 +1,140 @@
+"""`bench compare` end to end, with the stub server standing in for each serving mode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.bench.cli import main
+from pdserve.bench.compare import CompareRow, format_table, recommend
+from tests.bench.conftest import REPO_ROOT, running_stub
+
+SCHEDULE = "--ttft-ms 30 --itl-ms 15 --long-prompt-words 250 --long-ttft-ms 400"
+WORKLOAD_ARGS = [
+    "--workload",
+    "mixed",
+    "--num-prompts",
+    "10",
+    "--request-rate",
+    "10",
+    "--seed",
+    "3",
+    "--long-fraction",
+    "0.2",
+    "--chat-input-len",
+    "16:32",
+    "--chat-output-len",
+    "40:60",
+    "--long-input-len",
+    "300:350",
+    "--long-output-len",
+    "2:3",
+    "--long-prompt-tokens",
+    "250",
+]
+
+
+@pytest.mark.slow
+def test_compare_runs_every_mode_and_writes_all_artefacts(
+    tmp_path, tokenizer_json, monkeypatch, capsys
+):
+    monkeypatch.chdir(REPO_ROOT)
+    out = tmp_path / "cmp"
+    with running_stub(tmp_path / "ext", *SCHEDULE.split(), "--mode", "colocated") as ext_url:
+        code = main(
+            [
+                "compare",
+                *WORKLOAD_ARGS,
+                "--tokenizer",
+                str(tokenizer_json),
+                "--modes",
+                "colocated,chunked,disagg,broken",
+                "--external",
+                f"other={ext_url}",
+                "--server-cmd",
+                "{python} -m tests.bench.stub_server --host {host} --port {port} --mode {mode}",
+                "--server-args",
+                SCHEDULE,
+                "--health-timeout",
+                "60",
+                "--goodput",
+                "tpot:20",
+                "--no-progress",
+                "--report",
+                str(out),
+            ]
+        )
+    printed = capsys.readouterr().out
+    assert code == 0
+
+    data = json.loads((out / "compare.json").read_text())
+    rows = {row["name"]: row for row in data["rows"]}
+    assert list(rows) == ["colocated", "chunked", "disagg", "broken", "other"]
+    assert "exited with code 2" in rows["broken"]["error"]
+    for name in ("colocated", "chunked", "disagg", "other"):
+        assert rows[name]["completed"] == 10 and rows[name]["failed"] == 0
+        assert data["runs"][name]["pdserve"]["config"]["seed"] == 3
+        assert (out / f"itl_timeline-{name}.png").is_file()
+        assert (out / "logs" / f"server-{name}.log").is_file() or name == "other"
+    # The same requests everywhere.
+    input_lens = {tuple(run["input_lens"]) for run in data["runs"].values()}
+    assert len(input_lens) == 1
+    # The stalling modes are diagnosed; the clean one is not.
+    assert rows["colocated"]["is_interference"] and rows["other"]["is_interference"]
+    assert rows["colocated"]["itl_max"] > 300
+    assert not rows["disagg"]["is_interference"] and rows["disagg"]["itl_max"] < 100
+    assert rows["disagg"]["goodput"] >= rows["colocated"]["goodput"]
+    assert data["recommendation"]["name"] == "disagg"
+    assert "phase interference in colocated" in data["recommendation"]["reason"]
+
+    report = (out / "report.md").read_text()
+    assert "| mode | ok | TTFT p50 |" in report and "Recommendation: disagg" in report
+    for name in ("ttft_cdf.png", "itl_cdf.png", "report.md"):
+        assert (out / name).is_file()
+    assert "Recommendation: disagg" in printed
+    assert "TTFT p99" in printed and "broken: failed to run" in printed
+
+
+def _row(name, **kw):
+    defaults = dict(completed=10, itl_p99=50.0, output_throughput=100.0, goodput=None)
+    return CompareRow(name, **{**defaults, **kw})
+
+
+def test_recommend_by_goodput_when_slos_are_given():
+    rows = [
+        _row(
+            "colocated", goodput=0.5, itl_p99=900.0, is_interference=True, in_prefill_fraction=0.9
+        ),
+        _row("chunked", goodput=1.2, itl_p99=60.0),
+        _row("disagg", goodput=1.0, itl_p99=30.0),
+    ]
+    rec = recommend(rows, has_slos=True)
+    assert rec.name == "chunked"
+    assert "highest goodput under the SLOs, 1.200 req/s (vs colocated 0.500, disagg 1.000)" in (
+        rec.reason
+    )
+    assert "phase interference in colocated (90% of its ITL spikes" in rec.reason
+
+
+def test_recommend_by_itl_among_near_best_throughput_without_slos():
+    rows = [
+        _row("colocated", itl_p99=900.0, output_throughput=120.0),
+        _row("chunked", itl_p99=60.0, output_throughput=115.0),
+        _row("disagg", itl_p99=30.0, output_throughput=80.0),  # too slow to qualify
+        _row("broken", completed=0, error="did not start"),
+    ]
+    rec = recommend(rows, has_slos=False)
+    assert rec.name == "chunked"
+    assert "lowest ITL p99, 60 ms" in rec.reason and "96% of the best" in rec.reason
+    assert recommend([_row("x", error="no")], has_slos=False) is None
+
+
+def test_table_shows_failed_rows():
+    text = format_table([_row("disagg", goodput=1.0), _row("broken", error="boom")])
+    header, ok, failed = text.splitlines()
+    assert header.split()[:3] == ["mode", "ok", "TTFT"]
+    assert ok.split()[1] == "10/10"
+    assert failed.split()[:3] == ["broken", "failed", "-"]
+    markdown = format_table([_row("disagg")], markdown=True).splitlines()
+    assert markdown[1].startswith("|---|") and markdown[2].startswith("| disagg | 10/10 |")
