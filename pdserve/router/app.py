@@ -14,15 +14,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import RouterHTTPError
 from pdserve.router.runtime import RouterRuntime
+from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.router.workers_api import workers_router
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 
 
-def build_app(config: RouterConfig) -> FastAPI:
-    """The app; its lifespan starts and stops the `RouterRuntime` (``app.state.runtime``)."""
-    runtime = RouterRuntime(config)
+def build_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None) -> FastAPI:
+    """The app; its lifespan starts and stops the `RouterRuntime` (``app.state.runtime``).
+    `tokenizer` None: prompts are tokenized by a worker's ``POST /tokenize``."""
+    runtime = RouterRuntime(config, tokenizer)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -41,7 +41,7 @@ from pdserve.router.timing import (
     extract_worker_timing,
     now_ms,
 )
-from pdserve.router.tokenizer import RemoteTokenizer
+from pdserve.router.tokenizer import PromptTokenizer
 from pdserve.router.worker import Worker
 
 logger = logging.getLogger("pdserve.router")
@@ -75,7 +75,7 @@ class _Flight:
 class Dispatcher:
     def __init__(self, config: RouterConfig, registry: WorkerRegistry,
                  client: httpx.AsyncClient, health: HealthMonitor, metrics: RouterMetrics,
-                 tokenizer: RemoteTokenizer) -> None:
+                 tokenizer: PromptTokenizer) -> None:
         self.config = config
         self.registry = registry
         self.client = client

@@ -55,7 +55,8 @@ def tokenize_request_body(endpoint: str, body: dict[str, Any]) -> dict[str, Any]
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return None
-        request = {"messages": messages, "add_generation_prompt": True}
+        request = {"messages": messages,
+                   "add_generation_prompt": body.get("add_generation_prompt", True)}
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:

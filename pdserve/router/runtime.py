@@ -14,7 +14,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import PoolRole, RoundRobin, make_policy
 from pdserve.router.pool import WorkerPool, WorkerRegistry
 from pdserve.router.prefix_index import PrefixIndex
-from pdserve.router.tokenizer import RemoteTokenizer
+from pdserve.router.tokenizer import PromptTokenizer, RemoteTokenizer
 
 
 def build_registry(config: RouterConfig) -> WorkerRegistry:
@@ -36,8 +36,10 @@ class RouterRuntime:
     """Built at app creation; `start` (in the event loop) opens the connection pool, runs the
     first health round and starts the periodic checks; `stop` undoes it."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer | None = None) -> None:
+        """`tokenizer` None: prompts are tokenized by a worker's ``POST /tokenize``."""
         self.config = config
+        self._tokenizer = tokenizer
         self.registry = build_registry(config)
         self.metrics = RouterMetrics(self.registry.all_workers)
         self._client: httpx.AsyncClient | None = None
@@ -73,7 +75,8 @@ class RouterRuntime:
             self.registry, self._client, interval_s=config.health_interval_s,
             timeout_s=config.health_timeout_s, unhealthy_threshold=config.unhealthy_threshold,
             scrape_roles=scrape)
-        tokenizer = RemoteTokenizer(self.registry, self._client, config.health_timeout_s)
+        tokenizer = self._tokenizer or RemoteTokenizer(self.registry, self._client,
+                                                       config.health_timeout_s)
         self._dispatcher = Dispatcher(config, self.registry, self._client, self._health,
                                       self.metrics, tokenizer)
         await self._health.check_all()

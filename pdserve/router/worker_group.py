@@ -1,0 +1,122 @@
+"""Worker processes of a one-host disaggregated deployment: start pinned, await health, stop.
+
+Each child runs in its own session (Ctrl-C reaches only the launcher, which stops the children
+in order), is pinned to its cores before it executes anything, and gets SIGTERM if the
+launcher dies without cleaning up (Linux parent-death signal).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+_PR_SET_PDEATHSIG = 1
+# Loaded before any fork: the child must not dlopen between fork and exec.
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LOG_TAIL_LINES = 40
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    name: str  # "prefill-0", "decode-1", ...
+    role: str
+    port: int
+    cores: tuple[int, ...]
+    command: tuple[str, ...]
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class WorkerStartupError(RuntimeError):
+    """A worker exited or stayed unhealthy during startup; the message ends with its log."""
+
+
+class WorkerGroup:
+    def __init__(self, specs: Sequence[WorkerSpec]) -> None:
+        self.specs = list(specs)
+        self._processes: dict[str, subprocess.Popen] = {}
+
+    def start(self) -> None:
+        for spec in self.specs:
+            env = {**os.environ, "OMP_NUM_THREADS": str(len(spec.cores)),
+                   "PYTHONUNBUFFERED": "1"}
+            with open(spec.log_path, "ab") as log:
+                self._processes[spec.name] = subprocess.Popen(
+                    spec.command, stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                    preexec_fn=_child_setup(spec.cores))
+
+    def pid(self, name: str) -> int:
+        return self._processes[name].pid
+
+    def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
+        """Return once every worker answers ``GET /health`` with 200. Raises
+        `WorkerStartupError` when one exits first or `timeout_s` passes."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.specs)
+        with httpx.Client(trust_env=False, timeout=poll_s * 4) as client:
+            while pending:
+                for spec in list(pending):
+                    code = self._processes[spec.name].poll()
+                    if code is not None:
+                        raise WorkerStartupError(
+                            f"{spec.name} exited with code {code} during startup; last lines "
+                            f"of {spec.log_path}:\n{log_tail(spec.log_path)}")
+                    if _is_healthy(client, spec.url):
+                        pending.remove(spec)
+                if pending and time.monotonic() > deadline:
+                    names = ", ".join(s.name for s in pending)
+                    raise WorkerStartupError(
+                        f"{names} not healthy after {timeout_s:.0f}s; last lines of "
+                        f"{pending[0].log_path}:\n{log_tail(pending[0].log_path)}")
+                if pending:
+                    time.sleep(poll_s)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM every live worker, then SIGKILL those still alive after `grace_s`."""
+        live = [p for p in self._processes.values() if p.poll() is None]
+        for process in live:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in live:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _child_setup(cores: tuple[int, ...]):
+    def setup() -> None:
+        os.sched_setaffinity(0, cores)
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return setup
+
+
+def _is_healthy(client: httpx.Client, url: str) -> bool:
+    try:
+        return client.get(f"{url}/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def log_tail(path: Path, num_lines: int = _LOG_TAIL_LINES) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        return f"(cannot read the log: {exc})"
+    return "\n".join(lines[-num_lines:])

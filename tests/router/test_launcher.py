@@ -1,0 +1,138 @@
+"""The one-command launcher's parts: core assignment, worker flags, pinned worker processes,
+startup failure."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import textwrap
+
+import httpx
+import pytest
+
+from pdserve.engine.args import add_engine_args
+from pdserve.router.cores import assign_cores
+from pdserve.router.launcher import add_disagg_args, plan_workers, worker_flags
+from pdserve.router.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
+from tests.router.harness import REPO_ROOT, free_port
+
+
+def test_two_cores_two_workers_get_one_core_each():
+    assert assign_cores([0, 1], 2) == [(0,), (1,)]
+
+
+def test_cores_split_evenly_leftovers_to_the_first_workers():
+    assert assign_cores(range(16), 2) == [tuple(range(8)), tuple(range(8, 16))]
+    assert assign_cores([4, 5, 6], 2) == [(4, 5), (6,)]
+
+
+def test_more_workers_than_cores_share_round_robin():
+    assert assign_cores([0, 1], 3) == [(0,), (1,), (0,)]
+    with pytest.raises(ValueError, match="at least one worker"):
+        assign_cores([0], 0)
+
+
+def serve_like_parser() -> argparse.ArgumentParser:
+    """What `pdserve serve` looks like with --mode disagg wired in."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", default="chunked")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--max-queue", type=int, default=128)
+    parser.add_argument("--served-model-name", nargs="+", default=None)
+    add_engine_args(parser)
+    add_disagg_args(parser)
+    return parser
+
+
+def test_workers_get_engine_and_server_flags_but_not_the_launchers():
+    parser = serve_like_parser()
+    args = parser.parse_args([
+        "--mode", "disagg", "--port", "9000", "--api-key", "k", "--model", "m.gguf",
+        "--max-num-seqs", "8", "--no-prefix-caching", "--served-model-name", "a", "b",
+        "--kv-transport", "tcp", "--prefill-workers", "2", "--policy", "prefix_aware",
+        "--local-prefill-threshold", "64", "--num-threads", "4"])
+    flags = worker_flags(args, parser)
+    assert flags == ["--served-model-name", "a", "b", "--model", "m.gguf", "--max-num-seqs", "8",
+                     "--no-prefix-caching", "--kv-transport", "tcp"]
+
+
+def test_an_existing_flag_is_not_added_twice():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kv-transport", choices=("shm", "tcp", "rdma"), default="tcp")
+    add_disagg_args(parser)  # no conflict error
+    assert parser.parse_args([]).kv_transport == "tcp"
+
+
+def test_plan_pins_prefill_then_decode_workers(tmp_path):
+    parser = serve_like_parser()
+    args = parser.parse_args(["--mode", "disagg", "--worker-log-dir", str(tmp_path),
+                              "--worker-base-port", "9100", "--seed", "3"])
+    prefill, decode = plan_workers(args, parser)
+    assert (prefill.name, prefill.port, decode.name, decode.port) == (
+        "prefill-0", 9100, "decode-0", 9101)
+    assert prefill.command[2:7] == ("pdserve.cli", "serve", "--role", "prefill", "--host")
+    assert decode.command[decode.command.index("--num-threads") + 1] == str(len(decode.cores))
+    assert decode.command[-2:] == ("--seed", "3")
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert not set(prefill.cores) & set(decode.cores)
+    assert decode.log_path == tmp_path / "decode-0.log"
+
+
+def stub_spec(tmp_path, name: str, cores: tuple[int, ...]) -> WorkerSpec:
+    port = free_port()
+    command = (sys.executable, "-m", "tests.router.stub_worker", "--role", "decode",
+               "--port", str(port))
+    return WorkerSpec(name, "decode", port, cores, command, tmp_path / f"{name}.log")
+
+
+@pytest.mark.slow
+def test_worker_group_pins_waits_for_health_and_stops(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))
+    cores = assign_cores(sorted(os.sched_getaffinity(0)), 2)
+    specs = [stub_spec(tmp_path, f"w{i}", c) for i, c in enumerate(cores)]
+    group = WorkerGroup(specs)
+    try:
+        group.start()
+        group.wait_healthy(timeout_s=60)
+        for spec in specs:
+            assert httpx.get(f"{spec.url}/health", trust_env=False).status_code == 200
+            assert os.sched_getaffinity(group.pid(spec.name)) == set(spec.cores)
+    finally:
+        group.stop(grace_s=10)
+    for spec in specs:
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{spec.url}/health", trust_env=False)
+
+
+def test_a_worker_dying_at_startup_is_reported_with_its_log_tail(tmp_path):
+    dying = WorkerSpec("prefill-0", "prefill", free_port(), (0,),
+                       (sys.executable, "-c", "print('cannot load model x'); raise SystemExit(3)"),
+                       tmp_path / "prefill-0.log")
+    group = WorkerGroup([dying])
+    group.start()
+    with pytest.raises(WorkerStartupError, match=r"(?s)exited with code 3.*cannot load model x"):
+        group.wait_healthy(timeout_s=30, poll_s=0.05)
+    group.stop()
+
+
+@pytest.mark.slow
+def test_launch_disagg_exits_1_when_a_worker_cannot_start(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        from tests.router.test_launcher import serve_like_parser
+        from pdserve.router.launcher import launch_disagg
+        args = serve_like_parser().parse_args([
+            "--mode", "disagg", "--worker-log-dir", {str(tmp_path)!r},
+            "--worker-args=--no-such-flag", "--startup-timeout", "120"])
+        sys.exit(launch_disagg(args))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 1, result.stderr
+    assert "exited with code 2 during startup" in result.stderr
+    assert "--no-such-flag" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-0.log", "prefill-0.log"]
