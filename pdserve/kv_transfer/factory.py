@@ -15,9 +15,8 @@ from pdserve.kv_transfer.transport import KVTransport
 
 
 def create_kv_transport(config: KVTransferConfig, layout: KVLayout, num_blocks: int, *,
-                        free_blocks: FreeBlocksFn | None = None,
-                        device: str | torch.device = "cpu") -> KVTransport:
-    """Allocate the engine's KV cache and the transport that moves it.
+                        free_blocks: FreeBlocksFn | None = None) -> KVTransport:
+    """Allocate the engine's KV cache (CPU memory) and the transport that moves it.
 
     The engine must use `transport.kv_cache` as its KV cache tensor (for a shm producer it
     lives in shared memory). A producer needs `free_blocks(request_id, block_ids)`, called
@@ -29,9 +28,9 @@ def create_kv_transport(config: KVTransferConfig, layout: KVLayout, num_blocks: 
             raise ValueError("a kv_producer needs free_blocks to return leased blocks")
         leases = LeaseManager(free_blocks, config.kv_lease_timeout)
     if config.transport == "tcp":
-        cache = torch.zeros(layout.cache_shape(num_blocks), dtype=TORCH_DTYPES[layout.dtype],
-                            device=device)
+        # zero_() rather than torch.zeros: writing every page now means no transfer ever pays
+        # for first-touch page faults (torch.zeros may hand back lazily-zeroed pages).
+        cache = torch.empty(layout.cache_shape(num_blocks),
+                            dtype=TORCH_DTYPES[layout.dtype]).zero_()
         return TcpTransport(cache, layout, config, leases)
-    if torch.device(device).type != "cpu":
-        raise ValueError("the 'shm' KV transport needs the KV cache in CPU memory; use 'tcp'")
     return ShmTransport(SharedKVCache.create(layout, num_blocks), layout, config, leases)

@@ -1,11 +1,15 @@
 """Sender-side leases: KV blocks handed out for a request stay allocated until the receiver
 releases them or `lease_timeout` seconds pass, then go back to the engine.
 
-Threads: `grant`/`collect` run on the engine thread; `acquire`/`reading`/`release` run on the
-KV server's connection threads. Blocks are returned only inside `collect()`, on the caller's
+Threads: `grant`/`collect` run on the engine thread; `reading`/`release` run on the KV
+server's connection threads. Blocks are returned only inside `collect()`, on the caller's
 thread, so the engine's (single-threaded) block manager is never touched from another thread.
-An expired lease is refused at once by `acquire`, but its blocks are only freed by the next
-`collect()`, and never while a sender-side read of them is in flight.
+An expired lease is refused at once, but its blocks are only freed by the next `collect()`,
+and never while a sender-side read of them is in flight.
+
+A lease never comes back to life, and its blocks are reused only after it ends: so a
+`release()` that finds the lease live proves every read made since `grant()` saw the leased
+data. The shm receiver copies without asking first and relies on exactly that.
 """
 
 from __future__ import annotations
@@ -58,13 +62,6 @@ class LeaseManager:
             self._leases[request_id] = lease
             return lease
 
-    def acquire(self, request_id: str) -> Lease:
-        """Confirm the lease is live and extend it by `lease_timeout` (a receiver is copying)."""
-        with self._lock:
-            lease = self._live(request_id)
-            lease.deadline = max(lease.deadline, self._clock() + self.lease_timeout)
-            return lease
-
     @contextlib.contextmanager
     def reading(self, request_id: str) -> Iterator[Lease]:
         """Pin a live lease while the sender reads its blocks (not freed even if it expires)."""
@@ -77,14 +74,15 @@ class LeaseManager:
             with self._lock:
                 lease.num_readers -= 1
 
-    def release(self, request_id: str) -> bool:
-        """Receiver is done. True iff the lease was still live (so every read saw valid data)."""
+    def release(self, request_id: str, block_ids: Sequence[int] = ()) -> bool:
+        """The receiver is done with the lease. True iff it was still live and `block_ids`
+        (the blocks the receiver read) are all leased: every such read saw valid data."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None or lease.is_released:
                 return False
             lease.is_released = True
-            return self._clock() < lease.deadline
+            return self._clock() < lease.deadline and set(block_ids) <= set(lease.block_ids)
 
     def revoke(self, request_id: str) -> bool:
         """Engine-side abort: stop serving the lease; its blocks go back at the next collect."""

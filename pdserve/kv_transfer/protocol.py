@@ -146,10 +146,25 @@ def check_protocol_version(version: int, where: str) -> None:
 class KVTransferParams:
     """vLLM-style ``kv_transfer_params`` carried by the router between the two legs.
 
-    Prefill leg (router -> prefill worker): ``do_remote_decode=True``, nothing else.
-    Decode leg (prefill worker -> router -> decode worker): ``do_remote_prefill=True`` and
-    every field naming where the KV blocks are. `remote_request_id` is the lease key on the
-    prefill worker; `remote_num_tokens` is how many tokens of KV the blocks hold.
+    Prefill leg (router -> prefill worker): ``{"do_remote_decode": true}``, nothing else.
+    Decode leg (prefill worker -> router -> decode worker), all required unless noted:
+
+    ====================  =====================================================================
+    do_remote_prefill     true
+    remote_engine_id      the prefill engine's id (a restarted worker has a new one)
+    remote_request_id     the lease key on the prefill worker
+    remote_host/port      the prefill worker's KV server (control channel; tcp data too)
+    remote_block_ids      block ids holding the KV, in token order
+    remote_num_tokens     tokens of KV in those blocks (the prompt length);
+                          ``len(remote_block_ids) == ceil(remote_num_tokens / block_size)``
+    transport             "shm" (same host) or "tcp"
+    shm_name              the prefill worker's shared KV segment (shm only)
+    layout_hash           `KVLayout.layout_hash()` of the prefill worker's cache
+    protocol_version      `KV_TRANSFER_PROTOCOL_VERSION` of the prefill worker
+    first_token_id        optional: the token the prefill leg sampled
+    ====================  =====================================================================
+
+    Unknown fields are refused (the version is bumped instead).
     """
 
     do_remote_decode: bool = False
@@ -164,6 +179,7 @@ class KVTransferParams:
     shm_name: str | None = None
     layout_hash: str | None = None
     protocol_version: int = KV_TRANSFER_PROTOCOL_VERSION
+    first_token_id: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "remote_block_ids", tuple(self.remote_block_ids))
@@ -204,6 +220,7 @@ def _validate_params_dict(data: Mapping[str, Any], where: str) -> None:
     if data.get("remote_block_ids") is not None:
         get_int_list(data, "remote_block_ids", where, max_len=MAX_BLOCKS_PER_REQUEST)
     get_int(data, "remote_num_tokens", where, required=False)
+    get_int(data, "first_token_id", where, required=False)
     transport = get_str(data, "transport", where, required=do_remote_prefill)
     if transport is not None and transport not in TRANSPORT_NAMES:
         raise KVProtocolError(

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pdserve.kv_transfer.blocks import StagingBuffer, byte_view, copy_blocks, dtype_name
+from pdserve.kv_transfer.blocks import StagedBlocks, StagingBuffer, byte_view, dtype_name
 from pdserve.kv_transfer.errors import KVLeaseError, KVProtocolError
 from pdserve.kv_transfer.fields import get_int, get_int_list, get_str
 from pdserve.kv_transfer.lease import LeaseManager
@@ -40,7 +40,7 @@ _DRAIN_BYTES = 1 << 20
 
 
 class KVServer:
-    """Serves HELLO / ACQUIRE / FETCH / RELEASE for the leases of one engine's `kv_cache`."""
+    """Serves HELLO / FETCH / RELEASE for the leases of one engine's `kv_cache`."""
 
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseManager, *,
                  engine_id: str, host: str, port: int, idle_timeout: float,
@@ -59,8 +59,8 @@ class KVServer:
         self.num_rejected_frames = 0
         self.num_bytes_sent = 0
         self._handlers: dict[MessageType, Callable[[socket.socket, dict, Any], None]] = {
-            MessageType.HELLO: self._on_hello, MessageType.ACQUIRE: self._on_acquire,
-            MessageType.FETCH: self._on_fetch, MessageType.RELEASE: self._on_release}
+            MessageType.HELLO: self._on_hello, MessageType.FETCH: self._on_fetch,
+            MessageType.RELEASE: self._on_release}
         self._acceptor = threading.Thread(target=self._accept_loop, name="kv-server",
                                           daemon=True)
         self._acceptor.start()
@@ -145,11 +145,6 @@ class KVServer:
     def _on_hello(self, conn: socket.socket, meta: dict, staging: StagingBuffer) -> None:
         send_frame(conn, MessageType.REPLY, self._hello)
 
-    def _on_acquire(self, conn: socket.socket, meta: dict, staging: StagingBuffer) -> None:
-        lease = self._leases.acquire(_request_id(meta, "ACQUIRE"))
-        send_frame(conn, MessageType.REPLY,
-                   {"block_ids": list(lease.block_ids), "num_tokens": lease.num_tokens})
-
     def _on_release(self, conn: socket.socket, meta: dict, staging: StagingBuffer) -> None:
         request_id = _request_id(meta, "RELEASE")
         # Request ids are only unique per engine: never release for a previous incarnation.
@@ -157,7 +152,8 @@ class KVServer:
         if engine_id != self._hello["engine_id"]:
             raise KVLeaseError(f"RELEASE names engine {engine_id}, this is engine "
                                f"{self._hello['engine_id']}")
-        released = self._leases.release(request_id)
+        block_ids = get_int_list(meta, "block_ids", "RELEASE", max_len=self._kv_cache.shape[2])
+        released = self._leases.release(request_id, block_ids)
         send_frame(conn, MessageType.REPLY, {"released": released})
 
     def _on_fetch(self, conn: socket.socket, meta: dict, staging: StagingBuffer) -> None:
@@ -186,9 +182,9 @@ class KVServer:
         send_frame(conn, MessageType.DATA,
                    {"dtype": dtype_name(layer.dtype), "shape": [end - start, *layer.shape[1:]]},
                    payload_len)
-        staging_ids = range(len(block_ids))
+        blocks = StagedBlocks(block_ids)
         for index in range(start, end):
-            copy_blocks(layer, staging_ids, self._kv_cache[index:index + 1], block_ids)
+            blocks.gather(self._kv_cache[index:index + 1], layer)
             conn.sendall(byte_view(layer))
         with self._lock:
             self.num_bytes_sent += payload_len

@@ -1,10 +1,10 @@
 """`ShmTransport`: same-host KV transfer through shared memory, no sockets on the data path.
 
 The producer's whole KV cache lives in a `SharedKVCache` segment. A consumer maps it once per
-producer and copies leased blocks straight from it into its own cache, so the bytes are
-copied exactly once. The socket carries only control messages: ACQUIRE before the copy
-(confirms and extends the lease) and again after it (proves the lease stayed live, so the
-blocks were not reused mid-copy), then RELEASE.
+producer and copies leased blocks straight from it into its own cache: the bytes are copied
+exactly once, with no round trip before the copy. Validity is settled afterwards by RELEASE:
+the producer answers `released: true` only if the lease was still live (see lease.py), which
+proves the blocks were not reused while they were copied; otherwise `receive()` refuses.
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ from typing import Any, ClassVar
 
 from pdserve.kv_transfer.blocks import copy_blocks
 from pdserve.kv_transfer.config import KVTransferConfig
-from pdserve.kv_transfer.errors import KVLeaseError, KVProtocolError
-from pdserve.kv_transfer.fields import get_int_list
+from pdserve.kv_transfer.errors import KVProtocolError
 from pdserve.kv_transfer.lease import LeaseManager
 from pdserve.kv_transfer.protocol import KVLayout, KVTransferParams
 from pdserve.kv_transfer.shm_segment import SharedKVCache
 from pdserve.kv_transfer.transport import KVTransport, RemoteEngine
 from pdserve.kv_transfer.unit import KVTransferUnit
-from pdserve.kv_transfer.wire import MessageType
 
 
 class ShmTransport(KVTransport):
@@ -56,24 +54,14 @@ class ShmTransport(KVTransport):
 
     def _read_units(self, remote: RemoteEngine, request_id: str,
                     units: Sequence[KVTransferUnit]) -> int:
-        leased = set(self._acquire(remote, request_id))
         source = remote.attachment.tensor
         num_bytes = 0
         for unit in units:
-            if not leased.issuperset(unit.remote_block_ids):
-                raise KVLeaseError(f"blocks of unit are not leased to request {request_id!r}")
+            if max(unit.remote_block_ids) >= remote.num_blocks:
+                raise KVProtocolError(f"unit.remote_block_ids exceed the {remote.num_blocks} "
+                                      f"blocks of engine {remote.engine_id}")
             layers = slice(unit.layer_start, unit.layer_end)
             copy_blocks(self.kv_cache[layers], unit.local_block_ids, source[layers],
                         unit.remote_block_ids)
             num_bytes += self.layout.nbytes(unit.num_blocks, unit.num_layers)
-        try:
-            self._acquire(remote, request_id)
-        except KVLeaseError as exc:
-            raise KVLeaseError(f"{exc}, while its blocks were being copied: the copy may "
-                               "hold reused blocks") from None
         return num_bytes
-
-    def _acquire(self, remote: RemoteEngine, request_id: str) -> tuple[int, ...]:
-        reply = remote.client.call(MessageType.ACQUIRE, {"request_id": request_id})
-        return get_int_list(reply, "block_ids", "ACQUIRE reply", max_len=remote.num_blocks,
-                            max_value=remote.num_blocks - 1)

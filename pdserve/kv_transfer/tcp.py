@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from pdserve.kv_transfer.blocks import byte_view, copy_blocks
+from pdserve.kv_transfer.blocks import StagedBlocks, byte_view
 from pdserve.kv_transfer.errors import FrameError
 from pdserve.kv_transfer.transport import KVTransport, RemoteEngine
 from pdserve.kv_transfer.unit import KVTransferUnit
@@ -40,8 +40,8 @@ class TcpTransport(KVTransport):
             remote.client.close()  # the payload is still on the wire
             raise FrameError(f"KV server {remote.client.address} sent DATA {meta}, "
                              f"expected {expected}")
-        staging_ids = range(unit.num_blocks)
+        blocks = StagedBlocks(unit.local_block_ids)
         for index in range(unit.layer_start, unit.layer_end):
             remote.client.recv_into(byte_view(layer))
-            copy_blocks(self.kv_cache[index:index + 1], unit.local_block_ids, layer, staging_ids)
+            blocks.scatter(self.kv_cache[index:index + 1], layer)
         return num_bytes

@@ -123,8 +123,8 @@ class KVTransport(ABC):
 
     # ---- sender (prefill worker) ----
 
-    def expose(self, request_id: str, block_ids: Sequence[int],
-               num_tokens: int) -> KVTransferParams:
+    def expose(self, request_id: str, block_ids: Sequence[int], num_tokens: int,
+               first_token_id: int | None = None) -> KVTransferParams:
         """Lease the blocks holding `num_tokens` tokens of `request_id`'s KV and return the
         decode leg's params. From now until `collect()` frees them the engine must not reuse
         these blocks."""
@@ -143,7 +143,8 @@ class KVTransport(ABC):
             remote_request_id=request_id, remote_host=self.config.advertise_host,
             remote_port=self._server.port, remote_block_ids=tuple(block_ids),
             remote_num_tokens=num_tokens, transport=self.name,
-            layout_hash=self.layout.layout_hash(), **self._params_extra())
+            layout_hash=self.layout.layout_hash(), first_token_id=first_token_id,
+            **self._params_extra())
 
     def collect(self) -> list[str]:
         """Free released and expired leases through the engine's callback (engine thread)."""
@@ -153,7 +154,8 @@ class KVTransport(ABC):
 
     def receive(self, params: KVTransferParams, local_block_ids: Sequence[int], *,
                 skip_blocks: int = 0) -> TransferStats:
-        """Fetch the request's KV, every layer, into `local_block_ids`, then release it.
+        """Fetch the request's KV, every layer, into `local_block_ids`, then release it; the
+        data is good iff this returns (`KVLeaseError` if the lease ended first).
 
         The first `skip_blocks` remote blocks are not fetched (the decode worker already has
         them from its prefix cache); `local_block_ids[i]` receives remote block
@@ -164,20 +166,27 @@ class KVTransport(ABC):
             raise KVProtocolError(f"cannot place remote blocks {skip_blocks}.. of "
                                   f"{len(params.remote_block_ids)} into "
                                   f"{len(local_block_ids)} local blocks")
+        start = time.perf_counter()
         try:
-            stats = self.fetch(params, plan_units(self.layout.num_layers, remote_ids,
-                                                  local_block_ids))
+            fetched = self.fetch(params, plan_units(self.layout.num_layers, remote_ids,
+                                                    local_block_ids))
         except KVTransferError:
             self._release_quietly(params)
             raise
-        self.release(params)
-        return stats
+        if not self.release(params):
+            raise KVLeaseError(
+                f"the prefill worker's lease on request {params.remote_request_id!r} ended "
+                "before the transfer was confirmed (kv_lease_timeout passed, or it was revoked "
+                "or released already); the received KV is discarded")
+        return TransferStats(fetched.num_bytes, fetched.num_units, time.perf_counter() - start)
 
     def fetch(self, params: KVTransferParams, units: Sequence[KVTransferUnit]) -> TransferStats:
         """Copy each unit's remote blocks into this engine's `kv_cache`; blocks until done.
 
-        Raises `KVIncompatibleError` (version/model/dtype/layout), `KVLeaseError` (the sender
-        no longer holds the blocks) or `KVTransferError` (unreachable, bad frames)."""
+        The copied data counts only once a later `release()` returns True (the shm transport
+        copies without asking first); `receive()` does both. Raises `KVIncompatibleError`
+        (version/model/dtype/layout), `KVLeaseError` (the sender no longer holds the blocks)
+        or `KVTransferError` (unreachable, bad frames)."""
         if not params.do_remote_prefill:
             raise KVProtocolError("kv_transfer_params.do_remote_prefill is not set: "
                                   "nothing to fetch")
@@ -201,8 +210,10 @@ class KVTransport(ABC):
 
     def release(self, params: KVTransferParams) -> bool:
         """Tell the sender it may free the request's blocks; also valid without any fetch
-        (the decode side aborted the request). True iff the lease was still live."""
-        meta = {"request_id": params.remote_request_id, "engine_id": params.remote_engine_id}
+        (the decode side aborted the request). True iff the lease was still live, which
+        confirms every block fetched under it."""
+        meta = {"request_id": params.remote_request_id, "engine_id": params.remote_engine_id,
+                "block_ids": list(params.remote_block_ids)}
         with self._lock:
             remote = self._remotes.get(_remote_key(params))
         if remote is not None:

@@ -35,17 +35,15 @@ _RECV_CHUNK = 1 << 22
 class MessageType(enum.IntEnum):
     # requests (receiver -> sender)
     HELLO = 1  # {} -> REPLY {protocol_version, engine_id, layout, num_blocks, ...}
-    ACQUIRE = 2  # {request_id} -> REPLY {block_ids, num_tokens}; extends the lease
     FETCH = 3  # {request_id, layer_start, layer_end, block_ids} -> DATA
-    RELEASE = 4  # {request_id} -> REPLY {released}
+    RELEASE = 4  # {request_id, engine_id, block_ids} -> REPLY {released}
     # responses (sender -> receiver)
     REPLY = 16
     DATA = 17  # {dtype, shape} + payload: per layer, [2, num_blocks, block_size, heads, dim]
     ERROR = 18  # {code, error}
 
 
-REQUEST_TYPES = frozenset({MessageType.HELLO, MessageType.ACQUIRE, MessageType.FETCH,
-                           MessageType.RELEASE})
+REQUEST_TYPES = frozenset({MessageType.HELLO, MessageType.FETCH, MessageType.RELEASE})
 
 
 class ConnectionClosed(Exception):

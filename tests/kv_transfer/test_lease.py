@@ -57,8 +57,8 @@ def test_timeout_frees_unfetched_blocks(clock, freed):
     clock.now += 9.9
     assert leases.collect() == []
     clock.now += 0.2
-    with pytest.raises(KVLeaseError, match="expired"):
-        leases.acquire("a")
+    with pytest.raises(KVLeaseError, match="expired"), leases.reading("a"):
+        pass
     assert leases.collect() == ["a"]
     assert freed.freed == [("a", [7])]
 
@@ -71,14 +71,13 @@ def test_release_after_expiry_reports_stale(clock, freed):
     assert leases.collect() == ["a"]
 
 
-def test_acquire_extends_the_lease(clock, freed):
+def test_release_confirms_only_leased_blocks(clock, freed):
     leases = LeaseManager(freed, lease_timeout=10, clock=clock)
-    leases.grant("a", [7], num_tokens=1)
-    clock.now += 8
-    assert leases.acquire("a").block_ids == (7,)
-    clock.now += 8
-    assert leases.collect() == []
-    assert leases.release("a") is True
+    leases.grant("a", [7, 8], num_tokens=5)
+    leases.grant("b", [9], num_tokens=1)
+    assert leases.release("a", [8, 7]) is True
+    assert leases.release("b", [9, 10]) is False  # read a block it was never given
+    assert sorted(leases.collect()) == ["a", "b"]
 
 
 def test_blocks_being_read_are_not_freed_even_when_expired(clock, freed):
@@ -93,14 +92,14 @@ def test_blocks_being_read_are_not_freed_even_when_expired(clock, freed):
 
 def test_refusals_name_the_reason(clock, freed):
     leases = LeaseManager(freed, lease_timeout=10, clock=clock)
-    with pytest.raises(KVLeaseError, match="unknown"):
-        leases.acquire("nope")
+    with pytest.raises(KVLeaseError, match="unknown"), leases.reading("nope"):
+        pass
     leases.grant("a", [1], num_tokens=1)
     with pytest.raises(ValueError, match="already holds"):
         leases.grant("a", [2], num_tokens=1)
     leases.release("a")
-    with pytest.raises(KVLeaseError, match="already released"):
-        leases.acquire("a")
+    with pytest.raises(KVLeaseError, match="already released"), leases.reading("a"):
+        pass
 
 
 def test_a_failing_callback_does_not_leak_the_others(clock):

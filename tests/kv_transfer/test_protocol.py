@@ -25,7 +25,7 @@ def _hand_off(**overrides) -> dict:
     data = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_request_id": "r1",
             "remote_host": "10.0.0.2", "remote_port": 7100, "remote_block_ids": [3, 4, 9],
             "remote_num_tokens": 40, "transport": "tcp", "layout_hash": SMOLLM2.layout_hash(),
-            "protocol_version": KV_TRANSFER_PROTOCOL_VERSION}
+            "protocol_version": KV_TRANSFER_PROTOCOL_VERSION, "first_token_id": 42}
     data.update(overrides)
     return data
 
@@ -55,6 +55,7 @@ def test_prefill_leg_needs_only_do_remote_decode():
     ({"transport": "shm"}, "kv_transfer_params.shm_name is required"),
     ({"do_remote_decode": True}, "exclusive"),
     ({"surprise": 1}, "unknown field(s): surprise"),
+    ({"first_token_id": -1}, "kv_transfer_params.first_token_id must be in"),
 ])
 def test_bad_params_name_the_field(overrides, field):
     with pytest.raises(KVProtocolError) as info:

@@ -5,6 +5,7 @@ shm lease re-check."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import select
 import subprocess
 import time
@@ -72,6 +73,13 @@ def test_abort_before_fetch_releases_the_lease(pair):
     assert pair.freed == [("aborted", [4, 5])]
 
 
+def test_release_for_another_engine_incarnation_is_refused(pair):
+    params = pair.producer.expose("mine", [4], 1)
+    with pytest.raises(KVLeaseError, match="names engine restarted"):
+        pair.consumer.release(dataclasses.replace(params, remote_engine_id="restarted"))
+    assert pair.producer.collect() == []
+
+
 def test_producer_close_returns_every_leased_block(pair):
     pair.producer.expose("a", [1], 2)
     pair.producer.expose("b", [2, 3], 5)
@@ -126,8 +134,8 @@ def _peer_closed(sock) -> bool:
 
 
 def test_shm_copy_that_outlives_its_lease_is_refused(monkeypatch):
-    """If the lease expired while the receiver copied, the blocks may have been reused: the
-    second ACQUIRE catches it."""
+    """If the lease expired while the receiver copied, the blocks may have been reused:
+    RELEASE reports the lease dead and the received KV is refused."""
     now = [0.0]
     freed = []
     leases = LeaseManager(lambda r, b: freed.append(r), lease_timeout=5, clock=lambda: now[0])
@@ -144,7 +152,7 @@ def test_shm_copy_that_outlives_its_lease_is_refused(monkeypatch):
     monkeypatch.setattr(shm_module, "copy_blocks", slow_copy)
     try:
         params = producer.expose("slow", [1, 2], 5)
-        with pytest.raises(KVLeaseError, match="while its blocks were being copied"):
+        with pytest.raises(KVLeaseError, match="ended before the transfer was confirmed"):
             consumer.receive(params, [1, 2])
         assert producer.collect() == ["slow"]
     finally:

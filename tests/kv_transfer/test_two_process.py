@@ -80,6 +80,22 @@ def test_round_trip_is_bit_exact_and_release_frees_blocks(sender, transport, dty
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_scattered_blocks_round_trip(sender, transport):
+    """Many runs of one block each (the indexed copy path), as after prefix-cache churn."""
+    key = f"{transport}-bfloat16"
+    remote_ids = list(range(63, 15, -2))  # 24 blocks, descending, none consecutive
+    local_ids = [(7 * i) % NUM_BLOCKS for i in range(1, 25)]
+    consumer = _consumer(transport, "bfloat16")
+    try:
+        params = _expose(sender, key, "scattered", remote_ids, num_tokens=24 * 4)
+        consumer.receive(params, local_ids)
+        _assert_blocks_equal(consumer.kv_cache, local_ids, "bfloat16", remote_ids)
+        assert sender.call("collect", key) == [("scattered", remote_ids)]
+    finally:
+        consumer.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_per_layer_units_and_prefix_skip(sender, transport):
     """The overlap-ready shape: one unit per layer; and a decode-side prefix-cache hit skips
     the first blocks."""
