@@ -130,7 +130,11 @@ class KVServer:
         except KVProtocolError as exc:
             return self._reject(conn, peer, "bad_request", str(exc))
         except KVLeaseError as exc:
-            send_frame(conn, MessageType.ERROR, {"code": "lease", "error": str(exc)})
+            # A refusal, not an attack: the connection stays usable.
+            try:
+                send_frame(conn, MessageType.ERROR, {"code": "lease", "error": str(exc)})
+            except OSError:
+                return False
             return True
 
     def _reject(self, conn: socket.socket, peer: Any, code: str, reason: str) -> bool:
@@ -192,7 +196,6 @@ class KVServer:
 
 def _request_id(meta: dict, where: str) -> str:
     return get_str(meta, "request_id", where, max_len=1024)
-
 
 
 def _drain(conn: socket.socket) -> None:

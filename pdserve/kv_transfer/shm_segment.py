@@ -16,6 +16,7 @@ import mmap
 import os
 import re
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
@@ -67,7 +68,7 @@ class SharedKVCache:
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise KVProtocolError(f"shm_name {name!r} is not a pdserve KV segment name")
         try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR)
+            fd = os.open(SHM_DIR / name, os.O_RDONLY)
         except FileNotFoundError:
             raise KVTransferError(
                 f"shared-memory KV segment {name} not found: the 'shm' transport needs both "
@@ -79,7 +80,7 @@ class SharedKVCache:
             if nbytes == 0 or nbytes % per_block:
                 raise KVProtocolError(f"shm segment {name} is {nbytes} bytes, not a whole "
                                       f"number of {per_block}-byte blocks of {layout}")
-            tensor = _map(fd, nbytes, layout, nbytes // per_block)
+            tensor = _map(fd, nbytes, layout, nbytes // per_block, is_writable=False)
         finally:
             os.close(fd)
         return cls(name, tensor, is_owner=False)
@@ -91,12 +92,17 @@ class SharedKVCache:
                 os.unlink(SHM_DIR / self.name)
 
 
-def _map(fd: int, nbytes: int, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+def _map(fd: int, nbytes: int, layout: KVLayout, num_blocks: int,
+         is_writable: bool = True) -> torch.Tensor:
     # MAP_POPULATE faults every page in now, so the first transfer is not slowed by page faults.
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    buffer = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    # frombuffer keeps `buffer` alive as long as the tensor is.
-    flat = torch.frombuffer(buffer, dtype=TORCH_DTYPES[layout.dtype])
+    # A reader maps read-only: a stray write faults instead of corrupting the owner's cache.
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if is_writable else 0)
+    buffer = mmap.mmap(fd, nbytes, flags=flags, prot=prot)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        # frombuffer keeps `buffer` alive as long as the tensor is.
+        flat = torch.frombuffer(buffer, dtype=TORCH_DTYPES[layout.dtype])
     return flat.view(layout.cache_shape(num_blocks))
 
 

@@ -20,12 +20,13 @@ Subclasses implement only how a unit's bytes reach the local cache (`_read_units
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -121,6 +122,12 @@ class KVTransport(ABC):
     def server(self) -> KVServer | None:
         return self._server
 
+    @property
+    def num_remotes(self) -> int:
+        """Remote engines currently connected (and, for shm, mapped)."""
+        with self._lock:
+            return len(self._remotes)
+
     # ---- sender (prefill worker) ----
 
     def expose(self, request_id: str, block_ids: Sequence[int], num_tokens: int,
@@ -198,14 +205,8 @@ class KVTransport(ABC):
         remote = self._remote(params)
         self._check_units(params, units)
         start = time.perf_counter()
-        with remote.lock:
-            try:
-                num_bytes = self._read_units(remote, params.remote_request_id, units)
-            except KVLeaseError:
-                raise
-            except KVTransferError:
-                self._forget(remote)
-                raise
+        with self._using(remote):
+            num_bytes = self._read_units(remote, params.remote_request_id, units)
         return TransferStats(num_bytes, len(units), time.perf_counter() - start)
 
     def release(self, params: KVTransferParams) -> bool:
@@ -217,7 +218,7 @@ class KVTransport(ABC):
         with self._lock:
             remote = self._remotes.get(_remote_key(params))
         if remote is not None:
-            with remote.lock:
+            with self._using(remote):
                 reply = remote.client.call(MessageType.RELEASE, meta)
         else:
             # Never fetched (aborted, or refused as incompatible): RELEASE needs no layout
@@ -323,6 +324,19 @@ class KVTransport(ABC):
                 ["layout hash differs"])
         return RemoteEngine(engine_id, remote_layout, num_blocks, client, hello,
                             StagingBuffer(remote_layout))
+
+    @contextlib.contextmanager
+    def _using(self, remote: RemoteEngine) -> Iterator[None]:
+        """Talk to `remote` exclusively; on any failure but a lease refusal, forget it (its
+        connection and shm mapping go; a live engine is reconnected on next use)."""
+        with remote.lock:
+            try:
+                yield
+            except KVLeaseError:
+                raise
+            except KVTransferError:
+                self._forget(remote)
+                raise
 
     def _forget(self, remote: RemoteEngine) -> None:
         remote.client.close()

@@ -92,6 +92,11 @@ class SenderProcess:
             raise TimeoutError(f"sender process did not answer {command[0]}")
         return self._conn.recv()
 
+    def kill(self) -> None:
+        """SIGKILL: no cleanup of any kind runs in the sender."""
+        self._process.kill()
+        self._process.join(timeout=30)
+
     def stop(self) -> None:
         self.call("stop", None)
         self._process.join(timeout=30)

@@ -14,10 +14,12 @@ from pdserve.kv_transfer import (
     KVIncompatibleError,
     KVLeaseError,
     KVTransferConfig,
+    KVTransferError,
     KVTransferParams,
     plan_units,
 )
 from pdserve.kv_transfer.factory import create_kv_transport
+from pdserve.kv_transfer.shm_segment import remove_stale_segments
 from pdserve.kv_transfer.wire import HEADER, MAGIC, MessageType, encode_frame
 from tests.kv_transfer.helpers import (
     NUM_BLOCKS,
@@ -253,3 +255,26 @@ def test_fetch_of_blocks_outside_the_lease_keeps_connection(sender):
     assert first_type == MessageType.ERROR
     assert first["code"] == "lease" and "not leased" in first["error"]
     assert second_type == MessageType.REPLY and second["engine_id"]
+
+
+def test_killed_prefill_worker_fails_the_transfer_cleanly():
+    """kill -9 of the sender after the hand-off: the receiver gets a KVTransferError (the
+    decode side then recomputes or fails the request) and drops its connection and mapping."""
+    process = SenderProcess([SenderSpec("shm", "shm", "float32"),
+                             SenderSpec("tcp", "tcp", "float32")])
+    consumers = {t: _consumer(t, "float32") for t in ("shm", "tcp")}
+    try:
+        for transport, consumer in consumers.items():
+            consumer.receive(_expose(process, transport, "before"), LOCAL_IDS)
+            assert consumer.num_remotes == 1
+        pending = {t: _expose(process, t, "orphan") for t in consumers}
+        process.kill()
+        for transport, consumer in consumers.items():
+            with pytest.raises(KVTransferError):
+                consumer.receive(pending[transport], LOCAL_IDS)
+            assert consumer.num_remotes == 0
+        # The dead owner's shared segment is swept by the next worker on this host.
+        assert pending["shm"].shm_name in remove_stale_segments()
+    finally:
+        for consumer in consumers.values():
+            consumer.close()
