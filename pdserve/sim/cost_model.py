@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from pdserve.sim.efficiency import Efficiency, default_efficiency
 from pdserve.sim.errors import SimConfigError
@@ -19,10 +20,10 @@ from pdserve.sim.network import NETWORKS, Interconnect
 ACTIVATION_DTYPE = "bf16"
 
 
-@dataclass(frozen=True)
-class SeqWork:
+class SeqWork(NamedTuple):
     """One sequence's share of a step: `num_new_tokens` computed on top of
-    `num_context_tokens` already in the KV cache; `is_sampling` if it yields a token."""
+    `num_context_tokens` already in the KV cache; `is_sampling` if it yields a token.
+    (A tuple: the simulator builds one per sequence per step.)"""
 
     num_new_tokens: int
     num_context_tokens: int

@@ -1,0 +1,127 @@
+"""What one simulation runs: model, hardware, the layout of worker pools, and knobs."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+from pdserve.core.config import SchedulerConfig, SchedulingPolicy
+from pdserve.sim.efficiency import Efficiency, default_efficiency
+from pdserve.sim.errors import SimConfigError
+from pdserve.sim.hardware import Hardware
+from pdserve.sim.model_spec import ModelSpec
+from pdserve.sim.network import Interconnect, get_network
+
+
+class Mode(enum.Enum):
+    COLOCATED = "colocated"
+    CHUNKED = "chunked"
+    DISAGG = "disagg"
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """`num_workers` engine instances of `tp` devices each, scheduled by the real core
+    scheduler with `scheduler_config`."""
+
+    num_workers: int
+    tp: int
+    scheduler_config: SchedulerConfig
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1 or self.tp < 1:
+            raise SimConfigError(f"a pool needs >= 1 worker of >= 1 device, got "
+                                 f"{self.num_workers} × tp {self.tp}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_workers * self.tp
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """A simulated deployment. In colocated/chunked mode `pool` is the only pool; in disagg
+    mode `pool` decodes and `prefill_pool` prefills."""
+
+    model: ModelSpec
+    hardware: Hardware
+    mode: Mode
+    pool: PoolConfig
+    prefill_pool: PoolConfig | None = None
+    # Link between nodes (KV transfers, TP across nodes).
+    network: Interconnect = field(default_factory=lambda: get_network("ib-8x400"))
+    # Disagg: prompts with fewer uncached tokens prefill on the decode worker (0: none do),
+    # as the router's --local-prefill-threshold.
+    local_prefill_threshold: int = 0
+    efficiency: Efficiency | None = None
+    dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    memory_utilization: float = 0.9
+    # Override the KV blocks per worker computed from memory (e.g. to match a real engine).
+    num_kv_blocks: int | None = None
+    # The router's policies (pdserve.router.policies names).
+    prefill_policy: str = "least_loaded"
+    decode_policy: str = "least_loaded"
+    # How often the router reads workers' load gauges (its health_interval_s).
+    scrape_interval_s: float = 2.0
+    # Client-side cap on requests in flight (the benchmark's --max-concurrency).
+    max_concurrency: int | None = None
+    # Stop the clock here; requests still in flight are reported incomplete.
+    horizon_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.mode is Mode.DISAGG) != (self.prefill_pool is not None):
+            raise SimConfigError("--prefill-workers/--decode-workers go with --mode disagg "
+                                 "(and only with it)")
+        if not 0 < self.memory_utilization <= 1:
+            raise SimConfigError("--memory-utilization must be in (0, 1]")
+        if self.local_prefill_threshold < 0:
+            raise SimConfigError("--local-prefill-threshold must be >= 0")
+        if not self.scrape_interval_s > 0:
+            raise SimConfigError("scrape_interval_s must be positive")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise SimConfigError("--max-concurrency must be >= 1")
+        if self.mode is not Mode.DISAGG:
+            expected = SchedulingPolicy(self.mode.value)
+            if self.pool.scheduler_config.scheduling is not expected:
+                raise SimConfigError(f"mode {self.mode.value} needs a {expected.value} "
+                                     "scheduler config")
+
+    @property
+    def num_devices(self) -> int:
+        prefill = self.prefill_pool.num_devices if self.prefill_pool else 0
+        return self.pool.num_devices + prefill
+
+    @property
+    def resolved_efficiency(self) -> Efficiency:
+        return self.efficiency or default_efficiency(self.hardware.name)
+
+    def describe(self) -> str:
+        """A short layout label, e.g. "chunked 8×TP8 budget 2048" or "disagg 2×TP8:6×TP8"."""
+        pool = self.pool
+        if self.mode is Mode.DISAGG:
+            pre = self.prefill_pool
+            label = f"disagg {pre.num_workers}×TP{pre.tp}:{pool.num_workers}×TP{pool.tp}"
+            if self.local_prefill_threshold:
+                label += f" local<{self.local_prefill_threshold}"
+            return label
+        label = f"{self.mode.value} {pool.num_workers}×TP{pool.tp}"
+        if self.mode is Mode.CHUNKED:
+            label += f" budget {pool.scheduler_config.max_num_batched_tokens}"
+        return label
+
+
+def scheduler_config_for(mode: Mode, max_num_batched_tokens: int, max_num_seqs: int,
+                         max_model_len: int, **kwargs) -> SchedulerConfig:
+    """The core scheduler config a worker of `mode` runs (disagg workers chunk)."""
+    scheduling = (SchedulingPolicy.COLOCATED if mode is Mode.COLOCATED
+                  else SchedulingPolicy.CHUNKED)
+    return SchedulerConfig(scheduling=scheduling, max_num_batched_tokens=max_num_batched_tokens,
+                           max_num_seqs=max_num_seqs, max_model_len=max_model_len, **kwargs)
+
+
+def with_scheduler(pool: PoolConfig, **changes) -> PoolConfig:
+    """`pool` with some scheduler fields changed."""
+    return replace(pool, scheduler_config=replace(pool.scheduler_config, **changes))

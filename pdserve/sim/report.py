@@ -1,0 +1,69 @@
+"""A simulated run in the benchmark's terms: its metrics code, result JSON and report.
+
+`bench_result` wraps the simulator's per-request records in a `pdserve.bench` `BenchResult`,
+so `result_to_dict`, `write_report` and the compare table treat a simulated run exactly like
+a measured one. `simulation_summary` adds what only a simulation knows: where time went.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pdserve.bench.benchmark import BenchResult, BenchSpec, summarize
+from pdserve.bench.client import EndpointConfig
+from pdserve.bench.results import result_to_dict
+from pdserve.bench.workloads import Workload
+from pdserve.sim.simulator import SimResult
+
+# Result files name the server they measured; a simulation names itself.
+SIMULATED_BASE_URL = "http://simulated"
+
+
+def bench_result(sim: SimResult, workload: Workload, *, seed: int,
+                 request_rate: float | None, burstiness: float = 1.0,
+                 slos: Mapping[str, float] | None = None, label: str | None = None) -> BenchResult:
+    """The run as the benchmark would have recorded it (clock zero = simulation start)."""
+    spec = BenchSpec(endpoint=EndpointConfig(base_url=SIMULATED_BASE_URL), workload=workload,
+                     seed=seed, request_rates=(request_rate,), burstiness=burstiness,
+                     max_concurrency=sim.config.max_concurrency, num_warmups=0,
+                     slos=dict(slos or {}), show_progress=False)
+    return summarize(label or sim.config.describe(), sim.config.model.name, spec, request_rate,
+                     sim.records, 0.0)
+
+
+def simulation_summary(sim: SimResult) -> dict:
+    """The layout, and per pool where the busy time went and how busy the workers were."""
+    cfg = sim.config
+    pools = {}
+    for name, stats in sim.pool_stats.items():
+        busy = sum(s.busy_s for s in stats)
+        capacity = sim.duration_s * len(stats)
+        pools[name] = {
+            "num_workers": len(stats),
+            "num_kv_blocks": sim.num_kv_blocks[name],
+            "num_steps": sum(s.num_steps for s in stats),
+            "utilization": busy / capacity if capacity else 0.0,
+            "max_step_ms": max((s.max_step_s for s in stats), default=0.0) * 1000,
+            "busy_s": {part: sum(getattr(s, f"{part}_s") for s in stats)
+                       for part in ("linear", "attention", "communication", "overhead")},
+        }
+    return {
+        "layout": cfg.describe(),
+        "model": cfg.model.name,
+        "hardware": cfg.hardware.name,
+        "network": cfg.network.name,
+        "num_devices": cfg.num_devices,
+        "efficiency": vars(cfg.resolved_efficiency),
+        "simulated_s": sim.duration_s,
+        "wall_time_s": sim.wall_time_s,
+        "num_events": sim.num_events,
+        "pools": pools,
+    }
+
+
+def result_json(sim: SimResult, result: BenchResult) -> dict:
+    """The benchmark's result JSON (vLLM keys), with the simulation summary under
+    "pdserve" → "simulation"."""
+    out = result_to_dict(result)
+    out["pdserve"]["simulation"] = simulation_summary(sim)
+    return out

@@ -1,0 +1,83 @@
+"""The gateway's routing, on simulated workers: pdserve.router's pools, policies, leases and
+prefix index, driven the way its dispatcher drives them.
+
+Per request (as `pdserve.router.dispatch`): pick a decode worker; a prompt whose uncached
+length there is below the local-prefill threshold (or any prompt when there is no prefill
+pool) goes to it directly; otherwise a prefill worker runs the prefill leg first. Decode load
+comes from the workers' metrics, scraped every `scrape_interval_s`; in-flight counts and
+pending prefill tokens are the router's own exact bookkeeping (leases).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.router.policies import PoolRole, make_policy
+from pdserve.router.pool import Lease, WorkerPool, WorkerRegistry
+from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.prompt import PromptInfo
+from pdserve.router.worker import ScrapedLoad, WorkerState
+from pdserve.sim.errors import SimConfigError
+from pdserve.sim.worker import SimWorker
+
+# The router's default prefix-index size per worker (RouterConfig.prefix_index_blocks).
+_PREFIX_INDEX_BLOCKS = 1 << 16
+
+
+@dataclass
+class Route:
+    """Where one request goes; leases are released as its legs end."""
+
+    decode: SimWorker
+    decode_lease: Lease
+    prefill: SimWorker | None = None
+    prefill_lease: Lease | None = None
+
+
+class SimRouter:
+    def __init__(self, prefill: Sequence[SimWorker], decode: Sequence[SimWorker], *,
+                 prefill_policy: str, decode_policy: str, local_prefill_threshold: int,
+                 block_size: int) -> None:
+        try:
+            pools = [WorkerPool(role, make_policy(name, role),
+                                PrefixIndex(block_size, _PREFIX_INDEX_BLOCKS))
+                     for role, name in ((PoolRole.PREFILL, prefill_policy),
+                                        (PoolRole.DECODE, decode_policy))]
+        except ValueError as exc:
+            raise SimConfigError(f"--policy: {exc}") from None
+        self.registry = WorkerRegistry(*pools)
+        self.local_prefill_threshold = local_prefill_threshold
+        self.block_size = block_size
+        self.needs_token_ids = local_prefill_threshold > 0 or "prefix_aware" in (
+            prefill_policy, decode_policy)
+        self._sim_workers: dict[str, SimWorker] = {}
+        for role, workers in ((PoolRole.PREFILL, prefill), (PoolRole.DECODE, decode)):
+            for worker in workers:
+                entry = self.registry.add(f"sim://{worker.worker_id}", role)
+                entry.state = WorkerState.HEALTHY
+                self._sim_workers[entry.worker_id] = worker
+        self.scrape()
+
+    def route(self, prompt_token_ids: list[int]) -> Route:
+        """Choose the decode worker, and a prefill worker unless the prompt stays local."""
+        prompt = (PromptInfo.from_token_ids(prompt_token_ids, self.block_size)
+                  if self.needs_token_ids else PromptInfo(len(prompt_token_ids)))
+        registry = self.registry
+        selection = registry.decode.select(prompt)
+        route = Route(self._sim_workers[selection.worker.worker_id],
+                      registry.decode.acquire(selection.worker))
+        num_uncached = prompt.num_tokens - selection.num_cached_tokens
+        if not registry.prefill.workers or num_uncached < self.local_prefill_threshold:
+            return route
+        chosen = registry.prefill.select(prompt)
+        route.prefill = self._sim_workers[chosen.worker.worker_id]
+        route.prefill_lease = registry.prefill.acquire(chosen.worker, prompt.num_tokens)
+        return route
+
+    def scrape(self) -> None:
+        """Refresh every worker's scraped gauges (what its /metrics would say now)."""
+        for entry in self.registry.all_workers():
+            stats = self._sim_workers[entry.worker_id].scheduler.get_stats()
+            entry.scraped = ScrapedLoad(stats.num_running, stats.num_waiting,
+                                        stats.kv_cache_usage)

@@ -1,0 +1,363 @@
+"""Discrete-event cluster simulation over the real core scheduler and the router's policies.
+
+Events (arrivals, step ends, KV transfer progress, metric scrapes) run in time order on a
+simulated clock; nothing sleeps. Each worker is a `SimWorker`: the real `Scheduler` and
+`BlockManager` (and, disaggregated, the scheduler side of a KV connector), with the cost model
+in place of the forward pass. Ties at one instant run in the order they were queued, so a run
+is a pure function of its config and requests.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+from pdserve.bench.records import RequestRecord
+from pdserve.core.config import CacheConfig
+from pdserve.core.request import Request
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.sim.config import PoolConfig, SimConfig
+from pdserve.sim.connector import SimKVConnector, decode_leg_params, prefill_leg_params
+from pdserve.sim.cost_model import CostModel
+from pdserve.sim.network import NETWORKS, Interconnect
+from pdserve.sim.router import Route, SimRouter
+from pdserve.sim.transfers import Channel, Transfer, TransferNetwork
+from pdserve.sim.worker import SimWorker, WorkerStats
+from pdserve.sim.workload import SimRequestSpec
+
+# Prompt token ids: a request's own tokens start with a unique id, a shared prefix with its
+# group's id, so block hashes match exactly where real prompts would share text.
+_UNIQUE_BASE = 1 << 20
+_PREFIX_BASE = 1 << 30
+_FILL_TOKEN_ID = 7
+
+
+@dataclass
+class Pool:
+    name: str
+    config: PoolConfig
+    cost_model: CostModel
+    workers: list[SimWorker]
+    num_kv_blocks: int
+
+
+@dataclass
+class SimResult:
+    """Everything a run produced; `pdserve.sim.report` turns it into metrics and JSON.
+
+    `records` are the benchmark's per-request records (the client's view), in request order;
+    `server_extra` carries the simulated breakdown (prefill, KV transfer, preemptions).
+    """
+
+    config: SimConfig
+    records: list[RequestRecord]
+    pool_stats: dict[str, list[WorkerStats]]
+    num_kv_blocks: dict[str, int]
+    duration_s: float
+    wall_time_s: float
+    num_events: int
+
+
+@dataclass
+class _KVFlight:
+    """A KV transfer's bookkeeping, carried through the network as its payload."""
+
+    record: RequestRecord
+    request_id: str
+    source: SimWorker
+    destination: SimWorker
+    start_time: float
+    latency_s: float
+
+
+class Simulation:
+    """One run of `config` on `requests` (see module docstring)."""
+
+    def __init__(self, config: SimConfig, requests: Sequence[SimRequestSpec]) -> None:
+        self.config = config
+        self.specs = list(requests)
+        self.records = {s.request_id: RequestRecord(i, s.kind, s.prompt_len, s.output_len,
+                                                    s.arrival_time)
+                        for i, s in enumerate(self.specs)}
+        if len(self.records) != len(self.specs):
+            raise ValueError("request ids must be unique")
+        self._index = {s.request_id: i for i, s in enumerate(self.specs)}
+        self._transfer_started: set[str] = set()
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+        self._pending_kicks: set[str] = set()
+        self._client_queue: deque[SimRequestSpec] = deque()
+        self._num_in_flight = 0
+        self._num_open = len(self.specs)
+        self._routes: dict[str, Route] = {}
+        self._network = TransferNetwork()
+        self._network_generation = 0
+        self._channels: dict[tuple[str, int], Channel] = {}
+        self._next_device = 0
+        self.prefill = self._build_pool("prefill", config.prefill_pool)
+        self.main = self._build_pool("decode" if config.prefill_pool else "main", config.pool)
+        self.router = SimRouter(
+            self.prefill.workers if self.prefill else [], self.main.workers,
+            prefill_policy=config.prefill_policy, decode_policy=config.decode_policy,
+            local_prefill_threshold=config.local_prefill_threshold,
+            block_size=config.block_size)
+
+    # ---- setup -------------------------------------------------------------------------
+    def _build_pool(self, name: str, pool: PoolConfig | None) -> Pool | None:
+        if pool is None:
+            return None
+        cfg = self.config
+        cost = CostModel(cfg.model, cfg.hardware, pool.tp, dtype=cfg.dtype,
+                         kv_dtype=cfg.kv_dtype, efficiency=cfg.resolved_efficiency,
+                         inter_node_link=cfg.network)
+        sched = pool.scheduler_config
+        num_blocks = cfg.num_kv_blocks or cost.kv_capacity_tokens(
+            sched.max_num_batched_tokens, sched.max_num_seqs,
+            cfg.memory_utilization) // cfg.block_size
+        cache = CacheConfig(cfg.block_size, max(num_blocks, 1), cfg.enable_prefix_caching)
+        workers = []
+        for i in range(pool.num_workers):
+            node = self._next_device // cfg.hardware.devices_per_node
+            self._next_device += pool.tp
+            worker = SimWorker(f"{name}-{i}", cost, sched, cache, node)
+            if cfg.prefill_pool is not None:
+                worker.connector = SimKVConnector(partial(self._start_kv_transfer, worker))
+                worker.scheduler.connector = worker.connector
+            workers.append(worker)
+        return Pool(name, pool, cost, workers, num_blocks)
+
+    # ---- event loop --------------------------------------------------------------------
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        for spec in self.specs:
+            self._push(spec.arrival_time, self._on_arrival, spec)
+        self._push(0.0, self._on_scrape, None)
+        num_events = 0
+        horizon = self.config.horizon_s
+        while self._events:
+            when, _, handler, arg = heapq.heappop(self._events)
+            if horizon is not None and when > horizon:
+                break
+            self.now = when
+            handler(arg)
+            num_events += 1
+        for record in self.records.values():
+            if record.end_time is None and record.error is None:
+                record.error = "incomplete: in flight when the simulation reached its horizon"
+        pools = [p for p in (self.prefill, self.main) if p is not None]
+        return SimResult(
+            config=self.config,
+            records=list(self.records.values()),
+            pool_stats={p.name: [w.stats for w in p.workers] for p in pools},
+            num_kv_blocks={p.name: p.num_kv_blocks for p in pools},
+            duration_s=self.now,
+            wall_time_s=time.perf_counter() - started,
+            num_events=num_events,
+        )
+
+    def _push(self, when: float, handler: Callable, arg: object) -> None:
+        heapq.heappush(self._events, (when, next(self._seq), handler, arg))
+
+    def _on_scrape(self, _: object) -> None:
+        self.router.scrape()
+        if self._num_open:
+            self._push(self.now + self.config.scrape_interval_s, self._on_scrape, None)
+
+    # ---- clients -----------------------------------------------------------------------
+    def _on_arrival(self, spec: SimRequestSpec) -> None:
+        cap = self.config.max_concurrency
+        if cap is not None and self._num_in_flight >= cap:
+            self._client_queue.append(spec)
+        else:
+            self._send(spec)
+
+    def _send(self, spec: SimRequestSpec) -> None:
+        record = self.records[spec.request_id]
+        record.send_time = self.now
+        self._num_in_flight += 1
+        reason = self._rejection(spec)
+        if reason is not None:
+            record.error, record.end_time = f"rejected: {reason}", self.now
+            self._end_request()
+            return
+        token_ids = self._prompt_token_ids(spec)
+        route = self.router.route(token_ids)
+        self._routes[spec.request_id] = route
+        if route.prefill is None:
+            self._submit(route.decode, self._request(spec, token_ids, spec.output_len))
+        else:
+            leg = self._request(spec, token_ids, 1, prefill_leg_params())
+            self._submit(route.prefill, leg)
+
+    def _end_request(self) -> None:
+        self._num_in_flight -= 1
+        self._num_open -= 1
+        if self._client_queue:
+            self._send(self._client_queue.popleft())
+
+    def _rejection(self, spec: SimRequestSpec) -> str | None:
+        """Why a worker would refuse the request (the engine's add_request checks)."""
+        max_model_len = self.config.pool.scheduler_config.max_model_len
+        if spec.prompt_len >= max_model_len:
+            return f"prompt of {spec.prompt_len} tokens does not fit max_model_len {max_model_len}"
+        num_tokens = min(spec.prompt_len + spec.output_len, max_model_len)
+        for pool in (self.prefill, self.main):
+            if pool is not None and -(-num_tokens // self.config.block_size) > pool.num_kv_blocks:
+                return (f"{num_tokens} tokens exceed a worker's KV cache "
+                        f"({pool.num_kv_blocks} blocks)")
+        return None
+
+    def _prompt_token_ids(self, spec: SimRequestSpec) -> list[int]:
+        ids: list[int] = []
+        if spec.prefix_group is not None and spec.prefix_len:
+            ids = [_PREFIX_BASE + spec.prefix_group] + [_FILL_TOKEN_ID] * (spec.prefix_len - 1)
+        num_own = spec.prompt_len - len(ids)
+        if num_own:
+            ids += [_UNIQUE_BASE + self._index[spec.request_id]]
+            ids += [_FILL_TOKEN_ID] * (num_own - 1)
+        return ids
+
+    def _request(self, spec: SimRequestSpec, token_ids: list[int], max_tokens: int,
+                 kv_transfer_params: dict | None = None) -> Request:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return Request(spec.request_id, token_ids, params, arrival_time=self.now,
+                       kv_transfer_params=kv_transfer_params)
+
+    # ---- workers -----------------------------------------------------------------------
+    def _submit(self, worker: SimWorker, request: Request) -> None:
+        worker.submit(request)
+        self._kick(worker)
+
+    def _kick(self, worker: SimWorker) -> None:
+        """Start the worker's next step at the end of this instant (batches simultaneous
+        arrivals into one step, as an engine loop would)."""
+        if worker.worker_id not in self._pending_kicks and not worker.is_busy:
+            self._pending_kicks.add(worker.worker_id)
+            self._push(self.now, self._on_kick, worker)
+
+    def _on_kick(self, worker: SimWorker) -> None:
+        self._pending_kicks.discard(worker.worker_id)
+        if worker.is_busy:
+            return
+        end = worker.start_step(self.now)
+        if end is not None:
+            self._push(end, self._on_step_done, worker)
+
+    def _on_step_done(self, worker: SimWorker) -> None:
+        sampled, finished = worker.finish_step()
+        if self.prefill is not None and worker in self.prefill.workers:
+            for leg in finished:
+                self._on_prefill_done(worker, leg)
+        else:
+            for request in sampled:
+                self._on_token(request)
+            for request in finished:
+                self._on_finished(request)
+        self._on_kick(worker)
+
+    def _on_token(self, request: Request) -> None:
+        record = self.records[request.request_id]
+        if not record.token_times:
+            self._release_unread_kv(request.request_id)
+        record.token_times.append(self.now)
+        record.num_output_tokens += 1
+        record.is_usage_reported = True
+
+    def _on_finished(self, request: Request) -> None:
+        record = self.records[request.request_id]
+        _add_extra(record, "num_preemptions", request.num_preemptions)
+        record.end_time = self.now
+        self._routes.pop(request.request_id).decode_lease.release()
+        self._end_request()
+
+    # ---- disaggregation ----------------------------------------------------------------
+    def _on_prefill_done(self, prefill_worker: SimWorker, leg: Request) -> None:
+        """The prefill leg answered: the router sends the decode leg with the KV's address."""
+        record = self.records[leg.request_id]
+        record.server_extra["prefill_ms"] = (self.now - record.send_time) * 1000
+        _add_extra(record, "num_preemptions", leg.num_preemptions)
+        route = self._routes[leg.request_id]
+        route.prefill_lease.release()
+        params = decode_leg_params(leg.num_prompt_tokens, prefill_worker)
+        spec = self.specs[record.index]
+        request = self._request(spec, leg.prompt_token_ids, spec.output_len, params)
+        self._submit(route.decode, request)
+
+    def _start_kv_transfer(self, destination: SimWorker, request: Request,
+                           num_tokens: int) -> None:
+        """The decode worker allocated blocks for `num_tokens` remote tokens: pull them."""
+        record = self.records[request.request_id]
+        source = request.kv_transfer_params["source"]
+        cost = source.cost_model
+        num_bytes = num_tokens * cost.kv_bytes_per_token
+        record.server_extra["kv_transfer_bytes"] = num_bytes
+        self._transfer_started.add(request.request_id)
+        link, channels = self._path(source, destination)
+        num_devices = min(source.cost_model.tp, destination.cost_model.tp)
+        cap = link.transfer_bandwidth(num_devices) * cost.efficiency.network
+        flight = _KVFlight(record, request.request_id, source, destination, self.now,
+                           link.latency_s)
+        self._network.start(self.now, Transfer(num_bytes, channels, cap, flight))
+        self._watch_network()
+
+    def _release_unread_kv(self, request_id: str) -> None:
+        """A decode leg that never fetched (its prefix was cached locally, or the prompt was
+        one token) tells the prefill worker to drop the blocks it holds."""
+        route = self._routes[request_id]
+        if route.prefill is not None and request_id not in self._transfer_started:
+            route.prefill.connector.mark_sent(request_id)
+            self._kick(route.prefill)
+
+    def _path(self, src: SimWorker, dst: SimWorker) -> tuple[Interconnect, tuple[Channel, ...]]:
+        """Same node: the node's intra-node fabric. Otherwise: src egress, dst ingress."""
+        if src.node == dst.node:
+            link = NETWORKS[self.config.hardware.intra_node_link]
+            return link, (self._channel(link, "intra", src.node),)
+        link = self.config.network
+        return link, (self._channel(link, "egress", src.node),
+                      self._channel(link, "ingress", dst.node))
+
+    def _channel(self, link: Interconnect, kind: str, node: int) -> Channel:
+        key = (kind, node)
+        if key not in self._channels:
+            capacity = link.node_bandwidth * self.config.resolved_efficiency.network
+            self._channels[key] = Channel(f"{kind}-{node}", capacity)
+        return self._channels[key]
+
+    def _watch_network(self) -> None:
+        # Rates change on every start/finish: only the newest prediction stays valid.
+        self._network_generation += 1
+        when = self._network.next_completion_time()
+        if when is not None:
+            self._push(when, self._on_network, self._network_generation)
+
+    def _on_network(self, generation: int) -> None:
+        if generation != self._network_generation:
+            return
+        for transfer in self._network.advance(self.now):
+            flight = transfer.payload
+            self._push(self.now + flight.latency_s, self._on_kv_arrived, flight)
+        self._watch_network()
+
+    def _on_kv_arrived(self, flight: _KVFlight) -> None:
+        request_id = flight.request_id
+        flight.record.server_extra["kv_transfer_ms"] = (self.now - flight.start_time) * 1000
+        flight.destination.connector.mark_received(request_id)
+        flight.source.connector.mark_sent(request_id)
+        self._kick(flight.destination)
+        self._kick(flight.source)
+
+
+def _add_extra(record: RequestRecord, key: str, value: int) -> None:
+    record.server_extra[key] = record.server_extra.get(key, 0) + value
+
+
+def simulate(config: SimConfig, requests: Sequence[SimRequestSpec]) -> SimResult:
+    """Run `requests` through the deployment `config` and return what happened."""
+    return Simulation(config, requests).run()
