@@ -160,3 +160,44 @@ def stream_text(events: list[Any]) -> str:
             for choice in event.get("choices", []):
                 parts.append(choice.get("text") or choice.get("delta", {}).get("content", ""))
     return "".join(parts)
+
+
+class ManagedProcess:
+    """A server process (any argv) with its output in a log file; `wait_healthy` polls a URL."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+                 ) -> None:
+        self.argv = argv
+        self.log_path = log_path
+        with open(log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})})
+
+    def wait_healthy(self, url: str, timeout: float = 600.0, runner: Callable[[str], bool]
+                     | None = None) -> None:
+        """Poll `url` until it answers 200 (through `runner` when given, e.g. in a netns)."""
+        def is_up() -> bool:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.argv[:6]} exited {self.process.returncode}:\n"
+                                   f"{self.log_tail()}")
+            if runner is not None:
+                return runner(url)
+            try:
+                return httpx.get(url, trust_env=False, timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(is_up, timeout, f"{url} healthy")
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()

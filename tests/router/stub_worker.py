@@ -1,6 +1,7 @@
 """A stand-in pdserve worker for router tests: speaks the hand-off, records what it receives.
 
-Run as ``python -m tests.router.stub_worker --role prefill|decode --port P [--fail-status N]``.
+Run as ``python -m tests.router.stub_worker --role prefill|decode --port P [--host H]
+[--fail-status N]``.
 
 - ``POST /v1/completions``, ``/v1/chat/completions``: a prefill stub answers one token and
   ``kv_transfer_params`` naming its (pretend) blocks; a decode stub generates ``max_tokens``
@@ -29,7 +30,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 KV_BYTES_PER_TOKEN = 64
 
 
-def build_stub(role: str, port: int, fail_status: int | None) -> FastAPI:
+def build_stub(role: str, port: int, fail_status: int | None, host: str = "127.0.0.1"
+               ) -> FastAPI:
     app = FastAPI()
     state: dict[str, Any] = {"healthy": True, "running": 0, "log": [], "holds": {}}
 
@@ -111,7 +113,7 @@ def build_stub(role: str, port: int, fail_status: int | None) -> FastAPI:
         num_tokens = len(_prompt_text(body))
         params = {"do_remote_prefill": True, "remote_engine_id": f"stub-{port}",
                   "remote_request_id": request.headers.get("x-request-id"),
-                  "remote_host": "127.0.0.1", "remote_port": port,
+                  "remote_host": host, "remote_port": port,
                   "remote_block_ids": list(range(1, num_tokens // 16 + 2)),
                   "remote_num_tokens": num_tokens, "transport": "tcp",
                   "layout_hash": "stub-layout", "protocol_version": 1}
@@ -191,11 +193,12 @@ def _sse(payload: dict[str, Any]) -> bytes:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--role", choices=("prefill", "decode"), required=True)
+    parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--fail-status", type=int, default=None)
     args = parser.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    uvicorn.run(build_stub(args.role, args.port, args.fail_status), host="127.0.0.1",
+    uvicorn.run(build_stub(args.role, args.port, args.fail_status, args.host), host=args.host,
                 port=args.port, log_level="warning", access_log=False)
 
 

@@ -5,6 +5,8 @@ the local-prefill threshold, retries and fallbacks, disconnects, the circuit bre
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import uuid
 
@@ -14,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.router.config import RouterConfig
 from tests.router.harness import (
+    ManagedProcess,
     RouterThread,
     free_port,
     http,
@@ -23,6 +26,7 @@ from tests.router.harness import (
     stream_text,
     wait_until,
 )
+from tests.router.netns import netns_unavailable_reason, two_hosts
 
 pytestmark = pytest.mark.slow
 
@@ -322,3 +326,55 @@ def test_models_and_health_are_proxied_and_summarised(stubs):
         health = client.get(f"{router.url}/health").json()
         assert health["decode"] == {"routable": 1, "total": 1}
         assert health["prefill"] == {"routable": 1, "total": 1}
+
+
+NETNS_UNAVAILABLE = netns_unavailable_reason()
+
+
+@pytest.mark.skipif(NETNS_UNAVAILABLE is not None, reason=str(NETNS_UNAVAILABLE))
+def test_hand_off_across_two_network_namespaces(tmp_path):
+    """The two-host plumbing of the real-worker test, with stubs: prefill on host A, decode
+    and the router on host B, the client on B; every leg crosses the veth or B's loopback."""
+    with two_hosts() as hosts:
+        def on(ns: str, name: str, argv: list[str]) -> ManagedProcess:
+            return ManagedProcess(hosts.command(ns, [sys.executable, *argv]),
+                                  tmp_path / f"{name}.log")
+
+        def healthy_in_b(url: str) -> bool:
+            probe = ("import httpx, sys\ntry:\n  r = httpx.get(sys.argv[1], trust_env=False)\n"
+                     "except httpx.HTTPError:\n  sys.exit(1)\nsys.exit(r.status_code != 200)")
+            return subprocess.run(hosts.command(hosts.ns_b, [sys.executable, "-c", probe, url]),
+                                  capture_output=True).returncode == 0
+
+        prefill_url, decode_url = f"http://{hosts.addr_a}:8100", f"http://{hosts.addr_b}:8200"
+        processes = [
+            on(hosts.ns_a, "prefill", ["-m", "tests.router.stub_worker", "--role", "prefill",
+                                       "--host", hosts.addr_a, "--port", "8100"]),
+            on(hosts.ns_b, "decode", ["-m", "tests.router.stub_worker", "--role", "decode",
+                                      "--host", hosts.addr_b, "--port", "8200"]),
+            on(hosts.ns_b, "router", ["-m", "pdserve.cli", "router", "--prefill", prefill_url,
+                                      "--decode", decode_url, "--port", "8000",
+                                      "--health-check-interval", "0.5"])]
+        try:
+            for process, url in zip(processes, (prefill_url, decode_url, "http://127.0.0.1:8000"),
+                                    strict=True):
+                process.wait_healthy(f"{url}/health", 60, runner=healthy_in_b)
+            result = run_client_in(hosts, hosts.ns_b, "http://127.0.0.1:8000/v1/completions",
+                                   completion("across hosts"))
+        finally:
+            for process in processes:
+                process.stop()
+    assert result["status"] == 200 and result["body"]["choices"][0]["text"] == "t0 t1 t2 "
+    assert result["timing"]["route"] == "remote"
+
+
+def run_client_in(hosts, ns: str, url: str, body: dict) -> dict:
+    """POST `body` from inside namespace `ns`; status, JSON body and timing header."""
+    code = ("import httpx, json, sys\n"
+            "r = httpx.post(sys.argv[1], json=json.loads(sys.argv[2]), trust_env=False, "
+            "timeout=600)\n"
+            "print(json.dumps({'status': r.status_code, 'body': r.json(), "
+            "'timing': json.loads(r.headers.get('x-pdserve-timing', 'null'))}))")
+    out = subprocess.run(hosts.command(ns, [sys.executable, "-c", code, url, json.dumps(body)]),
+                         capture_output=True, text=True, check=True, timeout=900)
+    return json.loads(out.stdout)

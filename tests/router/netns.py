@@ -1,0 +1,70 @@
+"""Two network namespaces joined by a veth pair: two hosts on one machine (needs root + ip)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+SUBNET_PREFIX = "10.200.0"
+
+
+@dataclass(frozen=True)
+class TwoHosts:
+    ns_a: str
+    ns_b: str
+    addr_a: str
+    addr_b: str
+    veth_b: str  # host B's end of the pair
+
+    def command(self, ns: str, argv: Sequence[str]) -> list[str]:
+        """`argv` run inside namespace `ns`."""
+        return ["ip", "netns", "exec", ns, *argv]
+
+    def rx_bytes_b(self) -> int:
+        """Bytes host B has received over the veth."""
+        path = f"/sys/class/net/{self.veth_b}/statistics/rx_bytes"
+        out = subprocess.run(self.command(self.ns_b, ["cat", path]), capture_output=True,
+                             text=True, check=True)
+        return int(out.stdout)
+
+
+def netns_unavailable_reason() -> str | None:
+    """Why two namespaces cannot be made here, or None when they can."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None:
+        return "needs iproute2 (the ip command)"
+    probe = f"pdprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"ip netns add failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+@contextmanager
+def two_hosts() -> Iterator[TwoHosts]:
+    tag = str(os.getpid())[-6:]
+    hosts = TwoHosts(f"pda{tag}", f"pdb{tag}", f"{SUBNET_PREFIX}.1", f"{SUBNET_PREFIX}.2",
+                     f"vb{tag}")
+    veth_a = f"va{tag}"
+    try:
+        for argv in (
+                ["ip", "netns", "add", hosts.ns_a], ["ip", "netns", "add", hosts.ns_b],
+                ["ip", "link", "add", veth_a, "type", "veth", "peer", "name", hosts.veth_b],
+                ["ip", "link", "set", veth_a, "netns", hosts.ns_a],
+                ["ip", "link", "set", hosts.veth_b, "netns", hosts.ns_b]):
+            subprocess.run(argv, check=True, capture_output=True)
+        for ns, dev, addr in ((hosts.ns_a, veth_a, hosts.addr_a),
+                              (hosts.ns_b, hosts.veth_b, hosts.addr_b)):
+            for argv in (["ip", "addr", "add", f"{addr}/24", "dev", dev],
+                         ["ip", "link", "set", dev, "up"], ["ip", "link", "set", "lo", "up"]):
+                subprocess.run(hosts.command(ns, argv), check=True, capture_output=True)
+        yield hosts
+    finally:
+        for ns in (hosts.ns_a, hosts.ns_b):  # deleting a namespace removes its veth end
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
