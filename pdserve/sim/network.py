@@ -50,15 +50,16 @@ class Interconnect:
 NETWORKS: dict[str, Interconnect] = {
     link.name: link
     for link in (
-        # NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional per GPU -> 450 GB/s each way.
+        # NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional per GPU -> 450 GB/s each way,
+        # every GPU of the 8-GPU board its own lane through the NVSwitches.
         # Latency: typical NCCL small-message all-reduce step on one HGX board.
-        Interconnect("nvlink-h100", 450 * GBYTE, 5e-6),
+        Interconnect("nvlink-h100", 450 * GBYTE, 5e-6, num_lanes=8),
         # NVLink 3 (A100 SXM): 600 GB/s bidirectional -> 300 GB/s each way.
-        Interconnect("nvlink-a100", 300 * GBYTE, 5e-6),
+        Interconnect("nvlink-a100", 300 * GBYTE, 5e-6, num_lanes=8),
         # NVLink 5 (B200): 1.8 TB/s bidirectional -> 900 GB/s each way.
-        Interconnect("nvlink-b200", 900 * GBYTE, 5e-6),
-        # PCIe Gen4 x16 (L40S has no NVLink): 32 GB/s each way.
-        Interconnect("pcie-gen4", 32 * GBYTE, 10e-6),
+        Interconnect("nvlink-b200", 900 * GBYTE, 5e-6, num_lanes=8),
+        # PCIe Gen4 x16 per card (L40S has no NVLink): 32 GB/s each way.
+        Interconnect("pcie-gen4", 32 * GBYTE, 10e-6, num_lanes=8),
         # One NDR InfiniBand port (ConnectX-7): 400 Gb/s, one NIC per node.
         Interconnect("ib-400", 400 * GBIT, 5e-6),
         # DGX/HGX H100 compute fabric: eight 400 Gb/s NDR ports per node, one per GPU.

@@ -1,0 +1,38 @@
+"""Small deployments and workloads for simulator tests."""
+
+from __future__ import annotations
+
+from pdserve.sim.config import Mode, PoolConfig, SimConfig, scheduler_config_for
+from pdserve.sim.hardware import get_hardware
+from pdserve.sim.model_spec import MODELS
+from pdserve.sim.workload import SimRequestSpec
+
+MODEL = MODELS["Llama-3.1-8B"]
+H100 = get_hardware("H100-SXM")
+
+
+def make_config(mode: Mode = Mode.CHUNKED, *, num_workers: int = 1, tp: int = 1,
+                num_prefill: int = 1, budget: int = 512, max_num_seqs: int = 64,
+                **kwargs) -> SimConfig:
+    sched = scheduler_config_for(mode, budget, max_num_seqs, 8192)
+    prefill = PoolConfig(num_prefill, tp, sched) if mode is Mode.DISAGG else None
+    return SimConfig(MODEL, H100, mode, PoolConfig(num_workers, tp, sched), prefill, **kwargs)
+
+
+def poisson_specs(num: int, rate: float, seed: int = 0, prompt=(64, 2048),
+                  output=(16, 128)) -> list[SimRequestSpec]:
+    import random
+
+    rng = random.Random(seed)
+    t, specs = 0.0, []
+    for i in range(num):
+        t += rng.expovariate(rate)
+        specs.append(SimRequestSpec(str(i), t, rng.randint(*prompt), rng.randint(*output)))
+    return specs
+
+
+def streams_plus_long_prompt(num_streams: int = 4, long_len: int = 6000,
+                             at: float = 0.5) -> list[SimRequestSpec]:
+    """Short streams decoding for a while, and one long prompt arriving among them."""
+    specs = [SimRequestSpec(f"s{i}", 0.0, 32, 400) for i in range(num_streams)]
+    return [*specs, SimRequestSpec("long", at, long_len, 8)]

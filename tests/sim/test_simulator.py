@@ -1,0 +1,137 @@
+import pytest
+
+import pdserve.core.scheduler as core_scheduler
+from pdserve.sim.config import Mode, with_scheduler
+from pdserve.sim.network import get_network
+from pdserve.sim.simulator import Simulation, simulate
+from pdserve.sim.workload import SimRequestSpec
+from tests.sim.helpers import make_config, poisson_specs, streams_plus_long_prompt
+
+
+def _timelines(result):
+    return [(r.send_time, tuple(r.token_times), r.error) for r in result.records]
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_deterministic_for_a_seed(mode):
+    config = make_config(mode, num_workers=2)
+    first = simulate(config, poisson_specs(60, 20.0, seed=1))
+    again = simulate(config, poisson_specs(60, 20.0, seed=1))
+    other = simulate(config, poisson_specs(60, 20.0, seed=2))
+    assert _timelines(first) == _timelines(again)
+    assert _timelines(first) != _timelines(other)
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_conservation_every_request_finishes_or_is_reported(mode):
+    specs = poisson_specs(80, 40.0)
+    specs.append(SimRequestSpec("too-long", 0.1, 9000, 4))  # over max_model_len 8192
+    sim = Simulation(make_config(mode, num_workers=2, max_concurrency=16), specs)
+    result = sim.run()
+    by_id = {s.request_id: r for s, r in zip(specs, result.records, strict=True)}
+    assert by_id["too-long"].error.startswith("rejected")
+    for spec, record in zip(specs[:-1], result.records[:-1], strict=True):
+        assert record.error is None
+        assert record.num_output_tokens == len(record.token_times) == spec.output_len
+    # Every KV block came back: nothing leaked through preemption, holds or transfers.
+    pools = [p for p in (sim.prefill, sim.main) if p is not None]
+    for pool, worker in ((p, w) for p in pools for w in p.workers):
+        assert worker.scheduler.block_manager.num_free_blocks == pool.num_kv_blocks
+        assert not worker.scheduler.has_unfinished_requests()
+        assert not worker.scheduler.held
+
+
+def test_horizon_reports_requests_still_in_flight():
+    result = simulate(make_config(horizon_s=0.05), poisson_specs(50, 200.0))
+    incomplete = [r for r in result.records if r.error and r.error.startswith("incomplete")]
+    assert incomplete
+    assert all(r.error is None or r.error.startswith("incomplete") for r in result.records)
+
+
+def test_kv_pressure_preempts_and_still_completes():
+    specs = [SimRequestSpec(str(i), 0.0, 200, 300) for i in range(16)]
+    result = simulate(make_config(num_kv_blocks=120), specs)
+    assert all(r.error is None for r in result.records)
+    assert sum(r.server_extra.get("num_preemptions", 0) for r in result.records) > 0
+
+
+def test_a_scheduler_config_change_changes_the_simulation():
+    specs = poisson_specs(40, 50.0)
+    config = make_config()
+    narrow = config.__class__(**{**vars(config), "pool": with_scheduler(config.pool,
+                                                                        max_num_seqs=2)})
+    assert _timelines(simulate(config, specs)) != _timelines(simulate(narrow, specs))
+
+
+def test_the_simulator_runs_the_real_core_scheduler(monkeypatch):
+    """Change the core scheduler's behaviour and the simulation follows it."""
+    calls = []
+    real_schedule = core_scheduler.Scheduler.schedule
+
+    def spy(self):
+        output = real_schedule(self)
+        calls.append(len(output.scheduled))
+        return output
+
+    monkeypatch.setattr(core_scheduler.Scheduler, "schedule", spy)
+    result = simulate(make_config(), poisson_specs(10, 10.0))
+    steps = sum(s.num_steps for stats in result.pool_stats.values() for s in stats)
+    assert sum(1 for n in calls if n) == steps > 0
+
+
+def test_colocated_stalls_streams_chunked_bounds_the_stall():
+    specs = streams_plus_long_prompt()
+    colocated = simulate(make_config(Mode.COLOCATED, budget=8192), specs)
+    chunked = simulate(make_config(Mode.CHUNKED, budget=512), specs)
+    config = make_config()
+    prefill_s = simulate(config, [specs[-1]]).records[0].ttft
+
+    def worst_stream_gap(result):
+        return max(max(r.itls) for r in result.records if r.kind == "default"
+                   and r.prompt_len == 32)
+
+    # Colocated: one stream gap swallows the whole 6,000-token prefill.
+    assert worst_stream_gap(colocated) >= 0.9 * prefill_s
+    # Chunked at 512: no gap longer than a fraction of that prefill.
+    assert worst_stream_gap(chunked) < 0.25 * prefill_s
+
+
+def test_disagg_moves_kv_and_keeps_streams_smooth():
+    specs = streams_plus_long_prompt()
+    result = simulate(make_config(Mode.DISAGG, num_workers=1, num_prefill=1), specs)
+    long = next(r for r in result.records if r.prompt_len == 6000)
+    kv_bytes_per_token = 32 * 8 * 128 * 2 * 2
+    assert long.server_extra["kv_transfer_bytes"] == 5999 * kv_bytes_per_token
+    assert long.server_extra["kv_transfer_ms"] > 0
+    assert long.server_extra["prefill_ms"] < long.ttft * 1000
+    stream_gaps = [g for r in result.records if r.prompt_len == 32 for g in r.itls[1:]]
+    # The decode worker never prefills the long prompt: gaps stay near one decode step.
+    assert max(stream_gaps) < 2 * min(stream_gaps)
+
+
+def test_local_prefill_threshold_keeps_short_prompts_on_decode():
+    specs = [SimRequestSpec("short", 0.0, 100, 4), SimRequestSpec("long", 0.0, 3000, 4)]
+    result = simulate(make_config(Mode.DISAGG, local_prefill_threshold=1000), specs)
+    short, long = result.records
+    assert "kv_transfer_bytes" not in short.server_extra
+    assert "kv_transfer_bytes" in long.server_extra
+
+
+def test_concurrent_transfers_share_the_link():
+    # Two prefill workers (one 8-GPU node each) send to one decode worker (a third node)
+    # with one 25 GbE NIC: two equal transfers at once each take twice as long as one alone.
+    config = make_config(Mode.DISAGG, tp=8, num_prefill=2, network=get_network("eth-25"))
+    one = simulate(config, [SimRequestSpec("a", 0.0, 4000, 2)]).records[0]
+    pair = simulate(config, [SimRequestSpec("a", 0.0, 4000, 2),
+                             SimRequestSpec("b", 0.0, 4000, 2)]).records
+    alone = one.server_extra["kv_transfer_ms"]
+    shared = [r.server_extra["kv_transfer_ms"] for r in pair]
+    assert alone == pytest.approx(3999 * 131_072 / (25e9 / 8 * 0.9) * 1000, rel=0.01)
+    assert min(shared) == pytest.approx(2 * alone, rel=0.01)
+
+
+def test_router_policies_spread_load():
+    specs = [SimRequestSpec(str(i), 0.0, 500, 50) for i in range(8)]
+    sim = Simulation(make_config(num_workers=4, decode_policy="round_robin"), specs)
+    sim.run()
+    assert [w.stats.num_steps > 0 for w in sim.main.workers] == [True] * 4
