@@ -18,7 +18,7 @@ import logging
 import uuid
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 from starlette.requests import Request
@@ -124,7 +124,7 @@ class Dispatcher:
         kv_params = await self._kv_params(request, flight, selection.num_cached_tokens)
         upstream = await self._open_decode(request, flight, kv_params)
         if upstream.status_code != 200:
-            return await self._relay_failure(request, flight, upstream)
+            await self._relay_failure(request, flight, upstream)
         if flight.body.get("stream"):
             return self._stream(flight, upstream)
         return await self._complete(request, flight, upstream)
@@ -220,7 +220,8 @@ class Dispatcher:
         return await self.client.send(upstream, stream=True)
 
     async def _relay_failure(self, request: Request, flight: _Flight,
-                             upstream: httpx.Response) -> Response:
+                             upstream: httpx.Response) -> NoReturn:
+        """The decode worker refused the leg: its answer goes to the client as is."""
         content = await self._read(request, flight, upstream)
         if upstream.status_code >= 500:
             self.metrics.count_error("decode_failed")

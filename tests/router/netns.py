@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +25,26 @@ class TwoHosts:
     def command(self, ns: str, argv: Sequence[str]) -> list[str]:
         """`argv` run inside namespace `ns`."""
         return ["ip", "netns", "exec", ns, *argv]
+
+    def is_http_ok(self, ns: str, url: str) -> bool:
+        """Whether GET `url` from inside `ns` answers 200."""
+        probe = ("import httpx, sys\ntry:\n  r = httpx.get(sys.argv[1], trust_env=False)\n"
+                 "except httpx.HTTPError:\n  sys.exit(1)\nsys.exit(r.status_code != 200)")
+        return subprocess.run(self.command(ns, [sys.executable, "-c", probe, url]),
+                              capture_output=True).returncode == 0
+
+    def post_json(self, ns: str, url: str, body: dict) -> dict:
+        """POST `body` from inside `ns`: {"status", "body", "timing"} (the x-pdserve-timing
+        header, parsed)."""
+        code = ("import httpx, json, sys\n"
+                "r = httpx.post(sys.argv[1], json=json.loads(sys.argv[2]), trust_env=False, "
+                "timeout=600)\n"
+                "print(json.dumps({'status': r.status_code, 'body': r.json(), "
+                "'timing': json.loads(r.headers.get('x-pdserve-timing', 'null'))}))")
+        out = subprocess.run(self.command(ns, [sys.executable, "-c", code, url,
+                                               json.dumps(body)]),
+                             capture_output=True, text=True, check=True, timeout=900)
+        return json.loads(out.stdout)
 
     def rx_bytes_b(self) -> int:
         """Bytes host B has received over the veth."""

@@ -5,7 +5,6 @@ the local-prefill threshold, retries and fallbacks, disconnects, the circuit bre
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import threading
 import uuid
@@ -341,10 +340,7 @@ def test_hand_off_across_two_network_namespaces(tmp_path):
                                   tmp_path / f"{name}.log")
 
         def healthy_in_b(url: str) -> bool:
-            probe = ("import httpx, sys\ntry:\n  r = httpx.get(sys.argv[1], trust_env=False)\n"
-                     "except httpx.HTTPError:\n  sys.exit(1)\nsys.exit(r.status_code != 200)")
-            return subprocess.run(hosts.command(hosts.ns_b, [sys.executable, "-c", probe, url]),
-                                  capture_output=True).returncode == 0
+            return hosts.is_http_ok(hosts.ns_b, url)
 
         prefill_url, decode_url = f"http://{hosts.addr_a}:8100", f"http://{hosts.addr_b}:8200"
         processes = [
@@ -359,22 +355,11 @@ def test_hand_off_across_two_network_namespaces(tmp_path):
             for process, url in zip(processes, (prefill_url, decode_url, "http://127.0.0.1:8000"),
                                     strict=True):
                 process.wait_healthy(f"{url}/health", 60, runner=healthy_in_b)
-            result = run_client_in(hosts, hosts.ns_b, "http://127.0.0.1:8000/v1/completions",
-                                   completion("across hosts"))
+            result = hosts.post_json(hosts.ns_b, "http://127.0.0.1:8000/v1/completions",
+                                     completion("across hosts"))
         finally:
             for process in processes:
                 process.stop()
     assert result["status"] == 200 and result["body"]["choices"][0]["text"] == "t0 t1 t2 "
     assert result["timing"]["route"] == "remote"
 
-
-def run_client_in(hosts, ns: str, url: str, body: dict) -> dict:
-    """POST `body` from inside namespace `ns`; status, JSON body and timing header."""
-    code = ("import httpx, json, sys\n"
-            "r = httpx.post(sys.argv[1], json=json.loads(sys.argv[2]), trust_env=False, "
-            "timeout=600)\n"
-            "print(json.dumps({'status': r.status_code, 'body': r.json(), "
-            "'timing': json.loads(r.headers.get('x-pdserve-timing', 'null'))}))")
-    out = subprocess.run(hosts.command(ns, [sys.executable, "-c", code, url, json.dumps(body)]),
-                         capture_output=True, text=True, check=True, timeout=900)
-    return json.loads(out.stdout)
