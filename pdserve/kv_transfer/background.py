@@ -8,14 +8,17 @@ only to the submitted blocks, which the engine does not touch until the transfer
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.protocol import KVTransferParams
 from pdserve.kv_transfer.transport import KVTransport, TransferStats
 
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FinishedTransfer:
@@ -49,6 +52,11 @@ class BackgroundReceiver:
                                    skip_blocks=skip_blocks)
         future.add_done_callback(lambda f: self._done(request_id, f))
 
+    def submit_release(self, params: KVTransferParams) -> None:
+        """Release a lease without fetching (the data is not needed), off the engine thread.
+        A failure is only logged: the sender's lease timeout frees the blocks anyway."""
+        self._pool.submit(self._release_quietly, params)
+
     def poll(self) -> list[FinishedTransfer]:
         """Transfers finished since the last poll."""
         with self._lock:
@@ -63,6 +71,12 @@ class BackgroundReceiver:
     def close(self) -> None:
         """Wait for running transfers (bounded by the transfer timeout) and stop the pool."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _release_quietly(self, params: KVTransferParams) -> None:
+        try:
+            self._transport.release(params)
+        except KVTransferError as exc:
+            logger.info("could not release KV lease %r: %s", params.remote_request_id, exc)
 
     def _done(self, request_id: str, future: Future) -> None:
         if future.cancelled():
