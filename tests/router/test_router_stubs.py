@@ -363,3 +363,12 @@ def test_hand_off_across_two_network_namespaces(tmp_path):
     assert result["status"] == 200 and result["body"]["choices"][0]["text"] == "t0 t1 t2 "
     assert result["timing"]["route"] == "remote"
 
+
+
+def test_decode_worker_refusal_is_relayed_with_its_status(stubs):
+    with RouterThread(router_config([], [stubs["d0"]])) as router, http() as client:
+        response = client.post(f"{router.url}/v1/completions",
+                               json=completion(marker(), temperature=5, stream=True))
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "temperature"
+    assert response.headers["x-request-id"].startswith("rtr-")
