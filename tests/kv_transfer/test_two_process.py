@@ -257,6 +257,7 @@ def test_fetch_of_blocks_outside_the_lease_keeps_connection(sender):
     assert second_type == MessageType.REPLY and second["engine_id"]
 
 
+@pytest.mark.slow
 def test_killed_prefill_worker_fails_the_transfer_cleanly():
     """kill -9 of the sender after the hand-off: the receiver gets a KVTransferError (the
     decode side then recomputes or fails the request) and drops its connection and mapping."""
