@@ -1,0 +1,64 @@
+import torch
+
+from pdserve.core.request import Request
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.engine.sampler import Sampler
+
+VOCAB = 50
+
+
+def _request(request_id="r", **params):
+    return Request(request_id, [1, 2, 3], SamplingParams(**params), eos_token_id=7)
+
+
+def _logits(seed=0):
+    return torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(seed))
+
+
+def test_greedy_is_argmax():
+    logits = _logits()
+    token = Sampler()(logits, [_request(temperature=0)])[0].token_id
+    assert token == int(logits.argmax())
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent():
+    def draw(seed):
+        sampler = Sampler(seed=123)
+        request = _request(temperature=1.0, seed=seed)
+        return [sampler(_logits(i), [request])[0].token_id for i in range(20)]
+
+    assert draw(5) == draw(5)
+    assert draw(5) != draw(6)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = _logits(3)
+    best = int(logits.argmax())
+    sampler = Sampler()
+    for _ in range(10):
+        assert sampler(logits, [_request(temperature=1.5, top_k=1)])[0].token_id == best
+        assert sampler(logits, [_request(temperature=1.5, top_p=1e-6)])[0].token_id == best
+
+
+def test_top_k_restricts_support():
+    logits = _logits(4)
+    allowed = set(torch.topk(logits[0], 3).indices.tolist())
+    sampler = Sampler()
+    drawn = {sampler(logits, [_request(temperature=2.0, top_k=3)])[0].token_id for _ in range(60)}
+    assert drawn <= allowed and len(drawn) > 1
+
+
+def test_min_tokens_bans_eos_and_stop_ids():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 7] = 10.0  # EOS would win
+    logits[0, 9] = 9.0  # then a stop token
+    request = _request(temperature=0, min_tokens=2, max_tokens=5, stop_token_ids=[9])
+    assert Sampler()(logits, [request])[0].token_id not in (7, 9)
+
+
+def test_logprobs_are_normalised_and_ranked():
+    logits = _logits(5)
+    sampled = Sampler()(logits, [_request(temperature=0, logprobs=3)])[0]
+    expected = torch.log_softmax(logits[0], -1)
+    assert abs(sampled.logprob.logprob - float(expected.max())) < 1e-5
+    assert [t for t, _ in sampled.logprob.top_logprobs] == torch.topk(expected, 3).indices.tolist()
