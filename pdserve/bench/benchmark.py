@@ -17,13 +17,18 @@ from pdserve.bench.prompts import PromptSynthesizer
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.runner import ServerInfo, probe_server, run_requests, warm_up
 from pdserve.bench.tokenizer import TokenizerLike, load_tokenizer
-from pdserve.bench.workloads.base import BenchRequest, Workload
+from pdserve.bench.workloads.base import BenchRequest, Workload, make_request
 
-# Independent random streams derived from the one --seed: what the requests say, and when
-# they arrive. (A trace window's start uses a third, chosen by the caller.)
+# Independent random streams derived from the one --seed: what the requests say, when they
+# arrive, the warm-up prompts, and (chosen by the caller) where a trace window starts.
 CONTENT_STREAM = 0
 ARRIVAL_STREAM = 1
 TRACE_WINDOW_STREAM = 2
+WARMUP_STREAM = 3
+# Warm-up requests: short, and text of their own so that they seed no prefix-cache hits for
+# the measured requests.
+WARMUP_PROMPT_LEN = 32
+WARMUP_OUTPUT_LEN = 4
 
 
 def seeded_rng(seed: int, stream: int) -> np.random.Generator:
@@ -88,6 +93,7 @@ class WorkloadPlan:
     requests: tuple[BenchRequest, ...]
     seed: int
     max_model_len: int | None
+    warmups: tuple[BenchRequest, ...] = ()
 
     def arrivals(self, request_rate: float | None, burstiness: float) -> np.ndarray:
         """Arrival times for one rate; the same for the same seed."""
@@ -96,14 +102,24 @@ class WorkloadPlan:
 
 
 def plan_workload(
-    workload: Workload, tokenizer: TokenizerLike, seed: int, max_model_len: int | None
+    workload: Workload,
+    tokenizer: TokenizerLike,
+    seed: int,
+    max_model_len: int | None,
+    num_warmups: int = 0,
 ) -> WorkloadPlan:
-    """Build a workload's requests from the tokenizer, reproducibly from `seed`."""
+    """Build a workload's requests (and `num_warmups` warm-up requests) from the tokenizer,
+    reproducibly from `seed`."""
     synth = PromptSynthesizer(tokenizer)
     requests = workload.build(synth, seeded_rng(seed, CONTENT_STREAM), max_model_len)
     if not requests:
         raise BenchError(f"workload {workload.name!r} produced no requests")
-    return WorkloadPlan(workload, tuple(requests), seed, max_model_len)
+    rng = seeded_rng(seed, WARMUP_STREAM)
+    warmups = tuple(
+        make_request(synth, rng, WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN, max_model_len, "warmup")
+        for _ in range(num_warmups)
+    )
+    return WorkloadPlan(workload, tuple(requests), seed, max_model_len, warmups)
 
 
 @dataclass
@@ -141,7 +157,7 @@ async def run_plan(
     """Run a planned workload once per rate of the spec against one server."""
     results = []
     async with make_http_client(spec.endpoint) as http:
-        await warm_up(http, spec.endpoint, server.model, list(plan.requests), spec.num_warmups)
+        await warm_up(http, spec.endpoint, server.model, list(plan.warmups))
         for rate in spec.request_rates:
             resolved = plan.workload.resolve_rate(rate)
             run_label = _run_label(label, resolved, len(spec.request_rates) > 1)
@@ -179,7 +195,9 @@ def run_benchmark(
     """
     server = asyncio.run(probe(spec))
     tokenizer = tokenizer or load_tokenizer(None)
-    plan = plan_workload(spec.workload, tokenizer, spec.seed, context_cap(spec, server))
+    plan = plan_workload(
+        spec.workload, tokenizer, spec.seed, context_cap(spec, server), spec.num_warmups
+    )
     return asyncio.run(run_plan(spec, plan, server, label))
 
 

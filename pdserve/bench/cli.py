@@ -62,7 +62,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="server to benchmark (default: %(default)s)",
     )
     _add_run_args(parser, default_report=None)
-    parser.set_defaults(func=run, bench_command=None)
+    parser.set_defaults(run=run, bench_command=None)
     sub = parser.add_subparsers(dest="bench_command", metavar="{compare,convert-trace}")
     compare = sub.add_parser(
         "compare",

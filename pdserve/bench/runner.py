@@ -16,9 +16,6 @@ from pdserve.bench.errors import BenchError
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.workloads.base import BenchRequest
 
-# Tokens each warm-up request asks for: enough to exercise decode, short enough to be quick.
-_WARMUP_TOKENS = 4
-
 
 @dataclass(frozen=True)
 class ServerInfo:
@@ -44,14 +41,11 @@ async def warm_up(
     endpoint: EndpointConfig,
     model: str,
     requests: list[BenchRequest],
-    num_warmups: int,
 ) -> None:
-    """Send the shortest requests once, unmeasured; fail early and clearly if they fail."""
-    shortest = sorted(requests, key=lambda r: r.prompt_len)[:num_warmups]
-    for request in shortest:
-        probe = BenchRequest(request.prompt, request.prompt_len, _WARMUP_TOKENS, "warmup")
-        record = RequestRecord(-1, "warmup", probe.prompt_len, probe.output_len, 0.0)
-        await send_request(http, endpoint, model, probe, record, time.perf_counter())
+    """Send requests one by one, unmeasured; fail early and clearly if one fails."""
+    for request in requests:
+        record = RequestRecord(-1, "warmup", request.prompt_len, request.output_len, 0.0)
+        await send_request(http, endpoint, model, request, record, time.perf_counter())
         if not record.success:
             raise BenchError(
                 f"warm-up request to {endpoint.url(endpoint.endpoint)} failed: {record.error}"

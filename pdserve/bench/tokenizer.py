@@ -68,8 +68,7 @@ def _load_model_tokenizer(model: str | None) -> TokenizerLike:
         from pdserve.model.loader import open_checkpoint, resolve_model_path
     except ImportError as exc:
         raise BenchError(
-            f"cannot load the model's tokenizer ({exc}); pass --tokenizer PATH to a "
-            "tokenizer.json"
+            f"cannot load the model's tokenizer ({exc}); pass --tokenizer PATH to a tokenizer.json"
         ) from exc
     try:
         return open_checkpoint(resolve_model_path(model)).tokenizer()

@@ -7,6 +7,8 @@ a couple of milliseconds, and the nominal schedule closely.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -19,10 +21,17 @@ from tests.bench.conftest import running_stub
 
 TTFT_MS, ITL_MS, LONG_TTFT_MS = 50.0, 20.0, 300.0
 LONG_WORDS = 200
-# Client-side delivery of a chunk the server has sent: loopback plus event-loop latency.
-# Medians must agree this closely. Means get twice the room: on a busy 2-core machine a
-# woken client sometimes waits a scheduler tick (4 ms) before it reads a chunk.
-TOLERANCE_MS = 2.0
+
+
+def _tolerance_ms() -> float:
+    """How closely measured medians must match the server's clock (means get twice this).
+
+    Delivery of a sent chunk takes about 0.5 ms on loopback. When the machine has more
+    runnable processes than cores (other test runs), a woken client often waits a scheduler
+    tick (4 ms) before it reads a chunk; then one tick more is allowed.
+    """
+    return 2.0 if os.getloadavg()[0] < (os.cpu_count() or 1) else 6.0
+
 
 pytestmark = pytest.mark.slow
 
@@ -75,10 +84,11 @@ def test_latencies_match_the_servers_schedule(stub_url, tokenizer, endpoint):
     m = result.metrics
     assert (m.completed, m.failed, m.total_output_tokens) == (16, 0, 96)
     expected = _expected(result)
+    tolerance = _tolerance_ms()
     for name in ("ttft", "itl", "tpot", "e2el"):
         measured = getattr(m, name)
-        assert measured.median == pytest.approx(np.median(expected[name]), abs=TOLERANCE_MS)
-        assert measured.mean == pytest.approx(np.mean(expected[name]), abs=2 * TOLERANCE_MS)
+        assert measured.median == pytest.approx(np.median(expected[name]), abs=tolerance), name
+        assert measured.mean == pytest.approx(np.mean(expected[name]), abs=2 * tolerance), name
     # Per token, too: the typical gap is within a millisecond of the server's.
     measured_gaps = np.array([g * 1000 for r in result.records for g in r.itls])
     assert np.median(np.abs(measured_gaps - np.array(expected["itl"]))) < 1.0

@@ -202,3 +202,12 @@ def test_prompts_are_exact_with_pdserves_own_tokenizer():
     real = load_tokenizer(None)  # the default model's, via pdserve's loader
     plan = plan_workload(SMALL_MIXED, real, seed=0, max_model_len=None)
     _assert_exact(real, plan.requests)
+
+
+def test_warmups_share_no_prefix_block_with_measured_requests(tokenizer):
+    plan = plan_workload(WORKLOADS[1], tokenizer, seed=0, max_model_len=None, num_warmups=2)
+    assert len(plan.warmups) == 2
+    _assert_exact(tokenizer, plan.warmups)
+    firsts = {tuple(tokenizer.encode(r.prompt)[:16]) for r in plan.requests}
+    assert not firsts & {tuple(tokenizer.encode(w.prompt)[:16]) for w in plan.warmups}
+    assert all(w.output_len == 4 for w in plan.warmups)
