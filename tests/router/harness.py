@@ -113,7 +113,9 @@ class RouterThread:
     def __init__(self, config: RouterConfig) -> None:
         self.app = build_app(config)
         self.runtime = self.app.state.runtime
-        self._socket = socket.socket()
+        # proto IPPROTO_TCP, else asyncio skips TCP_NODELAY on accepted connections and every
+        # response waits out a delayed ACK (~40 ms).
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._socket.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
         self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning",
