@@ -132,3 +132,14 @@ def test_bad_input_leaves_no_state_behind(tiny_server):
     assert metrics["pdserve:request_errors_total{type=invalid_request_error}"] >= len(
         COMPLETION_CASES)
     assert httpx.get(f"{tiny_server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("extra", [
+    {"temperature": 5e-324}, {"temperature": 1e-30}, {"top_p": 1e-300}, {"top_k": 1},
+    {"top_k": 10**9}, {"seed": -(2**63)}, {"seed": 2**63 - 1}, {"temperature": 2.0},
+    {"stop": ["x"] * 16}, {"stop_token_ids": [0, 49151]}, {"min_tokens": 4},
+])
+def test_extreme_but_valid_sampling_params_generate(tiny_server, extra):
+    response = tiny_server.post("/v1/completions", {"prompt": "hi", "max_tokens": 4, **extra})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] >= 1
