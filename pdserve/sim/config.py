@@ -59,8 +59,10 @@ class SimConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     memory_utilization: float = 0.9
-    # Override the KV blocks per worker computed from memory (e.g. to match a real engine).
+    # Override the KV blocks per worker computed from memory (e.g. to match a real engine):
+    # a block count, or a KV budget in GiB per worker (the engine's --kv-cache-memory-gb).
     num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
     # The router's policies (pdserve.router.policies names).
     prefill_policy: str = "least_loaded"
     decode_policy: str = "least_loaded"
@@ -75,6 +77,10 @@ class SimConfig:
         if (self.mode is Mode.DISAGG) != (self.prefill_pool is not None):
             raise SimConfigError("--prefill-workers/--decode-workers go with --mode disagg "
                                  "(and only with it)")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise SimConfigError("--num-kv-blocks must be >= 1")
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise SimConfigError("--kv-cache-memory-gb must be positive")
         if not 0 < self.memory_utilization <= 1:
             raise SimConfigError("--memory-utilization must be in (0, 1]")
         if self.local_prefill_threshold < 0:

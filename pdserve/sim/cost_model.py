@@ -31,6 +31,17 @@ class SeqWork(NamedTuple):
 
 
 @dataclass(frozen=True)
+class StepWork:
+    """What one step asks of a device, before any efficiency: FLOPs and bytes per component
+    (attention per sequence), for calibration to weigh against measured times."""
+
+    linear: tuple[float, float]
+    lm_head: tuple[float, float]
+    attention: tuple[tuple[float, float], ...]
+    num_seqs: int
+
+
+@dataclass(frozen=True)
 class StepCost:
     """Seconds of one step, by where they go."""
 
@@ -82,8 +93,11 @@ class CostModel:
         # Everything below is per device and fixed for the deployment; step_cost only sums.
         m, eff, tp = self.model, self.efficiency, self.tp
         wbytes = dtype_bytes(self.dtype)
-        self._flops_per_s = self.hardware.peak_flops(self.dtype) * eff.linear_compute
-        self._attn_flops_per_s = self.hardware.peak_flops("bf16") * eff.attention_compute
+        self.peak_linear_flops = self.hardware.peak_flops(self.dtype)
+        # Attention runs in bf16 whatever the weights' dtype.
+        self.peak_attention_flops = self.hardware.peak_flops("bf16")
+        self._flops_per_s = self.peak_linear_flops * eff.linear_compute
+        self._attn_flops_per_s = self.peak_attention_flops * eff.attention_compute
         self._bytes_per_s = self.hardware.memory_bandwidth * eff.memory
         self._layer_flops_per_token = 2 * m.num_layers * m.linear_params_per_layer / tp
         self._layer_weight_bytes = m.num_layers * m.linear_params_per_layer * wbytes / tp
@@ -108,12 +122,11 @@ class CostModel:
         """Seconds one forward pass over `batch` takes, by component."""
         num_tokens = sum(seq.num_new_tokens for seq in batch)
         num_sampled = sum(1 for seq in batch if seq.is_sampling)
-        linear = roofline(num_tokens * self._layer_flops_per_token, self._layer_weight_bytes,
-                          self._flops_per_s, self._bytes_per_s)
-        if num_sampled:
-            linear += roofline(num_sampled * self._head_flops_per_token,
-                               self._head_weight_bytes, self._flops_per_s, self._bytes_per_s)
-        attention = sum(self._attention_s(seq) for seq in batch)
+        flops_per_s, bytes_per_s = self._flops_per_s, self._bytes_per_s
+        linear = roofline(*self._linear_work(num_tokens), flops_per_s, bytes_per_s)
+        linear += roofline(*self._head_work(num_sampled), flops_per_s, bytes_per_s)
+        attention = sum(roofline(*self._attention_work(seq), self._attn_flops_per_s,
+                                 bytes_per_s) for seq in batch)
         eff = self.efficiency
         overhead = eff.step_overhead_s + eff.per_seq_overhead_s * len(batch)
         return StepCost(linear, attention, self._all_reduces_s(num_tokens), overhead)
@@ -121,14 +134,29 @@ class CostModel:
     def step_time(self, batch: Sequence[SeqWork]) -> float:
         return self.step_cost(batch).total_s
 
-    def _attention_s(self, seq: SeqWork) -> float:
+    def step_work(self, batch: Sequence[SeqWork]) -> StepWork:
+        """FLOPs and bytes per device of one step over `batch`, by component."""
+        num_tokens = sum(seq.num_new_tokens for seq in batch)
+        num_sampled = sum(1 for seq in batch if seq.is_sampling)
+        return StepWork(self._linear_work(num_tokens), self._head_work(num_sampled),
+                        tuple(self._attention_work(seq) for seq in batch), len(batch))
+
+    def _linear_work(self, num_tokens: int) -> tuple[float, float]:
+        return num_tokens * self._layer_flops_per_token, self._layer_weight_bytes
+
+    def _head_work(self, num_sampled: int) -> tuple[float, float]:
+        # Logits only for the rows that sample; no LM-head pass when none does.
+        if not num_sampled:
+            return 0.0, 0.0
+        return num_sampled * self._head_flops_per_token, self._head_weight_bytes
+
+    def _attention_work(self, seq: SeqWork) -> tuple[float, float]:
         new, context = seq.num_new_tokens, seq.num_context_tokens
         # Causal: new token i sees the context plus new tokens 0..i.
         pairs = new * (context + (new + 1) / 2)
         # Reads K and V of every visible token once; writes the new tokens' K and V.
         kv_bytes = (context + 2 * new) * self._kv_bytes_per_token_device
-        return roofline(pairs * self._attn_flops_per_pair, kv_bytes,
-                        self._attn_flops_per_s, self._bytes_per_s)
+        return pairs * self._attn_flops_per_pair, kv_bytes
 
     def _all_reduces_s(self, num_tokens: int) -> float:
         # Two all-reduces per layer (after attention's o_proj and the MLP's down_proj).

@@ -62,4 +62,4 @@ CPU_DEFAULT = Efficiency(linear_compute=0.3, attention_compute=0.1, memory=0.7, 
 
 
 def default_efficiency(hardware_name: str) -> Efficiency:
-    return CPU_DEFAULT if hardware_name == "cpu-local" else Efficiency()
+    return CPU_DEFAULT if hardware_name.startswith("cpu-local") else Efficiency()

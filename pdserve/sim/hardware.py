@@ -2,7 +2,8 @@
 
 Numbers are vendor spec-sheet figures for dense math (no 2:4 sparsity). A `Hardware` is one
 device: the unit a tensor-parallel group is made of. "cpu-local" is one core of the local
-machine (the engine pins one worker per core); its defaults are replaced by calibration.
+machine (the engine pins one worker per core; "cpu-local:2" is a worker on both cores); its
+defaults are replaced by calibration.
 """
 
 from __future__ import annotations
@@ -69,20 +70,38 @@ HARDWARE: dict[str, Hardware] = {
         # NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 (sparse) for 8 GPUs -> 4.5 PFLOPS dense
         # FP8 and 2.25 PFLOPS dense BF16 per GPU; 1,440 GB HBM3e (180 GB/GPU) at 8 TB/s/GPU.
         Hardware("B200", 2250 * TFLOPS, 4500 * TFLOPS, 8.0 * TB, 180 * GB, "nvlink-b200"),
-        # One core of the local CPU: AMX bf16 tiles give ~1 TFLOP/s per core at best,
-        # ~16 GB/s of DRAM bandwidth per core (both measured in the project brief).
-        # Capacity is the KV + weights budget one engine worker may use. Calibrate these.
-        Hardware("cpu-local", 1 * TFLOPS, None, 16 * GB, 8 * GB, "shm", devices_per_node=2),
     )
 }
+# The local machine's cores (the brief's measurements: AMX bf16 tiles give ~1 TFLOP/s per
+# core at best, ~16 GB/s of DRAM bandwidth per core). Calibrate these.
+LOCAL_CPU_CORES = 2
+CPU_CORE_FLOPS = 1 * TFLOPS
+CPU_CORE_BANDWIDTH = 16 * GB
+# What one engine worker may hold in weights and KV (the engine caps KV separately).
+CPU_WORKER_MEMORY = 8 * GB
+
+
+def local_cpu(num_cores: int = 1) -> Hardware:
+    """An engine worker on `num_cores` cores of the local CPU, as one "device"."""
+    if not 1 <= num_cores <= LOCAL_CPU_CORES:
+        raise SimConfigError(f"--hardware cpu-local:N takes 1 to {LOCAL_CPU_CORES} cores")
+    name = "cpu-local" if num_cores == 1 else f"cpu-local:{num_cores}"
+    return Hardware(name, num_cores * CPU_CORE_FLOPS, None, num_cores * CPU_CORE_BANDWIDTH,
+                    CPU_WORKER_MEMORY, "shm", devices_per_node=LOCAL_CPU_CORES // num_cores)
+
+
+HARDWARE["cpu-local"] = local_cpu(1)
 
 _ALIASES = {"h100": "H100-SXM", "a100": "A100-80GB", "cpu": "cpu-local"}
 
 
 def get_hardware(name: str) -> Hardware:
-    """Look a device up by catalog name (case-insensitive; H100/A100/cpu are aliases)."""
+    """Look a device up by catalog name (case-insensitive; H100/A100/cpu are aliases;
+    "cpu-local:N" is a worker on N local cores)."""
     by_lower = {key.lower(): hw for key, hw in HARDWARE.items()}
     key = _ALIASES.get(name.lower(), name).lower()
+    if key.startswith("cpu-local:") and key.removeprefix("cpu-local:").isdigit():
+        return local_cpu(int(key.removeprefix("cpu-local:")))
     if key not in by_lower:
         raise SimConfigError(
             f"--hardware: unknown device {name!r}; known: {', '.join(sorted(HARDWARE))}"

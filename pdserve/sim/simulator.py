@@ -117,10 +117,8 @@ class Simulation:
                          kv_dtype=cfg.kv_dtype, efficiency=cfg.resolved_efficiency,
                          inter_node_link=cfg.network)
         sched = pool.scheduler_config
-        num_blocks = cfg.num_kv_blocks or cost.kv_capacity_tokens(
-            sched.max_num_batched_tokens, sched.max_num_seqs,
-            cfg.memory_utilization) // cfg.block_size
-        cache = CacheConfig(cfg.block_size, max(num_blocks, 1), cfg.enable_prefix_caching)
+        num_blocks = self._num_kv_blocks(cost, sched)
+        cache = CacheConfig(cfg.block_size, num_blocks, cfg.enable_prefix_caching)
         workers = []
         for i in range(pool.num_workers):
             node = self._next_device // cfg.hardware.devices_per_node
@@ -131,6 +129,17 @@ class Simulation:
                 worker.scheduler.connector = worker.connector
             workers.append(worker)
         return Pool(name, pool, cost, workers, num_blocks)
+
+    def _num_kv_blocks(self, cost: CostModel, sched) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory_gb is not None:
+            num_bytes = cfg.kv_cache_memory_gb * 2**30
+            return max(int(num_bytes // (cost.kv_bytes_per_token * cfg.block_size)), 1)
+        tokens = cost.kv_capacity_tokens(sched.max_num_batched_tokens, sched.max_num_seqs,
+                                         cfg.memory_utilization)
+        return max(tokens // cfg.block_size, 1)
 
     # ---- event loop --------------------------------------------------------------------
     def run(self) -> SimResult:

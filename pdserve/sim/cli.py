@@ -1,0 +1,217 @@
+"""`pdserve simulate`, `pdserve simulate calibrate` and `pdserve plan`.
+
+The top-level CLI registers them with `add_parsers(subparsers)` and runs `args.run(args)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from pdserve.bench.compare import CompareRow, format_table
+from pdserve.bench.report import write_report
+from pdserve.bench.summary import format_summary
+from pdserve.sim.calibration import fit_efficiency, load_samples, save_samples
+from pdserve.sim.cost_model import CostModel
+from pdserve.sim.errors import SimConfigError
+from pdserve.sim.hardware import get_hardware
+from pdserve.sim.model_spec import load_model_spec
+from pdserve.sim.options import (
+    Deployment,
+    add_deployment_args,
+    add_workload_args,
+    layout_config,
+    parse_modes,
+    slos_from_text,
+    workload_from_args,
+)
+from pdserve.sim.plan_report import explain, format_ranking, plot_goodput_vs_split
+from pdserve.sim.planner import PlanInputs, gpus_for_rate, search
+from pdserve.sim.report import bench_result, result_json
+from pdserve.sim.simulator import simulate
+
+
+def add_parsers(subparsers) -> None:
+    """Add `simulate` (with its `calibrate` subcommand) and `plan`."""
+    sim = subparsers.add_parser(
+        "simulate", help="simulate a cluster layout on the real scheduler",
+        description="Discrete-event simulation of a serving layout: pdserve's own scheduler, "
+                    "block manager and router policies, with a physical cost model in place "
+                    "of the GPUs. Prints the benchmark's metrics.")
+    add_deployment_args(sim, with_layout=True)
+    add_workload_args(sim)
+    _add_output_args(sim)
+    sim.set_defaults(run=run, sim_command=None)
+    sub = sim.add_subparsers(dest="sim_command", metavar="{calibrate}")
+    cal = sub.add_parser(
+        "calibrate", help="fit the cost model's efficiencies to measured engine steps",
+        description="Fit efficiency factors and overheads to real engine step times and "
+                    "save them for --calibration.")
+    cal.add_argument("--model", default="SmolLM2-135M")
+    cal.add_argument("--hardware", default="cpu-local")
+    cal.add_argument("--tp", type=int, default=1)
+    cal.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"])
+    source = cal.add_mutually_exclusive_group(required=True)
+    source.add_argument("--steps", metavar="FILE",
+                        help="step samples (JSONL) or benchmarks/engine.py --json output")
+    source.add_argument("--measure", action="store_true",
+                        help="run the real engine on this machine to measure steps")
+    cal.add_argument("--num-threads", type=int, help="--measure: torch threads (cores)")
+    cal.add_argument("--save-steps", metavar="FILE.jsonl", help="--measure: keep the samples")
+    cal.add_argument("--output", default="calibration.json", help="(default: %(default)s)")
+
+    plan = subparsers.add_parser(
+        "plan", help="rank layouts of N GPUs by goodput per GPU under SLOs",
+        description="Search colocated, chunked (token budgets 256-8192, TP degrees) and "
+                    "disaggregated layouts (prefill:decode splits, TP, local-prefill "
+                    "threshold) of --gpus devices, simulate each, rank by goodput per GPU.")
+    add_deployment_args(plan, with_layout=False)
+    plan.add_argument("--gpus", type=int, required=True)
+    plan.add_argument("--slo", nargs="+", required=True, metavar="METRIC:MS[,METRIC:MS]",
+                      help="e.g. ttft:500,tpot:50")
+    plan.add_argument("--target-rate", type=float,
+                      help="inverse question: GPUs needed for this rate (default: "
+                           "--request-rate)")
+    plan.add_argument("--max-gpus", type=int, default=4096, help="inverse search bound")
+    plan.add_argument("--top", type=int, default=20, help="rows of the table to print")
+    add_workload_args(plan)
+    _add_output_args(plan)
+    plan.set_defaults(run=run, sim_command="plan")
+
+
+# The top-level CLI looks for `add_parser`.
+add_parser = add_parsers
+
+
+def _add_output_args(parser: argparse.ArgumentParser) -> None:
+    out = parser.add_argument_group("output")
+    out.add_argument("--goodput", nargs="+", metavar="METRIC:MS", help="SLOs, as bench")
+    out.add_argument("--save-result", metavar="FILE.json")
+    out.add_argument("--report", metavar="DIR")
+    out.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.sim_command == "calibrate":
+            return _calibrate(args)
+        if args.sim_command == "plan":
+            return _plan(args)
+        return _simulate(args)
+    except SimConfigError as exc:
+        print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    deployment = Deployment.from_args(args)
+    planned = workload_from_args(args, deployment.max_model_len)
+    slos = slos_from_text(args.goodput)
+    results, payload = [], {}
+    for mode in parse_modes(args.mode):
+        config = layout_config(deployment, mode)
+        sim = simulate(config, planned.specs)
+        result = bench_result(sim, planned.workload, seed=planned.seed,
+                              request_rate=planned.request_rate,
+                              burstiness=planned.burstiness, slos=slos)
+        results.append(result)
+        payload[result.label] = result_json(sim, result)
+        print(format_summary(result))
+        print(f"simulated {sim.duration_s:.1f} s of {config.num_devices} × "
+              f"{config.hardware.name} in {sim.wall_time_s:.1f} s ({sim.num_events} events)\n")
+    if len(results) > 1:
+        print(format_table([CompareRow.of(r.label, r) for r in results]))
+    if args.save_result:
+        data = next(iter(payload.values())) if len(payload) == 1 else {"runs": payload}
+        _write_json(args.save_result, data)
+    if args.report:
+        path = write_report(results, args.report, "Simulated runs",
+                            preamble=f"Simulated with `pdserve simulate` ({deployment.model.name}"
+                                     f" on {deployment.hardware.name}).")
+        print(f"report: {path}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    model, hardware = load_model_spec(args.model), get_hardware(args.hardware)
+    if args.measure:
+        from pdserve.sim.measure import measure_step_samples
+
+        samples = measure_step_samples(num_threads=args.num_threads)
+        if args.save_steps:
+            save_samples(samples, args.save_steps)
+    else:
+        samples = load_samples(args.steps)
+    fit = fit_efficiency(CostModel(model, hardware, args.tp, dtype=args.dtype), samples)
+    fit.efficiency.save(args.output, model=model.name, hardware=hardware.name, tp=args.tp,
+                        **fit.metadata())
+    e = fit.efficiency
+    print(f"fitted on {fit.num_samples} steps: linear {e.linear_compute:.3f}, attention "
+          f"{e.attention_compute:.3f}, memory {e.memory:.3f} of peak; overhead "
+          f"{e.step_overhead_s * 1e3:.2f} ms/step + {e.per_seq_overhead_s * 1e3:.3f} ms/seq; "
+          f"error mean {fit.mean_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}")
+    print(f"saved {args.output}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    deployment = Deployment.from_args(args)
+    planned = workload_from_args(args, deployment.max_model_len)
+    slos = slos_from_text(args.slo)
+    if not slos:
+        raise SimConfigError("--slo: give at least one of ttft:MS, tpot:MS, e2el:MS")
+    inputs = PlanInputs(deployment, planned, slos)
+    progress = _progress(args.quiet)
+    evaluations = search(inputs, args.gpus, progress)
+    print(format_ranking(evaluations, args.top))
+    print()
+    best = evaluations[0]
+    print(explain(best, evaluations))
+    target = args.target_rate or planned.request_rate
+    if target is not None and math.isfinite(target):
+        _inverse(args, inputs, evaluations, target, progress)
+    if args.report:
+        path = plot_goodput_vs_split(evaluations, Path(args.report) / "goodput_vs_split.png")
+        print(f"plot: {path}")
+    if args.save_result:
+        _write_json(args.save_result, {
+            "gpus": args.gpus, "slos_ms": slos, "request_rate": planned.request_rate,
+            "ranking": [{"layout": e.label, "goodput": e.goodput,
+                         "goodput_per_gpu": e.goodput_per_gpu, "attainment": e.attainment,
+                         "binding_slo": e.binding_slo(),
+                         **e.result.metrics.to_vllm_dict()} for e in evaluations]})
+    return 0
+
+
+def _inverse(args, inputs: PlanInputs, evaluations, target: float, progress) -> None:
+    """GPUs each of the top layouts' families needs to carry `target` req/s."""
+    planned = workload_from_args(args, inputs.deployment.max_model_len, request_rate=target)
+    print(f"\nGPUs to carry {target:g} req/s with >= 90% of requests within the SLOs:")
+    seen = set()
+    for evaluation in evaluations:
+        family = evaluation.layout.mode
+        if family in seen:
+            continue
+        seen.add(family)
+        gpus = gpus_for_rate(inputs, evaluation.layout, target, planned.specs, args.max_gpus,
+                             progress)
+        answer = f"{gpus} GPUs" if gpus else f"more than {args.max_gpus} GPUs"
+        print(f"  {evaluation.layout.label(gpus or args.gpus)}: {answer}")
+
+
+def _progress(quiet: bool):
+    def report(message: str) -> None:
+        if not quiet:
+            print(message, file=sys.stderr, flush=True)
+
+    return report
+
+
+def _write_json(path: str, data: dict) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(data, indent=1))
+    print(f"saved {target}")

@@ -1,0 +1,284 @@
+"""Command-line options of `simulate` and `plan`, and the configs built from them.
+
+Workload options keep the benchmark's names and meanings (`pdserve bench --help`), and are
+turned into the benchmark's own workload objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+from pdserve.bench.arrivals import parse_request_rates
+from pdserve.bench.benchmark import TRACE_WINDOW_STREAM, seeded_rng
+from pdserve.bench.errors import BenchError
+from pdserve.bench.metrics import parse_goodput
+from pdserve.bench.workloads import (
+    WORKLOAD_NAMES,
+    LengthRange,
+    TraceWindow,
+    TraceWorkload,
+    Workload,
+    WorkloadOptions,
+    make_workload,
+)
+from pdserve.bench.workloads.trace_file import TraceEntry
+from pdserve.router.policies import POLICY_NAMES
+from pdserve.sim.config import Mode, PoolConfig, SimConfig, scheduler_config_for
+from pdserve.sim.efficiency import Efficiency
+from pdserve.sim.errors import SimConfigError
+from pdserve.sim.hardware import Hardware, get_hardware
+from pdserve.sim.model_spec import ModelSpec, load_model_spec
+from pdserve.sim.network import get_network
+from pdserve.sim.workload import SimRequestSpec, plan_requests, specs_from_bench_result
+
+# The engine's defaults on the local CPU (pdserve.engine.args / config).
+CPU_CHUNKED_BUDGET = 512
+CPU_MAX_NUM_SEQS = 64
+CPU_KV_CACHE_MEMORY_GB = 1.0
+# Datacenter defaults: vLLM's chunked budget and sequence cap on large GPUs.
+GPU_CHUNKED_BUDGET = 2048
+GPU_MAX_NUM_SEQS = 256
+
+
+def is_local_cpu(hardware: Hardware) -> bool:
+    return hardware.name.startswith("cpu-local")
+
+
+# ---- parsers ---------------------------------------------------------------------------
+def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -> None:
+    """Model, hardware, links and engine knobs; `with_layout` adds mode and worker counts."""
+    g = parser.add_argument_group("deployment")
+    g.add_argument("--model", default="SmolLM2-135M",
+                   help="catalog model or a Hugging Face config.json (default: %(default)s)")
+    g.add_argument("--hardware", default="cpu-local",
+                   help="H100-SXM, H200, A100-80GB, L40S, B200, cpu-local[:N] "
+                        "(default: %(default)s)")
+    g.add_argument("--network", help="link between nodes: ib-400, ib-8x400, roce-100, "
+                                     "roce-400, eth-25, ... or a number of Gb/s "
+                                     "(default: ib-8x400; shm on cpu-local)")
+    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"], help="weights")
+    g.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"])
+    g.add_argument("--calibration", metavar="FILE.json",
+                   help="efficiency factors from `pdserve simulate calibrate`")
+    g.add_argument("--max-num-seqs", type=int,
+                   help=f"default {CPU_MAX_NUM_SEQS} on cpu-local, {GPU_MAX_NUM_SEQS} otherwise")
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--long-prefill-token-threshold", type=int)
+    g.add_argument("--max-num-partial-prefills", type=int, default=1)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, help="per worker (default: from memory)")
+    g.add_argument("--kv-cache-memory-gb", type=float,
+                   help=f"KV budget per worker (default {CPU_KV_CACHE_MEMORY_GB} on cpu-local, "
+                        "else device memory minus weights)")
+    g.add_argument("--memory-utilization", type=float, default=0.9)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--prefill-policy", default="least_loaded", choices=POLICY_NAMES)
+    g.add_argument("--decode-policy", default="least_loaded", choices=POLICY_NAMES)
+    if not with_layout:
+        return
+    lay = parser.add_argument_group("layout")
+    lay.add_argument("--mode", default="chunked",
+                     help="colocated, chunked, disagg, or several comma-separated "
+                          "(simulated side by side)")
+    lay.add_argument("--tp", type=int, default=1, help="tensor-parallel devices per worker")
+    lay.add_argument("--num-workers", type=int, default=1,
+                     help="colocated/chunked: engine instances behind the router")
+    lay.add_argument("--max-num-batched-tokens", type=int,
+                     help=f"chunked token budget (default {CPU_CHUNKED_BUDGET} on cpu-local, "
+                          f"{GPU_CHUNKED_BUDGET} otherwise; colocated: the context length)")
+    lay.add_argument("--prefill-workers", type=int, default=1, help="disagg")
+    lay.add_argument("--decode-workers", type=int, default=1, help="disagg")
+    lay.add_argument("--prefill-tp", type=int, help="disagg (default: --tp)")
+    lay.add_argument("--decode-tp", type=int, help="disagg (default: --tp)")
+    lay.add_argument("--local-prefill-threshold", type=int, default=0,
+                     help="disagg: prompts with fewer uncached tokens prefill on decode")
+    lay.add_argument("--horizon", type=float, help="stop the clock after S simulated seconds")
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's workload options (same names), plus --duration and --workload-from."""
+    g = parser.add_argument_group("workload (as pdserve bench)")
+    g.add_argument("--workload", default="mixed", choices=WORKLOAD_NAMES)
+    g.add_argument("--workload-from", metavar="FILE.json",
+                   help="replay the requests of a `pdserve bench --save-result` run")
+    g.add_argument("--num-prompts", type=int)
+    g.add_argument("--request-rate", help="req/s or inf (default: the workload's)")
+    g.add_argument("--duration", type=float,
+                   help="seconds of traffic: num-prompts = rate × duration (trace: a window)")
+    g.add_argument("--burstiness", type=float, default=1.0)
+    g.add_argument("--max-concurrency", type=int)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--input-len", type=int)
+    g.add_argument("--output-len", type=int)
+    g.add_argument("--range-ratio", type=float, default=0.0)
+    g.add_argument("--prefix-len", type=int)
+    g.add_argument("--num-prefixes", type=int)
+    g.add_argument("--long-fraction", type=float)
+    g.add_argument("--burst-size", type=int)
+    for name in ("chat-input-len", "chat-output-len", "long-input-len", "long-output-len"):
+        g.add_argument(f"--{name}", metavar="LOW:HIGH")
+    g.add_argument("--trace", help="trace file (default: the Azure conversation trace)")
+    g.add_argument("--trace-window-start", type=float, default=0.0)
+    g.add_argument("--trace-time-scale", type=float, default=1.0)
+    g.add_argument("--trace-max-input-len", type=int)
+    g.add_argument("--trace-max-output-len", type=int)
+
+
+# ---- deployments -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Deployment:
+    """Everything but the layout: model, device, links, engine knobs."""
+
+    model: ModelSpec
+    hardware: Hardware
+    args: argparse.Namespace
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Deployment:
+        return cls(load_model_spec(args.model), get_hardware(args.hardware), args)
+
+    @property
+    def max_num_seqs(self) -> int:
+        default = CPU_MAX_NUM_SEQS if is_local_cpu(self.hardware) else GPU_MAX_NUM_SEQS
+        return self.args.max_num_seqs or default
+
+    @property
+    def default_budget(self) -> int:
+        return CPU_CHUNKED_BUDGET if is_local_cpu(self.hardware) else GPU_CHUNKED_BUDGET
+
+    @property
+    def max_model_len(self) -> int:
+        limit = self.args.max_model_len or self.model.max_position_embeddings
+        return min(limit, self.model.max_position_embeddings)
+
+    def config(self, mode: Mode, *, tp: int = 1, num_workers: int = 1,
+               budget: int | None = None, prefill: tuple[int, int] | None = None,
+               decode: tuple[int, int] | None = None, **overrides) -> SimConfig:
+        """A layout: `num_workers` × `tp` (colocated/chunked), or `prefill`/`decode` as
+        (workers, tp) pools (disagg)."""
+        a = self.args
+        if mode is Mode.COLOCATED:
+            budget = self.max_model_len
+        sched = scheduler_config_for(
+            mode, budget or self.default_budget, self.max_num_seqs, self.max_model_len,
+            long_prefill_token_threshold=a.long_prefill_token_threshold,
+            max_num_partial_prefills=a.max_num_partial_prefills)
+        if mode is Mode.DISAGG:
+            pool, prefill_pool = PoolConfig(*decode, sched), PoolConfig(*prefill, sched)
+        else:
+            pool, prefill_pool = PoolConfig(num_workers, tp, sched), None
+        kv_gb = a.kv_cache_memory_gb
+        if kv_gb is None and a.num_kv_blocks is None and is_local_cpu(self.hardware):
+            kv_gb = CPU_KV_CACHE_MEMORY_GB
+        network = a.network or ("shm" if is_local_cpu(self.hardware) else "ib-8x400")
+        efficiency = Efficiency.load(a.calibration) if a.calibration else None
+        fields = dict(
+            network=get_network(network), efficiency=efficiency, dtype=a.dtype,
+            kv_dtype=a.kv_dtype, block_size=a.block_size,
+            enable_prefix_caching=a.enable_prefix_caching,
+            memory_utilization=a.memory_utilization, num_kv_blocks=a.num_kv_blocks,
+            kv_cache_memory_gb=kv_gb, prefill_policy=a.prefill_policy,
+            decode_policy=a.decode_policy, max_concurrency=getattr(a, "max_concurrency", None))
+        fields.update(overrides)
+        return SimConfig(self.model, self.hardware, mode, pool, prefill_pool, **fields)
+
+
+def layout_config(deployment: Deployment, mode: Mode) -> SimConfig:
+    """The single layout `simulate`'s layout options describe, for one mode."""
+    a = deployment.args
+    return deployment.config(
+        mode, tp=a.tp, num_workers=a.num_workers, budget=a.max_num_batched_tokens,
+        prefill=(a.prefill_workers, a.prefill_tp or a.tp),
+        decode=(a.decode_workers, a.decode_tp or a.tp),
+        local_prefill_threshold=a.local_prefill_threshold, horizon_s=a.horizon)
+
+
+def parse_modes(text: str) -> list[Mode]:
+    try:
+        return [Mode(m.strip()) for m in text.split(",") if m.strip()]
+    except ValueError:
+        raise SimConfigError(f"--mode: expected colocated, chunked or disagg (comma-separated), "
+                             f"got {text!r}") from None
+
+
+# ---- workloads -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlannedWorkload:
+    """The requests to simulate, and how the benchmark would describe them."""
+
+    workload: Workload
+    specs: list[SimRequestSpec]
+    request_rate: float | None
+    seed: int
+    burstiness: float
+
+
+def workload_from_args(args: argparse.Namespace, max_model_len: int,
+                       request_rate: float | None = None) -> PlannedWorkload:
+    """Build the requests; `request_rate` overrides --request-rate (plan's search)."""
+    try:
+        if args.workload_from:
+            return _replayed(args)
+        rate = request_rate if request_rate is not None else _single_rate(args.request_rate)
+        workload = _workload(args, rate)
+        specs = plan_requests(workload, seed=args.seed, request_rate=rate,
+                              burstiness=args.burstiness, max_model_len=max_model_len)
+        return PlannedWorkload(workload, specs, rate, args.seed, args.burstiness)
+    except BenchError as exc:
+        raise SimConfigError(str(exc)) from None
+
+
+def slos_from_text(items: list[str] | None) -> dict[str, float]:
+    """`--goodput ttft:MS tpot:MS` or plan's `--slo ttft:MS,tpot:MS`."""
+    parts = [p for item in items or [] for p in item.split(",") if p]
+    try:
+        return parse_goodput(parts)
+    except BenchError as exc:
+        raise SimConfigError(str(exc).replace("--goodput", "--slo")) from None
+
+
+def _single_rate(text: str | None) -> float | None:
+    if text is None:
+        return None
+    rates = parse_request_rates(text)
+    if len(rates) != 1:
+        raise SimConfigError("--request-rate: give one rate (plan searches rates itself)")
+    return rates[0]
+
+
+def _workload(args: argparse.Namespace, rate: float | None) -> Workload:
+    num_prompts, window = args.num_prompts, TraceWindow(
+        start_s=args.trace_window_start, time_scale=args.trace_time_scale,
+        max_input_len=args.trace_max_input_len, max_output_len=args.trace_max_output_len,
+        duration_s=args.duration if args.workload == "trace" else None)
+    if args.duration is not None and args.workload != "trace" and num_prompts is None:
+        if rate is None or math.isinf(rate):
+            raise SimConfigError("--duration needs a finite --request-rate")
+        num_prompts = max(1, math.ceil(rate * args.duration))
+    options = WorkloadOptions(
+        num_prompts=num_prompts, input_len=args.input_len, output_len=args.output_len,
+        range_ratio=args.range_ratio, prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes, long_fraction=args.long_fraction,
+        burst_size=args.burst_size,
+        chat_input_len=_range(args.chat_input_len, "--chat-input-len"),
+        chat_output_len=_range(args.chat_output_len, "--chat-output-len"),
+        long_input_len=_range(args.long_input_len, "--long-input-len"),
+        long_output_len=_range(args.long_output_len, "--long-output-len"),
+        trace=args.trace, trace_window=window)
+    return make_workload(args.workload, options, seeded_rng(args.seed, TRACE_WINDOW_STREAM))
+
+
+def _range(text: str | None, option: str) -> LengthRange | None:
+    return None if text is None else LengthRange.parse(text, option)
+
+
+def _replayed(args: argparse.Namespace) -> PlannedWorkload:
+    specs, config = specs_from_bench_result(args.workload_from)
+    entries = tuple(TraceEntry(s.arrival_time, s.output_len, prompt_len=s.prompt_len)
+                    for s in specs)
+    if args.max_concurrency is None:
+        args.max_concurrency = config.get("max_concurrency")
+    return PlannedWorkload(TraceWorkload(entries), specs, None, int(config.get("seed", 0)),
+                           float(config.get("burstiness", 1.0)))

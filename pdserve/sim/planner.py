@@ -1,0 +1,192 @@
+"""`pdserve plan`: simulate candidate layouts of N GPUs and rank them by goodput per GPU.
+
+Goodput is the benchmark's: requests per second that meet every SLO. A layout "carries" a
+rate when at least `ATTAINMENT_TARGET` of the requests meet the SLOs (DistServe's criterion).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from pdserve.bench.benchmark import BenchResult
+from pdserve.bench.metrics import meets_slos
+from pdserve.sim.config import Mode
+from pdserve.sim.cost_model import CostModel
+from pdserve.sim.errors import SimConfigError
+from pdserve.sim.layout import Layout
+from pdserve.sim.report import bench_result
+from pdserve.sim.simulator import SimResult, simulate
+
+ATTAINMENT_TARGET = 0.9
+TP_DEGREES = (1, 2, 4, 8)
+BUDGETS = (256, 512, 1024, 2048, 4096, 8192)
+MAX_SPLITS = 7
+THRESHOLDS = (256, 1024, 4096)
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    layout: Layout
+    num_gpus: int
+    sim: SimResult
+    result: BenchResult
+    slos: dict[str, float]
+
+    @property
+    def label(self) -> str:
+        return self.layout.label(self.num_gpus)
+
+    @property
+    def goodput(self) -> float:
+        return self.result.metrics.request_goodput or 0.0
+
+    @property
+    def goodput_per_gpu(self) -> float:
+        return self.goodput / self.num_gpus
+
+    @property
+    def attainment(self) -> float:
+        records = self.result.records
+        return sum(meets_slos(r, self.slos) for r in records) / len(records)
+
+    @property
+    def carries_load(self) -> bool:
+        return self.attainment >= ATTAINMENT_TARGET
+
+    def binding_slo(self) -> str:
+        """The SLO most requests miss; if all are met, the one with the least headroom."""
+        misses = {name: 0 for name in self.slos}
+        for record in self.result.records:
+            if record.success:
+                observed = {"ttft": record.ttft, "tpot": record.tpot or 0.0, "e2el": record.e2el}
+                for name, limit in self.slos.items():
+                    misses[name] += observed[name] * 1000 > limit
+        if any(misses.values()):
+            return max(misses, key=misses.get)
+        m = self.result.metrics
+        return max(self.slos, key=lambda name: getattr(m, name).p99 / self.slos[name])
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What every candidate is simulated on."""
+
+    deployment: object  # options.Deployment
+    planned: object  # options.PlannedWorkload
+    slos: dict[str, float]
+
+
+def candidate_layouts(inputs: PlanInputs, num_gpus: int) -> list[Layout]:
+    """Colocated per TP, chunked per TP × budget, disagg per TP × prefill share."""
+    layouts: list[Layout] = []
+    for tp in feasible_tps(inputs, num_gpus):
+        layouts.append(Layout(Mode.COLOCATED, tp))
+        layouts += [Layout(Mode.CHUNKED, tp, budget=b) for b in BUDGETS]
+        layouts += [Layout(Mode.DISAGG, tp, prefill_tp=tp, prefill_fraction=k * tp / num_gpus)
+                    for k in _split_counts(num_gpus // tp)]
+    return layouts
+
+
+def feasible_tps(inputs: PlanInputs, num_gpus: int) -> list[int]:
+    """TP degrees inside one node that divide the GPUs and hold the longest request's KV."""
+    deployment = inputs.deployment
+    hardware = deployment.hardware
+    longest = max(min(s.prompt_len + s.output_len, deployment.max_model_len)
+                  for s in inputs.planned.specs)
+    tps = []
+    for tp in TP_DEGREES:
+        if tp > hardware.devices_per_node or num_gpus % tp:
+            continue
+        cost = CostModel(deployment.model, hardware, tp)
+        try:
+            capacity = cost.kv_capacity_tokens(max(BUDGETS), deployment.max_num_seqs)
+        except SimConfigError:
+            continue
+        if capacity >= longest:
+            tps.append(tp)
+    if not tps:
+        raise SimConfigError(f"{deployment.model.name} does not fit {num_gpus} "
+                             f"{hardware.name} at any TP of {TP_DEGREES}")
+    return tps
+
+
+def _split_counts(num_workers: int) -> list[int]:
+    """Up to MAX_SPLITS prefill-worker counts spread over 1 .. num_workers − 1."""
+    if num_workers < 2:
+        return []
+    if num_workers - 1 <= MAX_SPLITS:
+        return list(range(1, num_workers))
+    step = (num_workers - 1) / MAX_SPLITS
+    return sorted({max(1, round(step * (i + 0.5))) for i in range(MAX_SPLITS)})
+
+
+def evaluate(inputs: PlanInputs, layout: Layout, num_gpus: int,
+             specs=None, request_rate=None) -> Evaluation | None:
+    """Simulate `layout` on `num_gpus` (None if it does not divide them)."""
+    config = layout.config(inputs.deployment, num_gpus)
+    if config is None:
+        return None
+    planned = inputs.planned
+    sim = simulate(config, specs if specs is not None else planned.specs)
+    result = bench_result(sim, planned.workload, seed=planned.seed,
+                          request_rate=request_rate or planned.request_rate,
+                          burstiness=planned.burstiness, slos=inputs.slos,
+                          label=layout.label(num_gpus))
+    return Evaluation(layout, num_gpus, sim, result, inputs.slos)
+
+
+def rank(evaluations: Sequence[Evaluation]) -> list[Evaluation]:
+    """Best first: goodput per GPU, then SLO attainment, then lower p99 TTFT."""
+    return sorted(evaluations, key=lambda e: (-e.goodput_per_gpu, -e.attainment,
+                                              e.result.metrics.ttft.p99))
+
+
+def search(inputs: PlanInputs, num_gpus: int, progress: Progress) -> list[Evaluation]:
+    """Every candidate, then local-prefill thresholds on the best disaggregated one."""
+    evaluations = []
+    layouts = candidate_layouts(inputs, num_gpus)
+    for i, layout in enumerate(layouts, start=1):
+        progress(f"[{i}/{len(layouts)}] {layout.label(num_gpus)}")
+        evaluation = evaluate(inputs, layout, num_gpus)
+        if evaluation is not None:
+            evaluations.append(evaluation)
+    disagg = [e for e in rank(evaluations) if e.layout.mode is Mode.DISAGG]
+    if disagg:
+        for threshold in THRESHOLDS:
+            layout = replace(disagg[0].layout, local_prefill_threshold=threshold)
+            progress(f"[threshold] {layout.label(num_gpus)}")
+            evaluations.append(evaluate(inputs, layout, num_gpus))
+    return rank(evaluations)
+
+
+def gpus_for_rate(inputs: PlanInputs, layout: Layout, target_rate: float, specs,
+                  max_gpus: int, progress: Progress) -> int | None:
+    """Fewest GPUs (a multiple of the layout's granularity, up to `max_gpus`) at which
+    `layout` carries `specs` arriving at `target_rate`; None if not within `max_gpus`."""
+    step = layout.granularity
+    minimum = step * (2 if layout.mode is Mode.DISAGG else 1)
+
+    def carries(num_gpus: int) -> bool:
+        evaluation = evaluate(inputs, layout, num_gpus, specs, target_rate)
+        ok = evaluation is not None and evaluation.carries_load
+        progress(f"[inverse] {layout.label(num_gpus)}: {'carries' if ok else 'misses'}")
+        return ok
+
+    low, high = 0, minimum
+    while not carries(high):  # doubling: find a size that carries the rate
+        low = high
+        if high >= max_gpus:
+            return None
+        high = min(high * 2, max_gpus)
+    while high - low > step:  # bisection between a failing and a carrying size
+        middle = (low + high) // 2 // step * step
+        if middle <= low or middle < minimum:
+            break
+        if carries(middle):
+            high = middle
+        else:
+            low = middle
+    return high

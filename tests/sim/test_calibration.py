@@ -1,0 +1,70 @@
+import json
+
+import pytest
+
+from pdserve.sim.calibration import StepSample, fit_efficiency, load_samples, save_samples
+from pdserve.sim.cost_model import CostModel, SeqWork
+from pdserve.sim.efficiency import Efficiency
+from pdserve.sim.errors import SimConfigError
+from pdserve.sim.hardware import get_hardware
+from pdserve.sim.model_spec import MODELS
+
+CPU = get_hardware("cpu-local")
+SMOL = MODELS["SmolLM2-135M"]
+TRUTH = Efficiency(linear_compute=0.21, attention_compute=0.04, memory=0.55, network=1.0,
+                   step_overhead_s=0.006, per_seq_overhead_s=0.0004)
+
+
+def _batches():
+    batches = [(SeqWork(n, 0, True),) for n in (32, 128, 512, 1024, 2048)]
+    batches += [(SeqWork(512, c, False),) for c in (512, 1536, 2560)]
+    batches += [(SeqWork(1, c, True),) * b for b in (1, 4, 16, 48) for c in (128, 1500)]
+    batches += [(SeqWork(1, 300, True),) * 8 + (SeqWork(256, 1024, False),)]
+    return batches
+
+
+def test_fit_recovers_known_factors():
+    truth = CostModel(SMOL, CPU, efficiency=TRUTH)
+    samples = [StepSample(b, truth.step_time(b)) for b in _batches()]
+    fit = fit_efficiency(CostModel(SMOL, CPU), samples)
+    assert fit.mean_abs_rel_error < 0.02
+    assert fit.efficiency.linear_compute == pytest.approx(0.21, rel=0.1)
+    assert fit.efficiency.memory == pytest.approx(0.55, rel=0.1)
+    assert fit.efficiency.step_overhead_s == pytest.approx(0.006, rel=0.15)
+
+
+def test_fit_tolerates_noise():
+    truth = CostModel(SMOL, CPU, efficiency=TRUTH)
+    noisy = [StepSample(b, truth.step_time(b) * (1.05 if i % 2 else 0.95))
+             for i, b in enumerate(_batches())]
+    fit = fit_efficiency(CostModel(SMOL, CPU), noisy)
+    assert fit.mean_abs_rel_error < 0.08
+
+
+def test_samples_round_trip_and_engine_bench_format(tmp_path):
+    samples = [StepSample(b, 0.01) for b in _batches()[:3]]
+    path = tmp_path / "steps.jsonl"
+    save_samples(samples, path)
+    assert load_samples(path) == samples
+    bench = {"runs": [{"dtype": "bfloat16", "weight_bytes": 1,
+                       "prefill": {"512": {"pdserve_tokens_per_s": 1024.0}},
+                       "decode": {"8": {"pdserve_step_ms": 30.0}}}]}
+    (tmp_path / "engine.json").write_text(json.dumps(bench))
+    prefill, decode = load_samples(tmp_path / "engine.json")
+    assert prefill == StepSample((SeqWork(512, 0, True),), 0.5)
+    assert len(decode.batch) == 8 and decode.step_s == 0.03
+
+
+def test_bad_sample_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"batch": [], "step_s": 1}\n')
+    with pytest.raises(SimConfigError, match="bad.jsonl"):
+        load_samples(path)
+    with pytest.raises(SimConfigError, match="at least 3"):
+        fit_efficiency(CostModel(SMOL, CPU), [])
+
+
+def test_efficiency_saves_and_loads(tmp_path):
+    path = tmp_path / "cal.json"
+    TRUTH.save(path, hardware="cpu-local")
+    assert Efficiency.load(path) == TRUTH
