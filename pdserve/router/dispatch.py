@@ -271,7 +271,8 @@ class Dispatcher:
             flight.decode.release()
         flight.timing.mark_done()
         self.metrics.observe(flight.timing)
-        logger.info("request %s", flight.timing.header_value())
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("request %s", flight.timing.header_value())
 
     def _fail(self, error_type: str, status: int, message: str) -> RouterHTTPError:
         self.metrics.count_error(error_type)
