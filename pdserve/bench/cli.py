@@ -354,7 +354,8 @@ def _run_bench(args: argparse.Namespace) -> int:
 def _run_compare(args: argparse.Namespace) -> int:
     report_dir = Path(args.report)
     spec = CompareSpec(
-        bench=_bench_spec(args, "http://placeholder"),
+        # The base URL is replaced by each launched or external server's own.
+        bench=_bench_spec(args, "http://127.0.0.1"),
         launch=LaunchConfig(
             command=tuple(shlex.split(args.server_cmd)),
             extra_args=tuple(shlex.split(args.server_args)),

@@ -109,9 +109,11 @@ class CompareResult:
 
     def to_dict(self) -> dict:
         bench = self.spec.bench
+        # Each run records its own server's URL; the shared config has none.
+        shared = {k: v for k, v in bench.describe().items() if k != "base_url"}
         return {
             "config": {
-                **bench.describe(),
+                **shared,
                 "request_rate": bench.request_rates[0],
                 "modes": list(self.spec.modes),
                 "externals": dict(self.spec.externals),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from pdserve.bench.errors import BenchError
 from pdserve.bench.workloads.base import LengthRange, Workload
 from pdserve.bench.workloads.long_context import LongContextWorkload
@@ -84,7 +86,7 @@ def _long_context(o: WorkloadOptions) -> Workload:
     )
 
 
-def _trace(o: WorkloadOptions, rng) -> Workload:
+def _trace(o: WorkloadOptions, rng: np.random.Generator) -> Workload:
     window = o.trace_window
     if window.num_prompts is None and window.duration_s is None:
         window = replace(window, num_prompts=o.num_prompts or 100)
@@ -101,7 +103,7 @@ _SIMPLE: dict[str, Callable[[WorkloadOptions], Workload]] = {
 WORKLOAD_NAMES = (*_SIMPLE, "trace")
 
 
-def make_workload(name: str, options: WorkloadOptions, rng) -> Workload:
+def make_workload(name: str, options: WorkloadOptions, rng: np.random.Generator) -> Workload:
     """The workload called `name`; `rng` picks a random trace window when asked for one."""
     if name == "trace":
         return _trace(options, rng)
