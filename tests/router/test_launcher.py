@@ -4,7 +4,9 @@ startup failure."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -16,7 +18,7 @@ from pdserve.engine.args import add_engine_args
 from pdserve.router.cores import assign_cores
 from pdserve.router.launcher import add_disagg_args, plan_workers, worker_flags
 from pdserve.router.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
-from tests.router.harness import REPO_ROOT, free_port
+from tests.router.harness import REPO_ROOT, free_port, wait_until
 
 
 def test_two_cores_two_workers_get_one_core_each():
@@ -136,3 +138,55 @@ def test_launch_disagg_exits_1_when_a_worker_cannot_start(tmp_path):
     assert "exited with code 2 during startup" in result.stderr
     assert "--no-such-flag" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decode-0.log", "prefill-0.log"]
+
+
+@pytest.mark.slow
+def test_launch_disagg_serves_through_stub_workers_and_stops_them_on_sigterm(tmp_path):
+    """The whole launcher (workers, health wait, router, signals) with stub workers standing
+    in for `pdserve serve --role ...` (its plan is swapped in the child process)."""
+    router_port, prefill_port, decode_port = free_port(), free_port(), free_port()
+    script = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        import pdserve.router.launcher as launcher
+        from pdserve.router.worker_group import WorkerSpec
+        from tests.router.test_launcher import serve_like_parser
+
+        def stub(role, port, core):
+            command = (sys.executable, "-m", "tests.router.stub_worker", "--role", role,
+                       "--port", str(port))
+            return WorkerSpec(f"{{role}}-0", role, port, (core,), command,
+                              Path({str(tmp_path)!r}) / f"{{role}}.log")
+
+        cores = sorted(launcher.os.sched_getaffinity(0))
+        launcher.plan_workers = lambda args: [stub("prefill", {prefill_port}, cores[0]),
+                                              stub("decode", {decode_port}, cores[-1])]
+        args = serve_like_parser().parse_args(["--mode", "disagg", "--port", "{router_port}"])
+        sys.exit(launcher.launch_disagg(args))
+    """)
+    launcher_process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, env={**os.environ,
+                                                        "PYTHONPATH": str(REPO_ROOT)})
+    router = f"http://127.0.0.1:{router_port}"
+    try:
+        wait_until(lambda: _is_up(router) or launcher_process.poll() is not None, 120)
+        assert launcher_process.poll() is None, launcher_process.stderr.read()
+        response = httpx.post(f"{router}/v1/completions", trust_env=False, timeout=30,
+                              json={"prompt": "hi", "max_tokens": 2})
+        assert response.status_code == 200
+        assert json.loads(response.headers["x-pdserve-timing"])["route"] == "remote"
+    finally:
+        launcher_process.send_signal(signal.SIGTERM)
+        out, err = launcher_process.communicate(timeout=60)
+    assert launcher_process.returncode == 0, err
+    assert f"serving on {router}" in out
+    for port in (prefill_port, decode_port, router_port):
+        assert not _is_up(f"http://127.0.0.1:{port}")
+
+
+def _is_up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", trust_env=False, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
