@@ -69,7 +69,8 @@ def launch_disagg(args: argparse.Namespace) -> int:
     specs = plan_workers(args)
     config = router_config_from_args(args, [s.url for s in specs if s.role == "prefill"],
                                      [s.url for s in specs if s.role == "decode"])
-    group = WorkerGroup(specs)
+    # Workers listen on loopback behind the router, which alone checks the API key.
+    group = WorkerGroup(specs, unset_env=("PDSERVE_API_KEY",))
     _print_plan(specs)
     with _sigterm_raises_shutdown():
         try:

@@ -44,14 +44,16 @@ class WorkerStartupError(RuntimeError):
 
 
 class WorkerGroup:
-    def __init__(self, specs: Sequence[WorkerSpec]) -> None:
+    def __init__(self, specs: Sequence[WorkerSpec], unset_env: Sequence[str] = ()) -> None:
+        """`unset_env`: variables of this process the workers must not inherit."""
         self.specs = list(specs)
+        self._unset_env = frozenset(unset_env)
         self._processes: dict[str, subprocess.Popen] = {}
 
     def start(self) -> None:
+        inherited = {k: v for k, v in os.environ.items() if k not in self._unset_env}
         for spec in self.specs:
-            env = {**os.environ, "OMP_NUM_THREADS": str(len(spec.cores)),
-                   "PYTHONUNBUFFERED": "1"}
+            env = {**inherited, "OMP_NUM_THREADS": str(len(spec.cores)), "PYTHONUNBUFFERED": "1"}
             with open(spec.log_path, "ab") as log:
                 self._processes[spec.name] = subprocess.Popen(
                     spec.command, stdin=subprocess.DEVNULL, stdout=log,
