@@ -44,6 +44,16 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class KVUpdate:
+    """Result of `Scheduler.update_kv_transfers`."""
+
+    # Left WAITING_FOR_REMOTE_KV: their KV arrived, or they will recompute it here.
+    settled: list[Request] = field(default_factory=list)
+    # Finished with an error because their KV never arrived (fail policy).
+    failed: list[Request] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class SchedulerStats:
     num_running: int
@@ -188,10 +198,12 @@ class Scheduler:
         self.connector.update_state_after_alloc(request, num_external)
         return True
 
-    def update_kv_transfers(self) -> list[Request]:
-        """Apply finished transfers. Returns requests whose KV just arrived (ready to run)."""
+    def update_kv_transfers(self) -> KVUpdate:
+        """Apply finished transfers: received requests become runnable, failed ones are
+        recomputed here or failed (the connector's policy), released blocks are freed."""
+        update = KVUpdate()
         if self.connector is None:
-            return []
+            return update
         events = self.connector.get_finished()
         for request_id in events.finished_sending | events.finished_recving | \
                 events.failed_recving:
@@ -200,17 +212,24 @@ class Scheduler:
                 self.block_manager.free(held)
         for request_id in events.failed_recving & self.receiving.keys():
             if self.connector.recompute_on_failure:
-                self._requeue(self.receiving.pop(request_id))
+                request = self.receiving.pop(request_id)
+                self._requeue(request)
+                update.settled.append(request)
             else:
-                self.finish_request(request_id, FinishReason.ERROR)
-        ready = [self.receiving.pop(rid) for rid in events.finished_recving & self.receiving.keys()]
-        for request in ready:
+                update.failed.append(self.finish_request(request_id, FinishReason.ERROR))
+        for request_id in events.finished_recving & self.receiving.keys():
+            request = self.receiving.pop(request_id)
             request.num_computed_tokens += request.num_external_tokens
             request.num_external_tokens = 0
             self.block_manager.cache_full_blocks(request)
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
-        return ready
+            update.settled.append(request)
+        return update
+
+    def has_pending_transfers(self) -> bool:
+        """Blocks still being received or held for a reader elsewhere."""
+        return bool(self.receiving or self.held)
 
     def _num_new_tokens(self, request: Request, budget: int | None) -> int:
         return self._cap(request.num_remaining_tokens, budget, request.is_prefilling)

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.core.config import SchedulerConfig
+from pdserve.kv_transfer.config import KVTransferConfig
 
 DEFAULT_KV_CACHE_MEMORY_GB = 1.0
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_FAILURE_POLICIES = ("recompute", "fail")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,9 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     num_threads: int | None = None
+    # Disaggregated serving: how this worker sends or receives KV (None: it does neither).
+    kv_transfer: KVTransferConfig | None = None
+    kv_failure_policy: str = "recompute"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -40,5 +45,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_failure_policy not in KV_FAILURE_POLICIES:
+            raise ValueError(f"kv_failure_policy must be one of {', '.join(KV_FAILURE_POLICIES)}"
+                             f", got {self.kv_failure_policy!r}")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")

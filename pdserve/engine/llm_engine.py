@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,12 +17,19 @@ from pdserve.core.scheduler import Scheduler
 from pdserve.engine.config import DEFAULT_KV_CACHE_MEMORY_GB, EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import RequestMetrics, RequestOutput
+from pdserve.engine.outputs import KVTransferOutcome, RequestMetrics, RequestOutput
 from pdserve.engine.sampler import SampledToken
+from pdserve.kv_transfer.errors import KVTransferError
+from pdserve.kv_transfer.protocol import KVLayout, KVTransferParams
 from pdserve.model.kv_cache import kv_bytes_per_token
 from pdserve.model.loader import LoadedModel, load_model
 
+if TYPE_CHECKING:
+    from pdserve.kv_transfer.connector import KVConnector
+
 logger = logging.getLogger(__name__)
+# How long an idle step waits when only KV transfers are in flight.
+KV_POLL_INTERVAL_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,8 @@ class _Tracked:
     request: Request
     detokenizer: Detokenizer
     metrics: RequestMetrics
+    # How this request's KV arrived from a prefill worker (decode legs only).
+    transfer: KVTransferOutcome | None = None
 
 
 class LLMEngine:
@@ -66,8 +76,10 @@ class LLMEngine:
                                  num_blocks * config.block_size)
         scheduler_config = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         cache_config = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, cache_config)
-        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.seed)
+        self.connector = self._make_connector(num_blocks)
+        self.scheduler = Scheduler(scheduler_config, cache_config, self.connector)
+        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.seed,
+                                  self.connector.transport.kv_cache if self.connector else None)
         self._tracked: dict[str, _Tracked] = {}
         self._num_steps = 0
         self._last_step_time: float | None = None
@@ -81,6 +93,22 @@ class LLMEngine:
         from pdserve.engine.args import engine_config_from_kwargs
 
         return cls(engine_config_from_kwargs(**kwargs))
+
+    def _make_connector(self, num_blocks: int) -> KVConnector | None:
+        if self.config.kv_transfer is None:
+            return None
+        from pdserve.kv_transfer.connector import KVConnector
+
+        return KVConnector(self.config.kv_transfer, self.kv_layout(), num_blocks,
+                           recompute_on_failure=self.config.kv_failure_policy == "recompute")
+
+    def kv_layout(self) -> KVLayout:
+        """What this engine's KV blocks mean, for checking a transfer's other end."""
+        config = self.model_config
+        return KVLayout(model_id=self.model_name, num_layers=config.num_hidden_layers,
+                        num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                        block_size=self.config.block_size,
+                        dtype=str(self.loaded.dtype).removeprefix("torch."))
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -98,8 +126,10 @@ class LLMEngine:
         """Queue a request. Raises `InvalidParameterError` naming the field for bad input."""
         params = sampling_params or SamplingParams()
         self._validate_prompt(prompt_token_ids)
+        first_tokens = self._validate_kv_transfer_params(kv_transfer_params, prompt_token_ids)
         request = Request(request_id, list(prompt_token_ids), params,
                           eos_token_id=self.tokenizer.eos_token_id,
+                          output_token_ids=first_tokens,
                           kv_transfer_params=kv_transfer_params)
         if arrival_time is not None:
             request.arrival_time = arrival_time
@@ -118,18 +148,50 @@ class LLMEngine:
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise InvalidParameterError("prompt", f"token ids must be in [0, {vocab_size})")
 
+    def _validate_kv_transfer_params(self, data: dict | None, prompt: list[int]) -> list[int]:
+        """Check a disaggregated leg's params; returns the output tokens the request starts
+        with (the prefill worker's first token, for a decode leg)."""
+        if not data:
+            return []
+        if self.connector is None:
+            raise InvalidParameterError(
+                "kv_transfer_params", "this worker takes no part in KV transfer (start it with "
+                "--role prefill or --role decode)")
+        try:
+            params = KVTransferParams.from_dict(data)
+        except KVTransferError as exc:
+            raise InvalidParameterError("kv_transfer_params", str(exc)) from exc
+        if not params.do_remote_prefill:
+            return []
+        layout = self.kv_layout()
+        if params.layout_hash != layout.layout_hash():
+            raise InvalidParameterError(
+                "kv_transfer_params", "layout_hash differs from this worker's KV layout "
+                f"(model {layout.model_id}, {layout.dtype}, block_size {layout.block_size}, "
+                f"{layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
+                f"{layout.head_dim}): the prefill worker runs another model, dtype or layout")
+        if params.remote_num_tokens != len(prompt) or params.first_token_id is None:
+            raise InvalidParameterError(
+                "kv_transfer_params", f"remote_num_tokens must equal the prompt's {len(prompt)} "
+                "tokens and first_token_id must be set")
+        return [params.first_token_id]
+
     def abort_request(self, request_id: str) -> None:
         if self.scheduler.abort_request(request_id) is not None:
             self._release(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests in flight, or KV blocks still moving (so `step()` keeps polling them)."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_transfers()
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs = self._update_kv_transfers()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            return []
+            if not outputs and self.scheduler.has_pending_transfers():
+                time.sleep(KV_POLL_INTERVAL_S)  # only transfers in flight: don't spin
+            return outputs
         prefilling = [s.request.request_id for s in scheduler_output.scheduled
                       if s.request.is_prefilling]
         start = time.monotonic()
@@ -142,16 +204,43 @@ class LLMEngine:
             self._tracked[request_id].metrics.prefill_time += self._last_step_time
         finished_ids = {r.request_id for r in finished}
         now = time.monotonic()
-        return [self._output_for(self._tracked[rid], token, now, rid in finished_ids)
-                for rid, token in sampled.items()]
+        return outputs + [self._output_for(self._tracked[rid], token, now, rid in finished_ids)
+                          for rid, token in sampled.items()]
 
-    def _output_for(self, tracked: _Tracked, token: SampledToken, now: float,
+    def _update_kv_transfers(self) -> list[RequestOutput]:
+        """A decode leg's first token (sampled by the prefill worker) is emitted once its KV
+        has arrived, or once it will be recomputed here; a failed leg ends with an error."""
+        update = self.scheduler.update_kv_transfers()
+        now = time.monotonic()
+        outputs = []
+        for request in update.settled:
+            tracked = self._tracked[request.request_id]
+            token = SampledToken(request.output_token_ids[0])
+            tracked.transfer = self._transfer_outcome(request.request_id)
+            outputs.append(self._output_for(tracked, token, now, is_finished=False))
+        for request in update.failed:
+            tracked = self._tracked[request.request_id]
+            tracked.transfer = self._transfer_outcome(request.request_id)
+            outputs.append(self._output_for(tracked, None, now, is_finished=True))
+        return outputs
+
+    def _transfer_outcome(self, request_id: str) -> KVTransferOutcome | None:
+        result = self.connector.pop_transfer_result(request_id)
+        if result is None:
+            return None
+        if result.stats is None:
+            return KVTransferOutcome(0, 0.0, str(result.error))
+        return KVTransferOutcome(result.stats.num_bytes, result.stats.seconds)
+
+    def _output_for(self, tracked: _Tracked, token: SampledToken | None, now: float,
                     is_finished: bool) -> RequestOutput:
+        """The output for one new token (None: the request ends without one)."""
         request, metrics = tracked.request, tracked.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.last_token_time = now
-        tracked.detokenizer.add_tokens([token.token_id])
+        if token is not None:
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            tracked.detokenizer.add_tokens([token.token_id])
         if tracked.detokenizer.is_stopped and not is_finished:
             self.scheduler.finish_request(request.request_id, FinishReason.STOP)
             is_finished = True
@@ -160,18 +249,25 @@ class LLMEngine:
             self._release(request.request_id)
         metrics.first_scheduled_time = request.first_scheduled_time
         return RequestOutput(
-            request_id=request.request_id, new_token_ids=[token.token_id],
+            request_id=request.request_id,
+            new_token_ids=[token.token_id] if token is not None else [],
             new_text=tracked.detokenizer.take_new_text(is_final=is_finished),
             finished=is_finished, finish_reason=request.finish_reason if is_finished else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens, metrics=metrics,
-            logprobs=[token.logprob] if token.logprob is not None else None,
-            kv_transfer_params=request.kv_transfer_params if is_finished else None)
+            logprobs=[token.logprob] if token is not None and token.logprob else None,
+            kv_transfer_params=request.kv_transfer_params if is_finished else None,
+            kv_transfer=tracked.transfer)
 
     def _release(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)
         self.runner.sampler.release(request_id)
+
+    def shutdown(self) -> None:
+        """Stop the KV transport's threads and release its shared memory."""
+        if self.connector is not None:
+            self.connector.close()
 
     # ---- introspection -----------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -17,13 +17,18 @@ class ModelRunner:
     The KV cache is one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
     """
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int,
+                 kv_cache: torch.Tensor | None = None) -> None:
+        """`kv_cache`: an existing cache tensor to use (e.g. one in shared memory that a KV
+        transport serves from); allocated here when None."""
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
         self.block_size = block_size
-        self.kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype,
-                                          loaded.device)
+        if kv_cache is None:
+            kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype,
+                                         loaded.device)
+        self.kv_cache = kv_cache
         self.sampler = Sampler(seed)
 
     @torch.inference_mode()

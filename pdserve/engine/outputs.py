@@ -16,6 +16,15 @@ class TokenLogprob:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class KVTransferOutcome:
+    """How a decode leg's KV arrived from its prefill worker."""
+
+    num_bytes: int
+    seconds: float
+    error: str | None = None
+
+
 @dataclass
 class RequestMetrics:
     """Clock readings (time.monotonic seconds) along one request's life."""
@@ -49,3 +58,5 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     # Set on a prefill worker's final output (disaggregated serving): where the KV lives.
     kv_transfer_params: dict | None = None
+    # Set on a decode worker's outputs once the request's KV arrived (or failed to).
+    kv_transfer: KVTransferOutcome | None = None

@@ -56,7 +56,7 @@ def test_remote_kv_skips_prefill_and_decodes_next_token():
     assert output.is_empty and request.status is RequestStatus.WAITING_FOR_REMOTE_KV
     assert len(request.block_table) == 3
     connector.events.finished_recving.add("r")
-    assert scheduler.update_kv_transfers() == [request]
+    assert scheduler.update_kv_transfers().settled == [request]
     output, _ = step(scheduler)
     assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [("r", 1)]
     run_to_completion(scheduler)
@@ -95,7 +95,7 @@ def test_failed_transfer_fails_request_with_fail_policy():
     scheduler.add_request(request)
     step(scheduler)
     connector.events.failed_recving.add("r")
-    scheduler.update_kv_transfers()
+    assert scheduler.update_kv_transfers().failed == [request]
     assert request.finish_reason is FinishReason.ERROR
     assert not scheduler.has_unfinished_requests()
     assert scheduler.block_manager.num_free_blocks == 32
