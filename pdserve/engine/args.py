@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 
 from pdserve.core.config import SchedulerConfig, SchedulingPolicy
-from pdserve.engine.config import DTYPES, EngineConfig
+from pdserve.engine.config import DTYPES, KV_FAILURE_POLICIES, EngineConfig
+from pdserve.kv_transfer.config import KVRole, KVTransferConfig
+from pdserve.kv_transfer.protocol import TRANSPORT_NAMES
+
+# A worker's --role to its part in KV transfer (both: a plain server, no transfer).
+ROLE_TO_KV_ROLE = {"prefill": KVRole.PRODUCER, "decode": KVRole.CONSUMER, "both": None}
 
 DEFAULT_CHUNKED_BUDGET = 512
 
@@ -32,6 +37,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--num-threads", type=int, default=None,
                        help="torch threads for the forward pass (default: all cores)")
+    add_kv_transfer_args(parser)
+
+
+def add_kv_transfer_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("disaggregated worker")
+    group.add_argument("--role", choices=tuple(ROLE_TO_KV_ROLE), default="both",
+                       help="prefill: run prompts and lease their KV blocks to decode workers; "
+                            "decode: receive KV blocks and decode; both: a plain server")
+    group.add_argument("--kv-transport", choices=TRANSPORT_NAMES, default="shm")
+    group.add_argument("--kv-host", default="127.0.0.1",
+                       help="where a prefill worker's KV server binds")
+    group.add_argument("--kv-port", type=int, default=0, help="0: any free port")
+    group.add_argument("--kv-advertise-host", default=None,
+                       help="the address decode workers reach the KV server at")
+    group.add_argument("--kv-lease-timeout", type=float, default=30.0,
+                       help="seconds a prefill worker holds KV blocks nobody fetched")
+    group.add_argument("--kv-transfer-timeout", type=float, default=10.0,
+                       help="seconds a decode worker waits on a KV transfer operation")
+    group.add_argument("--kv-failure-policy", choices=KV_FAILURE_POLICIES, default="recompute",
+                       help="when KV never arrives: recompute the prompt here, or fail")
 
 
 def engine_config_from_args(args: argparse.Namespace, mode: str) -> EngineConfig:
@@ -43,7 +68,18 @@ def engine_config_from_args(args: argparse.Namespace, mode: str) -> EngineConfig
         max_num_partial_prefills=args.max_num_partial_prefills, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
-        seed=args.seed, num_threads=args.num_threads)
+        seed=args.seed, num_threads=args.num_threads, kv_transfer=kv_transfer_config(args),
+        kv_failure_policy=args.kv_failure_policy)
+
+
+def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
+    kv_role = ROLE_TO_KV_ROLE[args.role]
+    if kv_role is None:
+        return None
+    return KVTransferConfig(
+        transport=args.kv_transport, kv_role=kv_role, kv_host=args.kv_host,
+        kv_port=args.kv_port, kv_advertise_host=args.kv_advertise_host,
+        kv_lease_timeout=args.kv_lease_timeout, kv_transfer_timeout=args.kv_transfer_timeout)
 
 
 def engine_config_from_kwargs(*, mode: str = "chunked", max_num_batched_tokens: int | None = None,

@@ -52,6 +52,8 @@ class _Tracked:
     request: Request
     detokenizer: Detokenizer
     metrics: RequestMetrics
+    # A disaggregated prefill leg: its final output says where its KV blocks wait.
+    is_prefill_leg: bool = False
     # How this request's KV arrived from a prefill worker (decode legs only).
     transfer: KVTransferOutcome | None = None
 
@@ -134,8 +136,9 @@ class LLMEngine:
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(request, Detokenizer(self.tokenizer, params.stop),
-                                             RequestMetrics(request.arrival_time))
+        self._tracked[request_id] = _Tracked(
+            request, Detokenizer(self.tokenizer, params.stop), RequestMetrics(request.arrival_time),
+            is_prefill_leg=bool(kv_transfer_params and kv_transfer_params.get("do_remote_decode")))
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -257,7 +260,8 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens, metrics=metrics,
             logprobs=[token.logprob] if token is not None and token.logprob else None,
-            kv_transfer_params=request.kv_transfer_params if is_finished else None,
+            kv_transfer_params=request.kv_transfer_params
+            if is_finished and tracked.is_prefill_leg else None,
             kv_transfer=tracked.transfer)
 
     def _release(self, request_id: str) -> None:

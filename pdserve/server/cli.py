@@ -15,6 +15,7 @@ from collections.abc import Callable
 import uvicorn
 
 from pdserve.engine.args import add_engine_args
+from pdserve.router.launcher import add_disagg_args, launch_disagg
 from pdserve.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 DEFAULT_PORT = 8000
@@ -24,13 +25,16 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_server_args(parser)
     add_engine_args(parser)
+    add_disagg_args(parser)
     parser.set_defaults(run=run)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
-    group.add_argument("--mode", choices=("colocated", "chunked"), default="chunked",
-                       help="scheduling: whole-prompt continuous batching or chunked prefill")
+    group.add_argument("--mode", choices=("colocated", "chunked", "disagg"), default="chunked",
+                       help="colocated: whole-prompt continuous batching; chunked: chunked "
+                            "prefill; disagg: a router plus prefill and decode worker "
+                            "processes (see --prefill-workers, --decode-workers)")
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=DEFAULT_PORT)
     group.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
@@ -54,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.mode == "disagg":
+        return launch_disagg(args)
     llm_engine = LLMEngine(engine_config_from_args(args, args.mode))
     settings = ServerSettings(
         served_model_names=tuple(args.served_model_name or (llm_engine.model_name,)),
