@@ -11,7 +11,6 @@ import numpy as np
 
 from pdserve.bench.benchmark import BenchResult
 from pdserve.bench.metrics import LATENCY_METRICS
-from pdserve.bench.plots import plot_cdfs, plot_goodput_vs_rate, plot_itl_timeline
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.results import rate_text
 
@@ -37,11 +36,18 @@ def write_report(
     return path
 
 
+def _plots():
+    # matplotlib takes about a second to import: only reports pay for it, not every CLI start.
+    from pdserve.bench import plots
+
+    return plots
+
+
 def _overview_plots(results: Sequence[BenchResult], out: Path) -> list[str]:
     ttfts = {r.label: [x.ttft * 1000 for x in r.records if x.success] for r in results}
     itls = {r.label: [g * 1000 for x in r.records if x.success for g in x.itls] for r in results}
-    plot_cdfs(ttfts, "TTFT (ms)", "CDF of time to first token", out / "ttft_cdf.png")
-    plot_cdfs(itls, "ITL (ms)", "CDF of inter-token latency", out / "itl_cdf.png")
+    _plots().plot_cdfs(ttfts, "TTFT (ms)", "CDF of time to first token", out / "ttft_cdf.png")
+    _plots().plot_cdfs(itls, "ITL (ms)", "CDF of inter-token latency", out / "itl_cdf.png")
     lines = ["## Latency distributions", "", "![TTFT CDF](ttft_cdf.png)", "![ITL CDF](itl_cdf.png)"]
     if _is_sweep(results):
         lines += ["", *_sweep_section(results, out)]
@@ -60,7 +66,7 @@ def _sweep_section(results: Sequence[BenchResult], out: Path) -> list[str]:
     rates = [r.request_rate for r in results]
     ys = [r.metrics.request_goodput if has_slos else r.metrics.request_throughput for r in results]
     ylabel = "goodput (req/s)" if has_slos else "throughput (req/s, no SLOs given)"
-    plot_goodput_vs_rate(rates, ys, ylabel, out / "goodput_vs_rate.png")
+    _plots().plot_goodput_vs_rate(rates, ys, ylabel, out / "goodput_vs_rate.png")
     rows = [
         "## Rate sweep",
         "",
@@ -81,7 +87,7 @@ def _sweep_section(results: Sequence[BenchResult], out: Path) -> list[str]:
 def _run_section(result: BenchResult, out: Path) -> list[str]:
     m = result.metrics
     timeline = f"itl_timeline-{_slug(result.label)}.png"
-    plot_itl_timeline(result, out / timeline)
+    _plots().plot_itl_timeline(result, out / timeline)
     goodput = "-" if m.request_goodput is None else f"{m.request_goodput:.3f} req/s"
     lines = [
         f"## {result.label}",
