@@ -1,0 +1,134 @@
+"""The paged forward pass over mixed flat batches equals a dense causal forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.model.attention import AttentionMetadata
+from pdserve.model.kv_cache import allocate_kv_cache, kv_bytes_per_token
+from tests.model.helpers import TINY_VOCAB_SIZE, pdserve_from_hf, tiny_hf_model
+
+BLOCK_SIZE = 16
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _schedule(lengths: dict[str, int], chunk_sizes: dict[str, int]) -> list[dict[str, int]]:
+    """Steps of {seq: num_new_tokens}: every unfinished sequence advances one chunk a step."""
+    done = dict.fromkeys(lengths, 0)
+    steps = []
+    while any(done[s] < lengths[s] for s in lengths):
+        step = {s: min(chunk_sizes[s], lengths[s] - done[s]) for s in lengths
+                if done[s] < lengths[s]}
+        for s, n in step.items():
+            done[s] += n
+        steps.append(step)
+    return steps
+
+
+def _run_paged(model, tokens: dict[str, torch.Tensor], steps: list[dict[str, int]],
+               block_tables: dict[str, list[int]], num_blocks: int) -> dict[str, torch.Tensor]:
+    """Logits of every token of every sequence, computed step by step in flat batches."""
+    cache = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, torch.float32, "cpu")
+    done = dict.fromkeys(tokens, 0)
+    logits = {s: [] for s in tokens}
+    for step in steps:
+        ids, positions, seqs = [], [], []
+        for s, n in step.items():
+            ids.append(tokens[s][done[s]:done[s] + n])
+            positions.append(torch.arange(done[s], done[s] + n))
+            seqs.append((block_tables[s], done[s], n))
+        meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu")
+        hidden = model(torch.cat(ids), torch.cat(positions), cache, meta)
+        step_logits = model.compute_logits(hidden)
+        start = 0
+        for s, n in step.items():
+            logits[s].append(step_logits[start:start + n])
+            start += n
+            done[s] += n
+    return {s: torch.cat(chunks) for s, chunks in logits.items()}
+
+
+@pytest.mark.parametrize(("arch", "tie", "rope_scaling"), [
+    ("llama", True, None),
+    ("qwen2", False, None),  # QKV bias, untied head
+    ("llama", False, LLAMA3_SCALING),
+])
+def test_mixed_flat_batches_match_dense_forward(arch, tie, rope_scaling):
+    hf_model = tiny_hf_model(arch, tie_word_embeddings=tie, rope_scaling=rope_scaling)
+    model = pdserve_from_hf(hf_model)
+    generator = torch.Generator().manual_seed(1)
+    lengths = {"long": 200, "sevens": 40, "ones": 12, "whole": 90, "short": 3}
+    # A chunk of 1 decodes; "ones" sits between prefills, so decode rows are not contiguous.
+    chunk_sizes = {"long": 64, "sevens": 7, "ones": 1, "whole": 90, "short": 1}
+    tokens = {s: torch.randint(0, TINY_VOCAB_SIZE, (n,), generator=generator)
+              for s, n in lengths.items()}
+    # Shuffled, interleaved physical blocks; block 0 is left unused.
+    needed = {s: -(-n // BLOCK_SIZE) for s, n in lengths.items()}
+    physical = (torch.randperm(sum(needed.values()), generator=generator) + 1).tolist()
+    block_tables = {}
+    for s, n in needed.items():
+        block_tables[s], physical = physical[:n], physical[n:]
+    steps = _schedule(lengths, chunk_sizes)
+    assert any(len(step) >= 4 for step in steps)  # the batches really are mixed
+    paged = _run_paged(model, tokens, steps, block_tables, sum(needed.values()) + 1)
+    with torch.no_grad():
+        for s, ids in tokens.items():
+            dense = hf_model(ids[None]).logits[0]
+            torch.testing.assert_close(paged[s], dense, atol=2e-4, rtol=1e-4, msg=s)
+
+
+def test_all_decode_batch_with_unequal_contexts_matches_dense():
+    hf_model = tiny_hf_model("llama")
+    model = pdserve_from_hf(hf_model)
+    lengths = {"a": 5, "b": 33, "c": 17}
+    tokens = {s: torch.arange(n) % TINY_VOCAB_SIZE for s, n in lengths.items()}
+    block_tables = {"a": [7], "b": [1, 5, 3], "c": [2, 6]}
+    # Prefill all but the last token together, then decode the last tokens as one batch.
+    steps = [{s: n - 1 for s, n in lengths.items()}, dict.fromkeys(lengths, 1)]
+    paged = _run_paged(model, tokens, steps, block_tables, num_blocks=8)
+    with torch.no_grad():
+        for s, ids in tokens.items():
+            torch.testing.assert_close(paged[s], hf_model(ids[None]).logits[0], atol=2e-4,
+                                       rtol=1e-4)
+
+
+def test_bfloat16_forward_tracks_float32():
+    hf_model = tiny_hf_model("llama")
+    model32 = pdserve_from_hf(hf_model)
+    model16 = pdserve_from_hf(hf_model, torch.bfloat16)
+    ids = torch.randint(0, TINY_VOCAB_SIZE, (50,), generator=torch.Generator().manual_seed(3))
+    logits = []
+    for model in (model32, model16):
+        cache = allocate_kv_cache(model.config, 4, BLOCK_SIZE, model.dtype, "cpu")
+        meta = AttentionMetadata.build([([0, 1, 2, 3], 0, 50)], BLOCK_SIZE, "cpu")
+        logits.append(model.compute_logits(model(ids, torch.arange(50), cache, meta)))
+    assert logits[1].dtype == torch.float32
+    assert (logits[1] - logits[0]).abs().max() < 0.05 * logits[0].abs().max()
+
+
+def test_metadata_slots_follow_block_tables():
+    meta = AttentionMetadata.build([([3, 1], 6, 4), ([2], 5, 1)], 8, "cpu")
+    # Positions 6..9 of the first sequence: block 3 offsets 6,7 then block 1 offsets 0,1.
+    assert meta.slot_mapping.tolist() == [30, 31, 8, 9, 21]
+    assert meta.query_start_loc.tolist() == [0, 4, 5]
+    assert meta.seq_lens.tolist() == [10, 6]
+    assert meta.block_tables.tolist() == [[3, 1], [2, 0]]
+    assert meta.slot_mapping.dtype == torch.int64
+    assert (meta.num_tokens, meta.max_query_len, meta.max_seq_len) == (5, 4, 10)
+    assert not meta.is_all_decode
+
+
+def test_metadata_rejects_block_table_too_short():
+    with pytest.raises(ValueError, match="cannot hold 17 tokens"):
+        AttentionMetadata.build([([0], 16, 1)], 16, "cpu")
+
+
+def test_kv_cache_shape_and_bytes_per_token():
+    config = pdserve_from_hf(tiny_hf_model("llama")).config
+    cache = allocate_kv_cache(config, 5, 16, torch.bfloat16, "cpu")
+    assert cache.shape == (2, 2, 5, 16, 2, 16)
+    # 2 layers x (K, V) x 2 KV heads x 16 dims x 2 bytes
+    assert kv_bytes_per_token(config, torch.bfloat16) == 2 * 2 * 2 * 16 * 2
+    assert kv_bytes_per_token(config, torch.bfloat16) * 5 * 16 == cache.numel() * 2
