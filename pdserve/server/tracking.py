@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+from pdserve.core.request import FinishReason
 from pdserve.engine.outputs import RequestOutput
 from pdserve.server.metrics import ServerMetrics
 
@@ -28,11 +29,15 @@ class RequestTracker:
         self._first_token_time: float | None = None
         self._last_token_time: float | None = None
         self._final: RequestOutput | None = None
+        self._num_prompt_tokens = 0
+        self._num_output_tokens = 0
         self._is_done = False
 
     def observe(self, output: RequestOutput) -> None:
         """Call for every output as it arrives on the event loop."""
         num_new = len(output.new_token_ids)
+        self._num_prompt_tokens = output.num_prompt_tokens
+        self._num_output_tokens = output.num_output_tokens
         if num_new:
             now = time.monotonic()
             if self._first_token_time is None:
@@ -49,7 +54,8 @@ class RequestTracker:
             self._final = output
 
     def finish(self, status: str = "ok") -> None:
-        """Record the request (idempotent). `status` tags requests that ended in an error."""
+        """Record the request (idempotent). `status` is "ok", "error" (the engine failed it)
+        or "client_disconnected" (aborted before its final output was read)."""
         if self._is_done:
             return
         self._is_done = True
@@ -57,13 +63,18 @@ class RequestTracker:
         final = self._final
         if final is not None:
             self._record_finished(final, now)
+            reason = final.finish_reason.value if final.finish_reason else "none"
+        elif status == "client_disconnected":
+            reason = FinishReason.ABORT.value
+            self._metrics.count_success(reason)
+        else:
+            reason = "none"
         ttft = (self._first_token_time - self.arrival_time
                 if self._first_token_time is not None else None)
         access_logger.info(
-            "%s %s status=%s finish=%s prompt_tokens=%s output_tokens=%s cached_tokens=%s "
-            "ttft_ms=%s e2e_ms=%.1f", self.request_id, self._endpoint, status,
-            final.finish_reason.value if final and final.finish_reason else "none",
-            final.num_prompt_tokens if final else "-", final.num_output_tokens if final else "-",
+            "%s %s status=%s finish=%s prompt_tokens=%d output_tokens=%d cached_tokens=%s "
+            "ttft_ms=%s e2e_ms=%.1f", self.request_id, self._endpoint, status, reason,
+            self._num_prompt_tokens, self._num_output_tokens,
             final.num_cached_tokens if final else "-",
             f"{ttft * 1e3:.1f}" if ttft is not None else "-", (now - self.arrival_time) * 1e3)
 

@@ -50,7 +50,8 @@ def test_chat_stream_equals_non_stream_at_temperature_0(smol_server):
     assert "Paris" in message.content  # real weights: a meaningful answer
     assert text == message.content
     assert finish_reason == full.choices[0].finish_reason
-    assert usage == full.usage
+    for field in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert getattr(usage, field) == getattr(full.usage, field)
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     # One chunk per text piece: about one per token, plus the role and usage chunks.
     assert num_chunks >= usage.completion_tokens // 2 + 2
@@ -118,7 +119,7 @@ def test_max_tokens_and_min_tokens(smol_server):
     out = client.chat.completions.create(model=model, messages=CHAT, max_completion_tokens=2,
                                          temperature=0)
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 2
-    short = [{"role": "user", "content": "Say yes."}]
+    short = [{"role": "user", "content": "Reply with the single word: hello"}]
     free = client.chat.completions.create(model=model, messages=short, max_tokens=64,
                                           temperature=0)
     forced = client.chat.completions.create(model=model, messages=short, max_tokens=64,
