@@ -23,8 +23,15 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	@$(PIP) -e '.[test]' $(TORCH_PIN)
 	@touch $@
 
+# The head-to-head: colocated, chunked and disaggregated serving of the same mixed traffic
+# (short chats plus long documents) on this machine's cores; table, JSON and plots in
+# results/demo/. About 10 minutes on 2 CPU cores.
+DEMO_ARGS ?= --workload mixed --num-prompts 16 --request-rate 1 --chat-output-len 64:128 \
+	--long-input-len 3000:3500 --long-output-len 32:64 --goodput ttft:4000 tpot:150 \
+	--report results/demo
+
 demo: install
-	$(VENV)/bin/pdserve generate --chat --max-tokens 64 "What is the capital of France?"
+	$(VENV)/bin/pdserve bench compare $(DEMO_ARGS)
 
 test: install-test
 	$(VENV)/bin/ruff check pdserve tests benchmarks
