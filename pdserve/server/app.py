@@ -1,7 +1,8 @@
 """The OpenAI-compatible FastAPI app over an `AsyncLLMEngine`.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. `create_app()` wires one engine thread, one metrics registry and the guards.
+Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, GET /v1/models,
+GET /health, GET /metrics. `create_app()` wires one engine thread, one metrics registry and the
+guards.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.server.responses import ChatResponses, CompletionResponses, TokenTexts
 from pdserve.server.serving import ServerState, new_request_id, serve
 from pdserve.server.settings import ServerSettings
+from pdserve.server.tokenize import add_tokenize_route
 
 logger = logging.getLogger("pdserve.server.access")
 
@@ -89,7 +91,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         prepared = prepare_completion(body, state.model)
         responses = CompletionResponses(new_request_id(http_request, "cmpl"),
                                         body.model or state.model.name, state.token_texts,
-                                        body.include_usage)
+                                        body.include_usage, body.router_timing)
         return await serve(http_request, state, prepared, responses, stream=bool(body.stream),
                            endpoint="completions", arrival_time=arrival_time)
 
@@ -99,9 +101,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         prepared = prepare_chat(body, state.model)
         responses = ChatResponses(new_request_id(http_request, "chatcmpl"),
                                   body.model or state.model.name, state.token_texts,
-                                  body.include_usage)
+                                  body.include_usage, body.router_timing)
         return await serve(http_request, state, prepared, responses, stream=bool(body.stream),
                            endpoint="chat", arrival_time=arrival_time)
+
+    add_tokenize_route(app, state.model)
 
     @app.get("/v1/models")
     async def models() -> dict:

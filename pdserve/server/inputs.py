@@ -12,7 +12,7 @@ from typing import Protocol
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
 from pdserve.model.chat_template import ChatTemplateError
 from pdserve.server.errors import APIError, ErrorType, invalid
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 # OpenAI's default for /v1/completions; chat defaults to the rest of the context window.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -115,18 +115,25 @@ def _completion_prompt_ids(prompt: str | list, info: ModelInfo) -> list[int]:
 
 
 def _chat_prompt_ids(body: ChatCompletionRequest, info: ModelInfo) -> list[int]:
+    ids = chat_prompt_ids(body.messages, body.add_generation_prompt, info)
+    _check_context(len(ids), "messages", info)
+    return ids
+
+
+def chat_prompt_ids(messages: list[ChatMessage], add_generation_prompt: bool,
+                    info: ModelInfo) -> list[int]:
+    """The prompt ids of a chat (its template rendered, then encoded); no length check.
+    Shared with POST /tokenize, so both give the same ids."""
     # "developer" is OpenAI's newer name for the system role.
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in body.messages]
+    rendered = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in messages]
     try:
         text = info.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt)
+            rendered, add_generation_prompt=add_generation_prompt)
     except ChatTemplateError as exc:
         raise invalid("messages", f"the model's chat template rejected the messages: "
                       f"{exc}") from exc
-    ids = info.tokenizer.encode(text)
-    _check_context(len(ids), "messages", info)
-    return ids
+    return info.tokenizer.encode(text)
 
 
 def _check_context(num_prompt_tokens: int, param: str, info: ModelInfo) -> None:

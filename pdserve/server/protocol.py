@@ -50,6 +50,8 @@ class _GenerationRequest(_Body):
     user: str | None = None
     # Disaggregated serving (docs/architecture.md): passed to the engine untouched.
     kv_transfer_params: dict | None = None
+    # Set by the router on a decode leg; echoed back in `pdserve_timing` (worker_timing.py).
+    router_timing: dict | None = None
 
     @property
     def include_usage(self) -> bool:

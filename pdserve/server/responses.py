@@ -13,6 +13,7 @@ import time
 
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.server.inputs import Tokenizer
+from pdserve.server.worker_timing import WorkerTiming
 
 DONE_EVENT = "data: [DONE]\n\n"
 # JSON has no -Infinity: masked tokens get this floor instead (vLLM does the same).
@@ -60,12 +61,19 @@ class Responses:
     chunk_object_name = ""
 
     def __init__(self, request_id: str, model: str, token_texts: TokenTexts,
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, router_timing: dict | None = None) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
         self._token_texts = token_texts
         self.include_usage = include_usage
+        # Only a routed request (it carries router_timing) gets `pdserve_timing` back.
+        self._timing = WorkerTiming(router_timing) if router_timing is not None else None
+
+    def observe(self, output: RequestOutput) -> None:
+        """Call for every engine output, streamed or not (timing for `pdserve_timing`)."""
+        if self._timing is not None:
+            self._timing.observe(output)
 
     # ---- streaming -------------------------------------------------------------------------
     def opening_chunks(self) -> list[str]:
@@ -87,6 +95,8 @@ class Responses:
     def usage_chunk(self, final: RequestOutput) -> str:
         payload = self._envelope(self.chunk_object_name, [])
         payload["usage"] = usage(final)
+        if self._timing is not None:
+            payload["pdserve_timing"] = self._timing.report(final)
         return sse_event(payload)
 
     # ---- non-streaming ---------------------------------------------------------------------
@@ -98,6 +108,8 @@ class Responses:
         body["usage"] = usage(final)
         if final.kv_transfer_params is not None:
             body["kv_transfer_params"] = final.kv_transfer_params
+        if self._timing is not None:
+            body["pdserve_timing"] = self._timing.report(final)
         return body
 
     # ---- per endpoint ----------------------------------------------------------------------

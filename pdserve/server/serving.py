@@ -98,6 +98,7 @@ async def _stream(engine_stream: RequestStream, responses: Responses, tracker: R
         final: RequestOutput | None = None
         async for output in engine_stream:
             tracker.observe(output)
+            responses.observe(output)
             event = responses.chunk(output)
             if event is not None:
                 yield event
@@ -132,6 +133,7 @@ async def _collect(http_request: Request, engine: AsyncLLMEngine, engine_stream:
     try:
         async for output in engine_stream:
             tracker.observe(output)
+            responses.observe(output)
             texts.append(output.new_text)
             if logprobs is not None and output.logprobs:
                 logprobs.extend(output.logprobs)
