@@ -12,13 +12,14 @@ from matplotlib.figure import Figure
 from pdserve.sim.config import Mode
 from pdserve.sim.planner import ATTAINMENT_TARGET, Evaluation
 
-_COLUMNS = ("#", "layout", "goodput/GPU", "goodput", "SLO met", "TTFT p50", "TTFT p99",
+_COLUMNS = ("#", "layout", "capacity/GPU", "goodput/GPU", "SLO met", "TTFT p50", "TTFT p99",
             "TPOT p99", "ITL p99", "binds")
 
 
 def format_ranking(evaluations: Sequence[Evaluation], limit: int | None = None) -> str:
-    """The ranked table (goodput in req/s, latencies in ms)."""
-    rows = [[str(i), e.label, f"{e.goodput_per_gpu:.4f}", f"{e.goodput:.3f}",
+    """The ranked table (capacity and goodput in req/s per GPU, latencies in ms); goodput
+    and latencies at the planned rate, capacity for the finalists only."""
+    rows = [[str(i), e.label, _capacity(e), f"{e.goodput_per_gpu:.4f}",
              f"{e.attainment:.0%}", f"{e.result.metrics.ttft.median:.0f}",
              f"{e.result.metrics.ttft.p99:.0f}", f"{e.result.metrics.tpot.p99:.1f}",
              f"{e.result.metrics.itl.p99:.1f}", e.binding_slo()]
@@ -32,17 +33,21 @@ def format_ranking(evaluations: Sequence[Evaluation], limit: int | None = None) 
     return "\n".join(line(cells) for cells in [list(_COLUMNS), *rows])
 
 
+def _capacity(evaluation: Evaluation) -> str:
+    per_gpu = evaluation.capacity_per_gpu
+    return "-" if per_gpu is None else f"{per_gpu:.4f}"
+
+
 def explain(best: Evaluation, evaluations: Sequence[Evaluation]) -> str:
     """Why the recommendation: its margin, which SLO binds, where its time goes."""
-    lines = [f"Recommended: {best.label} — {best.goodput_per_gpu:.4f} req/s per GPU, "
-             f"{best.attainment:.0%} of requests within the SLOs"
-             f"{'' if best.carries_load else f' (below the {ATTAINMENT_TARGET:.0%} target)'}."]
+    lines = [f"Recommended: {best.label} — carries {_rate(best.capacity)} req/s "
+             f"({_capacity(best)} per GPU) with >= {ATTAINMENT_TARGET:.0%} of requests within "
+             f"the SLOs; at the planned rate {best.attainment:.0%} are."]
     for mode in Mode:
-        rival = next((e for e in evaluations if e.layout.mode is mode and e is not best), None)
-        if rival is not None and rival.layout.mode is not best.layout.mode:
-            lines.append(f"  best {mode.value}: {rival.label}, {rival.goodput_per_gpu:.4f} "
-                         f"req/s per GPU ({rival.attainment:.0%} within SLOs, binds on "
-                         f"{rival.binding_slo()})")
+        rival = next((e for e in evaluations if e.layout.mode is mode), None)
+        if rival is not None and mode is not best.layout.mode:
+            lines.append(f"  best {mode.value}: {rival.label}, carries {_rate(rival.capacity)}"
+                         f" req/s ({_capacity(rival)} per GPU), binds on {rival.binding_slo()}")
     m = best.result.metrics
     binding = best.binding_slo()
     limit = best.slos[binding]
@@ -52,6 +57,10 @@ def explain(best: Evaluation, evaluations: Sequence[Evaluation]) -> str:
     for name, pool in _pools(best).items():
         lines.append(f"  {name} pool: {pool}")
     return "\n".join(lines)
+
+
+def _rate(rate: float | None) -> str:
+    return "?" if rate is None else f"{rate:.3g}"
 
 
 def _ttft_breakdown(evaluation: Evaluation) -> str:
@@ -100,8 +109,10 @@ def plot_goodput_vs_split(evaluations: Sequence[Evaluation], path: Path) -> Path
         if best is not None:
             ax.axhline(best.goodput_per_gpu, ls=style, color="k", lw=1,
                        label=f"best {best.label}")
+    rate = evaluations[0].result.request_rate
     ax.set(xlabel="share of GPUs in prefill workers", ylabel="goodput per GPU (req/s)",
-           title="Goodput against the prefill:decode split")
+           title=f"Goodput at the planned rate ({rate or 'trace pace'} req/s) against the "
+                 "prefill:decode split")
     ax.legend(fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)

@@ -2,10 +2,16 @@
 
 Goodput is the benchmark's: requests per second that meet every SLO. A layout "carries" a
 rate when at least `ATTAINMENT_TARGET` of the requests meet the SLOs (DistServe's criterion).
+
+Two stages: every candidate is simulated at the planned rate; then the best few of each mode
+(the finalists) get their capacity, the highest rate they carry, found by scaling the same
+requests' arrival times. Finalists rank by capacity per GPU (the goodput per GPU each layout
+sustains under the SLOs), the rest by their goodput at the planned rate.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -23,6 +29,10 @@ TP_DEGREES = (1, 2, 4, 8)
 BUDGETS = (256, 512, 1024, 2048, 4096, 8192)
 MAX_SPLITS = 7
 THRESHOLDS = (256, 1024, 4096)
+FINALISTS_PER_MODE = 2
+# Capacity search: at most this many doublings/halvings of the rate, then bisections.
+_MAX_DOUBLINGS = 5
+_BISECTIONS = 3
 
 Progress = Callable[[str], None]
 
@@ -34,6 +44,12 @@ class Evaluation:
     sim: SimResult
     result: BenchResult
     slos: dict[str, float]
+    # Highest rate (req/s) carried, for finalists; None until measured.
+    capacity: float | None = None
+
+    @property
+    def capacity_per_gpu(self) -> float | None:
+        return None if self.capacity is None else self.capacity / self.num_gpus
 
     @property
     def label(self) -> str:
@@ -139,13 +155,16 @@ def evaluate(inputs: PlanInputs, layout: Layout, num_gpus: int,
 
 
 def rank(evaluations: Sequence[Evaluation]) -> list[Evaluation]:
-    """Best first: goodput per GPU, then SLO attainment, then lower p99 TTFT."""
-    return sorted(evaluations, key=lambda e: (-e.goodput_per_gpu, -e.attainment,
-                                              e.result.metrics.ttft.p99))
+    """Best first: capacity per GPU (finalists), then goodput per GPU at the planned rate,
+    SLO attainment, lower p99 TTFT."""
+    return sorted(evaluations, key=lambda e: (
+        e.capacity is None, -(e.capacity_per_gpu or 0.0), -e.goodput_per_gpu, -e.attainment,
+        e.result.metrics.ttft.p99))
 
 
 def search(inputs: PlanInputs, num_gpus: int, progress: Progress) -> list[Evaluation]:
-    """Every candidate, then local-prefill thresholds on the best disaggregated one."""
+    """Every candidate at the planned rate, local-prefill thresholds on the best
+    disaggregated one, then the finalists' capacities."""
     evaluations = []
     layouts = candidate_layouts(inputs, num_gpus)
     for i, layout in enumerate(layouts, start=1):
@@ -159,7 +178,63 @@ def search(inputs: PlanInputs, num_gpus: int, progress: Progress) -> list[Evalua
             layout = replace(disagg[0].layout, local_prefill_threshold=threshold)
             progress(f"[threshold] {layout.label(num_gpus)}")
             evaluations.append(evaluate(inputs, layout, num_gpus))
+    ranked = rank(evaluations)
+    finalists = [e for mode in Mode
+                 for e in [x for x in ranked if x.layout.mode is mode][:FINALISTS_PER_MODE]]
+    for evaluation in finalists:
+        capacity = find_capacity(inputs, evaluation.layout, num_gpus, progress)
+        evaluations[evaluations.index(evaluation)] = replace(evaluation, capacity=capacity)
     return rank(evaluations)
+
+
+def planned_rate(inputs: PlanInputs) -> float:
+    """The planned workload's mean arrival rate (its own pace for a trace)."""
+    planned = inputs.planned
+    if planned.request_rate is not None and math.isfinite(planned.request_rate):
+        return planned.request_rate
+    times = [s.arrival_time for s in planned.specs]
+    span = max(times) - min(times)
+    if not span > 0:
+        raise SimConfigError("plan needs a finite --request-rate (the traffic to plan for)")
+    return (len(times) - 1) / span
+
+
+def at_rate(specs, base_rate: float, rate: float) -> list:
+    """The same requests, arrival times scaled from `base_rate` to `rate`."""
+    return [replace(s, arrival_time=s.arrival_time * base_rate / rate) for s in specs]
+
+
+def find_capacity(inputs: PlanInputs, layout: Layout, num_gpus: int,
+                  progress: Progress) -> float:
+    """The highest rate (req/s, within a few percent) at which `layout` carries the planned
+    requests; 0 when it does not carry them even at 1/32 of the planned rate."""
+    base = planned_rate(inputs)
+    specs = inputs.planned.specs
+
+    def carries(rate: float) -> bool:
+        evaluation = evaluate(inputs, layout, num_gpus, at_rate(specs, base, rate), rate)
+        progress(f"[capacity] {layout.label(num_gpus)} at {rate:.3g} req/s: "
+                 f"{evaluation.attainment:.0%} within SLOs")
+        return evaluation.carries_load
+
+    good, bad = (base, None) if carries(base) else (None, base)
+    for _ in range(_MAX_DOUBLINGS):
+        if good is not None and bad is not None:
+            break
+        if good is not None:
+            rate = good * 2
+            good, bad = (rate, bad) if carries(rate) else (good, rate)
+        else:
+            rate = bad / 2
+            good, bad = (rate, bad) if carries(rate) else (good, rate)
+    if good is None:
+        return 0.0
+    if bad is None:
+        return good
+    for _ in range(_BISECTIONS):
+        middle = math.sqrt(good * bad)
+        good, bad = (middle, bad) if carries(middle) else (good, middle)
+    return good
 
 
 def gpus_for_rate(inputs: PlanInputs, layout: Layout, target_rate: float, specs,

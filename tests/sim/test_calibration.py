@@ -58,7 +58,7 @@ def test_samples_round_trip_and_engine_bench_format(tmp_path):
 def test_bad_sample_file_is_a_clear_error(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"batch": [], "step_s": 1}\n')
-    with pytest.raises(SimConfigError, match="bad.jsonl"):
+    with pytest.raises(SimConfigError, match=r"bad\.jsonl"):
         load_samples(path)
     with pytest.raises(SimConfigError, match="at least 3"):
         fit_efficiency(CostModel(SMOL, CPU), [])

@@ -1,0 +1,71 @@
+import json
+
+from pdserve.cli import main
+from pdserve.sim.calibration import StepSample, save_samples
+from pdserve.sim.cost_model import CostModel, SeqWork
+from pdserve.sim.efficiency import Efficiency
+from pdserve.sim.hardware import get_hardware
+from pdserve.sim.model_spec import MODELS
+
+WORKLOAD = ["--workload", "random", "--num-prompts", "12", "--input-len", "300",
+            "--output-len", "20", "--request-rate", "2"]
+
+
+def test_simulate_writes_the_benchmarks_json(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    code = main(["simulate", "--mode", "chunked", *WORKLOAD, "--goodput", "ttft:2000",
+                 "--save-result", str(out), "--report", str(tmp_path / "report")])
+    assert code == 0
+    data = json.loads(out.read_text())
+    for key in ("completed", "request_goodput", "mean_ttft_ms", "p99_ttft_ms",
+                "median_itl_ms", "p99_itl_ms", "mean_tpot_ms", "mean_e2el_ms"):
+        assert key in data
+    assert data["completed"] == 12
+    assert data["pdserve"]["simulation"]["layout"] == "chunked 1×TP1 budget 512"
+    assert len(data["pdserve"]["records"]) == 12
+    assert (tmp_path / "report" / "report.md").exists()
+    assert "TTFT" in capsys.readouterr().out
+
+
+def test_simulate_several_modes_prints_the_compare_table(capsys):
+    assert main(["simulate", "--mode", "colocated,chunked,disagg", *WORKLOAD]) == 0
+    out = capsys.readouterr().out
+    assert "disagg 1×TP1:1×TP1" in out and "ITL p99" in out
+
+
+def test_bad_input_is_one_clear_line(capsys):
+    assert main(["simulate", "--hardware", "TPU-v9", *WORKLOAD]) == 2
+    err = capsys.readouterr().err
+    assert "--hardware" in err and "Traceback" not in err
+    assert main(["simulate", "--mode", "sideways", *WORKLOAD]) == 2
+    assert "--mode" in capsys.readouterr().err
+
+
+def test_calibrate_from_step_file(tmp_path, capsys):
+    truth = CostModel(MODELS["SmolLM2-135M"], get_hardware("cpu-local"),
+                      efficiency=Efficiency(0.3, 0.05, 0.6, 1.0, 0.004, 0.0002))
+    batches = [(SeqWork(n, 0, True),) for n in (64, 256, 1024)]
+    batches += [(SeqWork(1, 400, True),) * b for b in (1, 8, 32)]
+    steps = tmp_path / "steps.jsonl"
+    save_samples([StepSample(b, truth.step_time(b)) for b in batches], steps)
+    out = tmp_path / "cal.json"
+    assert main(["simulate", "calibrate", "--steps", str(steps), "--output", str(out)]) == 0
+    fitted = Efficiency.load(out)
+    assert abs(fitted.linear_compute - 0.3) / 0.3 < 0.2
+    # The simulator takes the file.
+    assert main(["simulate", "--calibration", str(out), *WORKLOAD]) == 0
+    assert "fitted on 6 steps" in capsys.readouterr().out
+
+
+def test_small_plan_search(tmp_path, capsys):
+    code = main(["plan", "--gpus", "2", "--slo", "ttft:3000,tpot:200", *WORKLOAD,
+                 "--report", str(tmp_path), "--save-result", str(tmp_path / "plan.json"),
+                 "--quiet"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "Recommended:" in out and "binding SLO" in out
+    assert "GPUs to carry 2 req/s" in out
+    assert (tmp_path / "goodput_vs_split.png").exists()
+    ranking = json.loads((tmp_path / "plan.json").read_text())["ranking"]
+    modes = {row["layout"].split()[0] for row in ranking}
+    assert modes == {"colocated", "chunked", "disagg"}
