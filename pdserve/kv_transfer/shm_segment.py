@@ -6,11 +6,14 @@ on the sender, and the sender's CPU stays free for the next prompt.
 
 Plain files rather than `multiprocessing.shared_memory`: on Python < 3.13 an attaching process
 registers the segment with its resource tracker, which unlinks it when that process exits.
-Names carry the owner's pid so `remove_stale_segments()` can clean up after a killed owner.
+Names carry the owner's pid so `remove_stale_segments()` can clean up after a killed owner;
+an owner that exits without `close()` (e.g. a server stopped by SIGTERM) unlinks its segments
+at interpreter exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import mmap
 import os
@@ -27,6 +30,8 @@ from pdserve.kv_transfer.protocol import KVLayout
 
 SHM_DIR = Path("/dev/shm")
 _NAME_RE = re.compile(r"^pdserve-kv-(\d+)-[0-9a-f]{12}$")
+# Segments this process created and has not closed yet (unlinked at exit).
+_owned_names: set[str] = set()
 
 
 class SharedKVCache:
@@ -59,6 +64,7 @@ class SharedKVCache:
             raise
         finally:
             os.close(fd)
+        _owned_names.add(name)
         return cls(name, tensor, is_owner=True)
 
     @classmethod
@@ -88,8 +94,19 @@ class SharedKVCache:
     def close(self) -> None:
         """Owner: unlink the segment (mappings stay valid until their tensors are dropped)."""
         if self.is_owner:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(SHM_DIR / self.name)
+            _unlink(self.name)
+
+
+def _unlink(name: str) -> None:
+    _owned_names.discard(name)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(SHM_DIR / name)
+
+
+@atexit.register
+def _unlink_owned() -> None:
+    for name in list(_owned_names):
+        _unlink(name)
 
 
 def _map(fd: int, nbytes: int, layout: KVLayout, num_blocks: int,

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import select
 import subprocess
+import sys
 import time
 
 import pytest
@@ -187,3 +189,15 @@ def _dead_pid() -> int:
     child.wait()
     return child.pid
 
+
+
+def test_an_owner_exiting_without_close_unlinks_its_segment():
+    code = ("import json, sys\nfrom pdserve.kv_transfer.protocol import KVLayout\n"
+            "from pdserve.kv_transfer.shm_segment import SharedKVCache\n"
+            "layout = KVLayout(**json.loads(sys.argv[1]))\n"
+            "print(SharedKVCache.create(layout, 2).name, flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(LAYOUT.to_dict())],
+                         capture_output=True, text=True, check=True, timeout=120)
+    name = out.stdout.strip()
+    assert name.startswith("pdserve-kv-")
+    assert not (SHM_DIR / name).exists()
