@@ -14,7 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.core.request import FinishReason
 from pdserve.engine.async_engine import AsyncEngineStats
+from pdserve.server.errors import ErrorType
 
 # Bucket edges in seconds: CPU decode steps are tens of ms, long CPU prefills seconds.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
@@ -76,6 +78,11 @@ class ServerMetrics:
                                 [LABEL, "finished_reason"], registry=self.registry)
         self._errors = Counter("pdserve:request_errors", "Error responses by error type.",
                                [LABEL, "type"], registry=self.registry)
+        # Every label value exists from the start, so rate() and dashboards see zeros.
+        for reason in FinishReason:
+            self._success.labels(model_name, reason.value)
+        for error_type in ErrorType:
+            self._errors.labels(model_name, error_type.type_name)
         self.registry.register(_EngineCollector(model_name, stats))
 
     def count_success(self, finished_reason: str) -> None:

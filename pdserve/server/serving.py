@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.core.request import FinishReason
 from pdserve.core.sampling_params import InvalidParameterError
 from pdserve.engine.async_engine import (
     AsyncLLMEngine,
@@ -97,6 +98,7 @@ async def _stream(engine_stream: RequestStream, responses: Responses, tracker: R
             yield event
         final: RequestOutput | None = None
         async for output in engine_stream:
+            _raise_if_failed(output)
             tracker.observe(output)
             responses.observe(output)
             event = responses.chunk(output)
@@ -132,6 +134,7 @@ async def _collect(http_request: Request, engine: AsyncLLMEngine, engine_stream:
     status = "ok"
     try:
         async for output in engine_stream:
+            _raise_if_failed(output)
             tracker.observe(output)
             responses.observe(output)
             texts.append(output.new_text)
@@ -156,6 +159,16 @@ async def _abort_on_disconnect(http_request: Request, engine: AsyncLLMEngine,
     while (await http_request.receive())["type"] != "http.disconnect":
         pass
     engine.abort(request_id)
+
+
+def _raise_if_failed(output: RequestOutput) -> None:
+    """A request the engine ended with an error (e.g. its KV never arrived under
+    --kv-failure-policy fail) is answered as a failure, not as a normal finish."""
+    if output.finished and output.finish_reason is FinishReason.ERROR:
+        transfer = output.kv_transfer
+        cause = (f"KV transfer failed: {transfer.error}" if transfer and transfer.error
+                 else "the engine failed the request")
+        raise RequestFailedError(cause)
 
 
 def _engine_failure(exc: Exception) -> APIError:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
+
+DASHBOARD = Path(__file__).parents[2] / "grafana" / "pdserve-dashboard.json"
 
 REQUIRED_FAMILIES = [
     "pdserve:time_to_first_token_seconds", "pdserve:inter_token_latency_seconds",
@@ -122,3 +126,17 @@ def test_chat_default_max_tokens_fills_the_context(tiny_server):
     usage = response.json()["usage"]
     assert response.json()["choices"][0]["finish_reason"] == "length"
     assert usage["total_tokens"] == 256
+
+
+def test_grafana_dashboard_queries_only_exported_metrics(tiny_server):
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"]
+             for target in panel.get("targets", [])]
+    assert len(exprs) >= 20
+    referenced = {name for expr in exprs for name in re.findall(r"pdserve:[a-z0-9_]+", expr)}
+    exported = {key.split("{")[0] for key in tiny_server.metrics()}
+    assert referenced <= exported, referenced - exported
+    # Every family the server exports is on the dashboard somewhere.
+    families = {re.sub(r"_(bucket|sum|count|total|created)$", "", name) for name in exported}
+    shown = {re.sub(r"_(bucket|sum|count|total)$", "", name) for name in referenced}
+    assert families <= shown, families - shown
