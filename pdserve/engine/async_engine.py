@@ -62,6 +62,8 @@ class EngineProtocol(Protocol):
 
     def get_stats(self) -> Any: ...
 
+    def shutdown(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class AsyncEngineStats:
@@ -311,6 +313,15 @@ class AsyncLLMEngine:
             self._running.clear()
         finally:
             self._flush(outbox)
+            self._close_engine()
+
+    def _close_engine(self) -> None:
+        # This thread owns the engine, so it releases the engine's resources (KV transport
+        # threads, shared memory) on its way out.
+        try:
+            self.engine.shutdown()
+        except Exception:
+            logger.exception("engine shutdown failed")
 
     def _apply_inbox(self, outbox: list[tuple[RequestStream, _StreamItem]]) -> None:
         with self._lock:

@@ -17,6 +17,7 @@ from pdserve.engine.async_engine import (
     RequestFailedError,
 )
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv_transfer.config import KVTransferConfig
 
 pytestmark = pytest.mark.slow
 
@@ -202,18 +203,35 @@ def test_admission_control_bounds_the_waiting_queue(make_engine, chat_token_ids)
     assert sum(o.finished for o in outputs) == 2
 
 
-def test_kv_transfer_params_pass_through(make_engine):
-    params = {"do_remote_decode": True, "note": "opaque to the async layer"}
+def test_kv_transfer_params_reach_the_engine_and_come_back(loaded_fp32, chat_token_ids):
+    kv = KVTransferConfig(transport="shm", kv_role="kv_producer", kv_lease_timeout=10.0,
+                          kv_transfer_timeout=2.0)
+    config = engine_config_from_kwargs(dtype="float32", device="cpu",
+                                       num_kv_blocks=NUM_KV_BLOCKS, kv_transfer=kv)
+    prefill = LLMEngine(config, loaded=loaded_fp32)
+    one_token = SamplingParams(max_tokens=1, temperature=0.0)
 
     async def body(async_engine):
-        stream = await async_engine.add_request("kv", [1, 2, 3], GREEDY,
-                                                kv_transfer_params=params)
+        stream = await async_engine.add_request("kv", chat_token_ids[0], one_token,
+                                                kv_transfer_params={"do_remote_decode": True})
         outputs = [o async for o in stream]
         stream.close()
         return outputs
 
-    outputs = run_async(make_engine(), body)
-    assert outputs[-1].kv_transfer_params == params
+    outputs = run_async(prefill, body)  # the engine thread shuts the transport down
+    params = outputs[-1].kv_transfer_params
+    assert params["do_remote_prefill"]
+    assert params["first_token_id"] == outputs[-1].new_token_ids[0]
+
+
+def test_kv_transfer_params_rejected_by_a_plain_engine(make_engine):
+    async def body(async_engine):
+        with pytest.raises(InvalidParameterError) as info:
+            await async_engine.add_request("kv", [1, 2, 3], GREEDY,
+                                           kv_transfer_params={"do_remote_decode": True})
+        assert info.value.param == "kv_transfer_params"
+
+    run_async(make_engine(), body)
 
 
 def test_shutdown_aborts_in_flight_with_a_final_output(make_engine, chat_token_ids):
@@ -242,3 +260,22 @@ def test_idle_engine_keeps_a_heartbeat(make_engine):
         assert not async_engine.is_healthy(timeout_s=1e-9)
 
     run_async(make_engine(), body)
+
+
+def test_a_broken_engine_loop_fails_requests_and_health(make_engine, chat_token_ids):
+    engine = make_engine()
+
+    def broken(*_args):
+        raise RuntimeError("cannot even abort")
+
+    engine.step = broken  # the step fails, and so does the clean-up after it
+    engine.abort_request = broken
+
+    async def body(async_engine):
+        with pytest.raises(EngineDeadError, match="cannot even abort"):
+            await collect(async_engine, "doomed", chat_token_ids[0])
+        assert not async_engine.is_healthy()
+        with pytest.raises(EngineDeadError):
+            await async_engine.add_request("late", [1, 2], GREEDY)
+
+    run_async(engine, body)
