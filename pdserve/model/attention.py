@@ -6,8 +6,9 @@ from the paged cache through the block table: causal within the new chunk, offse
 tokens computed in earlier steps.
 
 `AttentionBackend` is the seam for faster kernels: it receives the step's new K/V and the
-cache and returns the attention output; `TorchAttentionBackend` is the reference used on CPU
-and CUDA (torch SDPA for prefill chunks, batched matmuls over gathered K/V for decodes).
+cache and returns the attention output. `TorchAttentionBackend` serves CPU and CUDA: torch
+SDPA for prefill chunks; for decodes, the native CPU kernel where available, else batched
+matmuls over K/V gathered from the cache.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from pdserve.model.kernels.paged_decode import PagedDecodeKernel, load_paged_decode_kernel
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,6 @@ class PrefillChunk:
 
     token_start: int
     token_end: int
-    num_computed_tokens: int
     # Slots [seq_len] of the whole context and the mask [num_new, seq_len] (True: attend);
     # both None when the chunk starts the sequence and plain causal attention is exact.
     context_slots: torch.Tensor | None
@@ -38,34 +41,37 @@ class DecodeBatch:
 
     # Their rows in the flat batch: a slice when they are contiguous, else an index tensor.
     token_index: slice | torch.Tensor
-    # Slot [B, max_len] of each context position; positions past a sequence's length point at
-    # its first slot (always written) and are masked out by `lengths`.
-    slots: torch.Tensor
-    lengths: torch.Tensor
-    # Gather rows and additive masks per (num_kv_heads, num_slots, dtype), filled on first use
-    # by the first layer and reused by the others.
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
+    seq_lens: torch.Tensor  # [B] int64
+    max_len: int
+    block_size: int
+    # Gather rows and masks of the torch path, per (num_kv_heads, num_slots, dtype); built by
+    # the first layer that needs them and reused by the others.
     plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
-        return self.slots.shape[0]
+        return self.seq_lens.shape[0]
 
-    def plan(self, num_kv_heads: int, num_slots: int, dtype: torch.dtype
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_plan(self, num_kv_heads: int, num_slots: int, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of the cache viewed as [2 * num_slots * num_kv_heads, head_dim] holding K then
-        V of every (sequence, kv head, position), and the additive mask [B * kv_heads, 1, L]."""
+        V of every (sequence, kv head, position), and the additive mask [B * kv_heads, 1, L]
+        (positions past a sequence's end read its first slot, masked out)."""
         key = (num_kv_heads, num_slots, dtype)
         if key not in self.plans:
-            heads = torch.arange(num_kv_heads, device=self.slots.device)
-            k_rows = (self.slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
+            device = self.seq_lens.device
+            positions = torch.arange(self.max_len, device=device)
+            is_padding = positions[None, :] >= self.seq_lens[:, None]
+            positions = positions.masked_fill(is_padding, 0)
+            slots = (torch.gather(self.block_tables, 1, positions // self.block_size)
+                     * self.block_size + positions % self.block_size)
+            heads = torch.arange(num_kv_heads, device=device)
+            k_rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
             rows = torch.cat((k_rows, k_rows + num_slots * num_kv_heads))
-            max_len = self.slots.shape[1]
-            positions = torch.arange(max_len, device=self.slots.device)
-            is_padding = positions[None, :] >= self.lengths[:, None]
-            bias = torch.zeros(is_padding.shape, dtype=dtype, device=self.slots.device)
+            bias = torch.zeros(is_padding.shape, dtype=dtype, device=device)
             bias.masked_fill_(is_padding, float("-inf"))
-            bias = bias[:, None, None, :].expand(-1, num_kv_heads, 1, -1).reshape(
-                -1, 1, max_len)
+            bias = bias[:, None, :].repeat_interleave(num_kv_heads, dim=0)
             self.plans[key] = (rows, bias)
         return self.plans[key]
 
@@ -85,6 +91,7 @@ class AttentionMetadata:
     num_tokens: int
     max_query_len: int
     max_seq_len: int
+    max_block_id: int
     decode: DecodeBatch | None
     prefills: tuple[PrefillChunk, ...]
 
@@ -99,77 +106,77 @@ class AttentionMetadata:
         their new tokens appear in the flat batch."""
         if not seqs:
             raise ValueError("a step needs at least one sequence")
-        num_new = [n for _, _, n in seqs]
-        seq_lens = [c + n for _, c, n in seqs]
-        for i, (table, computed, new) in enumerate(seqs):
-            if new < 1 or computed < 0:
-                raise ValueError(f"sequence {i}: num_new_tokens must be >= 1 and "
-                                 f"num_computed_tokens >= 0, got {new} and {computed}")
-            if len(table) * block_size < computed + new:
-                raise ValueError(f"sequence {i}: {len(table)} blocks of {block_size} cannot "
-                                 f"hold {computed + new} tokens")
-        max_blocks = max(-(-n // block_size) for n in seq_lens)
-        block_tables = torch.tensor([_padded(t, max_blocks) for t, _, _ in seqs],
-                                    dtype=torch.int64)
-        starts = [0]
-        for n in num_new:
-            starts.append(starts[-1] + n)
-        seq_index = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(num_new))
-        positions = torch.cat([torch.arange(c, c + n) for _, c, n in seqs])
-        slot_mapping = _slots(block_tables[seq_index], positions[:, None], block_size)[:, 0]
-        decode_ids = [i for i, n in enumerate(num_new) if n == 1]
+        computed = np.array([c for _, c, _ in seqs], dtype=np.int64)
+        num_new = np.array([n for _, _, n in seqs], dtype=np.int64)
+        seq_lens = computed + num_new
+        if num_new.min() < 1 or computed.min() < 0:
+            raise ValueError("every sequence needs num_new_tokens >= 1 and "
+                             "num_computed_tokens >= 0")
+        block_tables = _block_tables(seqs, seq_lens, block_size)
+        starts = np.concatenate(([0], np.cumsum(num_new)))
+        # Position of every new token, and the row of its sequence.
+        seq_index = np.repeat(np.arange(len(seqs)), num_new)
+        positions = np.arange(starts[-1]) - np.repeat(starts[:-1] - computed, num_new)
+        slot_mapping = (block_tables[seq_index, positions // block_size] * block_size
+                        + positions % block_size)
+        is_decode = num_new == 1
         return cls(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=block_tables.to(device=device, dtype=torch.int32),
-            slot_mapping=slot_mapping.to(device),
-            num_tokens=starts[-1],
-            max_query_len=max(num_new),
-            max_seq_len=max(seq_lens),
-            decode=_decode_batch(decode_ids, starts, seq_lens, block_tables, block_size,
-                                 device) if decode_ids else None,
-            prefills=tuple(_prefill_chunk(i, starts, seqs, block_tables, block_size, device)
-                           for i, n in enumerate(num_new) if n > 1),
+            query_start_loc=_tensor(starts, device, torch.int32),
+            seq_lens=_tensor(seq_lens, device, torch.int32),
+            block_tables=_tensor(block_tables, device, torch.int32),
+            slot_mapping=_tensor(slot_mapping, device, torch.int64),
+            num_tokens=int(starts[-1]),
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq_lens.max()),
+            max_block_id=int(block_tables.max()),
+            decode=_decode_batch(np.flatnonzero(is_decode), starts, seq_lens, block_tables,
+                                 block_size, device) if is_decode.any() else None,
+            prefills=tuple(_prefill_chunk(int(i), starts, computed, block_tables, block_size,
+                                          device) for i in np.flatnonzero(~is_decode)),
         )
 
 
-def _padded(block_table: Sequence[int], length: int) -> list[int]:
-    table = list(block_table[:length])
-    return table + [0] * (length - len(table))
+def _tensor(array: np.ndarray, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
 
 
-def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int
-           ) -> torch.Tensor:
-    """Slots [N, L] of positions [N, L] of the sequences with block tables [N, max_blocks]."""
-    blocks = torch.gather(block_tables, 1, positions // block_size)
-    return blocks * block_size + positions % block_size
+def _block_tables(seqs: Sequence[tuple[Sequence[int], int, int]], seq_lens: np.ndarray,
+                  block_size: int) -> np.ndarray:
+    """[S, max_blocks] int64: each table cut to the blocks its context needs, padded with 0."""
+    num_blocks = -(-seq_lens // block_size)
+    tables = np.zeros((len(seqs), int(num_blocks.max())), dtype=np.int64)
+    for i, (table, _, _) in enumerate(seqs):
+        if len(table) < num_blocks[i]:
+            raise ValueError(f"sequence {i}: {len(table)} blocks of {block_size} cannot hold "
+                             f"{seq_lens[i]} tokens")
+        tables[i, :num_blocks[i]] = table[:num_blocks[i]]
+    return tables
 
 
-def _decode_batch(ids: list[int], starts: list[int], seq_lens: list[int],
-                  block_tables: torch.Tensor, block_size: int, device: torch.device | str
+def _decode_batch(ids: np.ndarray, starts: np.ndarray, seq_lens: np.ndarray,
+                  block_tables: np.ndarray, block_size: int, device: torch.device | str
                   ) -> DecodeBatch:
-    rows = [starts[i] for i in ids]
-    is_contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-    token_index = (slice(rows[0], rows[0] + len(rows)) if is_contiguous
-                   else torch.tensor(rows, device=device))
-    lengths = torch.tensor([seq_lens[i] for i in ids])
-    positions = torch.arange(int(lengths.max()))
-    positions = torch.where(positions[None, :] < lengths[:, None], positions[None, :], 0)
-    slots = _slots(block_tables[ids], positions, block_size)
-    return DecodeBatch(token_index, slots.to(device), lengths.to(device))
+    rows = starts[ids]
+    is_contiguous = bool((np.diff(rows) == 1).all())
+    token_index = (slice(int(rows[0]), int(rows[0]) + len(rows)) if is_contiguous
+                   else _tensor(rows, device, torch.int64))
+    lens = seq_lens[ids]
+    tables = block_tables[ids, :-(-int(lens.max()) // block_size)]
+    return DecodeBatch(token_index, _tensor(tables, device, torch.int64),
+                       _tensor(lens, device, torch.int64), int(lens.max()), block_size)
 
 
-def _prefill_chunk(i: int, starts: list[int], seqs: Sequence[tuple[Sequence[int], int, int]],
-                   block_tables: torch.Tensor, block_size: int, device: torch.device | str
-                   ) -> PrefillChunk:
-    _, computed, new = seqs[i]
-    if computed == 0:
-        return PrefillChunk(starts[i], starts[i + 1], 0, None, None)
-    context = torch.arange(computed + new)
-    slots = _slots(block_tables[i:i + 1], context[None, :], block_size)[0]
-    query_positions = torch.arange(computed, computed + new)
-    mask = context[None, :] <= query_positions[:, None]
-    return PrefillChunk(starts[i], starts[i + 1], computed, slots.to(device), mask.to(device))
+def _prefill_chunk(i: int, starts: np.ndarray, computed: np.ndarray, block_tables: np.ndarray,
+                   block_size: int, device: torch.device | str) -> PrefillChunk:
+    if computed[i] == 0:
+        return PrefillChunk(int(starts[i]), int(starts[i + 1]), None, None)
+    num_new = starts[i + 1] - starts[i]
+    context = np.arange(computed[i] + num_new)
+    slots = block_tables[i, context // block_size] * block_size + context % block_size
+    # Query j (position computed + j) sees context positions <= computed + j.
+    mask = context[None, :] <= computed[i] + np.arange(num_new)[:, None]
+    return PrefillChunk(int(starts[i]), int(starts[i + 1]), _tensor(slots, device, torch.int64),
+                        _tensor(mask, device, torch.bool))
 
 
 class AttentionBackend:
@@ -184,24 +191,29 @@ class AttentionBackend:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend from plain torch ops; exact in float32, correct for GQA."""
+    """Reference backend: exact in float32, correct for GQA; on CPU decodes use the native
+    kernel unless `use_cpu_kernel` is False or it is unavailable."""
 
-    def __init__(self, scale: float) -> None:
+    def __init__(self, scale: float, use_cpu_kernel: bool = True) -> None:
         self.scale = scale
+        self.decode_kernel: PagedDecodeKernel | None = (
+            load_paged_decode_kernel() if use_cpu_kernel else None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
-        slots = kv_layer.view(2, -1, num_kv_heads, head_dim)
+        if meta.max_block_id >= kv_layer.shape[1]:
+            raise ValueError(f"block id {meta.max_block_id} is outside the KV cache "
+                             f"({kv_layer.shape[1]} blocks)")
+        slots = kv_layer.view(2, -1, k.shape[1], head_dim)
         slots[0].index_copy_(0, meta.slot_mapping, k)
         slots[1].index_copy_(0, meta.slot_mapping, v)
-        if meta.decode is not None and meta.decode.num_seqs == num_tokens:
-            return self._decode(q, kv_layer, meta.decode)
+        decode = meta.decode
+        if decode is not None and decode.num_seqs == num_tokens:
+            return self._decode(q, kv_layer, decode)
         out = q.new_empty(num_tokens, num_heads * head_dim)
-        if meta.decode is not None:
-            out[meta.decode.token_index] = self._decode(q[meta.decode.token_index], kv_layer,
-                                                        meta.decode)
+        if decode is not None:
+            out[decode.token_index] = self._decode(q[decode.token_index], kv_layer, decode)
         for chunk in meta.prefills:
             rows = slice(chunk.token_start, chunk.token_end)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], slots, chunk)
@@ -209,16 +221,21 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch
                 ) -> torch.Tensor:
+        kernel = self.decode_kernel
+        if (kernel is not None and q.device.type == "cpu"
+                and kernel.supports(q.dtype, q.shape[-1])):
+            return kernel(q, kv_layer, batch.block_tables, batch.seq_lens, batch.max_len,
+                          self.scale)
         # Fold the query heads sharing a KV head into that head's "queries" (GQA without
         # repeating K/V): scores [B * kv_heads, group, L] from one batched matmul.
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = kv_layer.shape[-2]
         num_slots = kv_layer.shape[1] * kv_layer.shape[2]
-        rows, bias = batch.plan(num_kv_heads, num_slots, q.dtype)
+        rows, bias = batch.gather_plan(num_kv_heads, num_slots, q.dtype)
         kv = kv_layer.view(-1, head_dim).index_select(0, rows).view(
             2, num_seqs * num_kv_heads, -1, head_dim)
         q = q.reshape(num_seqs * num_kv_heads, num_heads // num_kv_heads, head_dim)
-        scores = torch.baddbmm(bias, q, kv[0].transpose(1, 2), alpha=self.scale)
+        scores = torch.add(bias, torch.bmm(q, kv[0].transpose(1, 2)), alpha=self.scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.bmm(probs, kv[1]).view(num_seqs, num_heads * head_dim)
 

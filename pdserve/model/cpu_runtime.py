@@ -1,4 +1,4 @@
-"""Process-wide CPU settings that make the forward pass run at memory speed.
+"""Process-wide CPU settings that make the forward pass run at memory speed, and CPU features.
 
 glibc serves allocations above its mmap threshold (128 KiB, adapting up to 32 MiB) with fresh
 mmap()s, so every activation tensor of a prefill would be page-faulted in again on each op and
@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -38,3 +39,16 @@ def tune_cpu_allocator() -> bool:
         mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES))
     logger.debug("glibc malloc thresholds %s", "set" if is_set else "not set")
     return is_set
+
+
+def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU feature flags Linux reports (empty where /proc/cpuinfo is unavailable)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()

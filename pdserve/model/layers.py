@@ -86,15 +86,20 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, head_dim/2] for the given positions [T], computed in float32."""
+        """(cos, signed sin) [T, 1, head_dim] for positions [T], computed in float32.
+
+        The sin of the first half is negated, so that `apply_rotary` is three ops per layer.
+        """
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        return (torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :],
+                torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :])
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by the angles of cos/sin [T, 1, head_dim/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by the angles of `RotaryEmbedding.cos_sin`:
+    x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1) = roll(x) * sign."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

@@ -78,7 +78,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         self.rotary = RotaryEmbedding(config, device)
-        self.attention = attention or TorchAttentionBackend(config.head_dim ** -0.5)
+        self.attention = attention or TorchAttentionBackend(
+            config.head_dim ** -0.5, use_cpu_kernel=device.type == "cpu")
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from pdserve.model.config import ModelConfig
-from pdserve.model.cpu_runtime import tune_cpu_allocator
+from pdserve.model.cpu_runtime import read_cpu_flags, tune_cpu_allocator
 from pdserve.model.errors import ModelLoadError
 from pdserve.model.gguf_file import GGUFModelFile
 from pdserve.model.hf_folder import HFModelFolder
@@ -101,19 +101,6 @@ def resolve_dtype(dtype: str, device: torch.device, cpu_flags: frozenset[str] | 
         return torch.bfloat16
     flags = read_cpu_flags() if cpu_flags is None else cpu_flags
     return torch.bfloat16 if flags & BF16_CPU_FLAGS else torch.float32
-
-
-def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU feature flags Linux reports (empty where /proc/cpuinfo is unavailable)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
 
 
 def default_model_path() -> Path:

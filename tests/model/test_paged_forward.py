@@ -50,14 +50,15 @@ def _run_paged(model, tokens: dict[str, torch.Tensor], steps: list[dict[str, int
     return {s: torch.cat(chunks) for s, chunks in logits.items()}
 
 
-@pytest.mark.parametrize(("arch", "tie", "rope_scaling"), [
-    ("llama", True, None),
-    ("qwen2", False, None),  # QKV bias, untied head
-    ("llama", False, LLAMA3_SCALING),
+@pytest.mark.parametrize(("arch", "tie", "rope_scaling", "use_cpu_kernel"), [
+    ("llama", True, None, True),
+    ("llama", True, None, False),  # the torch decode path
+    ("qwen2", False, None, True),  # QKV bias, untied head
+    ("llama", False, LLAMA3_SCALING, True),
 ])
-def test_mixed_flat_batches_match_dense_forward(arch, tie, rope_scaling):
+def test_mixed_flat_batches_match_dense_forward(arch, tie, rope_scaling, use_cpu_kernel):
     hf_model = tiny_hf_model(arch, tie_word_embeddings=tie, rope_scaling=rope_scaling)
-    model = pdserve_from_hf(hf_model)
+    model = pdserve_from_hf(hf_model, use_cpu_kernel=use_cpu_kernel)
     generator = torch.Generator().manual_seed(1)
     lengths = {"long": 200, "sevens": 40, "ones": 12, "whole": 90, "short": 3}
     # A chunk of 1 decodes; "ones" sits between prefills, so decode rows are not contiguous.
@@ -79,9 +80,10 @@ def test_mixed_flat_batches_match_dense_forward(arch, tie, rope_scaling):
             torch.testing.assert_close(paged[s], dense, atol=2e-4, rtol=1e-4, msg=s)
 
 
-def test_all_decode_batch_with_unequal_contexts_matches_dense():
+@pytest.mark.parametrize("use_cpu_kernel", [True, False])
+def test_all_decode_batch_with_unequal_contexts_matches_dense(use_cpu_kernel):
     hf_model = tiny_hf_model("llama")
-    model = pdserve_from_hf(hf_model)
+    model = pdserve_from_hf(hf_model, use_cpu_kernel=use_cpu_kernel)
     lengths = {"a": 5, "b": 33, "c": 17}
     tokens = {s: torch.arange(n) % TINY_VOCAB_SIZE for s, n in lengths.items()}
     block_tables = {"a": [7], "b": [1, 5, 3], "c": [2, 6]}
@@ -118,6 +120,14 @@ def test_metadata_slots_follow_block_tables():
     assert meta.slot_mapping.dtype == torch.int64
     assert (meta.num_tokens, meta.max_query_len, meta.max_seq_len) == (5, 4, 10)
     assert not meta.is_all_decode
+
+
+def test_block_ids_outside_the_cache_are_rejected():
+    model = pdserve_from_hf(tiny_hf_model("llama"))
+    cache = allocate_kv_cache(model.config, 2, BLOCK_SIZE, torch.float32, "cpu")
+    meta = AttentionMetadata.build([([5], 0, 3)], BLOCK_SIZE, "cpu")
+    with pytest.raises(ValueError, match="block id 5 is outside the KV cache"):
+        model(torch.tensor([1, 2, 3]), torch.arange(3), cache, meta)
 
 
 def test_metadata_rejects_block_table_too_short():
