@@ -69,3 +69,14 @@ def test_small_plan_search(tmp_path, capsys):
     ranking = json.loads((tmp_path / "plan.json").read_text())["ranking"]
     modes = {row["layout"].split()[0] for row in ranking}
     assert modes == {"colocated", "chunked", "disagg"}
+
+
+def test_workload_from_a_saved_run_replays_it(tmp_path):
+    first, again = tmp_path / "first.json", tmp_path / "again.json"
+    assert main(["simulate", *WORKLOAD, "--max-concurrency", "3", "--save-result",
+                 str(first)]) == 0
+    assert main(["simulate", "--workload-from", str(first), "--save-result", str(again)]) == 0
+    a, b = json.loads(first.read_text()), json.loads(again.read_text())
+    assert a["max_concurrency"] == b["max_concurrency"] == 3
+    assert a["input_lens"] == b["input_lens"]
+    assert a["p99_ttft_ms"] == b["p99_ttft_ms"]
