@@ -29,7 +29,7 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
-@dataclass
+@dataclass(eq=False)  # an entity: compared by identity, which keeps `in`/`remove` cheap
 class Request:
     request_id: str
     prompt_token_ids: list[int]
