@@ -246,8 +246,9 @@ class Scheduler:
                              output: SchedulerOutput) -> bool:
         """Find blocks for `request`, preempting the newest unscheduled running requests
         (possibly `request` itself) until they fit. Returns whether `request` still runs."""
-        scheduled = {id(s.request) for s in output.scheduled}
         while not self.block_manager.allocate_slots(request, num_new):
+            # Built only when blocks run out: per request it would make every step O(n²).
+            scheduled = {id(s.request) for s in output.scheduled}
             victims = [r for r in self.running if id(r) not in scheduled]
             victim = victims[-1]  # never empty: `request` itself is unscheduled
             self._preempt(victim, output)
