@@ -145,6 +145,8 @@ class BlockManager:
             return
         hashes = self._block_hashes.setdefault(request.request_id, [])
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
+        if num_full <= len(hashes):  # most decode steps complete no block
+            return
         tokens = request.all_token_ids
         for i in range(len(hashes), num_full):
             parent = hashes[-1] if hashes else None
