@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +29,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "",
+               interval_s: float = 0.02) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what or predicate}")
-        time.sleep(0.02)
+        time.sleep(interval_s)
 
 
 def http() -> httpx.Client:
@@ -145,14 +146,16 @@ def router_config(prefill: list[StubWorker], decode: list[StubWorker], **kwargs)
                         decode_urls=tuple(s.url for s in decode), **kwargs)
 
 
-def read_sse(response: httpx.Response) -> list[Any]:
-    """The JSON payloads of a streamed response's events, then "[DONE]" if it came."""
-    events: list[Any] = []
+def iter_sse(response: httpx.Response) -> Iterator[Any]:
+    """The JSON payloads of a streamed response's events as they come, then "[DONE]"."""
     for line in response.iter_lines():
         if line.startswith("data: "):
             data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def read_sse(response: httpx.Response) -> list[Any]:
+    return list(iter_sse(response))
 
 
 def stream_text(events: list[Any]) -> str:
@@ -190,7 +193,8 @@ class ManagedProcess:
             except httpx.HTTPError:
                 return False
 
-        wait_until(is_up, timeout, f"{url} healthy")
+        # A runner may start a process per probe (e.g. in a netns): probe it less often.
+        wait_until(is_up, timeout, f"{url} healthy", interval_s=0.02 if runner is None else 1.0)
 
     def log_tail(self, num_lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])

@@ -1,302 +1,460 @@
 """Disaggregated serving end to end on real workers (issue 4's CI tests).
 
-Skipped until the worker side exists: `pdserve serve --role` (worker tests) and
-`pdserve serve --mode disagg` (launcher tests); they turn on by themselves once it does.
+One module-wide set of processes, all started at once so their model loads overlap:
 
-- Greedy output through the router equals colocated output, over shm and tcp, for short
-  prompts (local prefill) and long ones (remote), with prefix-cache hits on both sides.
-- kill -9 a prefill worker under load: requests still complete (retry / local prefill).
-- kill a decode worker: its stream ends with an error event, the other completes.
-- A client leaving mid-prefill; after each: no KV blocks held on surviving workers.
-- Two hosts for real: prefill and decode in two network namespaces joined by a veth pair.
+- ``ref``: a colocated server (one thread): the greedy answers everything is compared with.
+- ``shm`` / ``tcp``: `pdserve serve --mode disagg` (router + 1 prefill + 1 decode worker,
+  pinned) over each transport, local prefill below 64 uncached tokens; lost KV is recomputed
+  on ``shm`` and fails the request on ``tcp`` (``--kv-failure-policy fail``).
+- ``b8``: a decode worker with another block size (a mismatched layout); with ``tcp``'s
+  decode worker it also serves the decode-kill test, behind an in-process router.
+- two hosts (when root with iproute2): a prefill and a decode worker in two network
+  namespaces joined by a veth pair, a router beside the decode worker.
+
+Tests that kill a worker run last on the deployment they break. After each fault, every
+surviving worker is checked to hold no KV blocks (its /metrics free-blocks gauge).
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
+import math
 import os
 import signal
+import socket
 import sys
 import threading
-from pathlib import Path
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from pdserve.router.load_scrape import parse_worker_load
+from pdserve.kv_transfer.shm_segment import remove_stale_segments
+from pdserve.kv_transfer.wire import HEADER, MAGIC, MessageType, encode_frame, read_frame
+from pdserve.router.config import RouterConfig
 from tests.router.harness import (
     ManagedProcess,
+    RouterThread,
     free_port,
     http,
+    iter_sse,
     read_sse,
     stream_text,
     wait_until,
 )
-from tests.router.netns import netns_unavailable_reason, two_hosts
+from tests.router.netns import TwoHosts, netns_unavailable_reason, two_hosts
+from tests.router.real_workers import (
+    Disagg,
+    Reference,
+    Server,
+    answer_text,
+    assert_no_blocks_held,
+    metric_values,
+    serve_argv,
+)
 
+pytestmark = pytest.mark.slow
 
-def _serve_options() -> dict[str, argparse.Action]:
-    from pdserve.server.cli import add_parser
-
-    subparsers = argparse.ArgumentParser().add_subparsers()
-    add_parser(subparsers)
-    return {flag: a for a in subparsers.choices["serve"]._actions for flag in a.option_strings}
-
-
-SERVE_OPTIONS = _serve_options()
-HAS_ROLES = "--role" in SERVE_OPTIONS
-HAS_DISAGG_MODE = "disagg" in (SERVE_OPTIONS["--mode"].choices or ())
-
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not HAS_ROLES, reason="pdserve serve --role not supported yet")]
-requires_launcher = pytest.mark.skipif(
-    not HAS_DISAGG_MODE, reason="pdserve serve --mode disagg not wired yet")
-
-# float32 so that the comparison is about the hand-off, not bf16 kernel batch invariance.
-ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory-gb", "0.25", "--max-num-seqs", "8"]
 THRESHOLD = 64
+BLOCK_SIZE = 16
 MAX_TOKENS = 12
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",
          "wizards", "quietly", "judge", "boxing", "matches", "near", "an", "old", "river",
          "bank")
+NETNS_UNAVAILABLE = netns_unavailable_reason()
 
 
 def text_of(num_words: int, seed: int) -> str:
     return " ".join(WORDS[(i * 7 + seed) % len(WORDS)] for i in range(num_words))
 
 
-LONG = text_of(400, 1)
-# (name, endpoint, body, route through a 1+1 disagg with THRESHOLD), run in this order.
-CASES = [
-    ("short_chat", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "What is the capital of France?"}]}, "local"),
-    ("long", "/v1/completions", {"prompt": LONG}, "remote"),
-    # Same prefix, a few new tokens: the decode worker has the rest cached -> local.
-    ("long_short_suffix", "/v1/completions", {"prompt": LONG + " and then"}, "local"),
-    # Same prefix, a long new part: remote, prefill-side cache hit on the prefix.
-    ("long_long_suffix", "/v1/completions", {"prompt": LONG + " " + text_of(120, 5)}, "remote"),
-]
-
-
-def request_body(body: dict, **extra) -> dict:
+def greedy(body: dict, **extra) -> dict:
     return {**body, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
 
 
-def answer_text(response_json: dict) -> str:
-    choice = response_json["choices"][0]
-    return choice["message"]["content"] if "message" in choice else choice["text"]
+LONG = text_of(400, 1)
 
 
-def serve(tmp_path: Path, name: str, args: list[str], port: int) -> ManagedProcess:
-    process = ManagedProcess([sys.executable, "-m", "pdserve.cli", "serve", *args, "--port",
-                              str(port), *ENGINE_FLAGS], tmp_path / f"{name}.log")
-    try:
-        process.wait_healthy(f"http://127.0.0.1:{port}/health", timeout=900)
-    except BaseException:
-        process.stop()
-        raise
-    return process
+@dataclass(frozen=True)
+class Case:
+    name: str
+    endpoint: str
+    body: dict
+    route: str  # through a 1+1 deployment with THRESHOLD, run in CASES order
+    stream: bool = False
+
+
+CASES = [
+    Case("short_chat", CHAT,
+         {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
+         "local"),
+    Case("long", COMPLETIONS, {"prompt": LONG}, "remote", stream=True),
+    # Same prefix, a few new tokens: the decode worker has the rest cached -> local.
+    Case("long_short_suffix", COMPLETIONS, {"prompt": LONG + " and then"}, "local"),
+    # Same prefix, a long new part: remote; both workers have the prefix cached.
+    Case("long_long_suffix", COMPLETIONS, {"prompt": LONG + " " + text_of(120, 5)}, "remote"),
+]
+
+
+@dataclass
+class Cluster:
+    ref: Reference
+    shm: Disagg
+    tcp: Disagg
+    b8: Server
+    hosts: TwoHostsDeployment | None
+
+
+@dataclass
+class TwoHostsDeployment:
+    hosts: TwoHosts
+    processes: list[ManagedProcess]
+    prefill_url: str
+    decode_url: str
+    router_url: str = "http://127.0.0.1:8000"
+
+    def wait_healthy(self) -> None:
+        """Polled from inside host B (the prefill worker's address is reachable there)."""
+        def runner(url: str) -> bool:
+            return self.hosts.is_http_ok(self.hosts.ns_b, url)
+
+        for process, url in zip(self.processes, (self.prefill_url, self.decode_url,
+                                                 self.router_url), strict=True):
+            process.wait_healthy(f"{url}/health", 900, runner=runner)
 
 
 @pytest.fixture(scope="module")
-def colocated_reference(tmp_path_factory) -> dict[str, str]:
-    """Greedy outputs of every case from a colocated server (one thread, like a worker)."""
-    port = free_port()
-    server = serve(tmp_path_factory.mktemp("colocated"), "colocated",
-                   ["--mode", "colocated", "--num-threads", "1"], port)
-    try:
-        with http() as client:
-            return {name: answer_text(client.post(f"http://127.0.0.1:{port}{endpoint}",
-                                                  json=request_body(body)).json())
-                    for name, endpoint, body, _ in CASES}
-    finally:
-        server.stop()
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    logs = tmp_path_factory.mktemp("disagg-e2e")
+    with contextlib.ExitStack() as stack:
+        hosts = None if NETNS_UNAVAILABLE is not None else stack.enter_context(two_hosts())
+        processes: list[ManagedProcess] = []
+        stack.callback(_stop_all, processes)  # before the namespaces go
+
+        def started(server: Server) -> Server:
+            processes.append(server.process)
+            return server
+
+        routing = ("--local-prefill-threshold", str(THRESHOLD), "--decode-policy",
+                   "prefix_aware")
+        ref = started(Server(logs, "ref", "--mode", "colocated", "--num-threads", "1"))
+        shm = started(Disagg(logs, "shm", "--kv-transport", "shm", *routing))
+        tcp = started(Disagg(logs, "tcp", "--kv-transport", "tcp", *routing,
+                             "--kv-failure-policy", "fail"))
+        b8 = started(Server(logs, "b8", "--role", "decode", "--kv-transport", "tcp",
+                            "--num-threads", "1", "--block-size", "8"))
+        deployment = None
+        if hosts is not None:
+            deployment = _start_two_hosts(hosts, logs)
+            processes.extend(deployment.processes)
+        for server in (ref, shm, tcp, b8):
+            server.wait_healthy()
+        if deployment is not None:
+            deployment.wait_healthy()
+        yield Cluster(Reference(ref), shm, tcp, b8, deployment)
+    remove_stale_segments()  # those of workers the tests killed
 
 
-class Disagg:
-    """`pdserve serve --mode disagg` in a subprocess; the router's URL and its workers."""
-
-    def __init__(self, tmp_path: Path, *flags: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process = serve(tmp_path, "disagg", [
-            "--mode", "disagg", "--worker-log-dir", str(tmp_path / "workers"),
-            "--health-check-interval", "0.5", *flags], self.port)
-
-    def workers(self) -> dict[str, dict]:
-        listing = httpx.get(f"{self.url}/workers", trust_env=False).json()["workers"]
-        return {w["id"]: w for w in listing}
-
-    def worker_pid(self, worker_id: str) -> int:
-        """The launcher's child serving `worker_id` (matched by its --port)."""
-        port = self.workers()[worker_id]["url"].rsplit(":", 1)[1]
-        for pid in _children(self.process.process.pid):
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if b"--port" in argv and argv[argv.index(b"--port") + 1].decode() == port:
-                return pid
-        raise LookupError(f"no child process serves {worker_id}")
-
-    def assert_no_blocks_held(self) -> None:
-        """Every live worker's KV usage returns to 0 (cached-but-free blocks do not count)."""
-        def usage(url: str) -> float | None:
-            text = httpx.get(f"{url}/metrics", trust_env=False).text
-            return parse_worker_load(text).kv_cache_usage
-
-        for worker in self.workers().values():
-            if worker["state"] == "healthy":
-                wait_until(lambda u=worker["url"]: usage(u) == 0.0, 30,
-                           f"{worker['id']} holds no KV blocks")
-
-    def stop(self) -> None:
-        self.process.stop(timeout=60)
-        assert self.process.process.returncode == 0, self.process.log_tail()
+def _stop_all(processes: list[ManagedProcess]) -> None:
+    """SIGTERM everyone at once, then wait for each (they shut down in parallel)."""
+    for process in processes:
+        if process.process.poll() is None:
+            process.process.terminate()
+    for process in processes:
+        process.stop(timeout=60)
 
 
-def _children(pid: int) -> list[int]:
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(entry))
-    return children
+def _start_two_hosts(hosts: TwoHosts, logs) -> TwoHostsDeployment:
+    prefill_url, decode_url = f"http://{hosts.addr_a}:8100", f"http://{hosts.addr_b}:8100"
+
+    def worker(ns: str, role: str, addr: str) -> ManagedProcess:
+        # The KV server binds (and advertises) the namespace's veth address.
+        return ManagedProcess(hosts.command(ns, serve_argv(
+            "--role", role, "--host", addr, "--port", "8100", "--kv-transport", "tcp",
+            "--kv-host", addr, "--num-threads", "1")), logs / f"netns-{role}.log")
+
+    router = ManagedProcess(hosts.command(hosts.ns_b, [
+        sys.executable, "-m", "pdserve.cli", "router", "--prefill", prefill_url, "--decode",
+        decode_url, "--port", "8000"]), logs / "netns-router.log")
+    return TwoHostsDeployment(hosts, [worker(hosts.ns_a, "prefill", hosts.addr_a),
+                                      worker(hosts.ns_b, "decode", hosts.addr_b), router],
+                              prefill_url, decode_url)
 
 
-@requires_launcher
+# ---- greedy equality ------------------------------------------------------------------------
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_greedy_disagg_equals_colocated(transport, colocated_reference, tmp_path):
-    disagg = Disagg(tmp_path, "--kv-transport", transport, "--local-prefill-threshold",
-                    str(THRESHOLD), "--decode-policy", "prefix_aware")
-    try:
-        with http() as client:
-            for name, endpoint, body, route in CASES:
-                response = client.post(f"{disagg.url}{endpoint}", json=request_body(body))
+def test_greedy_disagg_equals_colocated(transport, cluster):
+    disagg: Disagg = getattr(cluster, transport)
+    reports = {}
+    with http() as client:
+        for case in CASES:
+            expected = cluster.ref.answer(case.endpoint, greedy(case.body))
+            if case.stream:
+                text, report = _stream(client, f"{disagg.url}{case.endpoint}", case.body)
+            else:
+                response = client.post(f"{disagg.url}{case.endpoint}", json=greedy(case.body),
+                                       timeout=600)
                 assert response.status_code == 200, response.text
-                timing = json.loads(response.headers["x-pdserve-timing"])
-                assert (name, timing["route"]) == (name, route)
-                assert answer_text(response.json()) == colocated_reference[name], name
-                if route == "remote":
-                    assert timing["kv_transfer_bytes"] > 0
-            name, endpoint, body, _ = CASES[1]
-            with client.stream("POST", f"{disagg.url}{endpoint}",
-                               json=request_body(body, stream=True)) as response:
-                assert stream_text(read_sse(response)) == colocated_reference[name]
-        disagg.assert_no_blocks_held()
-    finally:
-        disagg.stop()
+                text = answer_text(response.json())
+                report = {**json.loads(response.headers["x-pdserve-timing"]),
+                          "usage": response.json()["usage"]}
+            assert (case.name, report["route"], text) == (case.name, case.route, expected)
+            reports[case.name] = report
+    _check_transfers(reports)
+    prefill_url = disagg.worker_url("prefill-0")
+    assert metric_values(prefill_url)["pdserve:prefix_cache_hit_rate"] > 0  # LONG reused
+    assert_no_blocks_held(disagg.healthy_worker_urls())
 
 
-@requires_launcher
-def test_prefill_worker_killed_under_load_requests_still_complete(colocated_reference,
-                                                                  tmp_path):
-    disagg = Disagg(tmp_path)  # threshold 0: every prompt goes through the prefill worker
-    name, endpoint, body, _ = CASES[1]
-    answers: list[str] = []
-
-    def send() -> None:
-        with http() as client:
-            response = client.post(f"{disagg.url}{endpoint}", json=request_body(body))
-            answers.append(answer_text(response.json()) if response.status_code == 200
-                           else response.text)
-
-    try:
-        threads = [threading.Thread(target=send) for _ in range(3)]
-        for thread in threads:
-            thread.start()
-        wait_until(lambda: disagg.workers()["prefill-0"]["num_inflight"] > 0, 60)
-        os.kill(disagg.worker_pid("prefill-0"), signal.SIGKILL)
-        for thread in threads:
-            thread.join(timeout=600)
-        assert answers == [colocated_reference[name]] * 3
-        wait_until(lambda: disagg.workers()["prefill-0"]["state"] == "unhealthy", 30)
-        disagg.assert_no_blocks_held()
-    finally:
-        disagg.stop()
+def _stream(client: httpx.Client, url: str, body: dict) -> tuple[str, dict]:
+    """A stream's text, and its timing: the router's header plus the decode worker's
+    `pdserve_timing` from the final usage chunk (relayed because the client asked)."""
+    request = greedy(body, stream=True, stream_options={"include_usage": True})
+    with client.stream("POST", url, json=request, timeout=600) as response:
+        assert response.status_code == 200
+        header = json.loads(response.headers["x-pdserve-timing"])
+        events = read_sse(response)
+    usage_chunk = events[-2]
+    assert events[-1] == "[DONE]" and usage_chunk["choices"] == []
+    return stream_text(events), {**usage_chunk["pdserve_timing"], "route": header["route"],
+                                 "usage": usage_chunk["usage"]}
 
 
-@requires_launcher
-def test_decode_worker_killed_its_stream_errors_the_other_completes(tmp_path):
-    disagg = Disagg(tmp_path, "--decode-workers", "2", "--decode-policy", "round_robin",
-                    "--local-prefill-threshold", "100000")
-    results: dict[str, list] = {}
+def _check_transfers(reports: dict[str, dict]) -> None:
+    """Remote requests fetched exactly the blocks their decode worker did not have cached;
+    the timing breakdown is filled in."""
+    long, suffix = reports["long"], reports["long_long_suffix"]
+    assert long["usage"].get("prompt_tokens_details") is None  # nothing cached: all fetched
+    bytes_per_block = long["kv_transfer_bytes"] / math.ceil(
+        long["usage"]["prompt_tokens"] / BLOCK_SIZE)
+    assert bytes_per_block == int(bytes_per_block) > 0
+    cached = suffix["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == reports["long_short_suffix"]["usage"]["prompt_tokens_details"][
+        "cached_tokens"] >= 25 * BLOCK_SIZE  # LONG's blocks, on the decode side
+    num_fetched = math.ceil(suffix["usage"]["prompt_tokens"] / BLOCK_SIZE) - cached // BLOCK_SIZE
+    assert suffix["kv_transfer_bytes"] == num_fetched * bytes_per_block
+    for report in (long, suffix):
+        assert report["kv_transfer_ms"] > 0 and report["first_decode_step_ms"] > 0
+        assert report["prefill_ms"] > 0 and "router_queue_ms" in report
+    for name in ("short_chat", "long_short_suffix"):
+        assert reports[name]["kv_transfer_bytes"] == 0 and reports[name]["prefill_ms"] == 0
 
-    def stream(name: str) -> None:
-        body = {"prompt": f"Story {name}:", "max_tokens": 200, "ignore_eos": True,
-                "temperature": 0, "stream": True}
-        with http() as client, client.stream("POST", f"{disagg.url}/v1/completions",
-                                             json=body) as response:
-            results[name] = read_sse(response)
 
-    try:
-        threads = {n: threading.Thread(target=stream, args=(n,)) for n in ("a", "b")}
-        for name in ("a", "b"):  # round robin: a on decode-0, b on decode-1
+# ---- a transfer that never arrives, mismatched workers, garbage on the KV port -------------
+
+def _prefill_leg(url: str, prompt: str) -> dict:
+    """A prefill leg sent straight to a prefill worker: its KV params (blocks now leased)."""
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    response = httpx.post(f"{url}{COMPLETIONS}", json=body, trust_env=False, timeout=600)
+    assert response.status_code == 200, response.text
+    return response.json()["kv_transfer_params"]
+
+
+def _decode_leg(url: str, prompt: str, params: dict, **extra) -> httpx.Response:
+    body = greedy({"prompt": prompt}, kv_transfer_params=params, router_timing={}, **extra)
+    return httpx.post(f"{url}{COMPLETIONS}", json=body, trust_env=False, timeout=600)
+
+
+def _dead_port() -> int:
+    return free_port()  # nothing listens there once the probe socket is closed
+
+
+def test_transfer_that_never_arrives_recompute_completes_fail_errors(cluster):
+    prompt = text_of(300, 2)
+    expected = cluster.ref.answer(COMPLETIONS, greedy({"prompt": prompt}))
+    shm_prefill, shm_decode, tcp_prefill, tcp_decode = (
+        disagg.worker_url(worker) for disagg in (cluster.shm, cluster.tcp)
+        for worker in ("prefill-0", "decode-0"))
+    params = {"shm": _prefill_leg(shm_prefill, prompt), "tcp": _prefill_leg(tcp_prefill, prompt)}
+    # The KV server named in the params is gone: nothing ever arrives.
+    lost = {name: {**p, "remote_port": _dead_port()} for name, p in params.items()}
+
+    recomputed = _decode_leg(shm_decode, prompt, lost["shm"])  # --kv-failure-policy recompute
+    assert recomputed.status_code == 200, recomputed.text
+    assert answer_text(recomputed.json()) == expected
+    timing = recomputed.json()["pdserve_timing"]
+    assert timing["kv_transfer_bytes"] == 0 and "kv_transfer_error" in timing
+    assert timing["worker_prefill_ms"] > 0  # the prompt was computed here
+
+    failed = _decode_leg(tcp_decode, prompt, lost["tcp"])  # --kv-failure-policy fail
+    assert failed.status_code == 500 and "KV transfer failed" in failed.json()["error"]["message"]
+    with httpx.stream("POST", f"{tcp_decode}{COMPLETIONS}", trust_env=False, timeout=600,
+                      json=greedy({"prompt": prompt}, kv_transfer_params=lost["tcp"],
+                                  stream=True)) as response:
+        events = read_sse(response)
+    assert events[-1] == "[DONE]" and "KV transfer failed" in events[-2]["error"]["message"]
+
+    # The real hand-offs still work (and release the prefill workers' leases).
+    for decode_url, name in ((shm_decode, "shm"), (tcp_decode, "tcp")):
+        delivered = _decode_leg(decode_url, prompt, params[name])
+        assert answer_text(delivered.json()) == expected
+        assert delivered.json()["pdserve_timing"]["kv_transfer_bytes"] > 0
+    assert_no_blocks_held([shm_prefill, shm_decode, tcp_prefill, tcp_decode])
+
+
+def test_mismatched_workers_are_refused_with_a_clear_error(cluster):
+    prompt = text_of(100, 4)
+    prefill_url, decode_url = (cluster.tcp.worker_url(w) for w in ("prefill-0", "decode-0"))
+    params = _prefill_leg(prefill_url, prompt)
+
+    other_layout = _decode_leg(cluster.b8.url, prompt, params)
+    assert other_layout.status_code == 400
+    error = other_layout.json()["error"]
+    assert error["param"] == "kv_transfer_params"
+    assert "layout" in error["message"] and "block_size 8" in error["message"]
+
+    other_version = _decode_leg(decode_url, prompt, {**params, "protocol_version": 2})
+    assert other_version.status_code == 400
+    assert "protocol version 2" in other_version.json()["error"]["message"]
+
+    # Refused by a decode worker's transport instead (tcp params, shm worker): it recomputes
+    # the prompt, and still releases the prefill worker's lease.
+    shm_decode = cluster.shm.worker_url("decode-0")
+    other_transport = _decode_leg(shm_decode, prompt, params)
+    assert other_transport.status_code == 200
+    assert answer_text(other_transport.json()) == cluster.ref.answer(
+        COMPLETIONS, greedy({"prompt": prompt}))
+    assert "transport" in other_transport.json()["pdserve_timing"]["kv_transfer_error"]
+    assert_no_blocks_held([prefill_url, decode_url, shm_decode, cluster.b8.url])
+
+
+def test_garbage_frames_on_the_kv_port_are_refused_and_the_worker_serves_on(cluster):
+    prefill_url = cluster.tcp.worker_url("prefill-0")
+    prompt = text_of(200, 6)
+    params = _prefill_leg(prefill_url, prompt)
+    address = (params["remote_host"], params["remote_port"])
+    hello = encode_frame(MessageType.HELLO, {})
+    garbage = {
+        "bad magic": os.urandom(64),
+        "future version": encode_frame(MessageType.HELLO, {}, version=99),
+        "oversized metadata": HEADER.pack(MAGIC, 1, MessageType.FETCH, 1 << 30, 0),
+        "payload on a request": HEADER.pack(MAGIC, 1, MessageType.FETCH, 2, 1 << 40) + b"{}",
+        "metadata not JSON": HEADER.pack(MAGIC, 1, MessageType.FETCH, 4, 0) + b"\xff{[(",
+        "a reply sent as a request": encode_frame(MessageType.DATA, {}, payload_len=0),
+    }
+    for what, frame in garbage.items():
+        with socket.create_connection(address, timeout=10) as sock:
+            sock.sendall(frame)
+            refusal = read_frame(sock, max_payload=0)
+            assert refusal.msg_type is MessageType.ERROR, what
+            assert sock.recv(1) == b"", what  # and the connection is closed
+    with socket.create_connection(address, timeout=10) as sock:
+        sock.sendall(hello[:7])  # a truncated header, then gone
+    with socket.create_connection(address, timeout=10) as sock:
+        sock.sendall(hello)
+        assert read_frame(sock, max_payload=0).msg_type is MessageType.REPLY  # still serving
+
+    # The lease survived it all: the real hand-off completes, through the router too.
+    decode_url = cluster.tcp.worker_url("decode-0")
+    delivered = _decode_leg(decode_url, prompt, params)
+    assert answer_text(delivered.json()) == cluster.ref.answer(COMPLETIONS,
+                                                               greedy({"prompt": prompt}))
+    routed = httpx.post(f"{cluster.tcp.url}{COMPLETIONS}", json=greedy({"prompt": prompt + "!"}),
+                        trust_env=False, timeout=600)
+    assert routed.status_code == 200, routed.text
+    assert cluster.tcp.workers()["prefill-0"]["state"] == "healthy"
+    assert_no_blocks_held([prefill_url, decode_url])
+
+
+# ---- clients and workers that go away ---------------------------------------------------------
+
+def test_client_leaving_mid_prefill_leaves_no_blocks(cluster):
+    disagg = cluster.shm
+    prefill_url = disagg.worker_url("prefill-0")
+    aborted_before = _num_aborted(prefill_url)
+    body = greedy({"prompt": text_of(1500, 3)}, stream=True)
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(trust_env=False, timeout=1.0) as client:
+        client.post(f"{disagg.url}{COMPLETIONS}", json=body)
+    wait_until(lambda: all(w["num_inflight"] == 0 for w in disagg.workers().values()), 60)
+    wait_until(lambda: _num_aborted(prefill_url) == aborted_before + 1, 60,
+               "the prefill worker to abort the leg")
+    assert_no_blocks_held(disagg.healthy_worker_urls())
+
+
+def _num_aborted(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", trust_env=False).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve:request_success_total")
+               and 'finished_reason="abort"' in line)
+
+
+def test_decode_worker_killed_its_stream_errors_the_other_completes(cluster):
+    # Two decode workers behind an in-process router, no prefill pool: all prefill locally.
+    victim = cluster.tcp.worker_url("decode-0")
+    config = RouterConfig(prefill_urls=(), decode_urls=(victim, cluster.b8.url),
+                          decode_policy="round_robin", health_interval_s=0.5)
+    results: dict[str, list] = {name: [] for name in ("a", "b")}
+    streaming = {name: threading.Event() for name in results}
+
+    with RouterThread(config) as router:
+        wait_until(lambda: all(w["state"] == "healthy" for w in router.workers().values()), 30)
+
+        def stream(name: str) -> None:
+            body = {"prompt": f"Story {name}:", "max_tokens": 200, "ignore_eos": True,
+                    "temperature": 0, "stream": True}
+            with http() as client, client.stream("POST", f"{router.url}{COMPLETIONS}",
+                                                 json=body, timeout=600) as response:
+                for event in iter_sse(response):
+                    results[name].append(event)
+                    streaming[name].set()
+
+        threads = {n: threading.Thread(target=stream, args=(n,)) for n in results}
+        for name in ("a", "b"):  # round robin: a on the victim, b on b8
             threads[name].start()
-            wait_until(lambda n=name: disagg.workers()[f"decode-{'ab'.index(n)}"][
-                "num_inflight"] == 1, 60)
-        os.kill(disagg.worker_pid("decode-0"), signal.SIGKILL)
+            assert streaming[name].wait(120)
+        os.kill(cluster.tcp.worker_pid("decode-0"), signal.SIGKILL)
         for thread in threads.values():
             thread.join(timeout=600)
-        broken, complete = results["a"], results["b"]
-        assert broken[-1] == "[DONE]" and "error" in broken[-2]
-        assert complete[-1] == "[DONE]"
-        assert sum(len(e["choices"]) for e in complete if isinstance(e, dict)) == 200
-        disagg.assert_no_blocks_held()
-    finally:
-        disagg.stop()
+        wait_until(lambda: router.workers()["decode-0"]["state"] == "unhealthy", 30)
+    broken, complete = results["a"], results["b"]
+    assert broken[-1] == "[DONE]" and "error" in broken[-2]
+    assert complete[-1] == "[DONE]"
+    assert sum(len(e["choices"]) for e in complete if isinstance(e, dict)) == 200
+    assert_no_blocks_held([cluster.b8.url])
 
 
-@requires_launcher
-def test_client_leaving_mid_prefill_leaves_no_blocks(tmp_path):
-    disagg = Disagg(tmp_path)
-    try:
-        long_body = request_body({"prompt": text_of(1500, 3)}, stream=True)
-        with pytest.raises(httpx.ReadTimeout), httpx.Client(trust_env=False,
-                                                            timeout=0.5) as client:
-            client.post(f"{disagg.url}/v1/completions", json=long_body)
-        wait_until(lambda: all(w["num_inflight"] == 0 for w in disagg.workers().values()), 60)
-        disagg.assert_no_blocks_held()
-    finally:
-        disagg.stop()
+def test_prefill_worker_killed_under_load_requests_still_complete(cluster):
+    disagg = cluster.shm
+    # Distinct uncached prompts, so the prefill worker is busy computing when it dies.
+    prompts = [text_of(500, seed) + f" variant {seed}" for seed in (11, 12, 13)]
+    expected = [cluster.ref.answer(COMPLETIONS, greedy({"prompt": p})) for p in prompts]
+    answers: dict[int, str] = {}
+
+    def send(index: int) -> None:
+        with http() as client:
+            response = client.post(f"{disagg.url}{COMPLETIONS}",
+                                   json=greedy({"prompt": prompts[index]}), timeout=600)
+        answers[index] = (answer_text(response.json()) if response.status_code == 200
+                          else response.text)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: disagg.workers()["prefill-0"]["num_inflight"] > 0, 60)
+    os.kill(disagg.worker_pid("prefill-0"), signal.SIGKILL)
+    for thread in threads:
+        thread.join(timeout=600)
+    assert [answers.get(i) for i in range(len(prompts))] == expected
+    wait_until(lambda: disagg.workers()["prefill-0"]["state"] == "unhealthy", 30)
+    assert_no_blocks_held(disagg.healthy_worker_urls())
 
 
-NETNS_UNAVAILABLE = netns_unavailable_reason()
-
+# ---- two hosts ----------------------------------------------------------------------------------
 
 @pytest.mark.skipif(NETNS_UNAVAILABLE is not None, reason=str(NETNS_UNAVAILABLE))
-def test_kv_cache_crosses_a_veth_between_two_hosts(colocated_reference, tmp_path):
-    name, endpoint, body, _ = CASES[1]
-    with two_hosts() as hosts:
-        def worker(ns: str, role: str, addr: str) -> ManagedProcess:
-            argv = [sys.executable, "-m", "pdserve.cli", "serve", "--role", role, "--host",
-                    addr, "--port", "8100", "--kv-transport", "tcp", "--num-threads", "1",
-                    *ENGINE_FLAGS]
-            return ManagedProcess(hosts.command(ns, argv), tmp_path / f"{role}.log")
-
-        def healthy_in_b(url: str) -> bool:
-            return hosts.is_http_ok(hosts.ns_b, url)
-
-        prefill_url = f"http://{hosts.addr_a}:8100"
-        decode_url = f"http://{hosts.addr_b}:8100"
-        processes = [worker(hosts.ns_a, "prefill", hosts.addr_a),
-                     worker(hosts.ns_b, "decode", hosts.addr_b)]
-        processes.append(ManagedProcess(hosts.command(hosts.ns_b, [
-            sys.executable, "-m", "pdserve.cli", "router", "--prefill", prefill_url,
-            "--decode", decode_url, "--port", "8000"]), tmp_path / "router.log"))
-        try:
-            for process, url in zip(processes, (prefill_url, decode_url,
-                                                "http://127.0.0.1:8000"), strict=True):
-                process.wait_healthy(f"{url}/health", 900, runner=healthy_in_b)
-            rx_before = hosts.rx_bytes_b()
-            result = hosts.post_json(hosts.ns_b, f"http://127.0.0.1:8000{endpoint}",
-                                     request_body(body))
-            rx_delta = hosts.rx_bytes_b() - rx_before
-        finally:
-            for process in processes:
-                process.stop()
-    assert result["status"] == 200 and answer_text(result["body"]) == colocated_reference[name]
+def test_kv_cache_crosses_a_veth_between_two_hosts(cluster):
+    deployment = cluster.hosts
+    hosts = deployment.hosts
+    body = greedy({"prompt": LONG})
+    rx_before = hosts.rx_bytes_b()
+    result = hosts.post_json(hosts.ns_b, f"{deployment.router_url}{COMPLETIONS}", body)
+    rx_delta = hosts.rx_bytes_b() - rx_before
+    assert result["status"] == 200
+    assert answer_text(result["body"]) == cluster.ref.answer(COMPLETIONS, body)
     assert result["timing"]["route"] == "remote"
     assert 0 < result["timing"]["kv_transfer_bytes"] <= rx_delta

@@ -1,0 +1,134 @@
+"""Real `pdserve serve` processes for the end-to-end disaggregation tests.
+
+Every process is started without waiting (`start()`), so a module can launch all it needs at
+once and the model loads overlap; `wait_healthy()` then waits for each.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.router.harness import ManagedProcess, free_port, http, wait_until
+
+# float32 so that comparisons are about the hand-off, not bf16 kernel batch invariance.
+ENGINE_FLAGS = ("--dtype", "float32", "--num-kv-blocks", "256", "--max-num-seqs", "8")
+STARTUP_TIMEOUT_S = 900.0
+
+
+def serve_argv(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve.cli", "serve", *flags, *ENGINE_FLAGS]
+
+
+class Server:
+    """One `pdserve serve` process (a worker, a colocated server or a disagg launcher)."""
+
+    def __init__(self, log_dir: Path, name: str, *flags: str, wrap: list[str] | None = None,
+                 host: str = "127.0.0.1", port: int | None = None) -> None:
+        self.name = name
+        self.port = port if port is not None else free_port()
+        self.url = f"http://{host}:{self.port}"
+        argv = serve_argv("--host", host, "--port", str(self.port), *flags)
+        self.process = ManagedProcess([*(wrap or []), *argv], log_dir / f"{name}.log")
+
+    @property
+    def pid(self) -> int:
+        return self.process.process.pid
+
+    def wait_healthy(self, runner=None) -> None:
+        self.process.wait_healthy(f"{self.url}/health", STARTUP_TIMEOUT_S, runner=runner)
+
+
+class Disagg(Server):
+    """`pdserve serve --mode disagg` (router + 1 prefill + 1 decode worker, pinned)."""
+
+    def __init__(self, log_dir: Path, name: str, *flags: str) -> None:
+        super().__init__(log_dir, name, "--mode", "disagg", "--worker-log-dir",
+                         str(log_dir / f"{name}-workers"), "--health-check-interval", "0.5",
+                         *flags)
+
+    def workers(self) -> dict[str, dict[str, Any]]:
+        listing = httpx.get(f"{self.url}/workers", trust_env=False).json()["workers"]
+        return {w["id"]: w for w in listing}
+
+    def worker_url(self, worker_id: str) -> str:
+        return self.workers()[worker_id]["url"]
+
+    def worker_pid(self, worker_id: str) -> int:
+        """The launcher's child serving `worker_id` (matched by its --port)."""
+        port = self.worker_url(worker_id).rsplit(":", 1)[1]
+        for pid in _children(self.pid):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"--port" in argv and argv[argv.index(b"--port") + 1].decode() == port:
+                return pid
+        raise LookupError(f"no child process serves {worker_id}")
+
+    def healthy_worker_urls(self) -> list[str]:
+        return [w["url"] for w in self.workers().values() if w["state"] == "healthy"]
+
+
+class Reference:
+    """Greedy answers from a colocated server (one thread, like a worker), cached."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self._answers: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def answer(self, endpoint: str, body: dict[str, Any]) -> str:
+        key = f"{endpoint} {sorted(body.items())}"
+        with self._lock:
+            if key not in self._answers:
+                with http() as client:
+                    response = client.post(f"{self.server.url}{endpoint}", json=body,
+                                           timeout=600)
+                assert response.status_code == 200, response.text
+                self._answers[key] = answer_text(response.json())
+            return self._answers[key]
+
+
+def answer_text(response_json: dict[str, Any]) -> str:
+    choice = response_json["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+def metric_values(url: str) -> dict[str, float]:
+    """A worker's `pdserve:*` samples by name (label sets summed)."""
+    text = httpx.get(f"{url}/metrics", trust_env=False, timeout=30).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def num_held_blocks(url: str) -> int:
+    """KV blocks a worker holds for requests or leases (free-but-cached ones count as free)."""
+    values = metric_values(url)
+    return round(values["pdserve:kv_cache_total_blocks"] - values["pdserve:kv_cache_free_blocks"])
+
+
+def assert_no_blocks_held(urls: list[str], timeout_s: float = 60.0) -> None:
+    """Every worker's pool returns to all-free (leases are freed on their engine's next step,
+    or when --kv-lease-timeout passes)."""
+    for url in urls:
+        wait_until(lambda u=url: num_held_blocks(u) == 0, timeout_s,
+                   f"{url} to hold no KV blocks (holds {num_held_blocks(url)})")
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry.name))
+    return children
