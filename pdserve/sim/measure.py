@@ -18,7 +18,8 @@ from pdserve.sim.cost_model import SeqWork
 
 # (name, token budget, [(prompt tokens, output tokens) × requests]) run one after another.
 SCENARIOS: tuple[tuple[str, int, list[tuple[int, int]]], ...] = (
-    ("warm-up", 512, [(64, 2)]),
+    # Kernels compile and caches fill on first use: a bit of every kind of step, unrecorded.
+    ("warm-up", 256, [(64, 6)] * 4 + [(600, 2)]),
     ("whole prompts", 2048, [(n, 2) for n in (32, 128, 512, 1024, 2048)]),
     ("long prompt in chunks", 512, [(3000, 2)]),
     ("decode batch 1", 2048, [(256, 16)]),
