@@ -13,10 +13,20 @@ H100 = get_hardware("H100-SXM")
 
 def make_config(mode: Mode = Mode.CHUNKED, *, num_workers: int = 1, tp: int = 1,
                 num_prefill: int = 1, budget: int = 512, max_num_seqs: int = 64,
-                **kwargs) -> SimConfig:
+                model=MODEL, **kwargs) -> SimConfig:
     sched = scheduler_config_for(mode, budget, max_num_seqs, 8192)
     prefill = PoolConfig(num_prefill, tp, sched) if mode is Mode.DISAGG else None
-    return SimConfig(MODEL, H100, mode, PoolConfig(num_workers, tp, sched), prefill, **kwargs)
+    return SimConfig(model, H100, mode, PoolConfig(num_workers, tp, sched), prefill, **kwargs)
+
+
+def azure_trace(num_prompts: int, request_rate: float | None) -> list[SimRequestSpec]:
+    """The first requests of the Azure conversation trace, through the bench's workload."""
+    from pdserve.bench.workloads import TraceWindow, WorkloadOptions, make_workload
+    from pdserve.sim.workload import plan_requests
+
+    options = WorkloadOptions(trace_window=TraceWindow(num_prompts=num_prompts))
+    return plan_requests(make_workload("trace", options, None), seed=0,
+                         request_rate=request_rate, max_model_len=8192)
 
 
 def poisson_specs(num: int, rate: float, seed: int = 0, prompt=(64, 2048),
