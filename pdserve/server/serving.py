@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -64,13 +64,36 @@ async def serve(http_request: Request, state: ServerState, prepared: PreparedReq
     tracker = RequestTracker(responses.request_id, endpoint, state.metrics, arrival_time)
     headers = {"X-Request-Id": responses.request_id}
     if stream:
-        return StreamingResponse(
+        return _EngineStreamingResponse(
             _stream(engine_stream, responses, tracker, state.metrics),
+            on_close=lambda: _close(engine_stream, tracker),
             media_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     body = await _collect(http_request, state.engine, engine_stream, responses, tracker,
                           prepared.sampling_params.logprobs is not None)
     return JSONResponse(body, headers=headers)
+
+
+class _EngineStreamingResponse(StreamingResponse):
+    """A stream that always releases its engine request, even when the client vanished
+    before the body iterator ever started (then its own `finally` never runs)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+                 **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _close(engine_stream: RequestStream, tracker: RequestTracker) -> None:
+    """Idempotent: a no-op after the stream's own clean-up ran."""
+    engine_stream.close()
+    tracker.finish("client_disconnected")
 
 
 async def _admit(engine: AsyncLLMEngine, request_id: str, prepared: PreparedRequest,
