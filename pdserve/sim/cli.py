@@ -112,7 +112,7 @@ def _simulate(args: argparse.Namespace) -> int:
     slos = slos_from_text(args.goodput)
     results, payload = [], {}
     for mode in parse_modes(args.mode):
-        config = layout_config(deployment, mode)
+        config = layout_config(deployment, mode, max_concurrency=planned.max_concurrency)
         sim = simulate(config, planned.specs)
         result = bench_result(sim, planned.workload, seed=planned.seed,
                               request_rate=planned.request_rate,

@@ -41,19 +41,21 @@ class Layout:
         text = f"{self.mode.value} {num_gpus // self.tp}×TP{self.tp}"
         return text + (f", budget {self.budget}" if self.mode is Mode.CHUNKED else "")
 
-    def config(self, deployment, num_gpus: int) -> SimConfig | None:
-        """The deployment (`options.Deployment`) on `num_gpus`; None if it does not fit."""
+    def config(self, deployment, num_gpus: int, **overrides) -> SimConfig | None:
+        """The deployment (`options.Deployment`) on `num_gpus`, with SimConfig `overrides`;
+        None if it does not fit."""
         if self.mode is not Mode.DISAGG:
             if num_gpus % self.tp:
                 return None
             return deployment.config(self.mode, tp=self.tp, num_workers=num_gpus // self.tp,
-                                     budget=self.budget)
+                                     budget=self.budget, **overrides)
         split = self.split(num_gpus)
         if split is None:
             return None
         return deployment.config(Mode.DISAGG, budget=self.budget,
                                  prefill=(split[0], self.prefill_tp), decode=(split[1], self.tp),
-                                 local_prefill_threshold=self.local_prefill_threshold)
+                                 local_prefill_threshold=self.local_prefill_threshold,
+                                 **overrides)
 
     @property
     def granularity(self) -> int:

@@ -180,19 +180,19 @@ class Deployment:
             enable_prefix_caching=a.enable_prefix_caching,
             memory_utilization=a.memory_utilization, num_kv_blocks=a.num_kv_blocks,
             kv_cache_memory_gb=kv_gb, prefill_policy=a.prefill_policy,
-            decode_policy=a.decode_policy, max_concurrency=getattr(a, "max_concurrency", None))
+            decode_policy=a.decode_policy)
         fields.update(overrides)
         return SimConfig(self.model, self.hardware, mode, pool, prefill_pool, **fields)
 
 
-def layout_config(deployment: Deployment, mode: Mode) -> SimConfig:
+def layout_config(deployment: Deployment, mode: Mode, **overrides) -> SimConfig:
     """The single layout `simulate`'s layout options describe, for one mode."""
     a = deployment.args
     return deployment.config(
         mode, tp=a.tp, num_workers=a.num_workers, budget=a.max_num_batched_tokens,
         prefill=(a.prefill_workers, a.prefill_tp or a.tp),
         decode=(a.decode_workers, a.decode_tp or a.tp),
-        local_prefill_threshold=a.local_prefill_threshold, horizon_s=a.horizon)
+        local_prefill_threshold=a.local_prefill_threshold, horizon_s=a.horizon, **overrides)
 
 
 def parse_modes(text: str) -> list[Mode]:
@@ -213,6 +213,7 @@ class PlannedWorkload:
     request_rate: float | None
     seed: int
     burstiness: float
+    max_concurrency: int | None
 
 
 def workload_from_args(args: argparse.Namespace, max_model_len: int,
@@ -225,7 +226,8 @@ def workload_from_args(args: argparse.Namespace, max_model_len: int,
         workload = _workload(args, rate)
         specs = plan_requests(workload, seed=args.seed, request_rate=rate,
                               burstiness=args.burstiness, max_model_len=max_model_len)
-        return PlannedWorkload(workload, specs, rate, args.seed, args.burstiness)
+        return PlannedWorkload(workload, specs, rate, args.seed, args.burstiness,
+                               args.max_concurrency)
     except BenchError as exc:
         raise SimConfigError(str(exc)) from None
 
@@ -278,7 +280,7 @@ def _replayed(args: argparse.Namespace) -> PlannedWorkload:
     specs, config = specs_from_bench_result(args.workload_from)
     entries = tuple(TraceEntry(s.arrival_time, s.output_len, prompt_len=s.prompt_len)
                     for s in specs)
-    if args.max_concurrency is None:
-        args.max_concurrency = config.get("max_concurrency")
+    # The replayed run's concurrency cap unless the command line gives one.
+    cap = args.max_concurrency or config.get("max_concurrency")
     return PlannedWorkload(TraceWorkload(entries), specs, None, int(config.get("seed", 0)),
-                           float(config.get("burstiness", 1.0)))
+                           float(config.get("burstiness", 1.0)), cap)

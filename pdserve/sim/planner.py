@@ -142,10 +142,10 @@ def _split_counts(num_workers: int) -> list[int]:
 def evaluate(inputs: PlanInputs, layout: Layout, num_gpus: int,
              specs=None, request_rate=None) -> Evaluation | None:
     """Simulate `layout` on `num_gpus` (None if it does not divide them)."""
-    config = layout.config(inputs.deployment, num_gpus)
+    planned = inputs.planned
+    config = layout.config(inputs.deployment, num_gpus, max_concurrency=planned.max_concurrency)
     if config is None:
         return None
-    planned = inputs.planned
     sim = simulate(config, specs if specs is not None else planned.specs)
     result = bench_result(sim, planned.workload, seed=planned.seed,
                           request_rate=request_rate or planned.request_rate,
