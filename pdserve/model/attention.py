@@ -7,12 +7,13 @@ tokens computed in earlier steps.
 
 `AttentionBackend` is the seam for faster kernels: it receives the step's new K/V and the
 cache and returns the attention output. `TorchAttentionBackend` serves CPU and CUDA: torch
-SDPA for prefill chunks; for decodes, the native CPU kernel where available, else batched
-matmuls over K/V gathered from the cache.
+SDPA runs prefill chunks; decodes run in a native kernel that reads K/V in place through the
+block tables on CPUs with AVX-512, else as batched matmuls over K/V gathered from the cache.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.kernels.paged_decode import PagedDecodeKernel, load_paged_decode_kernel
+from pdserve.model.kernels.paged_attention import PagedAttentionKernel, load_paged_attention_kernel
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,25 @@ class PrefillChunk:
 
     token_start: int
     token_end: int
-    # Slots [seq_len] of the whole context and the mask [num_new, seq_len] (True: attend);
-    # both None when the chunk starts the sequence and plain causal attention is exact.
-    context_slots: torch.Tensor | None
-    mask: torch.Tensor | None
+    num_computed_tokens: int
+    block_table: torch.Tensor  # [context blocks] int64
+    block_size: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.token_start, self.token_end)
+
+    @functools.cached_property
+    def context_slots_and_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots [seq_len] of the whole context and the mask [num_new, seq_len] (True: the
+        query at that row sees that position), for paths that gather the context."""
+        device = self.block_table.device
+        context = torch.arange(self.num_computed_tokens + self.token_end - self.token_start,
+                               device=device)
+        slots = self.block_table[context // self.block_size] * self.block_size + \
+            context % self.block_size
+        query_positions = context[self.num_computed_tokens:]
+        return slots, context[None, :] <= query_positions[:, None]
 
 
 @dataclass(frozen=True)
@@ -131,8 +147,10 @@ class AttentionMetadata:
             max_block_id=int(block_tables.max()),
             decode=_decode_batch(np.flatnonzero(is_decode), starts, seq_lens, block_tables,
                                  block_size, device) if is_decode.any() else None,
-            prefills=tuple(_prefill_chunk(int(i), starts, computed, block_tables, block_size,
-                                          device) for i in np.flatnonzero(~is_decode)),
+            prefills=tuple(PrefillChunk(
+                int(starts[i]), int(starts[i + 1]), int(computed[i]),
+                _tensor(block_tables[i, :-(-int(seq_lens[i]) // block_size)], device,
+                        torch.int64), block_size) for i in np.flatnonzero(~is_decode)),
         )
 
 
@@ -166,19 +184,6 @@ def _decode_batch(ids: np.ndarray, starts: np.ndarray, seq_lens: np.ndarray,
                        _tensor(lens, device, torch.int64), int(lens.max()), block_size)
 
 
-def _prefill_chunk(i: int, starts: np.ndarray, computed: np.ndarray, block_tables: np.ndarray,
-                   block_size: int, device: torch.device | str) -> PrefillChunk:
-    if computed[i] == 0:
-        return PrefillChunk(int(starts[i]), int(starts[i + 1]), None, None)
-    num_new = starts[i + 1] - starts[i]
-    context = np.arange(computed[i] + num_new)
-    slots = block_tables[i, context // block_size] * block_size + context % block_size
-    # Query j (position computed + j) sees context positions <= computed + j.
-    mask = context[None, :] <= computed[i] + np.arange(num_new)[:, None]
-    return PrefillChunk(int(starts[i]), int(starts[i + 1]), _tensor(slots, device, torch.int64),
-                        _tensor(mask, device, torch.bool))
-
-
 class AttentionBackend:
     """Writes a step's new K/V into the paged cache and attends each query to its context."""
 
@@ -191,13 +196,13 @@ class AttentionBackend:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend: exact in float32, correct for GQA; on CPU decodes use the native
+    """Reference backend: exact in float32, correct for GQA. On CPU decodes use the native
     kernel unless `use_cpu_kernel` is False or it is unavailable."""
 
     def __init__(self, scale: float, use_cpu_kernel: bool = True) -> None:
         self.scale = scale
-        self.decode_kernel: PagedDecodeKernel | None = (
-            load_paged_decode_kernel() if use_cpu_kernel else None)
+        self.cpu_kernel: PagedAttentionKernel | None = (
+            load_paged_attention_kernel() if use_cpu_kernel else None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -205,27 +210,30 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.max_block_id >= kv_layer.shape[1]:
             raise ValueError(f"block id {meta.max_block_id} is outside the KV cache "
                              f"({kv_layer.shape[1]} blocks)")
-        slots = kv_layer.view(2, -1, k.shape[1], head_dim)
+        slots = kv_layer.view(2, -1, k.shape[1], head_dim)  # [2, num_slots, kv_heads, D]
         slots[0].index_copy_(0, meta.slot_mapping, k)
         slots[1].index_copy_(0, meta.slot_mapping, v)
         decode = meta.decode
+        kernel = self.cpu_kernel if self.cpu_kernel is not None and self.cpu_kernel.supports(
+            q) else None
         if decode is not None and decode.num_seqs == num_tokens:
-            return self._decode(q, kv_layer, decode)
+            return self._decode(q, kv_layer, decode, kernel)
+        if len(meta.prefills) == 1 and decode is None:
+            return self._prefill(q, k, v, kv_layer, meta.prefills[0])
         out = q.new_empty(num_tokens, num_heads * head_dim)
         if decode is not None:
-            out[decode.token_index] = self._decode(q[decode.token_index], kv_layer, decode)
+            out[decode.token_index] = self._decode(q[decode.token_index], kv_layer, decode,
+                                                   kernel)
         for chunk in meta.prefills:
-            rows = slice(chunk.token_start, chunk.token_end)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], slots, chunk)
+            rows = chunk.rows
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_layer, chunk)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch
-                ) -> torch.Tensor:
-        kernel = self.decode_kernel
-        if (kernel is not None and q.device.type == "cpu"
-                and kernel.supports(q.dtype, q.shape[-1])):
-            return kernel(q, kv_layer, batch.block_tables, batch.seq_lens, batch.max_len,
-                          self.scale)
+    def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch,
+                kernel: PagedAttentionKernel | None) -> torch.Tensor:
+        if kernel is not None:
+            return kernel.decode(q, kv_layer, batch.block_tables, batch.seq_lens,
+                                 batch.max_len, self.scale)
         # Fold the query heads sharing a KV head into that head's "queries" (GQA without
         # repeating K/V): scores [B * kv_heads, group, L] from one batched matmul.
         num_seqs, num_heads, head_dim = q.shape
@@ -240,13 +248,14 @@ class TorchAttentionBackend(AttentionBackend):
         return torch.bmm(probs, kv[1]).view(num_seqs, num_heads * head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slots: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
-        if chunk.context_slots is not None:
-            context = slots.index_select(1, chunk.context_slots)  # [2, seq_len, kv_heads, D]
+                 kv_layer: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+        mask = None
+        if chunk.num_computed_tokens:  # attend to the cached context too: gather it
+            slots, mask = chunk.context_slots_and_mask
+            context = kv_layer.view(2, -1, k.shape[1], k.shape[2]).index_select(1, slots)
             k, v = context[0], context[1]
         # SDPA wants [batch, heads, tokens, head_dim]; transposed views, no copies.
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale,
-            enable_gqa=True)
+            attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)

@@ -6,32 +6,43 @@ import pytest
 import torch
 
 from pdserve.model.attention import AttentionMetadata, TorchAttentionBackend
-from pdserve.model.kernels.paged_decode import load_paged_decode_kernel
+from pdserve.model.kernels.paged_attention import load_paged_attention_kernel
 
-kernel = load_paged_decode_kernel()
+kernel = load_paged_attention_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no AVX-512 CPU or no C compiler")
+HEADS = [(9, 3, 64), (4, 4, 128), (8, 1, 32)]  # (query heads, KV heads, head_dim)
+DTYPES = [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)]
+BLOCK_SIZE = 16
 
 
-@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128),
-                                                                     (8, 1, 32)])
-def test_kernel_matches_torch_path(dtype, atol, num_heads, num_kv_heads, head_dim):
+def _random_cache(num_kv_heads, head_dim, dtype, num_blocks=80):
     generator = torch.Generator().manual_seed(0)
-    block_size, num_blocks = 16, 64
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator
-                        ).to(dtype)
-    seq_lens = [1, 16, 17, 300, 45]
+    return torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim,
+                       generator=generator).to(dtype), generator
+
+
+def _tables(lengths, num_blocks, generator):
     physical = torch.randperm(num_blocks, generator=generator).tolist()
-    seqs = []
-    for n in seq_lens:
-        blocks = -(-n // block_size)
-        seqs.append((physical[:blocks], n - 1, 1))
+    tables = []
+    for n in lengths:
+        blocks = -(-n // BLOCK_SIZE)
+        tables.append(physical[:blocks])
         physical = physical[blocks:]
-    meta = AttentionMetadata.build(seqs, block_size, "cpu")
-    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator).to(dtype)
+    return tables
+
+
+@pytest.mark.parametrize(("dtype", "atol"), DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), HEADS)
+def test_decode_matches_torch_path(dtype, atol, num_heads, num_kv_heads, head_dim):
+    cache, generator = _random_cache(num_kv_heads, head_dim, dtype)
+    lengths = [1, 16, 17, 300, 45]
+    seqs = [(t, n - 1, 1) for t, n in zip(_tables(lengths, 80, generator), lengths,
+                                            strict=True)]
+    meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu")
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=generator).to(dtype)
     scale = head_dim ** -0.5
-    torch_path = TorchAttentionBackend(scale, use_cpu_kernel=False)._decode(q, cache,
-                                                                            meta.decode)
-    native = kernel(q, cache, meta.decode.block_tables, meta.decode.seq_lens,
-                    meta.decode.max_len, scale)
-    torch.testing.assert_close(native.float(), torch_path.float(), atol=atol, rtol=0)
+    expected = TorchAttentionBackend(scale, use_cpu_kernel=False)._decode(
+        q, cache, meta.decode, None)
+    got = kernel.decode(q, cache, meta.decode.block_tables, meta.decode.seq_lens,
+                        meta.decode.max_len, scale)
+    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
