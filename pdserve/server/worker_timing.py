@@ -9,7 +9,9 @@ usage chunk of a stream or the body of a plain response:
 kv_transfer_bytes        KV bytes this worker fetched from a prefill worker (0: none)
 kv_transfer_ms           how long that fetch took
 kv_transfer_error        only when the fetch failed (the prompt was recomputed here)
-first_decode_step_ms     first token to second token, as the HTTP layer saw them
+first_decode_step_ms     the engine emitting the first token to the second token reaching
+                         the HTTP layer: the first decode step (for a remote prefill the two
+                         tokens leave in one step, so it is also part of the TTFT)
 worker_queue_ms          arrival here to the request's first scheduled step
 worker_prefill_ms        forward-pass time this worker spent on the prompt
 worker_ttft_ms           arrival here to the first token
@@ -28,7 +30,9 @@ MAX_ECHOED_ENTRIES = 16
 
 
 class WorkerTiming:
-    """Observes one request's outputs on the event loop; `report()` renders the field."""
+    """Observes one request's outputs on the event loop; `report()` renders the field.
+
+    Times are `time.monotonic()`, the engine's clock too (`RequestMetrics`)."""
 
     def __init__(self, router_timing: dict[str, Any]) -> None:
         self._echoed = _numbers(router_timing)
@@ -54,9 +58,9 @@ class WorkerTiming:
             report["kv_transfer_error"] = transfer.error
         if self._first_token_time is not None:
             report["worker_ttft_ms"] = _ms(self._first_token_time - clock.arrival_time)
-            if self._second_token_time is not None:
-                report["first_decode_step_ms"] = _ms(self._second_token_time
-                                                     - self._first_token_time)
+        if self._second_token_time is not None and clock.first_token_time is not None:
+            report["first_decode_step_ms"] = _ms(self._second_token_time
+                                                 - clock.first_token_time)
         if clock.first_scheduled_time is not None:
             report["worker_queue_ms"] = _ms(clock.first_scheduled_time - clock.arrival_time)
         report["worker_prefill_ms"] = _ms(clock.prefill_time)

@@ -238,7 +238,8 @@ def _check_transfers(reports: dict[str, dict]) -> None:
     num_fetched = math.ceil(suffix["usage"]["prompt_tokens"] / BLOCK_SIZE) - cached // BLOCK_SIZE
     assert suffix["kv_transfer_bytes"] == num_fetched * bytes_per_block
     for report in (long, suffix):
-        assert report["kv_transfer_ms"] > 0 and report["first_decode_step_ms"] > 0
+        # A real forward step (not the two tokens leaving the engine together).
+        assert report["kv_transfer_ms"] > 0 and report["first_decode_step_ms"] > 1.0
         assert report["prefill_ms"] > 0 and "router_queue_ms" in report
     for name in ("short_chat", "long_short_suffix"):
         assert reports[name]["kv_transfer_bytes"] == 0 and reports[name]["prefill_ms"] == 0
