@@ -273,13 +273,15 @@ def claim_4(num_prompts: int) -> ClaimReport:
         f"At half that rate ({rate / 2:.1f} req/s): chunked p99 TTFT "
         f"{_ms(_p99(half_base, 'ttft'))}, disagg {_ms(_p99(half_split, 'ttft'))}.",
     ]
+    half_ttfts = _p99(half_base, "ttft"), _p99(half_split, "ttft")
     better = ttft_split < ttft_base
     report.verdict = (
-        f"{'Direction reproduced' if better else 'Not reproduced'}: at this load the 16:48 "
-        f"split moves p99 TTFT from {_ms(ttft_base)} to {_ms(ttft_split)}. "
-        + ("A cut to 290 ms needs the colocated TTFT to be interference-dominated; "
-           if better else "With a quarter of the GPUs prefilling, prompts queue; ")
-        + "the claim can hold only for traffic light enough in prompt tokens for 16 GPUs.")
+        f"{'Direction reproduced' if better else 'Not reproduced'} on this traffic: the "
+        f"16:48 split moves p99 TTFT from {_ms(ttft_base)} to {_ms(ttft_split)} at the "
+        f"matched load, and from {_ms(half_ttfts[0])} to {_ms(half_ttfts[1])} at half of it. "
+        "A quarter of the GPUs must absorb every prompt, so prompts queue there; the claim "
+        "can hold only where the colocated TTFT is dominated by decode interference and the "
+        "prompt-token rate leaves the 16 prefill GPUs spare capacity.")
     return report
 
 
