@@ -129,6 +129,8 @@ class AttentionMetadata:
             raise ValueError("every sequence needs num_new_tokens >= 1 and "
                              "num_computed_tokens >= 0")
         block_tables = _block_tables(seqs, seq_lens, block_size)
+        if block_tables.min() < 0:
+            raise ValueError("block ids must be non-negative")
         starts = np.concatenate(([0], np.cumsum(num_new)))
         # Position of every new token, and the row of its sequence.
         seq_index = np.repeat(np.arange(len(seqs)), num_new)

@@ -40,6 +40,9 @@ class PagedAttentionKernel:
         -> [B, num_heads * head_dim]."""
         num_seqs, num_heads, head_dim = q.shape
         _, _, block_size, num_kv_heads, _ = kv_layer.shape
+        if not (kv_layer.is_contiguous() and block_tables.is_contiguous()
+                and block_tables.dtype == seq_lens.dtype == torch.int64):
+            raise ValueError("the kernel needs a contiguous cache and int64 block tables")
         q = q.contiguous()
         out = q.new_empty(num_seqs, num_heads * head_dim)
         scratch = torch.empty(num_heads * (2 * head_dim + max_len), dtype=torch.float32)
