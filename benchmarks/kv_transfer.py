@@ -9,19 +9,25 @@ paired ratios, so a busy machine skews both sides alike. "contiguous" cases leas
 block ids on both sides; "fragmented" ones use shuffled ids (one copy per block, as after
 prefix-cache churn).
 
+With ``--sender-netns NS --sender-host ADDR`` (root; run this script itself inside another
+namespace, e.g. ``ip netns exec B ...``) the prefill side moves into namespace NS and its KV
+server binds ADDR there, so tcp crosses whatever link joins the two namespaces (a veth pair).
+
     .venv/bin/python benchmarks/kv_transfer.py [--repeats 5] [--threads 1] [--json FILE]
+        [--transports shm tcp] [--sender-netns NS --sender-host ADDR]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing
 import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -52,6 +58,16 @@ CASES = [
 ]
 TRANSPORTS = ("shm", "tcp")
 BLOCK_ORDERS = ("contiguous", "fragmented")
+_CLONE_NEWNET = 0x40000000
+
+
+@dataclass(frozen=True)
+class Sender:
+    """Where the prefill side runs: its network namespace (None: this one) and KV address."""
+
+    transports: tuple[str, ...] = TRANSPORTS
+    netns: str | None = None
+    host: str = "127.0.0.1"
 
 
 def cache_blocks(case: Case) -> int:
@@ -67,13 +83,26 @@ def block_ids(case: Case, order: str, seed: int) -> list[int]:
     return ids[:case.num_blocks]
 
 
-def sender_main(conn, threads: int) -> None:
+def enter_netns(name: str) -> None:
+    """Move this thread (the sender's main thread, which opens the KV server's socket) into
+    network namespace `name`."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/var/run/netns/{name}") as ns:
+        if libc.setns(ns.fileno(), _CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into network namespace {name!r} failed")
+
+
+def sender_main(conn, threads: int, sender: Sender) -> None:
     """Prefill side: a producer per (case, transport), exposing leases on request."""
     torch.set_num_threads(threads)
+    if sender.netns is not None:
+        enter_netns(sender.netns)
     producers = {}
     for index, case in enumerate(CASES):
-        for transport in TRANSPORTS:
-            config = KVTransferConfig(transport=transport, kv_role="kv_producer")
+        for transport in sender.transports:
+            config = KVTransferConfig(transport=transport, kv_role="kv_producer",
+                                      kv_host=sender.host)
             producer = create_kv_transport(config, case.layout, cache_blocks(case),
                                            free_blocks=lambda rid, ids: None)
             producer.kv_cache.normal_()
@@ -153,18 +182,18 @@ def _paired_ratio(memcpy: list[float], transfer: list[float]) -> float:
     return statistics.median(c / t for c, t in zip(memcpy, transfer, strict=True))
 
 
-def run(repeats: int, threads: int) -> list[dict]:
+def run(repeats: int, threads: int, sender: Sender = Sender()) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
-    sender = ctx.Process(target=sender_main, args=(child, threads), daemon=True)
-    sender.start()
+    process = ctx.Process(target=sender_main, args=(child, threads, sender), daemon=True)
+    process.start()
     assert conn.recv() == "ready"
     results = []
     try:
         for index, case in enumerate(CASES):
             memcpy = Memcpy(case.nbytes)
             rows, copies = [], []
-            for transport in TRANSPORTS:
+            for transport in sender.transports:
                 for order in BLOCK_ORDERS:
                     samples = time_transport(conn, index, case, transport, order, repeats,
                                              memcpy)
@@ -173,7 +202,7 @@ def run(repeats: int, threads: int) -> list[dict]:
             results += [row(case, "memcpy", "-", copies), *rows]
     finally:
         conn.send(None)
-        sender.join(timeout=30)
+        process.join(timeout=30)
     return results
 
 
@@ -198,11 +227,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per process (deployment: 1 per pinned worker)")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS))
+    parser.add_argument("--sender-netns", default=None,
+                        help="run the prefill side in this network namespace (root)")
+    parser.add_argument("--sender-host", default="127.0.0.1",
+                        help="address the prefill side's KV server binds and advertises")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    results = run(args.repeats, args.threads)
+    sender = Sender(tuple(args.transports), args.sender_netns, args.sender_host)
+    results = run(args.repeats, args.threads, sender)
     print_table(results)
-    report = {"threads": args.threads, "repeats": args.repeats, "results": results}
+    report = {"threads": args.threads, "repeats": args.repeats, "sender": asdict(sender),
+              "results": results}
     print(json.dumps(report, indent=2))
     if args.json:
         with open(args.json, "w") as out:
