@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_TOKENS_LIMIT = 1_000_000
+# Temperatures below this sample as greedy: dividing logits by them overflows float32.
+GREEDY_TEMPERATURE_EPS = 1e-5
 
 
 @dataclass(frozen=True)
@@ -50,12 +52,14 @@ class SamplingParams:
                  f"must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",
                  "must be non-empty strings")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                 "stop_token_ids", "must be non-negative token ids")
         _require(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                  f"must be between 0 and 20, got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
 
 class InvalidParameterError(ValueError):

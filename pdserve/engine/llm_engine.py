@@ -128,6 +128,10 @@ class LLMEngine:
         """Queue a request. Raises `InvalidParameterError` naming the field for bad input."""
         params = sampling_params or SamplingParams()
         self._validate_prompt(prompt_token_ids)
+        vocab_size = self.model_config.vocab_size
+        if any(t >= vocab_size for t in params.stop_token_ids):
+            raise InvalidParameterError("stop_token_ids",
+                                        f"must be below the vocabulary size {vocab_size}")
         first_tokens = self._validate_kv_transfer_params(kv_transfer_params, prompt_token_ids)
         request = Request(request_id, list(prompt_token_ids), params,
                           eos_token_id=self.tokenizer.eos_token_id,

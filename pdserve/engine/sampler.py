@@ -63,6 +63,7 @@ class Sampler:
             sorted_probs, order = probs.sort(descending=True)
             # Keep the smallest prefix whose mass reaches top_p (always at least one token).
             drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+            drop[0] = False  # a top_p that underflows float32 still keeps the likeliest
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self._generator(request)).item())

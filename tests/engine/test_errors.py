@@ -27,6 +27,12 @@ def test_out_of_vocabulary_token_rejected(llm):
         llm.generate([[1, 10**9]], use_tqdm=False)
 
 
+def test_out_of_vocabulary_stop_token_rejected(llm):
+    with pytest.raises(InvalidParameterError) as info:
+        llm.generate(["Hi"], SamplingParams(stop_token_ids=[10**9]), use_tqdm=False)
+    assert info.value.param == "stop_token_ids"
+
+
 def test_wrong_prompt_type_rejected(llm):
     with pytest.raises(InvalidParameterError):
         llm.generate([3.5], use_tqdm=False)

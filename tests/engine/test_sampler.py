@@ -62,3 +62,11 @@ def test_logprobs_are_normalised_and_ranked():
     expected = torch.log_softmax(logits[0], -1)
     assert abs(sampled.logprob.logprob - float(expected.max())) < 1e-5
     assert [t for t, _ in sampled.logprob.top_logprobs] == torch.topk(expected, 3).indices.tolist()
+
+
+def test_extreme_temperature_and_top_p_do_not_break_sampling():
+    logits = _logits(6)
+    best = int(logits.argmax())
+    sampler = Sampler()
+    assert sampler(logits, [_request(temperature=1e-40)])[0].token_id == best
+    assert sampler(logits, [_request(temperature=1.0, top_p=1e-300)])[0].token_id == best
