@@ -234,8 +234,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch,
                 kernel: PagedAttentionKernel | None) -> torch.Tensor:
         if kernel is not None:
-            return kernel.decode(q, kv_layer, batch.block_tables, batch.seq_lens,
-                                 batch.max_len, self.scale)
+            return kernel.decode(q, kv_layer, batch.block_tables, batch.seq_lens, self.scale)
         # Fold the query heads sharing a KV head into that head's "queries" (GQA without
         # repeating K/V): scores [B * kv_heads, group, L] from one batched matmul.
         num_seqs, num_heads, head_dim = q.shape

@@ -1,13 +1,14 @@
 /*
  * Decode attention over the paged KV cache for CPUs with AVX-512: every sequence of the batch
  * has one query token, which attends to its seq_lens[b] positions. K and V are read in place
- * through the block table (no gathered copy), so each cached byte is read once. Arithmetic is
- * float32; T is float or bfloat16 (stored as uint16_t).
+ * through the block table (no gathered copy), in one pass with an online softmax, while the
+ * next block is prefetched. Arithmetic is float32; T is float or bfloat16 (as uint16_t).
  *
  * Layouts (all contiguous):
  *   q, out          [num_seqs, num_heads, head_dim]
  *   k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]   (one layer)
  *   block_tables    [num_seqs, max_blocks] int64;  seq_lens [num_seqs] int64 (>= 1)
+ *   scratch         float [2 * num_heads * head_dim + num_heads * (UNIT + 2)]
  * Query head h reads KV head h / (num_heads / num_kv_heads); head_dim % 16 == 0, <= 256.
  *
  * (A flash-style prefill kernel with float32 FMAs was tried and lost to torch's SDPA on long
@@ -17,6 +18,7 @@
 #include <stdint.h>
 
 #define MAX_HEAD_DIM 256
+#define UNIT 16 /* positions scored together: one vector of scores per head */
 
 static inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
 static inline void store16_f32(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
@@ -51,53 +53,64 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* scores[h * stride + l] <- softmax over l < len, in place. */
-static void softmax_rows(float* scores, int64_t rows, int64_t len, int64_t stride) {
-    for (int64_t h = 0; h < rows; h++) {
-        float* row = scores + h * stride;
-        float peak = row[0];
-        for (int64_t l = 1; l < len; l++) peak = row[l] > peak ? row[l] : peak;
-        const __m512 vpeak = _mm512_set1_ps(peak);
-        __m512 vtotal = _mm512_setzero_ps();
-        int64_t l = 0;
-        for (; l + 16 <= len; l += 16) {
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + l), vpeak));
-            _mm512_storeu_ps(row + l, e);
-            vtotal = _mm512_add_ps(vtotal, e);
-        }
-        if (l < len) {
-            const __mmask16 tail = (__mmask16)((1u << (len - l)) - 1);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + l), vpeak));
-            _mm512_mask_storeu_ps(row + l, tail, e);
-            vtotal = _mm512_add_ps(vtotal, _mm512_maskz_mov_ps(tail, e));
-        }
-        const float inverse = 1.0f / _mm512_reduce_add_ps(vtotal);
-        for (l = 0; l < len; l++) row[l] *= inverse;
-    }
+static inline void prefetch_bytes(const void* start, int64_t bytes) {
+    for (int64_t offset = 0; offset < bytes; offset += 64)
+        _mm_prefetch((const char*)start + offset, _MM_HINT_T0);
+}
+
+/* Online softmax step for one head and a unit of n <= UNIT scores: turn the scores into
+ * weights relative to the new running max, and rescale what was accumulated so far. */
+static inline void rescale_head(float* scores, int64_t n, float* peak, float* total,
+                                float* acc, int64_t num_vectors) {
+    const __mmask16 valid = (__mmask16)((1u << n) - 1);
+    const __m512 s = _mm512_maskz_loadu_ps(valid, scores);
+    const float unit_peak = _mm512_mask_reduce_max_ps(valid, s);
+    const float new_peak = unit_peak > *peak ? unit_peak : *peak;
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_peak))));
+    const __m512 alpha = exp16(_mm512_set1_ps(*peak - new_peak));
+    _mm512_mask_storeu_ps(scores, valid, p);
+    *total = *total * _mm512_cvtss_f32(alpha) + _mm512_reduce_add_ps(p);
+    *peak = new_peak;
+    for (int64_t j = 0; j < num_vectors; j++)
+        _mm512_storeu_ps(acc + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), alpha));
 }
 
 #define DEFINE_PAGED_DECODE(NAME, T, LOAD16, STORE16)                                          \
 void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,         \
           const int64_t* seq_lens, T* out, float* scratch, int64_t num_seqs, int64_t num_heads,\
           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,      \
-          int64_t max_len, float scale) {                                                    \
-    /* scratch: float [2 * num_heads * head_dim + num_heads * max_len] */                   \
+          float scale) {                                                                     \
     const int64_t group = num_heads / num_kv_heads, num_vectors = head_dim / 16;             \
     const int64_t token_stride = num_kv_heads * head_dim, seq_stride = num_heads * head_dim; \
-    float* qf = scratch;               /* scaled queries [num_heads, head_dim] */            \
+    const int64_t block_bytes = block_size * token_stride * (int64_t)sizeof(T);              \
+    float* qf = scratch;               /* queries [num_heads, head_dim] */                   \
     float* acc = qf + seq_stride;      /* weighted V sums [num_heads, head_dim] */           \
-    float* scores = acc + seq_stride;  /* [num_heads, max_len] */                            \
-    const __m512 vscale = _mm512_set1_ps(scale);                                             \
+    float* scores = acc + seq_stride;  /* one unit's [num_heads, UNIT] */                    \
+    float* peak = scores + num_heads * UNIT;  /* running max per head */                     \
+    float* total = peak + num_heads;          /* running softmax denominator per head */     \
     for (int64_t b = 0; b < num_seqs; b++) {                                                 \
         const int64_t len = seq_lens[b];                                                     \
         const int64_t* table = block_tables + b * max_blocks;                                \
         for (int64_t i = 0; i < seq_stride; i += 16) {                                       \
-            store16_f32(qf + i, _mm512_mul_ps(LOAD16(q + b * seq_stride + i), vscale));      \
+            store16_f32(qf + i, LOAD16(q + b * seq_stride + i));                             \
             store16_f32(acc + i, _mm512_setzero_ps());                                       \
         }                                                                                    \
-        for (int64_t start = 0, blk = 0; start < len; start += block_size, blk++) {          \
-            const int64_t n = len - start < block_size ? len - start : block_size;           \
-            const T* k = k_cache + table[blk] * block_size * token_stride;                   \
+        for (int64_t h = 0; h < num_heads; h++) {                                            \
+            peak[h] = -1.0e30f;                                                              \
+            total[h] = 0.0f;                                                                 \
+        }                                                                                    \
+        for (int64_t start = 0; start < len;) {                                              \
+            /* A unit: up to UNIT consecutive positions inside one block. */                  \
+            const int64_t blk = start / block_size, in_block = start % block_size;          \
+            int64_t n = block_size - in_block < UNIT ? block_size - in_block : UNIT;         \
+            n = len - start < n ? len - start : n;                                           \
+            const int64_t offset = (table[blk] * block_size + in_block) * token_stride;      \
+            if (in_block == 0 && (blk + 1) * block_size < len) {                             \
+                const int64_t next = table[blk + 1] * block_size * token_stride;             \
+                prefetch_bytes(k_cache + next, block_bytes);                                 \
+                prefetch_bytes(v_cache + next, block_bytes);                                 \
+            }                                                                                \
+            const T* k = k_cache + offset;                                                   \
             for (int64_t t = 0; t < n; t++, k += token_stride) {                             \
                 for (int64_t kv_head = 0, h = 0; kv_head < num_kv_heads; kv_head++) {        \
                     __m512 kv[MAX_HEAD_DIM / 16];                                            \
@@ -108,15 +121,14 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
                         __m512 dot = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qh));              \
                         for (int64_t j = 1; j < num_vectors; j++)                            \
                             dot = _mm512_fmadd_ps(kv[j], _mm512_loadu_ps(qh + 16 * j), dot); \
-                        scores[h * max_len + start + t] = _mm512_reduce_add_ps(dot);         \
+                        scores[h * UNIT + t] = _mm512_reduce_add_ps(dot) * scale;            \
                     }                                                                        \
                 }                                                                            \
             }                                                                                \
-        }                                                                                    \
-        softmax_rows(scores, num_heads, len, max_len);                                       \
-        for (int64_t start = 0, blk = 0; start < len; start += block_size, blk++) {          \
-            const int64_t n = len - start < block_size ? len - start : block_size;           \
-            const T* v = v_cache + table[blk] * block_size * token_stride;                   \
+            for (int64_t h = 0; h < num_heads; h++)                                          \
+                rescale_head(scores + h * UNIT, n, peak + h, total + h, acc + h * head_dim,  \
+                             num_vectors);                                                   \
+            const T* v = v_cache + offset;                                                   \
             for (int64_t t = 0; t < n; t++, v += token_stride) {                             \
                 for (int64_t kv_head = 0, h = 0; kv_head < num_kv_heads; kv_head++) {        \
                     __m512 vv[MAX_HEAD_DIM / 16];                                            \
@@ -124,16 +136,21 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
                         vv[j] = LOAD16(v + kv_head * head_dim + 16 * j);                     \
                     for (int64_t g = 0; g < group; g++, h++) {                               \
                         float* ah = acc + h * head_dim;                                      \
-                        const __m512 p = _mm512_set1_ps(scores[h * max_len + start + t]);    \
+                        const __m512 p = _mm512_set1_ps(scores[h * UNIT + t]);               \
                         for (int64_t j = 0; j < num_vectors; j++)                            \
                             _mm512_storeu_ps(ah + 16 * j, _mm512_fmadd_ps(                   \
                                 p, vv[j], _mm512_loadu_ps(ah + 16 * j)));                    \
                     }                                                                        \
                 }                                                                            \
             }                                                                                \
+            start += n;                                                                      \
         }                                                                                    \
-        for (int64_t i = 0; i < seq_stride; i += 16)                                         \
-            STORE16(out + b * seq_stride + i, _mm512_loadu_ps(acc + i));                     \
+        for (int64_t h = 0; h < num_heads; h++) {                                            \
+            const __m512 inverse = _mm512_set1_ps(1.0f / total[h]);                          \
+            for (int64_t j = 0; j < num_vectors; j++)                                        \
+                STORE16(out + b * seq_stride + h * head_dim + 16 * j,                        \
+                        _mm512_mul_ps(_mm512_loadu_ps(acc + h * head_dim + 16 * j), inverse));\
+        }                                                                                    \
     }                                                                                        \
 }
 

@@ -14,7 +14,8 @@ from pdserve.model.kernels.build import load_library
 SOURCE = Path(__file__).with_name("paged_attention.c")
 MAX_HEAD_DIM = 256
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_DECODE_ARGS = [_P] * 7 + [_I] * 7 + [_F]
+_DECODE_ARGS = [_P] * 7 + [_I] * 6 + [_F]
+_UNIT = 16  # UNIT in the C source
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
@@ -34,7 +35,7 @@ class PagedAttentionKernel:
                 and q.shape[-1] <= MAX_HEAD_DIM)
 
     def decode(self, q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
-               seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, num_heads, head_dim], kv_layer [2, num_blocks, block_size, num_kv_heads,
         head_dim], block_tables [B, max_blocks] and seq_lens [B] int64 (valid block ids)
         -> [B, num_heads * head_dim]."""
@@ -45,12 +46,12 @@ class PagedAttentionKernel:
             raise ValueError("the kernel needs a contiguous cache and int64 block tables")
         q = q.contiguous()
         out = q.new_empty(num_seqs, num_heads * head_dim)
-        scratch = torch.empty(num_heads * (2 * head_dim + max_len), dtype=torch.float32)
+        scratch = torch.empty(num_heads * (2 * head_dim + _UNIT + 2), dtype=torch.float32)
         self._decode[q.dtype](
             q.data_ptr(), kv_layer[0].data_ptr(), kv_layer[1].data_ptr(),
             block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), scratch.data_ptr(),
             num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
-            max_len, scale)
+            scale)
         return out
 
 
