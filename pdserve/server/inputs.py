@@ -20,11 +20,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
-# Below these, float32 sampling math underflows (temperature -> inf logits, top_p -> 0). They
-# change nothing: such a temperature is greedy in effect (vLLM treats it so), and such a top_p
-# keeps only the top token either way (its probability is at least 1/vocab_size).
-MIN_SAMPLING_TEMPERATURE = 1e-5
-MIN_TOP_P = 1e-6
 
 
 class Tokenizer(Protocol):
@@ -168,14 +163,11 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens
     stop_token_ids = body.stop_token_ids or []
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise invalid("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
-    if any(not 0 <= t < info.vocab_size for t in stop_token_ids):
-        raise invalid("stop_token_ids", f"token ids must be in [0, {info.vocab_size})")
-    temperature = 1.0 if body.temperature is None else body.temperature
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=0.0 if temperature < MIN_SAMPLING_TEMPERATURE else temperature,
-            top_p=1.0 if body.top_p is None else max(body.top_p, MIN_TOP_P),
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
             top_k=None if body.top_k is None or body.top_k <= 0 else body.top_k,
             seed=body.seed, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),
             ignore_eos=bool(body.ignore_eos), min_tokens=body.min_tokens or 0,
