@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.kernels.paged_attention import PagedAttentionKernel, load_paged_attention_kernel
+from pdserve.model.kernels.cpu_ops import CpuOps
 
 
 @dataclass(frozen=True)
@@ -198,13 +198,12 @@ class AttentionBackend:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend: exact in float32, correct for GQA. On CPU decodes use the native
-    kernel unless `use_cpu_kernel` is False or it is unavailable."""
+    """Reference backend: exact in float32, correct for GQA. With `cpu_ops` (CPU tensors of
+    a dtype they support), decodes run in the native kernel."""
 
-    def __init__(self, scale: float, use_cpu_kernel: bool = True) -> None:
+    def __init__(self, scale: float, cpu_ops: CpuOps | None = None) -> None:
         self.scale = scale
-        self.cpu_kernel: PagedAttentionKernel | None = (
-            load_paged_attention_kernel() if use_cpu_kernel else None)
+        self.cpu_ops = cpu_ops
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -216,8 +215,8 @@ class TorchAttentionBackend(AttentionBackend):
         slots[0].index_copy_(0, meta.slot_mapping, k)
         slots[1].index_copy_(0, meta.slot_mapping, v)
         decode = meta.decode
-        kernel = self.cpu_kernel if self.cpu_kernel is not None and self.cpu_kernel.supports(
-            q) else None
+        kernel = self.cpu_ops if self.cpu_ops is not None and q.device.type == "cpu" and \
+            self.cpu_ops.supports(q.dtype) and head_dim % 16 == 0 else None
         if decode is not None and decode.num_seqs == num_tokens:
             return self._decode(q, kv_layer, decode, kernel)
         if len(meta.prefills) == 1 and decode is None:
@@ -232,9 +231,10 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch,
-                kernel: PagedAttentionKernel | None) -> torch.Tensor:
+                kernel: CpuOps | None) -> torch.Tensor:
         if kernel is not None:
-            return kernel.decode(q, kv_layer, batch.block_tables, batch.seq_lens, self.scale)
+            return kernel.paged_decode(q, kv_layer, batch.block_tables, batch.seq_lens,
+                                       self.scale)
         # Fold the query heads sharing a KV head into that head's "queries" (GQA without
         # repeating K/V): scores [B * kv_heads, group, L] from one batched matmul.
         num_seqs, num_heads, head_dim = q.shape

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.config import ModelConfig, RopeScaling
+from pdserve.model.kernels.cpu_ops import CpuOps
 
 logger = logging.getLogger(__name__)
 
@@ -62,44 +63,83 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 and cast back to the input dtype."""
+    """Adds the residual stream, then normalises: h / rms(h) * weight (in float32, cast back).
+
+    With `ops` (CPU kernels) both happen in one pass and the residual is updated in place.
+    """
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, ops: CpuOps | None = None) -> None:
         super().__init__()
         self.eps = eps
+        self.ops = ops
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual [T, hidden] -> (normed x + residual, x + residual); residual None
+        means the stream starts at x."""
+        if self.ops is not None:
+            return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x if residual is None else x + residual
+        return F.rms_norm(residual, self.weight.shape, self.weight, self.eps), residual
 
 
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the "rotate half" convention of Hugging Face checkpoints:
-    dimension i of a head pairs with dimension i + head_dim/2."""
+    dimension i of a head pairs with dimension i + head_dim/2.
 
-    def __init__(self, config: ModelConfig, device: torch.device) -> None:
+    `angles(positions)` runs once per forward; `rotate(qkv, ...)` once per layer.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 ops: CpuOps | None = None) -> None:
         super().__init__()
+        self.dtype = dtype
+        self.head_dim = config.head_dim
+        self.ops = ops
         inv_freq = _inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed sin) [T, 1, head_dim] for positions [T], computed in float32.
-
-        The sin of the first half is negated, so that `apply_rotary` is three ops per layer.
-        """
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token rotation for positions [T], computed in float32: for the CPU kernel
+        (cos, sin) [T, head_dim/2]; else (cos, signed sin) [T, 1, head_dim] in the model dtype,
+        the sin of the first half negated so that `rotate` is three ops."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
-        return (torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :],
-                torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :])
+        if self.ops is not None:
+            return cos, sin
+        return (torch.cat((cos, cos), dim=-1).to(self.dtype)[:, None, :],
+                torch.cat((-sin, sin), dim=-1).to(self.dtype)[:, None, :])
+
+    def rotate(self, qkv: torch.Tensor, num_heads: int,
+               angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The first `num_heads` heads of each row of qkv [T, >= num_heads * head_dim] (the
+        fused q and k), rotated: [T, num_heads, head_dim]. The CPU kernel rotates in place."""
+        num_tokens = qkv.shape[0]
+        if self.ops is not None:
+            self.ops.rotary_(qkv, num_heads, self.head_dim, *angles)
+            return qkv[:, :num_heads * self.head_dim].view(num_tokens, num_heads, self.head_dim)
+        x = qkv[:, :num_heads * self.head_dim].view(num_tokens, num_heads, self.head_dim)
+        cos, signed_sin = angles
+        x1, x2 = x.chunk(2, dim=-1)
+        # x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1) = (x2, x1) * sign
+        return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), signed_sin)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by the angles of `RotaryEmbedding.cos_sin`:
-    x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1) = roll(x) * sign."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+class SiluAndMul(nn.Module):
+    """silu(gate) * up for the fused gate/up projection output [T, 2 * intermediate]."""
+
+    def __init__(self, ops: CpuOps | None = None) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

@@ -16,46 +16,46 @@ from torch import nn
 
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from pdserve.model.config import ModelConfig
-from pdserve.model.layers import Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from pdserve.model.kernels.cpu_ops import CpuOps, load_cpu_ops
+from pdserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 ops: CpuOps | None) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.intermediate_size = config.intermediate_size
-        self.input_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.input_layernorm = RMSNorm(hidden, eps, dtype, device, ops)
         # Rows [q; k; v] and [gate; up] of the fused projections.
         self.qkv_proj = Linear(hidden, config.q_size + 2 * config.kv_size,
                                config.attention_bias, dtype, device)
         self.o_proj = Linear(config.q_size, hidden, False, dtype, device)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device, ops)
         self.gate_up_proj = Linear(hidden, 2 * config.intermediate_size, False, dtype, device)
+        self.act = SiluAndMul(ops)
         self.down_proj = Linear(config.intermediate_size, hidden, False, dtype, device)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor,
-                meta: AttentionMetadata, attention: AttentionBackend
+                rotary: RotaryEmbedding, angles: tuple[torch.Tensor, torch.Tensor],
+                kv_layer: torch.Tensor, meta: AttentionMetadata, attention: AttentionBackend
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden/residual [T, H] -> (this layer's output, the residual stream before it)."""
-        residual = hidden if residual is None else hidden + residual
-        qkv = self.qkv_proj(self.input_layernorm(residual))
+        """hidden [T, H] (the previous layer's output), residual [T, H] (the stream before
+        it, None at the first layer) -> the same pair for the next layer."""
+        x, residual = self.input_layernorm(hidden, residual)
+        qkv = self.qkv_proj(x)
         num_tokens = qkv.shape[0]
-        # Rotate q and k together: they are adjacent in the fused output.
-        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(
-            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        # q and k are adjacent in the fused output: rotate them together.
+        qk = rotary.rotate(qkv, self.num_heads + self.num_kv_heads, angles)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads,
                                                      self.head_dim)
         attn = attention.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, kv_layer,
                                  meta)
-        residual = self.o_proj(attn) + residual
-        gate_up = self.gate_up_proj(self.post_attention_layernorm(residual))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up), residual
+        x, residual = self.post_attention_layernorm(self.o_proj(attn), residual)
+        return self.down_proj(self.act(self.gate_up_proj(x))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -65,21 +65,25 @@ class LlamaForCausalLM(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 attention: AttentionBackend | None = None) -> None:
+                 attention: AttentionBackend | None = None, use_cpu_kernels: bool = True
+                 ) -> None:
+        """`use_cpu_kernels`: on CPU, run norms, rotary, SiLU and decode attention in the
+        fused native kernels where they can be built (else plain torch ops)."""
         super().__init__()
         device = torch.device(device)
         self.config = config
         self.dtype = dtype
+        ops = load_cpu_ops() if (use_cpu_kernels and device.type == "cpu"
+                                 and CpuOps.supports(dtype)) else None
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size,
                                                      dtype=dtype, device=device),
                                          requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device, ops)
                                     for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
-        self.rotary = RotaryEmbedding(config, device)
-        self.attention = attention or TorchAttentionBackend(
-            config.head_dim ** -0.5, use_cpu_kernel=device.type == "cpu")
+        self.rotary = RotaryEmbedding(config, dtype, device, ops)
+        self.attention = attention or TorchAttentionBackend(config.head_dim ** -0.5, ops)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -90,12 +94,12 @@ class LlamaForCausalLM(nn.Module):
         new tokens' K/V at `attn_metadata.slot_mapping`.
         """
         hidden = F.embedding(input_ids, self.embed_tokens)
-        rope = self.rotary.cos_sin(positions, self.dtype)
+        angles = self.rotary.angles(positions)
         residual = None
         for layer, kv_layer in zip(self.layers, kv_cache, strict=True):
-            hidden, residual = layer(hidden, residual, rope, kv_layer, attn_metadata,
-                                     self.attention)
-        return self.norm(hidden + residual)
+            hidden, residual = layer(hidden, residual, self.rotary, angles, kv_layer,
+                                     attn_metadata, self.attention)
+        return self.norm(hidden, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from pdserve.model.attention import AttentionMetadata, TorchAttentionBackend
+from pdserve.model.attention import AttentionMetadata
 from pdserve.model.config import ModelConfig
 from pdserve.model.kv_cache import allocate_kv_cache
 from pdserve.model.llama import LlamaForCausalLM
@@ -49,11 +49,10 @@ def model_config_of(hf_model) -> ModelConfig:
 
 
 def pdserve_from_hf(hf_model, dtype: torch.dtype = torch.float32,
-                    use_cpu_kernel: bool = True) -> LlamaForCausalLM:
+                    use_cpu_kernels: bool = True) -> LlamaForCausalLM:
     """pdserve's model holding the same weights, with CPU linears packed."""
-    config = model_config_of(hf_model)
-    attention = TorchAttentionBackend(config.head_dim ** -0.5, use_cpu_kernel=use_cpu_kernel)
-    model = LlamaForCausalLM(config, dtype, "cpu", attention)
+    model = LlamaForCausalLM(model_config_of(hf_model), dtype, "cpu",
+                             use_cpu_kernels=use_cpu_kernels)
     model.load_weights(hf_model.state_dict())
     model.pack()
     return model

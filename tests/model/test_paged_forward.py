@@ -50,15 +50,15 @@ def _run_paged(model, tokens: dict[str, torch.Tensor], steps: list[dict[str, int
     return {s: torch.cat(chunks) for s, chunks in logits.items()}
 
 
-@pytest.mark.parametrize(("arch", "tie", "rope_scaling", "use_cpu_kernel"), [
+@pytest.mark.parametrize(("arch", "tie", "rope_scaling", "use_cpu_kernels"), [
     ("llama", True, None, True),
-    ("llama", True, None, False),  # the torch decode path
+    ("llama", True, None, False),  # plain torch ops instead of the CPU kernels
     ("qwen2", False, None, True),  # QKV bias, untied head
     ("llama", False, LLAMA3_SCALING, True),
 ])
-def test_mixed_flat_batches_match_dense_forward(arch, tie, rope_scaling, use_cpu_kernel):
+def test_mixed_flat_batches_match_dense_forward(arch, tie, rope_scaling, use_cpu_kernels):
     hf_model = tiny_hf_model(arch, tie_word_embeddings=tie, rope_scaling=rope_scaling)
-    model = pdserve_from_hf(hf_model, use_cpu_kernel=use_cpu_kernel)
+    model = pdserve_from_hf(hf_model, use_cpu_kernels=use_cpu_kernels)
     generator = torch.Generator().manual_seed(1)
     lengths = {"long": 200, "sevens": 40, "ones": 12, "whole": 90, "short": 3}
     # A chunk of 1 decodes; "ones" sits between prefills, so decode rows are not contiguous.
@@ -80,10 +80,10 @@ def test_mixed_flat_batches_match_dense_forward(arch, tie, rope_scaling, use_cpu
             torch.testing.assert_close(paged[s], dense, atol=2e-4, rtol=1e-4, msg=s)
 
 
-@pytest.mark.parametrize("use_cpu_kernel", [True, False])
-def test_all_decode_batch_with_unequal_contexts_matches_dense(use_cpu_kernel):
+@pytest.mark.parametrize("use_cpu_kernels", [True, False])
+def test_all_decode_batch_with_unequal_contexts_matches_dense(use_cpu_kernels):
     hf_model = tiny_hf_model("llama")
-    model = pdserve_from_hf(hf_model, use_cpu_kernel=use_cpu_kernel)
+    model = pdserve_from_hf(hf_model, use_cpu_kernels=use_cpu_kernels)
     lengths = {"a": 5, "b": 33, "c": 17}
     tokens = {s: torch.arange(n) % TINY_VOCAB_SIZE for s, n in lengths.items()}
     block_tables = {"a": [7], "b": [1, 5, 3], "c": [2, 6]}

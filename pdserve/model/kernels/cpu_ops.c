@@ -1,8 +1,12 @@
 /*
- * Decode attention over the paged KV cache for CPUs with AVX-512: every sequence of the batch
- * has one query token, which attends to its seq_lens[b] positions. K and V are read in place
- * through the block table (no gathered copy), in one pass with an online softmax, while the
- * next block is prefetched. Arithmetic is float32; T is float or bfloat16 (as uint16_t).
+ * Fused CPU kernels (AVX-512) for the decoder's small, memory-bound steps, where a chain of
+ * torch ops would cost more in dispatch than in arithmetic. Arithmetic is float32; tensors are
+ * float or bfloat16 (as uint16_t), rounded once on store. Every function comes in _f32 and
+ * _bf16 versions.
+ *
+ * paged_decode: every sequence of the batch has one query token, which attends to its
+ * seq_lens[b] positions. K and V are read in place through the block table (no gathered copy),
+ * in one pass with an online softmax, while the next block is prefetched.
  *
  * Layouts (all contiguous):
  *   q, out          [num_seqs, num_heads, head_dim]
@@ -15,6 +19,7 @@
  * prompts: prefill attention is compute-bound, so it stays with SDPA.)
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 #define MAX_HEAD_DIM 256
@@ -22,18 +27,43 @@
 
 static inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
 static inline void store16_f32(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline __m512 loadm_f32(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline void storem_f32(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
 
 static inline __m512 load16_bf16(const uint16_t* p) {
     __m256i raw = _mm256_loadu_si256((const __m256i*)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-static inline void store16_bf16(uint16_t* p, __m512 v) {
-    /* Round to nearest even (values are finite). */
+/* float32 -> bfloat16 bits, round to nearest even (values are finite). */
+static inline __m256i to_bf16(__m512 v) {
     __m512i bits = _mm512_castps_si512(v);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+}
+
+static inline void store16_bf16(uint16_t* p, __m512 v) {
+    _mm256_storeu_si256((__m256i*)p, to_bf16(v));
+}
+
+static inline __m512 loadm_bf16(const uint16_t* p, __mmask16 m) {
+    __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+static inline void storem_bf16(uint16_t* p, __mmask16 m, __m512 v) {
+    _mm256_mask_storeu_epi16(p, m, to_bf16(v));
+}
+
+/* What a value reads back as once stored as T (bfloat16 rounds; float is exact). */
+static inline __m512 round_f32(__m512 v) { return v; }
+static inline __m512 round_bf16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+}
+
+static inline __mmask16 tail_mask(int64_t remaining) {
+    return remaining >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << remaining) - 1);
 }
 
 /* e^x for 16 lanes: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, degree-6 Taylor series
@@ -154,5 +184,77 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
     }                                                                                        \
 }
 
+/* add_rms_norm: residual <- residual + x (rounded to T) unless add_residual is 0, then
+ * out <- residual / rms(residual) * weight, row by row. x: [rows, hidden]. */
+#define DEFINE_ADD_RMS_NORM(NAME, T, LOADM, STOREM, ROUND)                                     \
+void NAME(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t hidden,     \
+          float eps, int64_t add_residual) {                                                  \
+    for (int64_t r = 0; r < rows; r++) {                                                      \
+        const T* xr = x + r * hidden;                                                         \
+        T* rr = residual + r * hidden;                                                        \
+        __m512 squares = _mm512_setzero_ps();                                                 \
+        for (int64_t j = 0; j < hidden; j += 16) {                                            \
+            const __mmask16 m = tail_mask(hidden - j);                                        \
+            __m512 h = LOADM(xr + j, m);                                                      \
+            if (add_residual) {                                                               \
+                h = ROUND(_mm512_add_ps(h, LOADM(rr + j, m)));                                \
+                STOREM(rr + j, m, h);                                                         \
+            }                                                                                 \
+            squares = _mm512_fmadd_ps(h, h, squares);                                         \
+        }                                                                                     \
+        const __m512 inverse_rms = _mm512_set1_ps(                                            \
+            1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)hidden + eps));               \
+        const T* source = add_residual ? rr : xr;                                             \
+        for (int64_t j = 0; j < hidden; j += 16) {                                            \
+            const __mmask16 m = tail_mask(hidden - j);                                        \
+            STOREM(out + r * hidden + j, m, _mm512_mul_ps(                                    \
+                _mm512_mul_ps(LOADM(source + j, m), inverse_rms), LOADM(weight + j, m)));     \
+        }                                                                                     \
+    }                                                                                         \
+}
+
+/* rotary: rotate heads [0, num_heads) of each row in place ("rotate half" pairs i and
+ * i + head_dim/2). Rows are row_stride apart; cos/sin: float [rows, head_dim / 2]. */
+#define DEFINE_ROTARY(NAME, T, LOADM, STOREM)                                                  \
+void NAME(T* x, int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim,        \
+          const float* cos, const float* sin) {                                               \
+    const int64_t half = head_dim / 2;                                                        \
+    for (int64_t r = 0; r < rows; r++) {                                                      \
+        for (int64_t h = 0; h < num_heads; h++) {                                             \
+            T* head = x + r * row_stride + h * head_dim;                                      \
+            for (int64_t j = 0; j < half; j += 16) {                                          \
+                const __mmask16 m = tail_mask(half - j);                                      \
+                const __m512 c = _mm512_maskz_loadu_ps(m, cos + r * half + j);                \
+                const __m512 s = _mm512_maskz_loadu_ps(m, sin + r * half + j);                \
+                const __m512 x1 = LOADM(head + j, m), x2 = LOADM(head + half + j, m);         \
+                STOREM(head + j, m, _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, s)));            \
+                STOREM(head + half + j, m, _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, s)));     \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+}
+
+/* silu_mul: out [rows, width] <- silu(gate) * up, gate_up [rows, 2 * width] = [gate | up]. */
+#define DEFINE_SILU_MUL(NAME, T, LOADM, STOREM)                                                \
+void NAME(const T* gate_up, T* out, int64_t rows, int64_t width) {                            \
+    for (int64_t r = 0; r < rows; r++) {                                                      \
+        const T* gate = gate_up + r * 2 * width;                                              \
+        for (int64_t j = 0; j < width; j += 16) {                                             \
+            const __mmask16 m = tail_mask(width - j);                                         \
+            const __m512 g = LOADM(gate + j, m);                                              \
+            const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(             \
+                _mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));         \
+            STOREM(out + r * width + j, m,                                                    \
+                   _mm512_mul_ps(_mm512_mul_ps(g, sig), LOADM(gate + width + j, m)));         \
+        }                                                                                     \
+    }                                                                                         \
+}
+
 DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, load16_bf16, store16_bf16)
 DEFINE_PAGED_DECODE(paged_decode_f32, float, load16_f32, store16_f32)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, loadm_bf16, storem_bf16, round_bf16)
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, loadm_f32, storem_f32, round_f32)
+DEFINE_ROTARY(rotary_bf16, uint16_t, loadm_bf16, storem_bf16)
+DEFINE_ROTARY(rotary_f32, float, loadm_f32, storem_f32)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, loadm_bf16, storem_bf16)
+DEFINE_SILU_MUL(silu_mul_f32, float, loadm_f32, storem_f32)
