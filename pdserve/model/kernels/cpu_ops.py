@@ -74,6 +74,7 @@ class CpuOps:
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x + residual) * weight, x + residual), x [rows, hidden]; `residual` is
         updated in place. With residual None: (rms_norm(x) * weight, x)."""
+        x = x.contiguous()
         out = torch.empty_like(x)
         rows, hidden = x.shape
         self._functions["add_rms_norm", x.dtype](
@@ -85,11 +86,14 @@ class CpuOps:
                 sin: torch.Tensor) -> None:
         """Rotate heads [0, num_heads) of every row of x [rows, >= num_heads * head_dim] (rows
         may be strided, each row contiguous) in place; cos/sin float32 [rows, head_dim/2]."""
+        if x.stride(1) != 1 or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError("rotary_ needs contiguous rows and contiguous cos/sin")
         self._functions["rotary", x.dtype](x.data_ptr(), x.shape[0], x.stride(0), num_heads,
                                            head_dim, cos.data_ptr(), sin.data_ptr())
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up [rows, 2 * width] = [gate | up] -> [rows, width]."""
+        gate_up = gate_up.contiguous()
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = gate_up.new_empty(rows, width)
         self._functions["silu_mul", gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows,
