@@ -8,6 +8,6 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
