@@ -24,6 +24,12 @@ _COARSE_GRID = np.geomspace(0.002, 1.0, 28)
 # Each refinement searches this factor either side of the previous best.
 _REFINEMENTS = (1.6, 1.1, 1.02)
 _FINE_STEPS = 15
+# Outliers: off by more than this × the median relative error (and at least this much).
+_OUTLIER_FACTOR = 3.0
+_MIN_OUTLIER_ERROR = 0.25
+# Reweighting rounds, and the error below which a sample's weight stops growing.
+_REWEIGHTINGS = 4
+_MIN_WEIGHTED_ERROR = 0.01
 
 
 @dataclass(frozen=True)
@@ -40,14 +46,17 @@ class StepSample:
 @dataclass(frozen=True)
 class Fit:
     efficiency: Efficiency
-    # |predicted − measured| / measured over the samples.
+    # |predicted − measured| / measured over the samples kept.
     mean_abs_rel_error: float
     max_abs_rel_error: float
     num_samples: int
+    # Samples set aside as disturbed (see `fit_efficiency`); errors are over the rest.
+    num_outliers: int = 0
 
     def metadata(self) -> dict:
         return {"mean_abs_rel_error": self.mean_abs_rel_error,
-                "max_abs_rel_error": self.max_abs_rel_error, "num_samples": self.num_samples}
+                "max_abs_rel_error": self.max_abs_rel_error, "num_samples": self.num_samples,
+                "num_outliers": self.num_outliers}
 
 
 def save_samples(samples: Sequence[StepSample], path: str | Path) -> None:
@@ -92,29 +101,56 @@ def _engine_bench_samples(result: dict) -> list[StepSample]:
 
 def fit_efficiency(cost_model: CostModel, samples: Sequence[StepSample],
                    network: float = 1.0) -> Fit:
-    """The efficiency that best predicts `samples` on `cost_model`'s model and hardware."""
+    """The efficiency that best predicts `samples` on `cost_model`'s model and hardware.
+
+    Steps slowed by something else on the machine (another process taking a core) would
+    drag a least-squares fit, so it is made robust: a few rounds of reweighting each sample
+    by the inverse of its error (approaching least absolute relative error), then samples
+    off by more than `_OUTLIER_FACTOR` × the median error are set aside for a last fit.
+    """
     if len(samples) < 3:
         raise SimConfigError(f"calibration needs at least 3 step samples, got {len(samples)}")
-    terms = _Terms(cost_model, samples)
+    weights = np.ones(len(samples))
+    for _ in range(_REWEIGHTINGS):
+        fit = _fit(cost_model, samples, network, weights)
+        errors = _errors(cost_model, fit, samples)
+        weights = 1.0 / np.sqrt(np.maximum(errors, _MIN_WEIGHTED_ERROR))
+    limit = max(_OUTLIER_FACTOR * float(np.median(errors)), _MIN_OUTLIER_ERROR)
+    kept = [s for s, e in zip(samples, errors, strict=True) if e <= limit]
+    if len(samples) > len(kept) >= 3:
+        fit = _fit(cost_model, kept, network, np.ones(len(kept)))
+    errors = _errors(cost_model, fit, kept)
+    return Fit(fit, float(np.mean(errors)), float(np.max(errors)), len(kept),
+               len(samples) - len(kept))
+
+
+def _fit(cost_model: CostModel, samples: Sequence[StepSample], network: float,
+         weights: np.ndarray) -> Efficiency:
+    terms = _Terms(cost_model, samples, weights)
     best = terms.search(_COARSE_GRID, _COARSE_GRID, _COARSE_GRID)
     for factor in _REFINEMENTS:
         best = terms.search(*(np.geomspace(max(v / factor, 1e-4), min(v * factor, 1.0),
                                            _FINE_STEPS) for v in best[:3]))
     linear, attention, memory, step_overhead, per_seq = best
-    efficiency = Efficiency(linear_compute=linear, attention_compute=attention, memory=memory,
-                            network=network, step_overhead_s=step_overhead,
-                            per_seq_overhead_s=per_seq)
+    return Efficiency(linear_compute=linear, attention_compute=attention, memory=memory,
+                      network=network, step_overhead_s=step_overhead,
+                      per_seq_overhead_s=per_seq)
+
+
+def _errors(cost_model: CostModel, efficiency: Efficiency,
+            samples: Sequence[StepSample]) -> list[float]:
+    """|predicted − measured| / measured per sample."""
     model = CostModel(cost_model.model, cost_model.hardware, cost_model.tp,
                       dtype=cost_model.dtype, kv_dtype=cost_model.kv_dtype,
                       efficiency=efficiency, inter_node_link=cost_model.tp_link)
-    errors = [abs(model.step_time(s.batch) - s.step_s) / s.step_s for s in samples]
-    return Fit(efficiency, float(np.mean(errors)), float(np.max(errors)), len(samples))
+    return [abs(model.step_time(s.batch) - s.step_s) / s.step_s for s in samples]
 
 
 class _Terms:
     """Per-sample seconds at 100% of each peak, to evaluate a grid of efficiencies at once."""
 
-    def __init__(self, cost_model: CostModel, samples: Sequence[StepSample]) -> None:
+    def __init__(self, cost_model: CostModel, samples: Sequence[StepSample],
+                 weights: np.ndarray) -> None:
         peak_flops, peak_attn = cost_model.peak_linear_flops, cost_model.peak_attention_flops
         bandwidth = cost_model.hardware.memory_bandwidth
         self.samples = samples
@@ -127,6 +163,8 @@ class _Terms:
                 (work.lm_head[0] / peak_flops, work.lm_head[1] / bandwidth),
                 (attention[:, 0] / peak_attn, attention[:, 1] / bandwidth)))
         self.times = np.array([s.step_s for s in samples])
+        # Relative error, each sample scaled by its robustness weight.
+        self.weights = weights / self.times
         self.num_seqs = np.array([len(s.batch) for s in samples], dtype=float)
 
     def search(self, linear: np.ndarray, attention: np.ndarray,
@@ -134,7 +172,7 @@ class _Terms:
         """Best (linear, attention, memory, step overhead, per-seq overhead) on the grid."""
         # predicted[k, l, a, m]: roofline seconds of sample k at efficiencies (l, a, m).
         predicted = np.stack([self._roofline(w, linear, attention, memory) for w in self.works])
-        weights = 1.0 / self.times  # relative error
+        weights = self.weights
         residual = (self.times[:, None, None, None] - predicted) * weights[:, None, None, None]
         overhead, per_seq, loss = _fit_overheads(residual, weights, self.num_seqs * weights)
         index = np.unravel_index(np.argmin(loss), loss.shape)

@@ -149,8 +149,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     fit.efficiency.save(args.output, model=model.name, hardware=hardware.name, tp=args.tp,
                         **fit.metadata())
     e = fit.efficiency
-    print(f"fitted on {fit.num_samples} steps: linear {e.linear_compute:.3f}, attention "
-          f"{e.attention_compute:.3f}, memory {e.memory:.3f} of peak; overhead "
+    print(f"fitted on {fit.num_samples} steps ({fit.num_outliers} set aside as disturbed): "
+          f"linear {e.linear_compute:.3f}, attention {e.attention_compute:.3f}, memory "
+          f"{e.memory:.3f} of peak; overhead "
           f"{e.step_overhead_s * 1e3:.2f} ms/step + {e.per_seq_overhead_s * 1e3:.3f} ms/seq; "
           f"error mean {fit.mean_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}")
     print(f"saved {args.output}")

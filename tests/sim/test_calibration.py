@@ -68,3 +68,15 @@ def test_efficiency_saves_and_loads(tmp_path):
     path = tmp_path / "cal.json"
     TRUTH.save(path, hardware="cpu-local")
     assert Efficiency.load(path) == TRUTH
+
+
+def test_disturbed_steps_are_set_aside():
+    truth = CostModel(SMOL, CPU, efficiency=TRUTH)
+    samples = [StepSample(b, truth.step_time(b)) for b in _batches()]
+    # Two steps slowed 8× by another process on the core.
+    samples[3] = StepSample(samples[3].batch, samples[3].step_s * 8)
+    samples[9] = StepSample(samples[9].batch, samples[9].step_s * 8)
+    fit = fit_efficiency(CostModel(SMOL, CPU), samples)
+    assert fit.num_outliers == 2
+    assert fit.mean_abs_rel_error < 0.02
+    assert fit.efficiency.linear_compute == pytest.approx(0.21, rel=0.1)
