@@ -105,12 +105,16 @@ static inline void rescale_head(float* scores, int64_t n, float* peak, float* to
         _mm512_storeu_ps(acc + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), alpha));
 }
 
-#define DEFINE_PAGED_DECODE(NAME, T, LOAD16, STORE16)                                          \
-void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,         \
+/* The body, with NV = head_dim / 16 a compile-time constant in the specialised copies below
+ * (so the per-head vectors live in registers). */
+#define DEFINE_PAGED_DECODE_IMPL(NAME, T, LOAD16, STORE16)                                          \
+static inline __attribute__((always_inline)) void NAME(                                        \
+          const int64_t NV, const T* q, const T* k_cache, const T* v_cache,                  \
+          const int64_t* block_tables,                                                       \
           const int64_t* seq_lens, T* out, float* scratch, int64_t num_seqs, int64_t num_heads,\
           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,      \
           float scale) {                                                                     \
-    const int64_t group = num_heads / num_kv_heads, num_vectors = head_dim / 16;             \
+    const int64_t group = num_heads / num_kv_heads, num_vectors = NV;                        \
     const int64_t token_stride = num_kv_heads * head_dim, seq_stride = num_heads * head_dim; \
     const int64_t block_bytes = block_size * token_stride * (int64_t)sizeof(T);              \
     float* qf = scratch;               /* queries [num_heads, head_dim] */                   \
@@ -184,6 +188,23 @@ void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_t
     }                                                                                        \
 }
 
+
+#define DEFINE_PAGED_DECODE(NAME, IMPL, T)                                                     \
+void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,         \
+          const int64_t* seq_lens, T* out, float* scratch, int64_t num_seqs, int64_t num_heads,\
+          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,      \
+          float scale) {                                                                     \
+    if (head_dim == 64)                                                                      \
+        IMPL(4, q, k_cache, v_cache, block_tables, seq_lens, out, scratch, num_seqs,         \
+             num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);              \
+    else if (head_dim == 128)                                                                \
+        IMPL(8, q, k_cache, v_cache, block_tables, seq_lens, out, scratch, num_seqs,         \
+             num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);              \
+    else                                                                                     \
+        IMPL(head_dim / 16, q, k_cache, v_cache, block_tables, seq_lens, out, scratch,       \
+             num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);    \
+}
+
 /* add_rms_norm: residual <- residual + x (rounded to T) unless add_residual is 0, then
  * out <- residual / rms(residual) * weight, row by row. x: [rows, hidden]. */
 #define DEFINE_ADD_RMS_NORM(NAME, T, LOADM, STOREM, ROUND)                                     \
@@ -250,8 +271,10 @@ void NAME(const T* gate_up, T* out, int64_t rows, int64_t width) {              
     }                                                                                         \
 }
 
-DEFINE_PAGED_DECODE(paged_decode_bf16, uint16_t, load16_bf16, store16_bf16)
-DEFINE_PAGED_DECODE(paged_decode_f32, float, load16_f32, store16_f32)
+DEFINE_PAGED_DECODE_IMPL(paged_decode_bf16_impl, uint16_t, load16_bf16, store16_bf16)
+DEFINE_PAGED_DECODE_IMPL(paged_decode_f32_impl, float, load16_f32, store16_f32)
+DEFINE_PAGED_DECODE(paged_decode_bf16, paged_decode_bf16_impl, uint16_t)
+DEFINE_PAGED_DECODE(paged_decode_f32, paged_decode_f32_impl, float)
 DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, loadm_bf16, storem_bf16, round_bf16)
 DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, loadm_f32, storem_f32, round_f32)
 DEFINE_ROTARY(rotary_bf16, uint16_t, loadm_bf16, storem_bf16)
