@@ -11,7 +11,8 @@
     .venv/bin/python benchmarks/sim_accuracy.py [--out DIR] [--num-prompts N]
         [--request-rate R] [--workload NAME] [--seed S] [--reuse]
 
-`--reuse` skips steps whose outputs already exist in DIR (calibrations, compare.json).
+`--reuse` skips steps whose outputs already exist in DIR (calibrations, compare.json), and
+refits calibrations from saved step samples rather than measuring again.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from pathlib import Path
 FIGURES = (("TTFT p50", "median_ttft_ms"), ("TTFT p99", "p99_ttft_ms"),
            ("ITL p50", "median_itl_ms"), ("ITL p99", "p99_itl_ms"))
 TARGET = 0.15
-# Each mode's server as the simulator sees it: hardware (cores per worker), calibration.
+# Each mode's server as the simulator sees it, and the cores (threads) of each worker: the
+# colocated/chunked server uses both cores, each disaggregated worker one.
 LAYOUTS = {
-    "colocated": ["--mode", "colocated", "--hardware", "cpu-local:2"],
-    "chunked": ["--mode", "chunked", "--hardware", "cpu-local:2"],
-    "disagg": ["--mode", "disagg", "--hardware", "cpu-local", "--prefill-workers", "1",
-               "--decode-workers", "1"],
+    "colocated": ["--mode", "colocated"],
+    "chunked": ["--mode", "chunked"],
+    "disagg": ["--mode", "disagg", "--prefill-workers", "1", "--decode-workers", "1"],
 }
 THREADS = {"colocated": 2, "chunked": 2, "disagg": 1}
 
@@ -41,11 +42,20 @@ def pdserve(*argv: str) -> None:
     subprocess.run(command, check=True)
 
 
+def hardware(threads: int) -> str:
+    return "cpu-local" if threads == 1 else f"cpu-local:{threads}"
+
+
 def calibrate(out: Path, threads: int, reuse: bool) -> Path:
+    """Fit on `threads` cores; with --reuse, refit from saved steps instead of measuring."""
     path = out / f"calibration-{threads}-thread.json"
-    if not (reuse and path.exists()):
-        pdserve("simulate", "calibrate", "--measure", "--num-threads", str(threads),
-                "--save-steps", str(out / f"steps-{threads}-thread.jsonl"), "--output", str(path))
+    steps = out / f"steps-{threads}-thread.jsonl"
+    if reuse and path.exists():
+        return path
+    source = ["--steps", str(steps)] if reuse and steps.exists() else \
+        ["--measure", "--num-threads", str(threads), "--save-steps", str(steps)]
+    pdserve("simulate", "calibrate", "--hardware", hardware(threads), *source,
+            "--output", str(path))
     return path
 
 
@@ -59,7 +69,8 @@ def measure(out: Path, workload: list[str], reuse: bool) -> dict:
 
 def predict(out: Path, mode: str, measured_run: Path, calibration: Path) -> dict:
     path = out / f"predicted-{mode}.json"
-    pdserve("simulate", *LAYOUTS[mode], "--workload-from", str(measured_run),
+    pdserve("simulate", *LAYOUTS[mode], "--hardware", hardware(THREADS[mode]),
+            "--workload-from", str(measured_run),
             "--calibration", str(calibration), "--save-result", str(path))
     return json.loads(path.read_text())
 
