@@ -18,7 +18,10 @@ colocated shows the stall (max gap ≈ the long prefill); shm ≥ ½ memcpy band
 `benchmarks/kv_transfer.py` (loopback, and across a veth pair when root with iproute2).
 
 Clients, records, metrics and plots are pdserve.bench's. The machine is shared: numbers move
-run to run.
+run to run, so each mode also reports, before vs during the long request, the engine
+processes' CPU share and run-queue wait (/proc schedstat), the decoding engine's mean step time
+and step rate (its /metrics), and each core's busy and VM-steal time (/proc/stat): a decode
+worker that gets less of its core shows up there, not only as ITL.
 
     .venv/bin/python benchmarks/interference.py [--out DIR] [--modes colocated chunked disagg]
         [--chunk-budgets 64 128 256] [--skip-transfer]
@@ -35,6 +38,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench.benchmark import BenchSpec, seeded_rng, summarize
 from pdserve.bench.client import CHAT_COMPLETIONS, EndpointConfig, make_http_client, send_request
@@ -97,9 +103,106 @@ def mode_runs(modes: list[str], budgets: list[int]) -> list[ModeRun]:
 
 # ---- one run ------------------------------------------------------------------------------
 
+class CpuProbe:
+    """Scheduler accounting (/proc/PID/task/*/schedstat) of the engine processes: how much CPU
+    they got and how long they sat runnable waiting for it (other processes on their cores),
+    plus the decoding engine's own step times (its /metrics). Tells our own interference from
+    the shared machine's."""
+
+    def __init__(self, pids: dict[str, int], decode_url: str) -> None:
+        self.pids = pids
+        self.decode_url = decode_url
+        self.marks: list[tuple] = []
+
+    def mark(self) -> None:
+        self.marks.append((time.perf_counter(),
+                           {name: _schedstat(pid) for name, pid in self.pids.items()},
+                           _step_time_sum_count(self.decode_url), _core_ticks()))
+
+    def shares(self, start: int, end: int) -> dict[str, dict[str, float]]:
+        """Between marks `start` and `end`: per process, run and run-queue wait as fractions
+        of the wall time; the decoding engine's mean step time (ms) and steps per second."""
+        (t_a, a, steps_a, ticks_a), (t_b, b, steps_b, ticks_b) = (self.marks[start],
+                                                                  self.marks[end])
+        wall = t_b - t_a
+        shares: dict[str, dict[str, float]] = {
+            name: {"cpu": (b[name][0] - a[name][0]) / wall,
+                   "runqueue_wait": (b[name][1] - a[name][1]) / wall} for name in a}
+        num_steps = steps_b[1] - steps_a[1]
+        shares["decode_engine"] = {"mean_step_ms": 1e3 * (steps_b[0] - steps_a[0]) / num_steps
+                                   if num_steps else 0.0, "steps_per_s": num_steps / wall}
+        for core, after in ticks_b.items():
+            delta = [x - y for x, y in zip(after, ticks_a[core], strict=True)]
+            total = sum(delta) or 1
+            # /proc/stat: user nice system idle iowait irq softirq steal ...
+            shares[f"core{core}"] = {"busy": 1 - (delta[3] + delta[4]) / total,
+                                     "steal": delta[7] / total}
+        return shares
+
+
+def _core_ticks() -> dict[int, list[int]]:
+    """Per core, /proc/stat's time counters (a VM's `steal` is time the host took away)."""
+    ticks = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *values = line.split()
+        if name.startswith("cpu") and name != "cpu":
+            ticks[int(name[3:])] = [int(v) for v in values[:8]]
+    return ticks
+
+
+def _step_time_sum_count(url: str) -> tuple[float, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = sample.value
+    return (values["pdserve:engine_step_time_seconds_sum"],
+            values["pdserve:engine_step_time_seconds_count"])
+
+
+def decode_url(mode: str, base_url: str) -> str:
+    """The URL of the engine that decodes: the server, or a disagg router's decode worker."""
+    if mode != "disagg":
+        return base_url
+    workers = httpx.get(f"{base_url}/workers", timeout=30).json()["workers"]
+    return next(w["url"] for w in workers if w["role"] == "decode")
+
+
+def _schedstat(pid: int) -> tuple[float, float]:
+    """Seconds run and seconds waited on a run queue, summed over the process's threads."""
+    run = wait = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "schedstat").read_text().split()
+        except OSError:
+            continue  # the thread exited
+        run += int(fields[0]) / 1e9
+        wait += int(fields[1]) / 1e9
+    return run, wait
+
+
+def serving_pids(mode: str, server_pid: int) -> dict[str, int]:
+    """The engine processes: the server itself, or a disagg launcher's workers."""
+    if mode != "disagg":
+        return {"server": server_pid}
+    pids = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid and b"--role" in argv:
+                pids[argv[argv.index(b"--role") + 1].decode()] = int(entry.name)
+    return pids
+
+
 async def drive(base_url: str, shorts: list[BenchRequest], long: BenchRequest,
-                warmup: BenchRequest, lead_tokens: int) -> tuple[list[RequestRecord], float, str]:
-    """The short streams, then the long request once they all stream; records and t0."""
+                warmup: BenchRequest, lead_tokens: int,
+                probe: CpuProbe) -> tuple[list[RequestRecord], float, str]:
+    """The short streams, then the long request once they all stream; records and t0.
+    `probe` is marked when the shorts start, when the long request is sent and when it ends."""
     endpoint = EndpointConfig(base_url=base_url, endpoint=CHAT_COMPLETIONS)
     # router_timing: the serving worker then reports its `pdserve_timing` (any mode).
     timed = EndpointConfig(base_url=base_url, endpoint=CHAT_COMPLETIONS,
@@ -110,6 +213,7 @@ async def drive(base_url: str, shorts: list[BenchRequest], long: BenchRequest,
         records = [RequestRecord(i, "short", r.prompt_len, r.output_len, 0.0)
                    for i, r in enumerate(shorts)]
         t0 = time.perf_counter()
+        probe.mark()
         tasks = [asyncio.create_task(send_request(http, endpoint, model, r, rec, t0))
                  for r, rec in zip(shorts, records, strict=True)]
         while min(len(r.token_times) for r in records) < lead_tokens:
@@ -120,8 +224,9 @@ async def drive(base_url: str, shorts: list[BenchRequest], long: BenchRequest,
         long_record = RequestRecord(len(shorts), "long", long.prompt_len, long.output_len,
                                     time.perf_counter() - t0)
         records.append(long_record)
-        tasks.append(asyncio.create_task(send_request(http, timed, model, long, long_record,
-                                                      t0)))
+        probe.mark()
+        await send_request(http, timed, model, long, long_record, t0)
+        probe.mark()
         await asyncio.gather(*tasks)
     errors = [r.error for r in records if r.error]
     if errors:
@@ -179,9 +284,11 @@ def run_mode(run: ModeRun, scenario: Scenario, requests: tuple, out: Path) -> di
     print(f"[{run.label}] starting pdserve serve --mode {run.mode} {' '.join(run.extra_args)}",
           file=sys.stderr, flush=True)
     with launch_server(launch, run.mode) as server:
+        probe = CpuProbe(serving_pids(run.mode, server.process.pid),
+                         decode_url(run.mode, server.base_url))
         load_before = os.getloadavg()[0]
         records, t0, model = asyncio.run(drive(server.base_url, shorts, long, warmup,
-                                               scenario.lead_tokens))
+                                               scenario.lead_tokens, probe))
         load_after = os.getloadavg()[0]
     spec = BenchSpec(EndpointConfig(base_url=server.base_url, endpoint=CHAT_COMPLETIONS),
                      Workload(), interference=InterferenceConfig(
@@ -190,8 +297,11 @@ def run_mode(run: ModeRun, scenario: Scenario, requests: tuple, out: Path) -> di
     plot_itl_timeline(bench, out / f"itl-{run.label}.png")
     result = analyze(run, records)
     result["interference_verdict"] = bench.interference.verdict
-    # The machine is shared: the 1-minute load average says how much else was running.
+    # The machine is shared: the 1-minute load average says how much else was running, and
+    # the engine processes' run-queue wait how much of it landed on their cores.
     result["loadavg_1m_before_after"] = [load_before, load_after]
+    result["cpu_before_long"] = probe.shares(0, 1)
+    result["cpu_during_long"] = probe.shares(1, 2)
     result["records"] = [r.to_dict() for r in records]
     return result
 
@@ -258,6 +368,20 @@ def print_report(results: list[dict], transfer: dict | None) -> None:
     for r in results:
         load = "/".join(f"{x:.1f}" for x in r["loadavg_1m_before_after"])
         print(f"  {r['label']} (load avg {load}): {r['interference_verdict']}")
+        before, during = r["cpu_before_long"], r["cpu_during_long"]
+        for name in before:
+            a, b = before[name], during[name]
+            if name == "decode_engine":
+                print(f"    decoding engine: mean step {a['mean_step_ms']:.1f} -> "
+                      f"{b['mean_step_ms']:.1f} ms, {a['steps_per_s']:.1f} -> "
+                      f"{b['steps_per_s']:.1f} steps/s (before -> during the long request)")
+            elif name.startswith("core"):
+                print(f"    {name}: busy {a['busy']:.0%} -> {b['busy']:.0%}, "
+                      f"stolen by the VM host {a['steal']:.0%} -> {b['steal']:.0%}")
+            else:
+                print(f"    {name} process: cpu {a['cpu']:.0%} -> {b['cpu']:.0%} of wall, "
+                      f"waiting for a core {a['runqueue_wait']:.0%} -> "
+                      f"{b['runqueue_wait']:.0%}")
         if "shows_stall" in r:
             print(f"  colocated: max gap during = {r['max_gap_over_long_prefill']:.2f}x the long "
                   f"prefill ({'stall shown' if r['shows_stall'] else 'NO stall'})")
