@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 import pdserve.core.scheduler as core_scheduler
@@ -58,8 +60,7 @@ def test_kv_pressure_preempts_and_still_completes():
 def test_a_scheduler_config_change_changes_the_simulation():
     specs = poisson_specs(40, 50.0)
     config = make_config()
-    narrow = config.__class__(**{**vars(config), "pool": with_scheduler(config.pool,
-                                                                        max_num_seqs=2)})
+    narrow = replace(config, pool=with_scheduler(config.pool, max_num_seqs=2))
     assert _timelines(simulate(config, specs)) != _timelines(simulate(narrow, specs))
 
 
