@@ -9,6 +9,7 @@ of their own, before any decode (classic continuous batching, which stalls runni
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,6 +43,12 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+class _Admission(enum.Enum):
+    LOCAL = "local"  # computed here
+    RECEIVING = "receiving"  # its KV is on its way from another worker
+    NO_ROOM = "no_room"  # its KV comes from elsewhere but its blocks do not fit yet
 
 
 @dataclass
@@ -159,6 +166,11 @@ class Scheduler:
             # A request arriving with blocks (its KV was received) has nothing to look up.
             computed = [] if request.block_table else \
                 self.block_manager.get_computed_blocks(request)
+            admission = self._start_receiving(request, computed)
+            if admission is _Admission.RECEIVING:
+                continue
+            if admission is _Admission.NO_ROOM:
+                return
             num_hit = len(computed) * self.block_manager.block_size
             remaining = request.num_tokens - request.num_computed_tokens - num_hit
             if is_chunking:
@@ -169,8 +181,6 @@ class Scheduler:
                 return
             else:
                 num_new = remaining
-            if self._start_receiving(request, computed):
-                continue
             if not self.block_manager.allocate_slots(request, num_new, computed):
                 return
             self.waiting.popleft()
@@ -180,23 +190,24 @@ class Scheduler:
             num_partial += not scheduled.is_sampling
             budget -= num_new
 
-    def _start_receiving(self, request: Request, computed: list[int]) -> bool:
+    def _start_receiving(self, request: Request, computed: list[int]) -> _Admission:
         """Admit a request whose KV comes from another worker: allocate its blocks and
-        hand them to the connector. Returns True if the request left the waiting queue."""
+        hand them to the connector. A request whose KV does not fit waits (never silently
+        recomputed): it keeps its place in the queue until blocks free up."""
         if self.connector is None:
-            return False
+            return _Admission.LOCAL
         num_local = request.num_computed_tokens + len(computed) * self.block_manager.block_size
         num_external = self.connector.get_num_new_matched_tokens(request, num_local)
         if num_external == 0:
-            return False
+            return _Admission.LOCAL
         if not self.block_manager.allocate_slots(request, num_external, computed):
-            return False
+            return _Admission.NO_ROOM
         self.waiting.popleft()
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.num_external_tokens = num_external
         self.receiving[request.request_id] = request
         self.connector.update_state_after_alloc(request, num_external)
-        return True
+        return _Admission.RECEIVING
 
     def update_kv_transfers(self) -> KVUpdate:
         """Apply finished transfers: received requests become runnable, failed ones are

@@ -20,9 +20,10 @@ class ScriptedConnector(KVConnectorScheduler):
         return self._recompute
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return max(self.remote.pop(request.request_id, 0) - num_computed_tokens, 0)
+        return max(self.remote.get(request.request_id, 0) - num_computed_tokens, 0)
 
     def update_state_after_alloc(self, request, num_external_tokens):
+        del self.remote[request.request_id]  # asked for once; a recompute runs locally
         self.loading[request.request_id] = list(request.block_table)
 
     def request_finished(self, request):
@@ -122,3 +123,20 @@ def test_sender_holds_finished_blocks_until_released():
     connector.events.finished_sending.add("p")
     scheduler.update_kv_transfers()
     assert scheduler.block_manager.num_free_blocks == 32
+
+
+def test_remote_request_that_does_not_fit_waits_instead_of_recomputing():
+    connector = ScriptedConnector()
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=8), CacheConfig(4, 4), connector)
+    scheduler.add_request(make_request("big", 8, max_tokens=3, first_token=300))
+    step(scheduler)  # holds 2 of the 4 blocks
+    # Its 10 tokens need 3 blocks; a 7-token local chunk would fit in 2, but must not be run.
+    request = _remote_request(connector, num_prompt=10)
+    scheduler.add_request(request)
+    output, _ = step(scheduler)
+    assert all(s.request is not request for s in output.scheduled)
+    assert request.status is RequestStatus.WAITING and connector.loading == {}
+    for _ in range(4):  # "big" finishes and frees its blocks: now the KV is fetched
+        step(scheduler)
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV
+    assert request.request_id in connector.loading
