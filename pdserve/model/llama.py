@@ -32,12 +32,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device, ops)
         # Rows [q; k; v] and [gate; up] of the fused projections.
         self.qkv_proj = Linear(hidden, config.q_size + 2 * config.kv_size,
-                               config.attention_bias, dtype, device)
-        self.o_proj = Linear(config.q_size, hidden, False, dtype, device)
+                               config.attention_bias, dtype, device, ops)
+        self.o_proj = Linear(config.q_size, hidden, False, dtype, device, ops)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device, ops)
-        self.gate_up_proj = Linear(hidden, 2 * config.intermediate_size, False, dtype, device)
+        self.gate_up_proj = Linear(hidden, 2 * config.intermediate_size, False, dtype, device,
+                                   ops)
         self.act = SiluAndMul(ops)
-        self.down_proj = Linear(config.intermediate_size, hidden, False, dtype, device)
+        self.down_proj = Linear(config.intermediate_size, hidden, False, dtype, device, ops)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 rotary: RotaryEmbedding, angles: tuple[torch.Tensor, torch.Tensor],
@@ -81,7 +82,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device, ops)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device, ops)
         self.rotary = RotaryEmbedding(config, dtype, device, ops)
         self.attention = attention or TorchAttentionBackend(config.head_dim ** -0.5, ops)
 

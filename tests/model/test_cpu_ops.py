@@ -87,3 +87,17 @@ def test_silu_mul(dtype, atol):
     gate, up = gate_up.float().chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up).float(), F.silu(gate) * up, atol=atol,
                                rtol=atol)
+
+
+@pytest.mark.skipif(ops is None or ops._linear is None, reason="no AVX-512 BF16 dot products")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_streaming_linear(rows, has_bias):
+    generator = torch.Generator().manual_seed(4)
+    weight = torch.randn(96, 70, generator=generator).bfloat16()
+    bias = torch.randn(96, generator=generator).bfloat16() if has_bias else None
+    x = torch.randn(rows, 70, generator=generator).bfloat16()
+    expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    got = ops.linear(x, ops.pack_linear(weight), bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    torch.testing.assert_close(got.float(), expected, atol=0.05, rtol=0.01)

@@ -30,7 +30,7 @@ def _schedule(lengths: dict[str, int], chunk_sizes: dict[str, int]) -> list[dict
 def _run_paged(model, tokens: dict[str, torch.Tensor], steps: list[dict[str, int]],
                block_tables: dict[str, list[int]], num_blocks: int) -> dict[str, torch.Tensor]:
     """Logits of every token of every sequence, computed step by step in flat batches."""
-    cache = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, torch.float32, "cpu")
+    cache = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, model.dtype, "cpu")
     done = dict.fromkeys(tokens, 0)
     logits = {s: [] for s in tokens}
     for step in steps:
@@ -108,6 +108,23 @@ def test_bfloat16_forward_tracks_float32():
         logits.append(model.compute_logits(model(ids, torch.arange(50), cache, meta)))
     assert logits[1].dtype == torch.float32
     assert (logits[1] - logits[0]).abs().max() < 0.05 * logits[0].abs().max()
+
+
+def test_cpu_kernels_track_torch_ops_in_bfloat16():
+    """Prefill then batched decode in bfloat16: the fused CPU kernels (streaming linears,
+    norms, rotary, decode attention) against plain torch ops on the same weights."""
+    hf_model = tiny_hf_model("qwen2", seed=7)
+    generator = torch.Generator().manual_seed(5)
+    tokens = {s: torch.randint(0, TINY_VOCAB_SIZE, (n,), generator=generator)
+              for s, n in {"a": 30, "b": 21, "c": 9}.items()}
+    block_tables = {"a": [1, 2], "b": [3, 4], "c": [5]}
+    steps = [{"a": 27, "b": 18, "c": 6}] + [dict.fromkeys(tokens, 1)] * 3
+    logits = [_run_paged(pdserve_from_hf(hf_model, torch.bfloat16, use_cpu_kernels=kernels),
+                         tokens, steps, block_tables, num_blocks=6)
+              for kernels in (True, False)]
+    for s in tokens:
+        scale = logits[1][s].abs().max()
+        assert (logits[0][s] - logits[1][s]).abs().max() < 0.03 * scale, s
 
 
 def test_metadata_slots_follow_block_tables():

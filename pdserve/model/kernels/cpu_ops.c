@@ -4,6 +4,8 @@
  * float or bfloat16 (as uint16_t), rounded once on store. Every function comes in _f32 and
  * _bf16 versions.
  *
+ * linear_bf16 (CPUs with AVX-512 BF16): x W^T for a few rows, W in a streaming layout.
+ *
  * paged_decode: every sequence of the batch has one query token, which attends to its
  * seq_lens[b] positions. K and V are read in place through the block table (no gathered copy),
  * in one pass with an online softmax, while the next block is prefetched.
@@ -270,6 +272,62 @@ void NAME(const T* gate_up, T* out, int64_t rows, int64_t width) {              
         }                                                                                     \
     }                                                                                         \
 }
+
+#ifdef __AVX512BF16__
+/* linear_bf16: y [rows, out] = x [rows, in] W^T (+ bias), for few rows (decode batches).
+ * W is pre-packed as [out / 16][in / 2][16][2]: one 64-byte load holds 2 inputs of 16
+ * outputs and feeds one vdpbf16ps per row of x, and the whole matrix is one sequential
+ * stream, which the hardware prefetcher keeps at memory speed. NR rows of x and NP
+ * interleaved input phases give NR * NP independent accumulator chains. */
+static inline __attribute__((always_inline)) void linear_group_bf16(
+        const int64_t NR, const int64_t NP, const uint16_t* w, const uint32_t* const* x,
+        int64_t pairs, __m512* sums) {
+    __m512 acc[4][4];
+    for (int64_t r = 0; r < NR; r++)
+        for (int64_t p = 0; p < NP; p++) acc[r][p] = _mm512_setzero_ps();
+    int64_t pair = 0;
+    for (; pair + NP <= pairs; pair += NP) {
+        for (int64_t p = 0; p < NP; p++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (pair + p) * 32);
+            for (int64_t r = 0; r < NR; r++)
+                acc[r][p] = _mm512_dpbf16_ps(acc[r][p], wv,
+                                             (__m512bh)_mm512_set1_epi32((int)x[r][pair + p]));
+        }
+    }
+    for (; pair < pairs; pair++) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + pair * 32);
+        for (int64_t r = 0; r < NR; r++)
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], wv,
+                                         (__m512bh)_mm512_set1_epi32((int)x[r][pair]));
+    }
+    for (int64_t r = 0; r < NR; r++) {
+        sums[r] = acc[r][0];
+        for (int64_t p = 1; p < NP; p++) sums[r] = _mm512_add_ps(sums[r], acc[r][p]);
+    }
+}
+
+void linear_bf16(const uint16_t* w, const uint16_t* x, const uint16_t* bias, uint16_t* y,
+                 int64_t rows, int64_t out, int64_t in) {
+    const int64_t pairs = in / 2;
+    for (int64_t group = 0; group < out / 16; group++) {
+        /* The group's weights come from memory once; later row blocks reread them from cache. */
+        const uint16_t* wg = w + group * pairs * 32;
+        const __m512 b = bias ? load16_bf16(bias + group * 16) : _mm512_setzero_ps();
+        for (int64_t first = 0; first < rows; first += 4) {
+            const int64_t n = rows - first < 4 ? rows - first : 4;
+            const uint32_t* xr[4];
+            for (int64_t r = 0; r < 4; r++)
+                xr[r] = (const uint32_t*)(x + (first + (r < n ? r : n - 1)) * in);
+            __m512 sums[4];
+            if (n == 1) linear_group_bf16(1, 4, wg, xr, pairs, sums);
+            else if (n == 2) linear_group_bf16(2, 2, wg, xr, pairs, sums);
+            else linear_group_bf16(4, 1, wg, xr, pairs, sums);
+            for (int64_t r = 0; r < n; r++)
+                store16_bf16(y + (first + r) * out + group * 16, _mm512_add_ps(sums[r], b));
+        }
+    }
+}
+#endif
 
 DEFINE_PAGED_DECODE_IMPL(paged_decode_bf16_impl, uint16_t, load16_bf16, store16_bf16)
 DEFINE_PAGED_DECODE_IMPL(paged_decode_f32_impl, float, load16_f32, store16_f32)

@@ -28,6 +28,9 @@ _SIGNATURES = {
     "silu_mul": [_P] * 2 + [_I] * 2,
 }
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_LINEAR_ARGS = [_P] * 4 + [_I] * 3
+# Rows up to which `linear` beats oneDNN's GEMM (which wins on compute-bound larger batches).
+LINEAR_MAX_ROWS = 8
 
 
 class CpuOps:
@@ -42,10 +45,39 @@ class CpuOps:
                 function.argtypes = argtypes
                 function.restype = None
                 self._functions[name, dtype] = function
+        # Only compiled where the CPU has AVX-512 BF16 dot products.
+        self._linear = getattr(library, "linear_bf16", None)
+        if self._linear is not None:
+            self._linear.argtypes = _LINEAR_ARGS
+            self._linear.restype = None
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
         return dtype in _SUFFIX
+
+    def can_pack_linear(self, weight: torch.Tensor) -> bool:
+        out_features, in_features = weight.shape
+        return (self._linear is not None and weight.dtype == torch.bfloat16
+                and out_features % 16 == 0 and in_features % 2 == 0)
+
+    @staticmethod
+    def pack_linear(weight: torch.Tensor) -> torch.Tensor:
+        """W [out, in] -> [out / 16, in / 2, 16, 2], the layout `linear` streams."""
+        out_features, in_features = weight.shape
+        return weight.view(out_features // 16, 16, in_features // 2, 2).permute(
+            0, 2, 1, 3).contiguous()
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+               ) -> torch.Tensor:
+        """x [rows, in] W^T (+ bias) -> [rows, out] bfloat16, for W packed by `pack_linear`;
+        fastest for rows <= LINEAR_MAX_ROWS."""
+        x = x.contiguous()
+        rows, in_features = x.shape
+        out_features = packed.shape[0] * 16
+        y = x.new_empty(rows, out_features)
+        self._linear(packed.data_ptr(), x.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                     y.data_ptr(), rows, out_features, in_features)
+        return y
 
     def paged_decode(self, q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
