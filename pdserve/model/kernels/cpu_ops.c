@@ -282,7 +282,7 @@ void NAME(const T* gate_up, T* out, int64_t rows, int64_t width) {              
 static inline __attribute__((always_inline)) void linear_group_bf16(
         const int64_t NR, const int64_t NP, const uint16_t* w, const uint32_t* const* x,
         int64_t pairs, __m512* sums) {
-    __m512 acc[4][4];
+    __m512 acc[8][4];
     for (int64_t r = 0; r < NR; r++)
         for (int64_t p = 0; p < NP; p++) acc[r][p] = _mm512_setzero_ps();
     int64_t pair = 0;
@@ -313,15 +313,16 @@ void linear_bf16(const uint16_t* w, const uint16_t* x, const uint16_t* bias, uin
         /* The group's weights come from memory once; later row blocks reread them from cache. */
         const uint16_t* wg = w + group * pairs * 32;
         const __m512 b = bias ? load16_bf16(bias + group * 16) : _mm512_setzero_ps();
-        for (int64_t first = 0; first < rows; first += 4) {
-            const int64_t n = rows - first < 4 ? rows - first : 4;
-            const uint32_t* xr[4];
-            for (int64_t r = 0; r < 4; r++)
+        for (int64_t first = 0; first < rows; first += 8) {
+            const int64_t n = rows - first < 8 ? rows - first : 8;
+            const uint32_t* xr[8];
+            for (int64_t r = 0; r < 8; r++)  /* rows past n repeat the last one */
                 xr[r] = (const uint32_t*)(x + (first + (r < n ? r : n - 1)) * in);
-            __m512 sums[4];
+            __m512 sums[8];
             if (n == 1) linear_group_bf16(1, 4, wg, xr, pairs, sums);
             else if (n == 2) linear_group_bf16(2, 2, wg, xr, pairs, sums);
-            else linear_group_bf16(4, 1, wg, xr, pairs, sums);
+            else if (n <= 4) linear_group_bf16(4, 1, wg, xr, pairs, sums);
+            else linear_group_bf16(8, 1, wg, xr, pairs, sums);
             for (int64_t r = 0; r < n; r++)
                 store16_bf16(y + (first + r) * out + group * 16, _mm512_add_ps(sums[r], b));
         }
