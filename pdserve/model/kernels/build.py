@@ -15,8 +15,10 @@ from pdserve.model.cpu_runtime import read_cpu_flags
 
 logger = logging.getLogger(__name__)
 
-# -march=native ties the library to this CPU, hence the CPU flags in the cache key.
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
+# -march=native ties the library to this CPU, hence the CPU flags in the cache key. Never
+# -ffast-math: linking with it sets flush-to-zero for the whole process at load time, which
+# changes every other float computation in it (numpy, hypothesis and torch saw it).
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fPIC", "-shared")
 COMPILE_TIMEOUT_S = 120
 
 
