@@ -21,8 +21,18 @@ def make_config(mode: Mode = Mode.CHUNKED, *, num_workers: int = 1, tp: int = 1,
 
 def azure_trace(num_prompts: int, request_rate: float | None) -> list[SimRequestSpec]:
     """The first requests of the Azure conversation trace, through the bench's workload."""
-    from pdserve.bench.workloads import TraceWindow, WorkloadOptions, make_workload
+    import pytest
+
+    from pdserve.bench.workloads import (
+        TraceWindow,
+        WorkloadOptions,
+        default_trace_path,
+        make_workload,
+    )
     from pdserve.sim.workload import plan_requests
+
+    if not default_trace_path().is_file():
+        pytest.skip(f"the shared Azure trace {default_trace_path()} is not beside the checkout")
 
     options = WorkloadOptions(trace_window=TraceWindow(num_prompts=num_prompts))
     return plan_requests(make_workload("trace", options, None), seed=0,
