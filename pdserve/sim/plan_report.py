@@ -6,9 +6,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from statistics import fmean
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
 from pdserve.sim.config import Mode
 from pdserve.sim.planner import ATTAINMENT_TARGET, Evaluation
 
@@ -95,6 +92,10 @@ def _pools(evaluation: Evaluation) -> dict[str, str]:
 def plot_goodput_vs_split(evaluations: Sequence[Evaluation], path: Path) -> Path:
     """Goodput per GPU against the prefill share of GPUs (disagg), one line per TP, with
     the best colocated and chunked layouts as reference lines."""
+    # matplotlib takes about a second to import: only a plan that plots pays for it.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(8, 4.5), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
     ax = figure.add_subplot()
