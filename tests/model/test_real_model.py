@@ -69,8 +69,36 @@ def test_gguf_load_equals_exported_folder(smollm_fp32):
     torch.testing.assert_close(_prefill_logits(from_gguf, ids), _prefill_logits(smollm_fp32, ids))
 
 
-def test_bfloat16_tracks_float32(smollm_fp32):
-    bf16 = load_model(None, dtype="bfloat16", device="cpu")
+@pytest.fixture(scope="module")
+def smollm_bf16():
+    return load_model(None, dtype="bfloat16", device="cpu")
+
+
+def test_bfloat16_decode_steps_track_float32(smollm_bf16, smollm_fp32):
+    """bfloat16 decode steps (the few-row kernels) against float32 logits of the same tokens."""
+    ids = _prompt_ids(smollm_bf16, PROMPTS[0])
+    num_steps = 8
+    whole = _prefill_logits(smollm_fp32, ids)[-num_steps:]
+    model, config = smollm_bf16.model, smollm_bf16.config
+    num_blocks = -(-len(ids) // 16)
+    cache = allocate_kv_cache(config, num_blocks, 16, smollm_bf16.dtype, "cpu")
+    table = list(range(num_blocks))
+    start = len(ids) - num_steps
+    meta = AttentionMetadata.build([(table, 0, start)], 16, "cpu")
+    model(torch.tensor(ids[:start]), torch.arange(start), cache, meta)
+    steps = []
+    for position in range(start, len(ids)):
+        meta = AttentionMetadata.build([(table, position, 1)], 16, "cpu")
+        hidden = model(torch.tensor(ids[position:position + 1]), torch.tensor([position]),
+                       cache, meta)
+        steps.append(model.compute_logits(hidden))
+    steps = torch.cat(steps)
+    assert (steps.argmax(-1) == whole.argmax(-1)).all()
+    assert (steps - whole).abs().max() < 0.04 * whole.abs().max()
+
+
+def test_bfloat16_tracks_float32(smollm_fp32, smollm_bf16):
+    bf16 = smollm_bf16
     ids = _prompt_ids(bf16, PROMPTS[1])
     logits16, logits32 = _prefill_logits(bf16, ids), _prefill_logits(smollm_fp32, ids)
     agreement = (logits16.argmax(-1) == logits32.argmax(-1)).float().mean()
