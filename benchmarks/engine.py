@@ -43,10 +43,15 @@ def measure_bandwidth() -> float:
     return matrix.numel() * 4 * repeats / (time.perf_counter() - start)
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    # Tied embeddings are one tensor: count each parameter once.
-    unique = {id(p): p for p in model.parameters()}.values()
-    return sum(p.numel() * p.element_size() for p in unique)
+def weight_bytes(config, dtype: torch.dtype) -> int:
+    """Bytes of weights one decode step reads: every layer's matrices and norms plus the
+    output projection (the embedding matrix when tied; one row lookup is negligible)."""
+    hidden, kv_size = config.hidden_size, config.num_key_value_heads * config.head_dim
+    q_size = config.num_attention_heads * config.head_dim
+    per_layer = (hidden * (q_size + 2 * kv_size) + q_size * hidden
+                 + 3 * hidden * config.intermediate_size + 2 * hidden)
+    params = config.num_hidden_layers * per_layer + hidden + config.vocab_size * hidden
+    return params * torch.finfo(dtype).bits // 8
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:
@@ -112,7 +117,7 @@ def bench_dtype(dtype: str, bandwidth: float, hf_folder: Path | None) -> dict:
         mode="colocated", dtype=dtype, device="cpu", enable_prefix_caching=False,
         max_num_seqs=64, kv_cache_memory_gb=2.0), loaded=loaded)
     reference = hf_model(hf_folder, loaded.dtype) if hf_folder else None
-    weights = weight_bytes(loaded.model)
+    weights = weight_bytes(loaded.config, loaded.dtype)
     kv_per_token = kv_bytes_per_token(loaded.config, loaded.dtype)
     rows = {"dtype": dtype, "weight_bytes": weights, "prefill": {}, "decode": {}}
     for length in PREFILL_LENGTHS:
@@ -149,7 +154,9 @@ def print_table(result: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    # One thread by default: a disaggregated worker runs on one core, and the floor is set by
+    # one core's bandwidth (two OpenMP threads stall whenever the VM's other vCPU is busy).
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
