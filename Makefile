@@ -26,9 +26,10 @@ $(VENV)/.installed-test: $(VENV)/.installed
 # The head-to-head: colocated, chunked and disaggregated serving of the same mixed traffic
 # (short chats plus long documents) on this machine's cores; table, JSON and plots in
 # results/demo/. About 10 minutes on 2 CPU cores.
+# Short prompts (< 512 uncached tokens) are prefilled on the decode worker in disagg mode.
 DEMO_ARGS ?= --workload mixed --num-prompts 16 --request-rate 1 --chat-output-len 64:128 \
-	--long-input-len 3000:3500 --long-output-len 32:64 --goodput ttft:4000 tpot:150 \
-	--report results/demo
+	--long-input-len 3000:3500 --long-output-len 32:64 --goodput ttft:5000 tpot:100 \
+	--server-args "--local-prefill-threshold 512" --report results/demo
 
 demo: install
 	$(VENV)/bin/pdserve bench compare $(DEMO_ARGS)
