@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from pdserve.bench.benchmark import BenchResult
 
@@ -25,9 +26,12 @@ def _log_scale(ax, which: str) -> None:
     """Log scale on axis `which` ("x" or "y"), plain-number labels on major ticks only."""
     getattr(ax, f"set_{which}scale")("log")
     axis = getattr(ax, f"{which}axis")
-    # Ticks at 1-2-5 steps: latencies often span less than one decade.
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    axis.set_major_formatter(ScalarFormatter())
+    # Ticks at 1-2-5 steps when latencies span a couple of decades, else one per decade
+    # (token pairs sent in the same step put gaps near 0.01 ms). Call after plotting.
+    low, high = axis.get_view_interval()
+    is_narrow = low > 0 and math.log10(high / low) <= 2.5
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if is_narrow else (1.0,)))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     axis.set_minor_formatter(NullFormatter())
 
 
