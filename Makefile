@@ -27,7 +27,7 @@ $(VENV)/.installed-test: $(VENV)/.installed
 # (short chats plus long documents) on this machine's cores; table, JSON and plots in
 # results/demo/. About 10 minutes on 2 CPU cores.
 # Short prompts (< 512 uncached tokens) are prefilled on the decode worker in disagg mode.
-DEMO_ARGS ?= --workload mixed --num-prompts 16 --request-rate 1 --chat-output-len 64:128 \
+DEMO_ARGS ?= --workload mixed --num-prompts 16 --request-rate 1 --chat-output-len 128:256 \
 	--long-input-len 3000:3500 --long-output-len 32:64 --goodput ttft:5000 tpot:100 \
 	--server-args "--local-prefill-threshold 512" --report results/demo
 
