@@ -37,6 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--num-threads", type=int, default=None,
                        help="torch threads for the forward pass (default: all cores)")
+    group.add_argument("--step-log", default=None, metavar="FILE.jsonl",
+                       help="append one JSON line per engine step (batch composition, wall "
+                            "time): calibration data for `pdserve simulate calibrate --steps`")
     add_kv_transfer_args(parser)
 
 
@@ -69,7 +72,7 @@ def engine_config_from_args(args: argparse.Namespace, mode: str) -> EngineConfig
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gb=args.kv_cache_memory_gb,
         enable_prefix_caching=args.enable_prefix_caching, max_model_len=args.max_model_len,
         seed=args.seed, num_threads=args.num_threads, kv_transfer=kv_transfer_config(args),
-        kv_failure_policy=args.kv_failure_policy)
+        kv_failure_policy=args.kv_failure_policy, step_log=args.step_log)
 
 
 def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:

@@ -35,6 +35,8 @@ class EngineConfig:
     # Disaggregated serving: how this worker sends or receives KV (None: it does neither).
     kv_transfer: KVTransferConfig | None = None
     kv_failure_policy: str = "recompute"
+    # Append every step's batch and wall time here as JSONL (see `engine.step_log`).
+    step_log: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import KVTransferOutcome, RequestMetrics, RequestOutput
 from pdserve.engine.sampler import SampledToken
+from pdserve.engine.step_log import StepLog, StepRecord
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.protocol import KVLayout, KVTransferParams
 from pdserve.model.kv_cache import kv_bytes_per_token
@@ -85,6 +87,11 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._num_steps = 0
         self._last_step_time: float | None = None
+        # Called with every step's `StepRecord` (batch and wall time), e.g. a `StepLog`.
+        self.step_observers: list[Callable[[StepRecord], None]] = []
+        self._step_log = StepLog(config.step_log) if config.step_log else None
+        if self._step_log is not None:
+            self.step_observers.append(self._step_log)
         logger.info("engine ready: %s, %s on %s, %d KV blocks of %d, max_model_len %d, %s",
                     self.model_name, self.loaded.dtype, self.loaded.device, num_blocks,
                     config.block_size, self.max_model_len, config.scheduler.scheduling.value)
@@ -193,12 +200,14 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        step_start = time.perf_counter()
         outputs = self._update_kv_transfers()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if not outputs and self.scheduler.has_pending_transfers():
                 time.sleep(KV_POLL_INTERVAL_S)  # only transfers in flight: don't spin
             return outputs
+        batch = StepRecord.of(scheduler_output, 0.0).batch if self.step_observers else ()
         prefilling = [s.request.request_id for s in scheduler_output.scheduled
                       if s.request.is_prefilling]
         start = time.monotonic()
@@ -211,8 +220,13 @@ class LLMEngine:
             self._tracked[request_id].metrics.prefill_time += self._last_step_time
         finished_ids = {r.request_id for r in finished}
         now = time.monotonic()
-        return outputs + [self._output_for(self._tracked[rid], token, now, rid in finished_ids)
-                          for rid, token in sampled.items()]
+        outputs += [self._output_for(self._tracked[rid], token, now, rid in finished_ids)
+                    for rid, token in sampled.items()]
+        if self.step_observers:
+            record = StepRecord(batch, time.perf_counter() - step_start)
+            for observe in self.step_observers:
+                observe(record)
+        return outputs
 
     def _update_kv_transfers(self) -> list[RequestOutput]:
         """A decode leg's first token (sampled by the prefill worker) is emitted once its KV
@@ -276,6 +290,8 @@ class LLMEngine:
         """Stop the KV transport's threads and release its shared memory."""
         if self.connector is not None:
             self.connector.close()
+        if self._step_log is not None:
+            self._step_log.close()
 
     # ---- introspection -----------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -6,8 +6,9 @@ all answer /health, then runs the router in this process until SIGINT/SIGTERM an
 child. A worker that dies during startup stops the rest; the launcher exits 1 with its log tail.
 
 Workers get every engine/server flag the user gave `pdserve serve` (introspected from the
-serve parser) except the ones the launcher owns: mode, host, port, api key, threads, and the
-disaggregation flags below (but --kv-transport, which workers need).
+serve parser) except the ones the launcher owns: mode, host, port, api key, threads, the
+step log (one file per worker, named after it), and the disaggregation flags below (but
+--kv-transport, which workers need).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ WORKER_HOST = "127.0.0.1"
 KV_TRANSPORTS = ("shm", "tcp")
 # Serve flags the launcher sets per worker itself, or keeps for the router.
 _NOT_FORWARDED = frozenset({"help", "mode", "host", "port", "api_key", "role", "num_threads",
-                            "run", "command", "log_level"})
+                            "run", "command", "log_level", "step_log"})
 # Disaggregation flags workers need too.
 _WORKER_DISAGG_FLAGS = frozenset({"kv_transport"})
 
@@ -108,10 +109,19 @@ def plan_workers(args: argparse.Namespace,
         counts[role] += 1
         command = (sys.executable, "-m", "pdserve.cli", "serve", "--role", role,
                    "--host", WORKER_HOST, "--port", str(port),
-                   "--num-threads", str(len(worker_cores)), *shared)
+                   "--num-threads", str(len(worker_cores)), *shared,
+                   *_step_log_flags(getattr(args, "step_log", None), name))
         specs.append(WorkerSpec(name, role, port, worker_cores, command,
                                 log_dir / f"{name}.log"))
     return specs
+
+
+def _step_log_flags(path: str | None, worker_name: str) -> list[str]:
+    """Each worker logs its steps to its own file: steps.jsonl -> steps.prefill-0.jsonl."""
+    if path is None:
+        return []
+    path = Path(path)
+    return ["--step-log", str(path.with_name(f"{path.stem}.{worker_name}{path.suffix}"))]
 
 
 def worker_flags(args: argparse.Namespace,

@@ -9,6 +9,8 @@ few finer grids around the best point refine it.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -126,15 +128,30 @@ def fit_efficiency(cost_model: CostModel, samples: Sequence[StepSample],
 
 def _fit(cost_model: CostModel, samples: Sequence[StepSample], network: float,
          weights: np.ndarray) -> Efficiency:
+    """The roofline efficiencies; then, keeping its attention terms (refitting them beside a
+    curve this flexible trades attention against negative curve values), the linear curve,
+    if it predicts the samples better (it cannot where few row counts were measured)."""
     terms = _Terms(cost_model, samples, weights)
     best = terms.search(_COARSE_GRID, _COARSE_GRID, _COARSE_GRID)
     for factor in _REFINEMENTS:
-        best = terms.search(*(np.geomspace(max(v / factor, 1e-4), min(v * factor, 1.0),
-                                           _FINE_STEPS) for v in best[:3]))
+        best = terms.search(*(_around(v, factor) for v in best[:3]))
     linear, attention, memory, step_overhead, per_seq = best
-    return Efficiency(linear_compute=linear, attention_compute=attention, memory=memory,
-                      network=network, step_overhead_s=step_overhead,
-                      per_seq_overhead_s=per_seq)
+    roofline = Efficiency(linear_compute=linear, attention_compute=attention, memory=memory,
+                          network=network, step_overhead_s=step_overhead,
+                          per_seq_overhead_s=per_seq)
+    curve = _CurveTerms(cost_model, samples, weights, terms)
+    if curve.knots is None:
+        return roofline
+    knots, per_seq = curve.solve(attention, memory)
+    curved = dataclasses.replace(roofline, step_overhead_s=0.0, per_seq_overhead_s=per_seq,
+                                 linear_curve=knots)
+    losses = [float(np.sum((weights * _errors(cost_model, e, samples)) ** 2))
+              for e in (roofline, curved)]
+    return curved if losses[1] < losses[0] else roofline
+
+
+def _around(value: float, factor: float) -> np.ndarray:
+    return np.geomspace(max(value / factor, 1e-4), min(value * factor, 1.0), _FINE_STEPS)
 
 
 def _errors(cost_model: CostModel, efficiency: Efficiency,
@@ -166,6 +183,13 @@ class _Terms:
         # Relative error, each sample scaled by its robustness weight.
         self.weights = weights / self.times
         self.num_seqs = np.array([len(s.batch) for s in samples], dtype=float)
+
+    def attention_s(self, attention: np.ndarray, memory: np.ndarray) -> np.ndarray:
+        """[k, a, m]: attention seconds of sample k at efficiencies (a, m)."""
+        inv_a, inv_m = 1 / attention, 1 / memory
+        return np.stack([np.maximum(att_c[:, None, None] * inv_a[None, :, None],
+                                    att_m[:, None, None] * inv_m[None, None, :]).sum(axis=0)
+                         for _, _, (att_c, att_m) in self.works])
 
     def search(self, linear: np.ndarray, attention: np.ndarray,
                memory: np.ndarray) -> tuple[float, float, float, float, float]:
@@ -217,3 +241,88 @@ def _fit_overheads(residual: np.ndarray, a: np.ndarray, b: np.ndarray):
     loss = (residual ** 2).sum(axis=0) - 2 * (overhead * ya + per_seq * yb) \
         + overhead ** 2 * saa + 2 * overhead * per_seq * sab + per_seq ** 2 * sbb
     return overhead, per_seq, loss
+
+
+# Knots of the linear curve: every row count up to 16 (kernels switch among small batches),
+# then steps of 1.5x.
+_SMALL_ROWS = 16
+_KNOT_GROWTH = 1.5
+# A knot one sample alone decides would fit that sample's noise (or disturbance) exactly.
+_MIN_KNOT_SAMPLES = 3
+
+
+class _CurveTerms:
+    """Least squares for `Efficiency.linear_curve` (seconds per parameter at each knot) and
+    the per-sequence overhead, given the attention efficiencies. The curve absorbs any fixed
+    per-step cost (a constant is indistinguishable from linear time at a row count)."""
+
+    def __init__(self, cost_model: CostModel, samples: Sequence[StepSample],
+                 weights: np.ndarray, terms: _Terms) -> None:
+        self.terms = terms
+        self.layer_rows = [sum(q.num_new_tokens for q in s.batch) for s in samples]
+        self.head_rows = [sum(q.is_sampling for q in s.batch) for s in samples]
+        self.params = (cost_model.layer_params, cost_model.head_params)
+        self.scale = weights / terms.times  # relative error, robustness-weighted
+        self.knots, self.design = self._select_knots()
+
+    def _select_knots(self) -> tuple[list[int] | None, np.ndarray | None]:
+        """Candidate knots up to the largest row count, less those fewer than
+        `_MIN_KNOT_SAMPLES` samples inform (repeated until all are); None when too few."""
+        largest = max(self.layer_rows)
+        knots = list(range(1, min(largest, _SMALL_ROWS) + 1))
+        while knots[-1] < largest:
+            knots.append(max(knots[-1] + 1, round(knots[-1] * _KNOT_GROWTH)))
+        while True:
+            design = self._design(knots)
+            used = (design[:, :-1] != 0).sum(axis=0) >= _MIN_KNOT_SAMPLES
+            if used.all():
+                break
+            knots = [k for k, keep in zip(knots, used, strict=True) if keep]
+        if len(self.layer_rows) <= len(knots) + 1:
+            return None, None
+        return knots, design
+
+    def _design(self, knots: list[int]) -> np.ndarray:
+        """[k, knots + 1]: seconds per unit of each knot's value, then of per-seq overhead."""
+        layer_params, head_params = self.params
+        columns = np.zeros((len(self.layer_rows), len(knots) + 1))
+        for i, (rows, sampled) in enumerate(zip(self.layer_rows, self.head_rows, strict=True)):
+            for params, count in ((layer_params, rows), (head_params, sampled)):
+                if count:
+                    for knot, weight in _hat_weights(knots, count):
+                        columns[i, knot] += params * weight
+        columns[:, -1] = self.terms.num_seqs
+        return columns * self.scale[:, None]
+
+    def solve(self, attention: float, memory: float) -> tuple[tuple[tuple[int, float], ...],
+                                                               float]:
+        """The curve and per-seq overhead at (attention, memory), every value positive: a
+        knot fitted non-positive is dropped (its neighbours interpolate over it)."""
+        target = self.terms.times - self.terms.attention_s(
+            np.array([attention]), np.array([memory]))[:, 0, 0]
+        target = target * self.scale
+        knots, design = self.knots, self.design
+        while True:
+            values, *_ = np.linalg.lstsq(design, target, rcond=None)
+            keep = values[:-1] > 0
+            if keep.all() or not keep.any():
+                break
+            knots = [k for k, ok in zip(knots, keep, strict=True) if ok]
+            design = self._design(knots)
+        curve = tuple((k, float(v)) for k, v in zip(knots, values[:-1], strict=True) if v > 0)
+        return curve, max(float(values[-1]), 0.0)
+
+
+def _hat_weights(knots: list[int], rows: int) -> list[tuple[int, float]]:
+    """Interpolation weights (knot index, weight) of `rows`, as `curve_seconds_per_param`
+    evaluates a curve on these knots."""
+    index = bisect.bisect_left(knots, rows)
+    if index < len(knots) and knots[index] == rows:
+        return [(index, 1.0)]
+    if index == 0:
+        return [(0, 1.0)]
+    if index == len(knots):
+        return [(index - 1, rows / knots[-1])]
+    low, high = knots[index - 1], knots[index]
+    fraction = (rows - low) / (high - low)
+    return [(index - 1, 1 - fraction), (index, fraction)]

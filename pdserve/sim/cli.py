@@ -55,8 +55,9 @@ def add_parsers(subparsers) -> None:
     cal.add_argument("--tp", type=int, default=1)
     cal.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"])
     source = cal.add_mutually_exclusive_group(required=True)
-    source.add_argument("--steps", metavar="FILE",
-                        help="step samples (JSONL) or benchmarks/engine.py --json output")
+    source.add_argument("--steps", metavar="FILE", nargs="+",
+                        help="step samples: JSONL such as `pdserve serve --step-log` writes, "
+                             "or benchmarks/engine.py --json output")
     source.add_argument("--measure", action="store_true",
                         help="run the real engine on this machine to measure steps")
     cal.add_argument("--num-threads", type=int, help="--measure: torch threads (cores)")
@@ -144,7 +145,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         if args.save_steps:
             save_samples(samples, args.save_steps)
     else:
-        samples = load_samples(args.steps)
+        samples = [s for path in args.steps for s in load_samples(path)]
     fit = fit_efficiency(CostModel(model, hardware, args.tp, dtype=args.dtype), samples)
     fit.efficiency.save(args.output, model=model.name, hardware=hardware.name, tp=args.tp,
                         **fit.metadata())

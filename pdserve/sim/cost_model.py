@@ -1,8 +1,9 @@
 """Physical cost of one engine step on one tensor-parallel group, and of moving KV caches.
 
-Step time = linear layers (roofline) + attention (per-sequence roofline) + TP all-reduces
-+ overhead. All FLOP and byte counts are per device: a TP group of `tp` devices splits the
-weights, the heads and the KV cache `tp` ways (KV heads are replicated once tp exceeds them).
+Step time = linear layers (roofline, or a measured curve) + attention (per-sequence roofline)
++ TP all-reduces + overhead. All FLOP and byte counts are per device: a TP group of `tp`
+devices splits the weights, the heads and the KV cache `tp` ways (KV heads are replicated once
+tp exceeds them).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pdserve.sim.efficiency import Efficiency, default_efficiency
+from pdserve.sim.efficiency import Efficiency, curve_seconds_per_param, default_efficiency
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import Hardware
 from pdserve.sim.model_spec import ModelSpec, dtype_bytes
@@ -99,10 +100,14 @@ class CostModel:
         self._flops_per_s = self.peak_linear_flops * eff.linear_compute
         self._attn_flops_per_s = self.peak_attention_flops * eff.attention_compute
         self._bytes_per_s = self.hardware.memory_bandwidth * eff.memory
-        self._layer_flops_per_token = 2 * m.num_layers * m.linear_params_per_layer / tp
-        self._layer_weight_bytes = m.num_layers * m.linear_params_per_layer * wbytes / tp
-        self._head_flops_per_token = 2 * m.lm_head_params / tp
-        self._head_weight_bytes = m.lm_head_params * wbytes / tp
+        self._weight_bytes = wbytes
+        # Parameters of the decoder layers' linears and of the LM head, per device.
+        self.layer_params = m.num_layers * m.linear_params_per_layer / tp
+        self.head_params = m.lm_head_params / tp
+        self._layer_flops_per_token = 2 * self.layer_params
+        self._layer_weight_bytes = self.layer_params * wbytes
+        self._head_flops_per_token = 2 * self.head_params
+        self._head_weight_bytes = self.head_params * wbytes
         # Q·K and P·V: 2 matmuls × 2 FLOPs per multiply-add, per query-key pair.
         self._attn_flops_per_pair = 4 * m.num_layers * m.q_size / tp
         self._kv_bytes_per_token_device = self.kv_bytes_per_token * self.kv_shard_fraction
@@ -122,11 +127,10 @@ class CostModel:
         """Seconds one forward pass over `batch` takes, by component."""
         num_tokens = sum(seq.num_new_tokens for seq in batch)
         num_sampled = sum(1 for seq in batch if seq.is_sampling)
-        flops_per_s, bytes_per_s = self._flops_per_s, self._bytes_per_s
-        linear = roofline(*self._linear_work(num_tokens), flops_per_s, bytes_per_s)
-        linear += roofline(*self._head_work(num_sampled), flops_per_s, bytes_per_s)
+        linear = self._linear_s(num_tokens, self.layer_params) + \
+            self._linear_s(num_sampled, self.head_params)
         attention = sum(roofline(*self._attention_work(seq), self._attn_flops_per_s,
-                                 bytes_per_s) for seq in batch)
+                                 self._bytes_per_s) for seq in batch)
         eff = self.efficiency
         overhead = eff.step_overhead_s + eff.per_seq_overhead_s * len(batch)
         return StepCost(linear, attention, self._all_reduces_s(num_tokens), overhead)
@@ -140,6 +144,17 @@ class CostModel:
         num_sampled = sum(1 for seq in batch if seq.is_sampling)
         return StepWork(self._linear_work(num_tokens), self._head_work(num_sampled),
                         tuple(self._attention_work(seq) for seq in batch), len(batch))
+
+    def _linear_s(self, num_rows: int, num_params: float) -> float:
+        """Seconds of linear layers holding `num_params` parameters (per device) over
+        `num_rows` rows: the calibrated curve where there is one, else the roofline."""
+        if num_rows == 0:
+            return 0.0
+        curve = self.efficiency.linear_curve
+        if curve:
+            return num_params * curve_seconds_per_param(curve, num_rows)
+        return roofline(2 * num_rows * num_params, num_params * self._weight_bytes,
+                        self._flops_per_s, self._bytes_per_s)
 
     def _linear_work(self, num_tokens: int) -> tuple[float, float]:
         return num_tokens * self._layer_flops_per_token, self._layer_weight_bytes

@@ -7,6 +7,7 @@ them with a fit to measured step times and saves them as JSON.
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -26,8 +27,21 @@ class Efficiency:
     step_overhead_s: float = 2e-3
     # The part of that overhead that grows with the number of sequences in the batch.
     per_seq_overhead_s: float = 1e-5
+    # Measured linear-layer speed in place of the roofline: (rows, seconds per parameter)
+    # knots, rows increasing; a layer of P parameters over M rows takes P × curve(M),
+    # interpolated between knots and growing in proportion to M past the last. Kernels switch
+    # with the row count (a GEMV below a few rows, blocked GEMMs above), which one efficiency
+    # cannot follow. Empty: the roofline.
+    linear_curve: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "linear_curve",
+                           tuple((int(m), float(t)) for m, t in self.linear_curve))
+        rows = [m for m, _ in self.linear_curve]
+        if any(m < 1 for m in rows) or rows != sorted(set(rows)):
+            raise SimConfigError("efficiency linear_curve rows must be positive and increasing")
+        if any(not t > 0 for _, t in self.linear_curve):
+            raise SimConfigError("efficiency linear_curve seconds must be positive")
         for name in ("linear_compute", "attention_compute", "memory", "network"):
             value = getattr(self, name)
             if not 0 < value <= 1:
@@ -53,6 +67,21 @@ class Efficiency:
         if unknown:
             raise SimConfigError(f"--calibration: {path} has unknown keys {sorted(unknown)}")
         return cls(**data)
+
+
+def curve_seconds_per_param(curve: tuple[tuple[int, float], ...], num_rows: int) -> float:
+    """Seconds per parameter of a linear layer over `num_rows` rows, from a non-empty
+    `Efficiency.linear_curve` (constant below its first knot)."""
+    index = bisect.bisect_left(curve, (num_rows, 0.0))
+    if index < len(curve) and curve[index][0] == num_rows:
+        return curve[index][1]
+    if index == 0:
+        return curve[0][1]
+    if index == len(curve):  # past the last knot: compute-bound, time ∝ rows
+        rows, seconds = curve[-1]
+        return seconds * num_rows / rows
+    (m0, t0), (m1, t1) = curve[index - 1], curve[index]
+    return t0 + (t1 - t0) * (num_rows - m0) / (m1 - m0)
 
 
 # The local CPU before calibration: AMX matmuls reach a fraction of their peak, and a

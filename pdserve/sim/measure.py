@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 from collections.abc import Callable
 
 from pdserve.core.sampling_params import SamplingParams
@@ -60,25 +59,15 @@ def measure_step_samples(*, num_threads: int | None = None, model: str | None = 
 
 def _run_timed(engine) -> list[StepSample]:
     """Step the engine until idle, recording each step's composition and wall time."""
-    scheduler = engine.scheduler
-    real_schedule = scheduler.schedule
-    batch: list[SeqWork] = []
+    samples: list[StepSample] = []
 
-    def recording_schedule():
-        output = real_schedule()
-        batch[:] = [SeqWork(s.num_new_tokens, s.request.num_computed_tokens, s.is_sampling)
-                    for s in output.scheduled]
-        return output
+    def record(step) -> None:
+        samples.append(StepSample(tuple(SeqWork(*seq) for seq in step.batch), step.step_s))
 
-    scheduler.schedule = recording_schedule
-    samples = []
+    engine.step_observers.append(record)
     try:
         while engine.has_unfinished_requests():
-            start = time.perf_counter()
             engine.step()
-            elapsed = time.perf_counter() - start
-            if batch:
-                samples.append(StepSample(tuple(batch), elapsed))
     finally:
-        del scheduler.schedule  # back to the class's method
+        engine.step_observers.remove(record)
     return samples

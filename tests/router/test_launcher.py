@@ -84,6 +84,15 @@ def test_plan_pins_prefill_then_decode_workers(tmp_path):
     assert decode.log_path == tmp_path / "decode-0.log"
 
 
+def test_each_worker_logs_its_steps_to_its_own_file(tmp_path):
+    parser = serve_like_parser()
+    args = parser.parse_args(["--mode", "disagg", "--worker-log-dir", str(tmp_path),
+                              "--step-log", str(tmp_path / "steps.jsonl")])
+    logs = [w.command[w.command.index("--step-log") + 1] for w in plan_workers(args, parser)]
+    assert logs == [str(tmp_path / "steps.prefill-0.jsonl"),
+                    str(tmp_path / "steps.decode-0.jsonl")]
+
+
 def stub_spec(tmp_path, name: str, cores: tuple[int, ...]) -> WorkerSpec:
     port = free_port()
     command = (sys.executable, "-m", "tests.router.stub_worker", "--role", "decode",

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -31,6 +32,26 @@ def test_fit_recovers_known_factors():
     assert fit.efficiency.linear_compute == pytest.approx(0.21, rel=0.1)
     assert fit.efficiency.memory == pytest.approx(0.55, rel=0.1)
     assert fit.efficiency.step_overhead_s == pytest.approx(0.006, rel=0.15)
+    assert not fit.efficiency.linear_curve  # a roofline world is best told by the roofline
+
+
+def test_curve_follows_a_kernel_switch_the_roofline_cannot():
+    """A GEMV kernel for up to 8 rows that is slower per row than the GEMM above it (as on
+    this machine with two threads): the fitted curve follows it, the roofline alone not."""
+    roofline = CostModel(SMOL, CPU, efficiency=TRUTH)
+
+    def measured(batch):
+        num_rows, cost = sum(q.num_new_tokens for q in batch), roofline.step_cost(batch)
+        return cost.total_s + (0.6 * cost.linear_s if 4 <= num_rows <= 8 else 0.0)
+
+    batches = _batches() + [(SeqWork(1, c, True),) * b for b in range(1, 13)
+                            for c in (100, 400, 900)]
+    samples = [StepSample(b, measured(b)) for b in batches]
+    fit = fit_efficiency(CostModel(SMOL, CPU), samples)
+    assert fit.efficiency.linear_curve
+    assert fit.mean_abs_rel_error < 0.02 and fit.max_abs_rel_error < 0.1
+    plain = CostModel(SMOL, CPU, efficiency=dataclasses.replace(fit.efficiency, linear_curve=()))
+    assert max(abs(plain.step_time(s.batch) - s.step_s) / s.step_s for s in samples) > 0.15
 
 
 def test_fit_tolerates_noise():

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from pdserve.sim.cost_model import CostModel, SeqWork, ring_all_reduce_s
@@ -94,3 +96,29 @@ def test_prefill_time_in_chunks_costs_more_attention_passes():
     # Same FLOPs either way, but each chunk re-reads the weights (and the KV so far).
     assert chunked >= whole
     assert chunked == pytest.approx(whole, rel=0.05)
+
+
+def test_measured_linear_curve_replaces_the_roofline():
+    curve = ((1, 1e-11), (8, 2e-11), (16, 8e-11))
+    model = CostModel(LLAMA_8B, H100, efficiency=dataclasses.replace(IDEAL, linear_curve=curve))
+    params = 32 * 218_103_808 + 128256 * 4096
+
+    def linear_s(num_rows):
+        return model.step_cost([SeqWork(1, 0)] * num_rows).linear_s
+
+    assert linear_s(8) == pytest.approx(params * 2e-11)  # on a knot
+    assert linear_s(12) == pytest.approx(params * 5e-11)  # halfway between knots
+    assert linear_s(32) == pytest.approx(params * 16e-11)  # past the last: ∝ rows
+    # A prompt samples one row: the LM head is read at one row, the layers at 16.
+    prefill = model.step_cost([SeqWork(16, 0)]).linear_s
+    assert prefill == pytest.approx(32 * 218_103_808 * 8e-11 + 128256 * 4096 * 1e-11)
+
+
+def test_linear_curve_must_be_increasing_and_positive(tmp_path):
+    with pytest.raises(SimConfigError, match="increasing"):
+        Efficiency(linear_curve=((4, 1e-11), (2, 1e-11)))
+    with pytest.raises(SimConfigError, match="positive"):
+        Efficiency(linear_curve=((1, 0.0),))
+    saved = Efficiency(linear_curve=((1, 1e-11), (4, 3e-11)))
+    saved.save(tmp_path / "cal.json")
+    assert Efficiency.load(tmp_path / "cal.json") == saved
