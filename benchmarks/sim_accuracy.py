@@ -1,8 +1,11 @@
 """How well the calibrated simulator predicts real runs on this machine.
 
-1. Calibrate (a separate run from the measurement, so nothing is fitted to the answer): the
-   real engine's step times on 2 threads (the colocated/chunked server) and on 1 thread (each
-   disaggregated worker), fitted by `pdserve simulate calibrate --measure`.
+1. Calibrate on a separate run, so nothing is fitted to the answer: `pdserve bench compare`
+   on the same kind of workload at another seed, every server logging its engine steps
+   (`--step-log`); `pdserve simulate calibrate --steps` fits 2-thread hardware to the
+   colocated and chunked servers' steps and 1-thread hardware to the disaggregated workers'.
+   Served steps carry what a scripted measurement misses: the HTTP server and the benchmark
+   client sharing the two cores with the engine's threads.
 2. Measure: `pdserve bench compare` on the workload and seed (all three modes, real servers).
 3. Predict: replay each mode's requests (same arrival times, lengths, concurrency) through
    `pdserve simulate` with the matching layout and calibration.
@@ -11,8 +14,8 @@
     .venv/bin/python benchmarks/sim_accuracy.py [--out DIR] [--num-prompts N]
         [--request-rate R] [--workload NAME] [--seed S] [--reuse]
 
-`--reuse` skips steps whose outputs already exist in DIR (calibrations, compare.json), and
-refits calibrations from saved step samples rather than measuring again.
+`--reuse` skips runs whose outputs already exist in DIR (the step logs, compare.json) and
+refits the calibrations from the saved step logs.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ LAYOUTS = {
     "disagg": ["--mode", "disagg", "--prefill-workers", "1", "--decode-workers", "1"],
 }
 THREADS = {"colocated": 2, "chunked": 2, "disagg": 1}
+# The calibration run's workload seed is the measured run's plus this: other prompts, other
+# arrival times.
+CALIBRATION_SEED = 1000
 
 
 def pdserve(*argv: str) -> None:
@@ -46,17 +52,25 @@ def hardware(threads: int) -> str:
     return "cpu-local" if threads == 1 else f"cpu-local:{threads}"
 
 
-def calibrate(out: Path, threads: int, reuse: bool) -> Path:
-    """Fit on `threads` cores; with --reuse, refit from saved steps instead of measuring."""
-    path = out / f"calibration-{threads}-thread.json"
-    steps = out / f"steps-{threads}-thread.jsonl"
-    if reuse and path.exists():
-        return path
-    source = ["--steps", str(steps)] if reuse and steps.exists() else \
-        ["--measure", "--num-threads", str(threads), "--save-steps", str(steps)]
-    pdserve("simulate", "calibrate", "--hardware", hardware(threads), *source,
-            "--output", str(path))
-    return path
+def calibrate(out: Path, workload: list[str], reuse: bool) -> dict[int, Path]:
+    """Serve the calibration run (logging steps) unless reused; fit each thread count."""
+    logs = out / "calibration"
+    if not (reuse and logs.exists()):
+        for old in logs.glob("*.jsonl"):
+            old.unlink()  # step logs append
+        logs.mkdir(parents=True, exist_ok=True)
+        pdserve("bench", "compare", *workload, "--server-args",
+                f"--step-log {logs}/steps-{{mode}}.jsonl", "--report", str(logs / "report"),
+                "--save-result", str(logs / "compare.json"), "--no-progress")
+    calibrations = {}
+    for threads in sorted(set(THREADS.values())):
+        steps = [str(path) for mode, n in THREADS.items() if n == threads
+                 for path in sorted(logs.glob(f"steps-{mode}*.jsonl"))]
+        path = out / f"calibration-{threads}-thread.json"
+        pdserve("simulate", "calibrate", "--hardware", hardware(threads), "--steps", *steps,
+                "--output", str(path))
+        calibrations[threads] = path
+    return calibrations
 
 
 def measure(out: Path, workload: list[str], reuse: bool) -> dict:
@@ -85,9 +99,11 @@ def main() -> int:
     parser.add_argument("--reuse", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    calibrations = {n: calibrate(args.out, n, args.reuse) for n in sorted(set(THREADS.values()))}
     workload = ["--workload", args.workload, "--num-prompts", str(args.num_prompts),
-                "--request-rate", args.request_rate, "--seed", str(args.seed)]
+                "--request-rate", args.request_rate]
+    calibrations = calibrate(args.out, [*workload, "--seed", str(args.seed + CALIBRATION_SEED)],
+                             args.reuse)
+    workload += ["--seed", str(args.seed)]
     runs = measure(args.out, workload, args.reuse)
     rows = []
     for mode in LAYOUTS:

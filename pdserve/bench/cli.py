@@ -231,7 +231,12 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
         default=" ".join(DEFAULT_SERVER_COMMAND),
         help="command template, placeholders {python} {mode} {host} {port} (default: %(default)s)",
     )
-    g.add_argument("--server-args", default="", help="extra arguments for every server")
+    g.add_argument(
+        "--server-args",
+        default="",
+        help="extra arguments for every server, placeholders as --server-cmd "
+        "(e.g. '--step-log steps-{mode}.jsonl')",
+    )
     g.add_argument(
         "--health-timeout", type=float, default=600.0, help="seconds to wait for GET /health == 200"
     )

@@ -38,7 +38,8 @@ _LOG_TAIL_LINES = 20
 class LaunchConfig:
     """How to start one server per mode.
 
-    `command` is an argv template (see DEFAULT_SERVER_COMMAND); `extra_args` are appended.
+    `command` is an argv template (see DEFAULT_SERVER_COMMAND); `extra_args` are appended,
+    with the same placeholders (e.g. a per-mode `--step-log steps-{mode}.jsonl`).
     The child's stdout and stderr go to `log_dir/server-MODE.log`.
     """
 
@@ -64,10 +65,11 @@ class LaunchConfig:
         """The command for one mode, placeholders filled in."""
         values = {"python": sys.executable, "mode": mode, "host": self.host, "port": str(port)}
         try:
-            return [part.format(**values) for part in self.command] + list(self.extra_args)
+            return [part.format(**values) for part in (*self.command, *self.extra_args)]
         except (KeyError, IndexError, ValueError) as exc:
+            template = " ".join((*self.command, *self.extra_args))
             raise BenchError(
-                f"--server-cmd: bad placeholder {exc} in {' '.join(self.command)!r}; "
+                f"--server-cmd/--server-args: bad placeholder {exc} in {template!r}; "
                 "use {python}, {mode}, {host}, {port}"
             ) from None
 

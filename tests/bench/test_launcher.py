@@ -71,7 +71,7 @@ def test_stop_process_escalates_to_sigkill():
 def test_command_template_placeholders():
     config = LaunchConfig(
         command=("x", "--mode", "{mode}", "--port={port}", "{host}"),
-        extra_args=("--max-num-seqs", "4"),
+        extra_args=("--max-num-seqs", "4", "--step-log", "steps-{mode}.jsonl"),
     )
     assert config.argv("chunked", 8123) == [
         "x",
@@ -81,6 +81,8 @@ def test_command_template_placeholders():
         "127.0.0.1",
         "--max-num-seqs",
         "4",
+        "--step-log",
+        "steps-chunked.jsonl",
     ]
     with pytest.raises(BenchError, match=r"bad placeholder 'model'"):
         LaunchConfig(command=("x", "{model}")).argv("chunked", 1)
