@@ -34,7 +34,8 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    # Any of these ends the request (models such as Llama-3 instruct have several).
+    eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
@@ -93,7 +94,7 @@ class Request:
         if self.num_output_tokens < params.min_tokens:
             return None
         last = self.output_token_ids[-1]
-        if not params.ignore_eos and last == self.eos_token_id:
+        if not params.ignore_eos and last in self.eos_token_ids:
             return FinishReason.STOP
         if last in params.stop_token_ids:
             return FinishReason.STOP

@@ -74,6 +74,11 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.model_config = self.loaded.config
         self.model_name = self.loaded.name
+        # The model config's EOS ids (generation_config.json's list, GGUF eos + eot) and the
+        # tokenizer's.
+        tokenizer_eos = self.tokenizer.eos_token_id
+        self._eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
+            {tokenizer_eos} if tokenizer_eos is not None else set())
         num_blocks = self._num_kv_blocks()
         self.max_model_len = min(self.model_config.max_position_embeddings,
                                  config.max_model_len or self.model_config.max_position_embeddings,
@@ -141,7 +146,7 @@ class LLMEngine:
                                         f"must be below the vocabulary size {vocab_size}")
         first_tokens = self._validate_kv_transfer_params(kv_transfer_params, prompt_token_ids)
         request = Request(request_id, list(prompt_token_ids), params,
-                          eos_token_id=self.tokenizer.eos_token_id,
+                          eos_token_ids=self._eos_token_ids,
                           output_token_ids=first_tokens,
                           kv_transfer_params=kv_transfer_params)
         if arrival_time is not None:

@@ -47,9 +47,7 @@ class Sampler:
             params = request.sampling_params
             if request.num_output_tokens >= params.min_tokens:
                 continue
-            banned = list(params.stop_token_ids)
-            if request.eos_token_id is not None:
-                banned.append(request.eos_token_id)
+            banned = [*params.stop_token_ids, *request.eos_token_ids]
             logits[row, banned] = float("-inf")
 
     def _sample_row(self, row: torch.Tensor, request: Request) -> int:

@@ -23,8 +23,6 @@ MAX_STOP_TOKEN_IDS = 256
 
 
 class Tokenizer(Protocol):
-    eos_token_id: int | None
-
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...

@@ -32,6 +32,9 @@ _MIN_OUTLIER_ERROR = 0.25
 # Reweighting rounds, and the error below which a sample's weight stops growing.
 _REWEIGHTINGS = 4
 _MIN_WEIGHTED_ERROR = 0.01
+# Step-time jitter: quantiles kept (every 1%), and the samples needed to estimate them.
+_JITTER_QUANTILES = 101
+_MIN_JITTER_SAMPLES = 20
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,9 @@ def fit_efficiency(cost_model: CostModel, samples: Sequence[StepSample],
     drag a least-squares fit, so it is made robust: a few rounds of reweighting each sample
     by the inverse of its error (approaching least absolute relative error), then samples
     off by more than `_OUTLIER_FACTOR` × the median error are set aside for a last fit.
+    The jitter the simulator draws from is how the kept samples' measured times spread
+    around the model's (the set-aside steps stay out of it too: they are the calibration
+    machine's accidents, not the served engine's normal variation).
     """
     if len(samples) < 3:
         raise SimConfigError(f"calibration needs at least 3 step samples, got {len(samples)}")
@@ -122,6 +128,12 @@ def fit_efficiency(cost_model: CostModel, samples: Sequence[StepSample],
     if len(samples) > len(kept) >= 3:
         fit = _fit(cost_model, kept, network, np.ones(len(kept)))
     errors = _errors(cost_model, fit, kept)
+    if len(kept) >= _MIN_JITTER_SAMPLES:
+        predicted = np.array(_predictions(cost_model, fit, kept))
+        ratios = np.array([s.step_s for s in kept]) / predicted
+        quantiles = np.quantile(ratios, np.linspace(0, 1, _JITTER_QUANTILES))
+        fit = dataclasses.replace(fit, step_jitter=tuple(round(float(q), 4) for q in quantiles),
+                                  jitter_step_s=float(np.median(predicted)))
     return Fit(fit, float(np.mean(errors)), float(np.max(errors)), len(kept),
                len(samples) - len(kept))
 
@@ -157,10 +169,16 @@ def _around(value: float, factor: float) -> np.ndarray:
 def _errors(cost_model: CostModel, efficiency: Efficiency,
             samples: Sequence[StepSample]) -> list[float]:
     """|predicted − measured| / measured per sample."""
+    return [abs(p - s.step_s) / s.step_s
+            for s, p in zip(samples, _predictions(cost_model, efficiency, samples), strict=True)]
+
+
+def _predictions(cost_model: CostModel, efficiency: Efficiency,
+                 samples: Sequence[StepSample]) -> list[float]:
     model = CostModel(cost_model.model, cost_model.hardware, cost_model.tp,
                       dtype=cost_model.dtype, kv_dtype=cost_model.kv_dtype,
                       efficiency=efficiency, inter_node_link=cost_model.tp_link)
-    return [abs(model.step_time(s.batch) - s.step_s) / s.step_s for s in samples]
+    return [model.step_time(s.batch) for s in samples]
 
 
 class _Terms:
@@ -297,20 +315,29 @@ class _CurveTerms:
     def solve(self, attention: float, memory: float) -> tuple[tuple[tuple[int, float], ...],
                                                                float]:
         """The curve and per-seq overhead at (attention, memory), every value positive: a
-        knot fitted non-positive is dropped (its neighbours interpolate over it)."""
+        knot fitted non-positive is dropped (its neighbours interpolate over it), and a
+        negative per-seq overhead is fixed at zero. (Where every step is a decode, sequences
+        and rows are the same count and only this keeps the two apart.)"""
         target = self.terms.times - self.terms.attention_s(
             np.array([attention]), np.array([memory]))[:, 0, 0]
         target = target * self.scale
-        knots, design = self.knots, self.design
+        knots, design, has_per_seq = self.knots, self.design, True
         while True:
-            values, *_ = np.linalg.lstsq(design, target, rcond=None)
-            keep = values[:-1] > 0
-            if keep.all() or not keep.any():
+            columns = design if has_per_seq else design[:, :-1]
+            # Columns scaled to unit norm: knots at many rows and the per-seq count differ
+            # by orders of magnitude.
+            norms = np.linalg.norm(columns, axis=0)
+            values = np.linalg.lstsq(columns / norms, target, rcond=None)[0] / norms
+            curve_values, per_seq = values[:len(knots)], values[-1] if has_per_seq else 0.0
+            keep = curve_values > 0
+            if (keep.all() and per_seq >= 0) or not keep.any():
                 break
-            knots = [k for k, ok in zip(knots, keep, strict=True) if ok]
-            design = self._design(knots)
-        curve = tuple((k, float(v)) for k, v in zip(knots, values[:-1], strict=True) if v > 0)
-        return curve, max(float(values[-1]), 0.0)
+            has_per_seq = has_per_seq and per_seq >= 0
+            if not keep.all():
+                knots = [k for k, ok in zip(knots, keep, strict=True) if ok]
+                design = self._design(knots)
+        curve = tuple((k, float(v)) for k, v in zip(knots, curve_values, strict=True) if v > 0)
+        return curve, max(float(per_seq), 0.0)
 
 
 def _hat_weights(knots: list[int], rows: int) -> list[tuple[int, float]]:

@@ -155,6 +155,13 @@ def _calibrate(args: argparse.Namespace) -> int:
           f"{e.memory:.3f} of peak; overhead "
           f"{e.step_overhead_s * 1e3:.2f} ms/step + {e.per_seq_overhead_s * 1e3:.3f} ms/seq; "
           f"error mean {fit.mean_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}")
+    if e.linear_curve:
+        print(f"linear layers: measured curve over {len(e.linear_curve)} row counts "
+              f"({e.linear_curve[0][0]}-{e.linear_curve[-1][0]}), time ∝ rows beyond")
+    if e.step_jitter:
+        quantiles = ", ".join(f"p{p} {e.step_jitter[round(p / 100 * (len(e.step_jitter) - 1))]:.2f}"
+                              for p in (10, 50, 90, 99))
+        print(f"step jitter (measured / modelled): {quantiles}")
     print(f"saved {args.output}")
     return 0
 

@@ -72,6 +72,8 @@ class SimConfig:
     max_concurrency: int | None = None
     # Stop the clock here; requests still in flight are reported incomplete.
     horizon_s: float | None = None
+    # Seeds the step-time jitter draws of a calibrated `efficiency`.
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if (self.mode is Mode.DISAGG) != (self.prefill_pool is not None):

@@ -55,6 +55,10 @@ class StepCost:
     def total_s(self) -> float:
         return self.linear_s + self.attention_s + self.communication_s + self.overhead_s
 
+    def scaled(self, factor: float) -> StepCost:
+        return StepCost(self.linear_s * factor, self.attention_s * factor,
+                        self.communication_s * factor, self.overhead_s * factor)
+
 
 def roofline(flops: float, num_bytes: float, flops_per_s: float, bytes_per_s: float) -> float:
     """Seconds for a kernel bounded by whichever of compute and memory traffic is slower."""

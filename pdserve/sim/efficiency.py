@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
+import random
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -33,6 +35,13 @@ class Efficiency:
     # with the row count (a GEMV below a few rows, blocked GEMMs above), which one efficiency
     # cannot follow. Empty: the roofline.
     linear_curve: tuple[tuple[int, float], ...] = ()
+    # Measured / modelled step time at evenly spaced probabilities 0..1 (ascending), over
+    # steps of typically `jitter_step_s`: the simulator multiplies each step by a draw from
+    # it (threads losing their core to the HTTP server or a KV transfer). Interruptions
+    # average out over longer steps, so there the draw's deviation from 1 shrinks as
+    # sqrt(jitter_step_s / step). Empty: every step takes exactly the modelled time.
+    step_jitter: tuple[float, ...] = ()
+    jitter_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "linear_curve",
@@ -42,6 +51,27 @@ class Efficiency:
             raise SimConfigError("efficiency linear_curve rows must be positive and increasing")
         if any(not t > 0 for _, t in self.linear_curve):
             raise SimConfigError("efficiency linear_curve seconds must be positive")
+        object.__setattr__(self, "step_jitter", tuple(float(q) for q in self.step_jitter))
+        jitter = self.step_jitter
+        if len(jitter) == 1 or any(not q > 0 for q in jitter) or list(jitter) != sorted(jitter):
+            raise SimConfigError("efficiency step_jitter must be at least 2 positive "
+                                 "quantiles in ascending order")
+        if self.step_jitter and not self.jitter_step_s > 0:
+            raise SimConfigError("efficiency jitter_step_s must be positive with step_jitter")
+
+    def draw_jitter(self, rng: random.Random, step_s: float) -> float:
+        """A factor for a step modelled at `step_s`, drawn from `step_jitter` (1.0 without
+        one)."""
+        jitter = self.step_jitter
+        if not jitter:
+            return 1.0
+        position = rng.random() * (len(jitter) - 1)
+        index = min(int(position), len(jitter) - 2)
+        fraction = position - index
+        factor = jitter[index] + (jitter[index + 1] - jitter[index]) * fraction
+        if step_s > self.jitter_step_s:
+            factor = 1 + (factor - 1) * math.sqrt(self.jitter_step_s / step_s)
+        return factor
         for name in ("linear_compute", "attention_compute", "memory", "network"):
             value = getattr(self, name)
             if not 0 < value <= 1:

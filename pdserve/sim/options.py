@@ -180,7 +180,7 @@ class Deployment:
             enable_prefix_caching=a.enable_prefix_caching,
             memory_utilization=a.memory_utilization, num_kv_blocks=a.num_kv_blocks,
             kv_cache_memory_gb=kv_gb, prefill_policy=a.prefill_policy,
-            decode_policy=a.decode_policy)
+            decode_policy=a.decode_policy, seed=a.seed)
         fields.update(overrides)
         return SimConfig(self.model, self.hardware, mode, pool, prefill_pool, **fields)
 

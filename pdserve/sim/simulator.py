@@ -123,7 +123,7 @@ class Simulation:
         for i in range(pool.num_workers):
             node = self._next_device // cfg.hardware.devices_per_node
             self._next_device += pool.tp
-            worker = SimWorker(f"{name}-{i}", cost, sched, cache, node)
+            worker = SimWorker(f"{name}-{i}", cost, sched, cache, node, seed=cfg.seed)
             if cfg.prefill_pool is not None:
                 worker.connector = SimKVConnector(partial(self._start_kv_transfer, worker))
                 worker.scheduler.connector = worker.connector

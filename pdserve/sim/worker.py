@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from pdserve.core.config import CacheConfig, SchedulerConfig
@@ -48,9 +49,11 @@ class SimWorker:
 
     def __init__(self, worker_id: str, cost_model: CostModel, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, node: int,
-                 connector: SimKVConnector | None = None) -> None:
+                 connector: SimKVConnector | None = None, seed: int = 0) -> None:
         self.worker_id = worker_id
         self.cost_model = cost_model
+        # Step-time jitter draws: one stream per worker, reproducible per seed.
+        self._rng = random.Random(f"{seed}:{worker_id}")
         self.node = node
         self.connector = connector
         self.scheduler = Scheduler(scheduler_config, cache_config, connector)
@@ -78,6 +81,7 @@ class SimWorker:
         # Whether a request samples depends on its progress before the step: note it now.
         self._sampling = [s.request for s in output.scheduled if s.is_sampling]
         cost = self.cost_model.step_cost(batch)
+        cost = cost.scaled(self.cost_model.efficiency.draw_jitter(self._rng, cost.total_s))
         self.stats.add(cost, output.num_batched_tokens)
         self._output = output
         self.is_busy = True

@@ -14,7 +14,7 @@ def make_request(request_id: str, num_prompt: int, max_tokens: int = 4, first_to
                  **params) -> Request:
     prompt = [first_token + i for i in range(num_prompt)]
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)
-    return Request(request_id, prompt, sampling, eos_token_id=EOS)
+    return Request(request_id, prompt, sampling, eos_token_ids=frozenset({EOS}))
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, **kwargs) -> Scheduler:

@@ -8,7 +8,7 @@ VOCAB = 50
 
 
 def _request(request_id="r", **params):
-    return Request(request_id, [1, 2, 3], SamplingParams(**params), eos_token_id=7)
+    return Request(request_id, [1, 2, 3], SamplingParams(**params), eos_token_ids=frozenset({7}))
 
 
 def _logits(seed=0):

@@ -101,3 +101,17 @@ def test_disturbed_steps_are_set_aside():
     assert fit.num_outliers == 2
     assert fit.mean_abs_rel_error < 0.02
     assert fit.efficiency.linear_compute == pytest.approx(0.21, rel=0.1)
+
+
+def test_jitter_records_the_spread_of_measured_around_modelled_steps():
+    truth = CostModel(SMOL, CPU, efficiency=TRUTH)
+    batches = _batches() * 3
+    noisy = [StepSample(b, truth.step_time(b) * (1.0, 0.9, 1.1)[i % 3])
+             for i, b in enumerate(batches)]
+    jitter = fit_efficiency(CostModel(SMOL, CPU), noisy).efficiency.step_jitter
+    assert len(jitter) == 101
+    assert jitter[0] == pytest.approx(0.9, abs=0.03) and jitter[-1] == pytest.approx(1.1, abs=0.03)
+    assert jitter[50] == pytest.approx(1.0, abs=0.03)
+    exact = [StepSample(b, truth.step_time(b)) for b in batches]
+    exact_jitter = fit_efficiency(CostModel(SMOL, CPU), exact).efficiency.step_jitter
+    assert exact_jitter == pytest.approx((1.0,) * 101, abs=0.002)

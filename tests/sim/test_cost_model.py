@@ -1,4 +1,5 @@
 import dataclasses
+import random
 
 import pytest
 
@@ -122,3 +123,18 @@ def test_linear_curve_must_be_increasing_and_positive(tmp_path):
     saved = Efficiency(linear_curve=((1, 1e-11), (4, 3e-11)))
     saved.save(tmp_path / "cal.json")
     assert Efficiency.load(tmp_path / "cal.json") == saved
+
+
+def test_jitter_draws_follow_the_quantiles_and_average_out_over_long_steps():
+    jitter = Efficiency(step_jitter=(0.5, 1.0, 2.0), jitter_step_s=0.01)
+    rng = random.Random(0)
+    short = sorted(jitter.draw_jitter(rng, 0.01) for _ in range(2000))
+    assert short[0] >= 0.5 and short[-1] <= 2.0
+    assert short[1000] == pytest.approx(1.0, abs=0.05)
+    assert short[1500] == pytest.approx(1.5, abs=0.05)  # 75%: halfway from 1.0 to 2.0
+    # A step 100× as long: deviations shrink 10×.
+    long = [jitter.draw_jitter(rng, 1.0) for _ in range(2000)]
+    assert min(long) >= 0.95 and max(long) <= 1.1
+    assert Efficiency().draw_jitter(rng, 0.01) == 1.0
+    with pytest.raises(SimConfigError, match="ascending"):
+        Efficiency(step_jitter=(1.2, 0.9), jitter_step_s=0.01)

@@ -4,6 +4,7 @@ import pytest
 
 import pdserve.core.scheduler as core_scheduler
 from pdserve.sim.config import Mode, with_scheduler
+from pdserve.sim.efficiency import Efficiency
 from pdserve.sim.network import get_network
 from pdserve.sim.simulator import Simulation, simulate
 from pdserve.sim.workload import SimRequestSpec
@@ -136,3 +137,17 @@ def test_router_policies_spread_load():
     sim = Simulation(make_config(num_workers=4, decode_policy="round_robin"), specs)
     sim.run()
     assert [w.stats.num_steps > 0 for w in sim.main.workers] == [True] * 4
+
+
+def test_step_jitter_is_reproducible_per_seed():
+    jittery = Efficiency(step_jitter=(0.8, 1.0, 1.5), jitter_step_s=0.05)
+    specs = poisson_specs(40, 20.0, seed=1)
+
+    def timelines(**kwargs):
+        return _timelines(simulate(make_config(Mode.CHUNKED, **kwargs), specs))
+
+    steady = timelines(efficiency=replace(jittery, step_jitter=()))
+    first = timelines(efficiency=jittery, seed=3)
+    assert first == timelines(efficiency=jittery, seed=3)
+    assert first != timelines(efficiency=jittery, seed=4)
+    assert first != steady
