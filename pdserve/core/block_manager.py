@@ -6,10 +6,12 @@ by a chained hash (parent hash + the block's token ids), so a later request whos
 with the same tokens reuses them instead of recomputing.
 
 Invariants:
-- A block is in exactly one of: the free queue (ref_count == 0) or some block tables
-  (ref_count == number of tables holding it).
+- A block is in exactly one of: never used (ids from `_num_used_ids` up, created on first
+  use so a large cache costs nothing up front), the free queue (ref_count == 0), or some block
+  tables (ref_count == number of tables holding it).
 - A free block may still hold cached content (its hash stays registered) until it is evicted,
-  least recently freed first, when a fresh block is needed.
+  least recently freed first, when a fresh block is needed and no empty one is left. Freed
+  blocks without content sit at the front of the free queue, cached ones at the back.
 - A hash hit is verified against the stored token ids and parent hash before reuse, so a hash
   collision can only cost a cache miss, never a wrong KV.
 """
@@ -61,9 +63,12 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._hash_fn = hash_fn
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # Free blocks in eviction order: the front is evicted first.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Blocks ever used, by id; ids from `_num_used_ids` up are free and empty.
+        self.blocks: dict[int, Block] = {}
+        self._num_used_ids = 0
+        # Free blocks once used, in reuse order: empty ones first, then cached content
+        # least recently freed first (the eviction order).
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[BlockHash, int] = {}
         # Per request: the hashes of its full blocks registered so far (a chain prefix).
         self._block_hashes: dict[str, list[BlockHash]] = {}
@@ -73,12 +78,12 @@ class BlockManager:
     # ---- queries -----------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._num_used_ids
 
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests (cached-but-free blocks count as free)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -122,7 +127,7 @@ class BlockManager:
         num_needed = self.num_blocks_needed(total) - len(request.block_table) - len(computed_blocks)
         # Hit blocks sitting in the free queue are taken out of it, so they don't count as free.
         num_hits_free = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
-        if num_needed > len(self._free) - num_hits_free:
+        if num_needed > self.num_free_blocks - num_hits_free:
             return False
         if not request.block_table and self.enable_prefix_caching:  # an admission
             self.num_prefix_queries += request.num_prompt_tokens
@@ -187,10 +192,17 @@ class BlockManager:
         block.ref_count += 1
 
     def _allocate_fresh(self) -> int:
-        block_id, _ = self._free.popitem(last=False)
-        block = self.blocks[block_id]
+        """An empty block: a freed empty one, else a never-used one, else the least
+        recently freed cached one, its content evicted."""
+        front = next(iter(self._free), None)
+        if (front is None or self.blocks[front].block_hash is not None) and \
+                self._num_used_ids < self.num_blocks:
+            block = self.blocks[self._num_used_ids] = Block(self._num_used_ids)
+            self._num_used_ids += 1
+        else:
+            block = self.blocks[self._free.popitem(last=False)[0]]
         if block.block_hash is not None:  # evict cached content
             del self._cached[block.block_hash]
             block.reset()
         block.ref_count = 1
-        return block_id
+        return block.block_id

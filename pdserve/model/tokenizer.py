@@ -71,8 +71,11 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; with `add_special_tokens` the model's BOS/EOS rules apply."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; with `add_special_tokens` the model's BOS/EOS rules apply.
+
+        Releases the GIL while it runs (`tokenizers` does so in `encode_batch`, not in
+        `encode`): a server tokenizing a long prompt on a worker thread keeps streaming."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

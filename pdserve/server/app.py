@@ -7,6 +7,7 @@ guards.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -88,7 +89,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions", responses=_ERROR_RESPONSES)
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
         arrival_time = time.monotonic()
-        prepared = prepare_completion(body, state.model)
+        # Off the event loop: a long prompt takes the tokenizer 100+ ms.
+        prepared = await asyncio.to_thread(prepare_completion, body, state.model)
         responses = CompletionResponses(new_request_id(http_request, "cmpl"),
                                         body.model or state.model.name, state.token_texts,
                                         body.include_usage, body.router_timing)
@@ -98,7 +100,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
         arrival_time = time.monotonic()
-        prepared = prepare_chat(body, state.model)
+        prepared = await asyncio.to_thread(prepare_chat, body, state.model)
         responses = ChatResponses(new_request_id(http_request, "chatcmpl"),
                                   body.model or state.model.name, state.token_texts,
                                   body.include_usage, body.router_timing)

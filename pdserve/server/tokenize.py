@@ -9,6 +9,8 @@ context window is not an error here: the caller learns its length.
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,4 +45,4 @@ def tokenize(body: TokenizeRequest, info: ModelInfo) -> dict:
 def add_tokenize_route(app: FastAPI, info: ModelInfo) -> None:
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> dict:
-        return tokenize(body, info)
+        return await asyncio.to_thread(tokenize, body, info)

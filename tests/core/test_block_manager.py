@@ -1,3 +1,5 @@
+import pytest
+
 from pdserve.core.block_manager import BlockManager, chained_block_hash
 from tests.core.helpers import make_request
 
@@ -63,6 +65,30 @@ def test_freed_cached_blocks_survive_until_evicted_lru():
     filler = make_request("filler", 16, first_token=500)
     _admit(manager, filler)  # needs all four blocks: evicts the cached ones
     assert manager.get_computed_blocks(make_request("y", 9, first_token=100)) == []
+
+
+def test_empty_blocks_are_used_before_cached_ones_are_evicted():
+    manager = BlockManager(num_blocks=6, block_size=4)
+    cached = make_request("cached", 8, first_token=100)
+    _admit(manager, cached)  # two full blocks, cached
+    partial = make_request("partial", 3, first_token=300)
+    _admit(manager, partial)  # one block, never full: no content worth keeping
+    manager.free(cached)
+    manager.free(partial)
+    # Five blocks needed: the freed empty one, the three never used, then the least
+    # recently freed cached block; the other cached block still hits.
+    _admit(manager, make_request("new", 20, first_token=500))
+    assert len(manager.get_computed_blocks(make_request("again", 9, first_token=100))) == 1
+
+
+@pytest.mark.timeout(10)
+def test_a_huge_cache_costs_nothing_until_used():
+    manager = BlockManager(num_blocks=10**9, block_size=16)
+    request = make_request("a", 100)
+    _admit(manager, request)
+    assert manager.num_free_blocks == 10**9 - 7
+    manager.free(request)
+    assert manager.num_free_blocks == 10**9 and manager.usage == 0.0
 
 
 def test_hash_collision_is_verified_not_trusted():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,27 @@ def test_missing_template_and_bad_tokenizer_files(tmp_path: Path):
     (tmp_path / "tokenizer.json").unlink()
     with pytest.raises(ModelLoadError, match=r"tokenizer\.json: missing"):
         Tokenizer.from_hf_folder(tmp_path)
+
+
+def test_encode_lets_other_threads_run(smollm_tokenizer):
+    """A server tokenizes a long prompt on a worker thread while its event loop streams
+    other requests: encoding must release the GIL."""
+    text = "The quick brown fox jumps over the lazy dog. " * 40_000
+    count, done = [0], threading.Event()
+
+    def spin():
+        while not done.is_set():
+            count[0] += 1
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        time.sleep(0.05)
+        before = count[0]
+        ids = smollm_tokenizer.encode(text)
+        during = count[0] - before
+    finally:
+        done.set()
+        spinner.join()
+    assert len(ids) > 300_000
+    assert during > 10_000  # holding the GIL throughout, the spinner would barely move
