@@ -19,6 +19,7 @@ from pdserve.bench.compare import (
     DEFAULT_MODES,
     CompareSpec,
     format_table,
+    load_saved_rows,
     run_compare,
     save_compare,
 )
@@ -227,6 +228,14 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
         help="an already-running server to add as a row (repeatable)",
     )
     g.add_argument(
+        "--saved",
+        action="append",
+        default=[],
+        metavar="NAME=FILE.json",
+        help="a saved run (bench or simulate --save-result) to add as a row, e.g. a simulated "
+        "run beside the measured ones; with --modes '' and no --external only these are shown",
+    )
+    g.add_argument(
         "--server-cmd",
         default=" ".join(DEFAULT_SERVER_COMMAND),
         help="command template, placeholders {python} {mode} {host} {port} (default: %(default)s)",
@@ -329,13 +338,14 @@ def _bench_spec(args: argparse.Namespace, base_url: str) -> BenchSpec:
     )
 
 
-def _externals(items: list[str]) -> tuple[tuple[str, str], ...]:
+def _name_pairs(items: list[str], flag: str, value: str) -> tuple[tuple[str, str], ...]:
+    """NAME=VALUE items of a repeatable flag."""
     pairs = []
     for item in items:
-        name, sep, url = item.partition("=")
-        if not sep or not name or not url:
-            raise BenchError(f"--external: expected NAME=URL, got {item!r}")
-        pairs.append((name, url))
+        name, sep, text = item.partition("=")
+        if not sep or not name or not text:
+            raise BenchError(f"{flag}: expected NAME={value}, got {item!r}")
+        pairs.append((name, text))
     return tuple(pairs)
 
 
@@ -357,6 +367,11 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
+    saved = [row for name, path in _name_pairs(args.saved, "--saved", "FILE.json")
+             for row in load_saved_rows(name, path)]
+    if saved and not args.modes and not args.external:
+        print(format_table(saved))
+        return 0
     report_dir = Path(args.report)
     spec = CompareSpec(
         # The base URL is replaced by each launched or external server's own.
@@ -369,12 +384,12 @@ def _run_compare(args: argparse.Namespace) -> int:
             log_dir=report_dir / "logs",
         ),
         modes=tuple(m for m in args.modes.split(",") if m),
-        externals=_externals(args.external),
+        externals=_name_pairs(args.external, "--external", "URL"),
     )
     result = run_compare(spec, load_tokenizer(args.tokenizer))
     for name, run_result in result.results.items():
         print(f"{name}: {run_result.interference.verdict}")
-    print(format_table(result.rows))
+    print(format_table([*result.rows, *saved]))
     for row in result.rows:
         if row.error:
             print(f"{row.name}: failed to run: {row.error}")

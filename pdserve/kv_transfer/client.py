@@ -20,7 +20,7 @@ from pdserve.kv_transfer.errors import (
     KVTransferError,
 )
 from pdserve.kv_transfer.fields import get_str
-from pdserve.kv_transfer.protocol import check_protocol_version
+from pdserve.kv_transfer.protocol import KVTransferParams, check_protocol_version
 from pdserve.kv_transfer.wire import (
     ConnectionClosed,
     MessageType,
@@ -122,3 +122,25 @@ def _failure(address: str, exc: BaseException) -> KVTransferError:
     if isinstance(exc, ConnectionClosed):
         return KVTransferError(f"KV server {address} closed the connection")
     return KVTransferError(f"KV transfer with {address} failed: {exc}")
+
+
+def release_over(client: KVClient, params: KVTransferParams) -> bool:
+    """RELEASE the lease `params` name; True iff it was still live (which confirms every
+    block fetched under it)."""
+    reply = client.call(MessageType.RELEASE, {
+        "request_id": params.remote_request_id, "engine_id": params.remote_engine_id,
+        "block_ids": list(params.remote_block_ids)})
+    released = reply.get("released")
+    if not isinstance(released, bool):
+        raise KVProtocolError("RELEASE reply.released must be a boolean")
+    return released
+
+
+def release_lease(params: KVTransferParams, timeout: float) -> bool:
+    """`release_over` a one-off connection: RELEASE needs no HELLO (no layout agreement), so
+    a worker that refused the KV, or a router whose decode leg never took it, can free it."""
+    client = KVClient(params.remote_host, params.remote_port, timeout)
+    try:
+        return release_over(client, params)
+    finally:
+        client.close()

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 
 from pdserve.kv_transfer.blocks import StagingBuffer, check_cache
-from pdserve.kv_transfer.client import KVClient
+from pdserve.kv_transfer.client import KVClient, release_lease, release_over
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.errors import (
     KVIncompatibleError,
@@ -213,26 +213,12 @@ class KVTransport(ABC):
         """Tell the sender it may free the request's blocks; also valid without any fetch
         (the decode side aborted the request). True iff the lease was still live, which
         confirms every block fetched under it."""
-        meta = {"request_id": params.remote_request_id, "engine_id": params.remote_engine_id,
-                "block_ids": list(params.remote_block_ids)}
         with self._lock:
             remote = self._remotes.get(_remote_key(params))
-        if remote is not None:
-            with self._using(remote):
-                reply = remote.client.call(MessageType.RELEASE, meta)
-        else:
-            # Never fetched (aborted, or refused as incompatible): RELEASE needs no layout
-            # agreement, so a one-off connection without HELLO does.
-            client = KVClient(params.remote_host, params.remote_port,
-                              self.config.kv_transfer_timeout)
-            try:
-                reply = client.call(MessageType.RELEASE, meta)
-            finally:
-                client.close()
-        released = reply.get("released")
-        if not isinstance(released, bool):
-            raise KVProtocolError("RELEASE reply.released must be a boolean")
-        return released
+        if remote is None:  # never fetched (aborted, or refused as incompatible)
+            return release_lease(params, self.config.kv_transfer_timeout)
+        with self._using(remote):
+            return release_over(remote.client, params)
 
     def close(self) -> None:
         """Stop serving, free every lease, drop remote connections."""

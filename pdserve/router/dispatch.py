@@ -8,7 +8,8 @@
 3. The decode leg (original body + ``kv_transfer_params`` + ``router_timing``) is relayed:
    SSE untouched for streams, the body plus an ``x-pdserve-timing`` header otherwise. A decode
    worker unreachable before answering is replaced once; one that breaks mid-stream ends the
-   client's stream with an error event.
+   client's stream with an error event. KV the decode leg never took (refused, unreachable,
+   client gone) is released on the prefill worker at once (`unclaimed_kv`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pdserve.router.timing import (
     now_ms,
 )
 from pdserve.router.tokenizer import PromptTokenizer
+from pdserve.router.unclaimed_kv import UnclaimedKV
 from pdserve.router.worker import Worker
 
 logger = logging.getLogger("pdserve.router")
@@ -82,6 +84,7 @@ class Dispatcher:
         self.health = health
         self.metrics = metrics
         self.tokenizer = tokenizer
+        self.unclaimed_kv = UnclaimedKV(config.connect_timeout_s)
 
     async def handle(self, request: Request, endpoint: str) -> Response:
         """Serve `endpoint` (``/v1/completions`` or ``/v1/chat/completions``)."""
@@ -122,8 +125,13 @@ class Dispatcher:
         flight.decode = self.registry.decode.acquire(selection.worker)
         flight.timing.mark_dispatched()
         kv_params = await self._kv_params(request, flight, selection.num_cached_tokens)
-        upstream = await self._open_decode(request, flight, kv_params)
+        try:
+            upstream = await self._open_decode(request, flight, kv_params)
+        except BaseException:
+            self.unclaimed_kv.release(kv_params)
+            raise
         if upstream.status_code != 200:
+            self.unclaimed_kv.release(kv_params)
             await self._relay_failure(request, flight, upstream)
         if flight.body.get("stream"):
             return self._stream(flight, upstream)

@@ -114,7 +114,7 @@ def curve_seconds_per_param(curve: tuple[tuple[int, float], ...], num_rows: int)
     return t0 + (t1 - t0) * (num_rows - m0) / (m1 - m0)
 
 
-# The local CPU before calibration: AMX matmuls reach a fraction of their peak, and a
+# The local CPU before calibration: matmuls reach a fraction of the nominal peak, and a
 # Python engine step costs milliseconds.
 CPU_DEFAULT = Efficiency(linear_compute=0.3, attention_compute=0.1, memory=0.7, network=0.5,
                          step_overhead_s=5e-3, per_seq_overhead_s=2e-4)

@@ -72,8 +72,10 @@ HARDWARE: dict[str, Hardware] = {
         Hardware("B200", 2250 * TFLOPS, 4500 * TFLOPS, 8.0 * TB, 180 * GB, "nvlink-b200"),
     )
 }
-# The local machine's cores (the brief's measurements: AMX bf16 tiles give ~1 TFLOP/s per
-# core at best, ~16 GB/s of DRAM bandwidth per core). Calibrate these.
+# The local machine's cores, nominally (the brief's figures: AMX bf16 tiles give ~1 TFLOP/s
+# per core at best, ~16 GB/s of DRAM bandwidth per core). The CI machines are AMD EPYCs with
+# AVX-512 bf16 but no AMX (~200 GFLOP/s per core in oneDNN): calibration finds that as a
+# linear efficiency near 0.2 of this peak.
 LOCAL_CPU_CORES = 2
 CPU_CORE_FLOPS = 1 * TFLOPS
 CPU_CORE_BANDWIDTH = 16 * GB

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pdserve.bench.cli import main
-from pdserve.bench.compare import CompareRow, format_table, recommend
+from pdserve.bench.compare import CompareRow, format_table, load_saved_rows, recommend
 from tests.bench.conftest import REPO_ROOT, running_stub
 
 SCHEDULE = "--ttft-ms 30 --itl-ms 15 --long-prompt-words 250 --long-ttft-ms 400"
@@ -94,6 +94,30 @@ def test_compare_runs_every_mode_and_writes_all_artefacts(
         assert (out / name).is_file()
     assert "Recommendation: disagg" in printed
     assert "TTFT p99" in printed and "broken: failed to run" in printed
+
+    # The saved runs come back as the same rows (as a simulated run's file would).
+    assert main(["compare", "--modes", "", "--saved", f"again={out / 'compare.json'}"]) == 0
+    again = capsys.readouterr().out
+    saved = {row.name: row for row in load_saved_rows("again", out / "compare.json")}
+    for name in ("colocated", "chunked", "disagg", "other"):
+        row = saved[f"again/{name}"]
+        assert (row.completed, row.itl_p99, row.goodput, row.is_interference) == (
+            rows[name]["completed"], rows[name]["itl_p99"], rows[name]["goodput"],
+            rows[name]["is_interference"])
+        assert f"again/{name}" in again
+
+
+def test_saved_rows_reject_what_is_not_one_run(tmp_path, capsys):
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"sweep": [{}, {}]}))
+    assert main(["compare", "--modes", "", "--saved", f"s={sweep}"]) == 2
+    assert "save one rate" in capsys.readouterr().err
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"completed": 3}))
+    assert main(["compare", "--modes", "", "--saved", f"p={partial}"]) == 2
+    assert "not a saved benchmark run" in capsys.readouterr().err
+    assert main(["compare", "--modes", "", "--saved", "nameless"]) == 2
+    assert "expected NAME=FILE.json" in capsys.readouterr().err
 
 
 def _row(name, **kw):

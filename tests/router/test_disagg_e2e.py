@@ -324,6 +324,21 @@ def test_mismatched_workers_are_refused_with_a_clear_error(cluster):
     assert_no_blocks_held([prefill_url, decode_url, shm_decode, cluster.b8.url])
 
 
+def test_a_refused_decode_leg_frees_the_prefill_workers_lease_at_once(cluster):
+    """Through a router whose only decode worker has another layout: the client gets the
+    refusal, and the router releases the lease instead of leaving it to --kv-lease-timeout
+    (30 s here)."""
+    prefill_url = cluster.tcp.worker_url("prefill-0")
+    config = RouterConfig(prefill_urls=(prefill_url,), decode_urls=(cluster.b8.url,),
+                          health_interval_s=0.5)
+    with RouterThread(config) as router:
+        wait_until(lambda: all(w["state"] == "healthy" for w in router.workers().values()), 30)
+        response = httpx.post(f"{router.url}{COMPLETIONS}", trust_env=False, timeout=600,
+                              json=greedy({"prompt": text_of(200, 5)}))
+        assert response.status_code == 400 and "layout" in response.json()["error"]["message"]
+        assert_no_blocks_held([prefill_url, cluster.b8.url], timeout_s=10)
+
+
 def test_garbage_frames_on_the_kv_port_are_refused_and_the_worker_serves_on(cluster):
     prefill_url = cluster.tcp.worker_url("prefill-0")
     prompt = text_of(200, 6)
