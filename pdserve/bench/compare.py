@@ -239,7 +239,7 @@ def recommend(rows: list[CompareRow], has_slos: bool) -> Recommendation | None:
     interfering = [r for r in ran if r.is_interference and r is not best]
     if interfering:
         names = ", ".join(
-            f"{r.name} ({r.in_prefill_fraction:.0%} of its ITL spikes during long prefills)"
+            f"{r.name} ({r.in_prefill_fraction:.0%} of its stalled time during long prefills)"
             for r in interfering
         )
         reason += f"; phase interference in {names}"

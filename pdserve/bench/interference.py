@@ -1,10 +1,17 @@
 """Phase-interference detector: do token stalls line up with long prompts' prefills?
 
 Every output-token gap of every stream is a spike when it exceeds `spike_factor` × the median
-ITL of the run. A long prompt's prefill window runs from its send time to its first token
-(or its end, if it produced none). A spike coincides with a prefill when the two intervals
-overlap and the spike is on another request's stream. When most spikes coincide, prefills are
-stalling decodes: phase interference, the case for chunked prefill or disaggregation.
+ITL of the run; its length is stalled time. A long prompt's prefill window runs from its send
+time to its first token (or its end, if it produced none). A spike coincides with a prefill
+when the two intervals overlap and the spike is on another request's stream.
+
+Stalled time is weighed, not spikes counted: one 10 s freeze behind a document matters more
+than a dozen 150 ms hiccups. And it is weighed against chance: when long prefills are in
+flight for most of the run (queued behind a busy prefill pool, say), most stalls overlap one
+whether or not they cause it. Prefills are stalling decodes — phase interference, the case for
+chunked prefill or disaggregation — when the share of stalled time inside their windows is
+at least `min_fraction` and at least halfway from the windows' share of the run (chance) to
+all of it.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from pdserve.bench.records import RequestRecord
 class InterferenceConfig:
     """`spike_factor`: a gap above this × median ITL is a spike. `long_prompt_tokens`: a
     prompt at least this long counts as long. The verdict is "phase interference" when at
-    least `min_spikes` spikes exist and at least `min_fraction` of them coincide."""
+    least `min_spikes` spikes exist and the share of stalled time coinciding with long
+    prefills is at least `min_fraction` and halfway from chance to certainty (module doc)."""
 
     spike_factor: float = 3.0
     long_prompt_tokens: int = 1024
@@ -72,6 +80,8 @@ class InterferenceReport:
     num_gaps: int
     spikes: tuple[Spike, ...]
     windows: tuple[PrefillWindow, ...]
+    # The run's span (first send to last token), seconds since the start.
+    span: tuple[float, float] = (0.0, 0.0)
 
     @property
     def spike_threshold_ms(self) -> float:
@@ -91,15 +101,42 @@ class InterferenceReport:
         return self.num_spikes / self.num_gaps if self.num_gaps else 0.0
 
     @property
+    def stalled_s(self) -> float:
+        return sum(s.end - s.start for s in self.spikes)
+
+    @property
     def in_prefill_fraction(self) -> float:
-        """Share of spikes that coincide with a long prompt's prefill."""
-        return self.num_in_prefill / self.num_spikes if self.spikes else 0.0
+        """Share of stalled time in spikes that coincide with a long prompt's prefill."""
+        stalled = self.stalled_s
+        in_prefill = sum(s.end - s.start for s in self.spikes if s.is_in_prefill)
+        return in_prefill / stalled if stalled > 0 else 0.0
+
+    @property
+    def window_coverage(self) -> float:
+        """Share of the run during which some long prompt is prefilling: the share of
+        stalled time that would coincide by chance."""
+        start, end = self.span
+        if end <= start:
+            return 0.0
+        covered, reach = 0.0, start
+        for w in sorted(self.windows, key=lambda w: w.start):
+            low, high = max(w.start, reach, start), min(w.end, end)
+            if high > low:
+                covered += high - low
+            reach = max(reach, w.end)
+        return covered / (end - start)
+
+    @property
+    def required_fraction(self) -> float:
+        """The in-prefill share that counts as interference: halfway from chance to all."""
+        chance = self.window_coverage
+        return max(self.config.min_fraction, chance + (1.0 - chance) / 2)
 
     @property
     def is_interference(self) -> bool:
         return (
             self.num_spikes >= self.config.min_spikes
-            and self.in_prefill_fraction >= self.config.min_fraction
+            and self.in_prefill_fraction >= self.required_fraction
         )
 
     @property
@@ -117,7 +154,10 @@ class InterferenceReport:
                 f"{self.num_spikes} ITL spikes but no long prompts "
                 f"(>= {self.config.long_prompt_tokens} tokens): not phase interference."
             )
-        share = f"{self.in_prefill_fraction:.0%} of ITL spikes coincide with long-prompt prefills"
+        share = (
+            f"{self.in_prefill_fraction:.0%} of stalled time falls in long-prompt prefills, "
+            f"which cover {self.window_coverage:.0%} of the run"
+        )
         counts = (
             f"{self.num_in_prefill} of {self.num_spikes} spikes above "
             f"{self.spike_threshold_ms:.0f} ms; {self.spike_fraction:.1%} of all gaps"
@@ -134,6 +174,8 @@ class InterferenceReport:
             "num_spikes_in_prefill": self.num_in_prefill,
             "spike_fraction": self.spike_fraction,
             "in_prefill_fraction": self.in_prefill_fraction,
+            "stalled_s": self.stalled_s,
+            "window_coverage": self.window_coverage,
             "num_long_prompts": len(self.windows),
             "is_interference": self.is_interference,
             "verdict": self.verdict,
@@ -162,7 +204,9 @@ def detect_interference(
     spikes = tuple(
         Spike(i, a, b, _overlaps_other(i, a, b, windows)) for i, a, b in gaps if b - a > threshold_s
     )
-    return InterferenceReport(config, median_ms, len(gaps), spikes, tuple(windows))
+    times = [t for r in records for t in (r.send_time, *r.token_times) if t is not None]
+    span = (min(times), max(times)) if times else (0.0, 0.0)
+    return InterferenceReport(config, median_ms, len(gaps), spikes, tuple(windows), span)
 
 
 def _overlaps_other(index: int, start: float, end: float, windows: list[PrefillWindow]) -> bool:

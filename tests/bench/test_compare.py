@@ -138,7 +138,7 @@ def test_recommend_by_goodput_when_slos_are_given():
     assert "highest goodput under the SLOs, 1.200 req/s (vs colocated 0.500, disagg 1.000)" in (
         rec.reason
     )
-    assert "phase interference in colocated (90% of its ITL spikes" in rec.reason
+    assert "phase interference in colocated (90% of its stalled time" in rec.reason
 
 
 def test_recommend_by_itl_among_near_best_throughput_without_slos():
