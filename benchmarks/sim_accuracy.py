@@ -129,6 +129,11 @@ def main() -> int:
             values = [run[key] for run in measured]
             rows.append(Row(mode, name, values, predicted[key]))
     table = format_table(rows)
+    if rows:
+        within = sum(abs(r.error) <= TARGET for r in rows)
+        mean = sum(abs(r.error) for r in rows) / len(rows)
+        table += (f"\n\nMean absolute error {mean:.1%}; {within} of {len(rows)} figures within "
+                  f"{TARGET:.0%}.")
     print(table)
     (args.out / "sim_accuracy.md").write_text(
         "# Simulator accuracy\n\n" + " ".join(workload) + f", {args.repeats} measured runs\n\n"
