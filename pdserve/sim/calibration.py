@@ -9,7 +9,6 @@ few finer grids around the best point refine it.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ import numpy as np
 from pdserve.sim.cost_model import CostModel, SeqWork
 from pdserve.sim.efficiency import Efficiency
 from pdserve.sim.errors import SimConfigError
+from pdserve.sim.linear_curve import CurveFit
 
 _COARSE_GRID = np.geomspace(0.002, 1.0, 28)
 # Each refinement searches this factor either side of the previous best.
@@ -151,8 +151,9 @@ def _fit(cost_model: CostModel, samples: Sequence[StepSample], network: float,
     roofline = Efficiency(linear_compute=linear, attention_compute=attention, memory=memory,
                           network=network, step_overhead_s=step_overhead,
                           per_seq_overhead_s=per_seq)
-    curve = _CurveTerms(cost_model, samples, weights, terms)
-    if curve.knots is None:
+    curve = CurveFit(cost_model, samples, weights / terms.times, lambda a, m: terms.attention_s(
+        np.array([a]), np.array([m]))[:, 0, 0])
+    if not curve.is_possible:
         return roofline
     knots, per_seq = curve.solve(attention, memory)
     curved = dataclasses.replace(roofline, step_overhead_s=0.0, per_seq_overhead_s=per_seq,
@@ -259,97 +260,3 @@ def _fit_overheads(residual: np.ndarray, a: np.ndarray, b: np.ndarray):
     loss = (residual ** 2).sum(axis=0) - 2 * (overhead * ya + per_seq * yb) \
         + overhead ** 2 * saa + 2 * overhead * per_seq * sab + per_seq ** 2 * sbb
     return overhead, per_seq, loss
-
-
-# Knots of the linear curve: every row count up to 16 (kernels switch among small batches),
-# then steps of 1.5x.
-_SMALL_ROWS = 16
-_KNOT_GROWTH = 1.5
-# A knot one sample alone decides would fit that sample's noise (or disturbance) exactly.
-_MIN_KNOT_SAMPLES = 3
-
-
-class _CurveTerms:
-    """Least squares for `Efficiency.linear_curve` (seconds per parameter at each knot) and
-    the per-sequence overhead, given the attention efficiencies. The curve absorbs any fixed
-    per-step cost (a constant is indistinguishable from linear time at a row count)."""
-
-    def __init__(self, cost_model: CostModel, samples: Sequence[StepSample],
-                 weights: np.ndarray, terms: _Terms) -> None:
-        self.terms = terms
-        self.layer_rows = [sum(q.num_new_tokens for q in s.batch) for s in samples]
-        self.head_rows = [sum(q.is_sampling for q in s.batch) for s in samples]
-        self.params = (cost_model.layer_params, cost_model.head_params)
-        self.scale = weights / terms.times  # relative error, robustness-weighted
-        self.knots, self.design = self._select_knots()
-
-    def _select_knots(self) -> tuple[list[int] | None, np.ndarray | None]:
-        """Candidate knots up to the largest row count, less those fewer than
-        `_MIN_KNOT_SAMPLES` samples inform (repeated until all are); None when too few."""
-        largest = max(self.layer_rows)
-        knots = list(range(1, min(largest, _SMALL_ROWS) + 1))
-        while knots[-1] < largest:
-            knots.append(max(knots[-1] + 1, round(knots[-1] * _KNOT_GROWTH)))
-        while True:
-            design = self._design(knots)
-            used = (design[:, :-1] != 0).sum(axis=0) >= _MIN_KNOT_SAMPLES
-            if used.all():
-                break
-            knots = [k for k, keep in zip(knots, used, strict=True) if keep]
-        if len(self.layer_rows) <= len(knots) + 1:
-            return None, None
-        return knots, design
-
-    def _design(self, knots: list[int]) -> np.ndarray:
-        """[k, knots + 1]: seconds per unit of each knot's value, then of per-seq overhead."""
-        layer_params, head_params = self.params
-        columns = np.zeros((len(self.layer_rows), len(knots) + 1))
-        for i, (rows, sampled) in enumerate(zip(self.layer_rows, self.head_rows, strict=True)):
-            for params, count in ((layer_params, rows), (head_params, sampled)):
-                if count:
-                    for knot, weight in _hat_weights(knots, count):
-                        columns[i, knot] += params * weight
-        columns[:, -1] = self.terms.num_seqs
-        return columns * self.scale[:, None]
-
-    def solve(self, attention: float, memory: float) -> tuple[tuple[tuple[int, float], ...],
-                                                               float]:
-        """The curve and per-seq overhead at (attention, memory), every value positive: a
-        knot fitted non-positive is dropped (its neighbours interpolate over it), and a
-        negative per-seq overhead is fixed at zero. (Where every step is a decode, sequences
-        and rows are the same count and only this keeps the two apart.)"""
-        target = self.terms.times - self.terms.attention_s(
-            np.array([attention]), np.array([memory]))[:, 0, 0]
-        target = target * self.scale
-        knots, design, has_per_seq = self.knots, self.design, True
-        while True:
-            columns = design if has_per_seq else design[:, :-1]
-            # Columns scaled to unit norm: knots at many rows and the per-seq count differ
-            # by orders of magnitude.
-            norms = np.linalg.norm(columns, axis=0)
-            values = np.linalg.lstsq(columns / norms, target, rcond=None)[0] / norms
-            curve_values, per_seq = values[:len(knots)], values[-1] if has_per_seq else 0.0
-            keep = curve_values > 0
-            if (keep.all() and per_seq >= 0) or not keep.any():
-                break
-            has_per_seq = has_per_seq and per_seq >= 0
-            if not keep.all():
-                knots = [k for k, ok in zip(knots, keep, strict=True) if ok]
-                design = self._design(knots)
-        curve = tuple((k, float(v)) for k, v in zip(knots, curve_values, strict=True) if v > 0)
-        return curve, max(float(per_seq), 0.0)
-
-
-def _hat_weights(knots: list[int], rows: int) -> list[tuple[int, float]]:
-    """Interpolation weights (knot index, weight) of `rows`, as `curve_seconds_per_param`
-    evaluates a curve on these knots."""
-    index = bisect.bisect_left(knots, rows)
-    if index < len(knots) and knots[index] == rows:
-        return [(index, 1.0)]
-    if index == 0:
-        return [(0, 1.0)]
-    if index == len(knots):
-        return [(index - 1, rows / knots[-1])]
-    low, high = knots[index - 1], knots[index]
-    fraction = (rows - low) / (high - low)
-    return [(index - 1, 1 - fraction), (index, fraction)]

@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from pdserve.sim.efficiency import Efficiency, curve_seconds_per_param, default_efficiency
+from pdserve.sim.efficiency import Efficiency, default_efficiency
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import Hardware
+from pdserve.sim.linear_curve import seconds_per_param
 from pdserve.sim.model_spec import ModelSpec, dtype_bytes
 from pdserve.sim.network import NETWORKS, Interconnect
 
@@ -156,7 +157,7 @@ class CostModel:
             return 0.0
         curve = self.efficiency.linear_curve
         if curve:
-            return num_params * curve_seconds_per_param(curve, num_rows)
+            return num_params * seconds_per_param(curve, num_rows)
         return roofline(2 * num_rows * num_params, num_params * self._weight_bytes,
                         self._flops_per_s, self._bytes_per_s)
 

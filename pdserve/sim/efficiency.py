@@ -7,7 +7,6 @@ them with a fit to measured step times and saves them as JSON.
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
 import random
@@ -33,7 +32,7 @@ class Efficiency:
     # knots, rows increasing; a layer of P parameters over M rows takes P × curve(M),
     # interpolated between knots and growing in proportion to M past the last. Kernels switch
     # with the row count (a GEMV below a few rows, blocked GEMMs above), which one efficiency
-    # cannot follow. Empty: the roofline.
+    # cannot follow (`sim/linear_curve.py`). Empty: the roofline.
     linear_curve: tuple[tuple[int, float], ...] = ()
     # Measured / modelled step time at evenly spaced probabilities 0..1 (ascending), over
     # steps of typically `jitter_step_s`: the simulator multiplies each step by a draw from
@@ -97,21 +96,6 @@ class Efficiency:
         if unknown:
             raise SimConfigError(f"--calibration: {path} has unknown keys {sorted(unknown)}")
         return cls(**data)
-
-
-def curve_seconds_per_param(curve: tuple[tuple[int, float], ...], num_rows: int) -> float:
-    """Seconds per parameter of a linear layer over `num_rows` rows, from a non-empty
-    `Efficiency.linear_curve` (constant below its first knot)."""
-    index = bisect.bisect_left(curve, (num_rows, 0.0))
-    if index < len(curve) and curve[index][0] == num_rows:
-        return curve[index][1]
-    if index == 0:
-        return curve[0][1]
-    if index == len(curve):  # past the last knot: compute-bound, time ∝ rows
-        rows, seconds = curve[-1]
-        return seconds * num_rows / rows
-    (m0, t0), (m1, t1) = curve[index - 1], curve[index]
-    return t0 + (t1 - t0) * (num_rows - m0) / (m1 - m0)
 
 
 # The local CPU before calibration: matmuls reach a fraction of the nominal peak, and a
