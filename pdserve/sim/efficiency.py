@@ -43,6 +43,13 @@ class Efficiency:
     jitter_step_s: float = 0.0
 
     def __post_init__(self) -> None:
+        for name in ("linear_compute", "attention_compute", "memory", "network"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise SimConfigError(f"efficiency {name} must be in (0, 1], got {value!r}")
+        for name in ("step_overhead_s", "per_seq_overhead_s"):
+            if getattr(self, name) < 0:
+                raise SimConfigError(f"efficiency {name} must be >= 0")
         object.__setattr__(self, "linear_curve",
                            tuple((int(m), float(t)) for m, t in self.linear_curve))
         rows = [m for m, _ in self.linear_curve]
@@ -71,13 +78,6 @@ class Efficiency:
         if step_s > self.jitter_step_s:
             factor = 1 + (factor - 1) * math.sqrt(self.jitter_step_s / step_s)
         return factor
-        for name in ("linear_compute", "attention_compute", "memory", "network"):
-            value = getattr(self, name)
-            if not 0 < value <= 1:
-                raise SimConfigError(f"efficiency {name} must be in (0, 1], got {value!r}")
-        for name in ("step_overhead_s", "per_seq_overhead_s"):
-            if getattr(self, name) < 0:
-                raise SimConfigError(f"efficiency {name} must be >= 0")
 
     def save(self, path: str | Path, **metadata: object) -> None:
         """Write the factors (and free-form provenance such as the fit error) as JSON."""

@@ -62,4 +62,3 @@ def test_cli_errors_are_one_clear_line(args, message):
     assert proc.returncode != 0
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
-

@@ -115,6 +115,14 @@ def test_measured_linear_curve_replaces_the_roofline():
     assert prefill == pytest.approx(32 * 218_103_808 * 8e-11 + 128256 * 4096 * 1e-11)
 
 
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("linear_compute", 0.0, r"\(0, 1\]"), ("memory", 1.5, r"\(0, 1\]"),
+    ("step_overhead_s", -1e-3, ">= 0")])
+def test_efficiency_factors_are_validated(field, value, message):
+    with pytest.raises(SimConfigError, match=message):
+        Efficiency(**{field: value})
+
+
 def test_linear_curve_must_be_increasing_and_positive(tmp_path):
     with pytest.raises(SimConfigError, match="increasing"):
         Efficiency(linear_curve=((4, 1e-11), (2, 1e-11)))
