@@ -20,7 +20,7 @@ from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import KVTransferOutcome, RequestMetrics, RequestOutput
 from pdserve.engine.sampler import SampledToken
-from pdserve.engine.step_log import StepLog, StepRecord
+from pdserve.engine.step_log import StepLog, StepRecord, step_batch
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.protocol import KVLayout, KVTransferParams
 from pdserve.model.kv_cache import kv_bytes_per_token
@@ -212,7 +212,7 @@ class LLMEngine:
             if not outputs and self.scheduler.has_pending_transfers():
                 time.sleep(KV_POLL_INTERVAL_S)  # only transfers in flight: don't spin
             return outputs
-        batch = StepRecord.of(scheduler_output, 0.0).batch if self.step_observers else ()
+        batch = step_batch(scheduler_output) if self.step_observers else ()
         prefilling = [s.request.request_id for s in scheduler_output.scheduled
                       if s.request.is_prefilling]
         start = time.monotonic()

@@ -22,14 +22,15 @@ class StepRecord:
     batch: tuple[tuple[int, int, bool], ...]
     step_s: float
 
-    @classmethod
-    def of(cls, output: SchedulerOutput, step_s: float) -> StepRecord:
-        """Call before the scheduler applies the step (context = tokens computed before it)."""
-        return cls(tuple((s.num_new_tokens, s.request.num_computed_tokens, s.is_sampling)
-                         for s in output.scheduled), step_s)
-
     def to_json(self) -> str:
         return json.dumps({"batch": [list(seq) for seq in self.batch], "step_s": self.step_s})
+
+
+def step_batch(output: SchedulerOutput) -> tuple[tuple[int, int, bool], ...]:
+    """A `StepRecord.batch`; call before the scheduler applies the step (context = tokens
+    computed before it)."""
+    return tuple((s.num_new_tokens, s.request.num_computed_tokens, s.is_sampling)
+                 for s in output.scheduled)
 
 
 class StepLog:
