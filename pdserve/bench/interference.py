@@ -8,10 +8,12 @@ when the two intervals overlap and the spike is on another request's stream.
 Stalled time is weighed, not spikes counted: one 10 s freeze behind a document matters more
 than a dozen 150 ms hiccups. And it is weighed against chance: when long prefills are in
 flight for most of the run (queued behind a busy prefill pool, say), most stalls overlap one
-whether or not they cause it. Prefills are stalling decodes — phase interference, the case for
-chunked prefill or disaggregation — when the share of stalled time inside their windows is
-at least `min_fraction` and at least halfway from the windows' share of the run (chance) to
-all of it.
+whether or not they cause it. And it must matter: a few 50 ms scheduling hiccups on a busy
+host may all land inside prefills without costing anyone anything. Prefills are stalling
+decodes — phase interference, the case for chunked prefill or disaggregation — when the share
+of stalled time inside their windows is at least `min_fraction` and at least halfway from the
+windows' share of the run (chance) to all of it, and those stalls' excess over the median gap
+is at least `min_slowdown` of all the time the streams spent streaming.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ class InterferenceConfig:
     """`spike_factor`: a gap above this × median ITL is a spike. `long_prompt_tokens`: a
     prompt at least this long counts as long. The verdict is "phase interference" when at
     least `min_spikes` spikes exist and the share of stalled time coinciding with long
-    prefills is at least `min_fraction` and halfway from chance to certainty (module doc)."""
+    prefills is at least `min_fraction` and halfway from chance to certainty, and those stalls
+    cost the streams at least `min_slowdown` of their time (module doc)."""
 
     spike_factor: float = 3.0
     long_prompt_tokens: int = 1024
     min_spikes: int = 2
     min_fraction: float = 0.5
+    min_slowdown: float = 0.05
 
     def __post_init__(self) -> None:
         if not self.spike_factor > 1.0:
@@ -46,6 +50,8 @@ class InterferenceConfig:
             raise BenchError(f"min_spikes must be >= 1, got {self.min_spikes}")
         if not 0.0 < self.min_fraction <= 1.0:
             raise BenchError(f"min_fraction must be in (0, 1], got {self.min_fraction}")
+        if not 0.0 <= self.min_slowdown < 1.0:
+            raise BenchError(f"min_slowdown must be in [0, 1), got {self.min_slowdown}")
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,8 @@ class InterferenceReport:
     config: InterferenceConfig
     median_itl_ms: float
     num_gaps: int
+    # Sum of every gap of every stream: the time the streams spent streaming.
+    streamed_s: float
     spikes: tuple[Spike, ...]
     windows: tuple[PrefillWindow, ...]
     # The run's span (first send to last token), seconds since the start.
@@ -112,6 +120,14 @@ class InterferenceReport:
         return in_prefill / stalled if stalled > 0 else 0.0
 
     @property
+    def prefill_slowdown(self) -> float:
+        """Share of streaming time lost to stalls inside long prefills: each such spike's
+        excess over the median gap, over the sum of all gaps."""
+        median_s = self.median_itl_ms / 1000.0
+        excess = sum(s.end - s.start - median_s for s in self.spikes if s.is_in_prefill)
+        return excess / self.streamed_s if self.streamed_s > 0 else 0.0
+
+    @property
     def window_coverage(self) -> float:
         """Share of the run during which some long prompt is prefilling: the share of
         stalled time that would coincide by chance."""
@@ -137,6 +153,7 @@ class InterferenceReport:
         return (
             self.num_spikes >= self.config.min_spikes
             and self.in_prefill_fraction >= self.required_fraction
+            and self.prefill_slowdown >= self.config.min_slowdown
         )
 
     @property
@@ -160,7 +177,8 @@ class InterferenceReport:
         )
         counts = (
             f"{self.num_in_prefill} of {self.num_spikes} spikes above "
-            f"{self.spike_threshold_ms:.0f} ms; {self.spike_fraction:.1%} of all gaps"
+            f"{self.spike_threshold_ms:.0f} ms; {self.spike_fraction:.1%} of all gaps; "
+            f"stalls in prefills cost {self.prefill_slowdown:.1%} of streaming time"
         )
         outcome = "phase interference" if self.is_interference else "no phase interference"
         return f"{share}: {outcome} ({counts})."
@@ -176,6 +194,7 @@ class InterferenceReport:
             "in_prefill_fraction": self.in_prefill_fraction,
             "stalled_s": self.stalled_s,
             "window_coverage": self.window_coverage,
+            "prefill_slowdown": self.prefill_slowdown,
             "num_long_prompts": len(self.windows),
             "is_interference": self.is_interference,
             "verdict": self.verdict,
@@ -206,7 +225,10 @@ def detect_interference(
     )
     times = [t for r in records for t in (r.send_time, *r.token_times) if t is not None]
     span = (min(times), max(times)) if times else (0.0, 0.0)
-    return InterferenceReport(config, median_ms, len(gaps), spikes, tuple(windows), span)
+    streamed_s = sum(b - a for _, a, b in gaps)
+    return InterferenceReport(
+        config, median_ms, len(gaps), streamed_s, spikes, tuple(windows), span
+    )
 
 
 def _overlaps_other(index: int, start: float, end: float, windows: list[PrefillWindow]) -> bool:

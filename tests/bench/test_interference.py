@@ -94,6 +94,21 @@ def test_stalls_that_overlap_long_prefills_only_by_chance_are_not_blamed_on_them
     assert ": no phase interference" in report.verdict
 
 
+def test_hiccups_that_cost_nothing_are_not_interference():
+    """A busy host's scheduling hiccups (70 ms gaps, 3.5x the ITL, twice in a run) may both
+    land inside a prefill; they are not what the verdict is about."""
+    hiccup = (0.6, 0.6 + 3 * ITL)
+    records = [_stream(0, stall=hiccup), _stream(1, stall=hiccup), _stream(2, stall=None)]
+    records.append(record(9, send=0.5, ttft=0.6, gaps=[ITL] * 3, prompt_len=4000))
+    report = detect_interference(records)
+    assert report.num_in_prefill == report.num_spikes == 2
+    assert report.in_prefill_fraction == 1.0 > report.required_fraction
+    assert report.prefill_slowdown == pytest.approx(2 * (0.07 - ITL) / report.streamed_s)
+    assert not report.is_interference
+    assert "cost 1.7% of streaming time" in report.verdict
+    assert report.to_dict()["prefill_slowdown"] == report.prefill_slowdown
+
+
 def test_stalls_without_long_prompts():
     records = [_stream(i, stall=(0.5, 0.9)) for i in range(2)]
     report = detect_interference(records)
@@ -117,5 +132,7 @@ def test_long_prompt_threshold_decides_what_counts_as_long():
 def test_config_validation():
     with pytest.raises(BenchError, match="--spike-factor"):
         InterferenceConfig(spike_factor=1.0)
+    with pytest.raises(BenchError, match="min_slowdown"):
+        InterferenceConfig(min_slowdown=1.0)
     with pytest.raises(BenchError, match="--long-prompt-tokens"):
         InterferenceConfig(long_prompt_tokens=0)
