@@ -62,6 +62,10 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
     add_once(group, "--startup-timeout", type=float, default=600.0, metavar="SECONDS")
     add_once(group, "--worker-args", default="",
               help="extra flags for every worker, one shell-quoted string")
+    for role in ("prefill", "decode"):
+        add_once(group, f"--{role}-worker-args", default="",
+                 help=f"extra flags for {role} workers only, after --worker-args (so they win),"
+                      " e.g. a smaller --max-num-batched-tokens for decode workers' local prefills")
     add_routing_args(parser)
 
 
@@ -110,6 +114,7 @@ def plan_workers(args: argparse.Namespace,
         command = (sys.executable, "-m", "pdserve.cli", "serve", "--role", role,
                    "--host", WORKER_HOST, "--port", str(port),
                    "--num-threads", str(len(worker_cores)), *shared,
+                   *shlex.split(getattr(args, f"{role}_worker_args", "")),
                    *_step_log_flags(getattr(args, "step_log", None), name))
         specs.append(WorkerSpec(name, role, port, worker_cores, command,
                                 log_dir / f"{name}.log"))

@@ -84,6 +84,18 @@ def test_plan_pins_prefill_then_decode_workers(tmp_path):
     assert decode.log_path == tmp_path / "decode-0.log"
 
 
+def test_role_worker_args_reach_only_that_role_and_win_over_worker_args(tmp_path):
+    parser = serve_like_parser()
+    args = parser.parse_args(["--mode", "disagg", "--worker-log-dir", str(tmp_path),
+                              "--worker-args", "--max-num-batched-tokens 512 --max-num-seqs 4",
+                              "--decode-worker-args", "--max-num-batched-tokens 128"])
+    prefill, decode = plan_workers(args, parser)
+    parsed = {w.role: serve_like_parser().parse_args(w.command[4:]) for w in (prefill, decode)}
+    assert parsed["prefill"].max_num_batched_tokens == 512
+    assert parsed["decode"].max_num_batched_tokens == 128
+    assert parsed["prefill"].max_num_seqs == parsed["decode"].max_num_seqs == 4
+
+
 def test_each_worker_logs_its_steps_to_its_own_file(tmp_path):
     parser = serve_like_parser()
     args = parser.parse_args(["--mode", "disagg", "--worker-log-dir", str(tmp_path),
