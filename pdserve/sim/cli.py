@@ -68,7 +68,8 @@ def add_parsers(subparsers) -> None:
         "plan", help="rank layouts of N GPUs by goodput per GPU under SLOs",
         description="Search colocated, chunked (token budgets 256-8192, TP degrees) and "
                     "disaggregated layouts (prefill:decode splits, TP, local-prefill "
-                    "threshold) of --gpus devices, simulate each, rank by goodput per GPU.")
+                    "threshold, the decode workers' budget for those local prefills) of "
+                    "--gpus devices, simulate each, rank by goodput per GPU.")
     add_deployment_args(plan, with_layout=False)
     plan.add_argument("--gpus", type=int, required=True)
     plan.add_argument("--slo", nargs="+", required=True, metavar="METRIC:MS[,METRIC:MS]",

@@ -114,6 +114,9 @@ class SimConfig:
             label = f"disagg {pre.num_workers}×TP{pre.tp}:{pool.num_workers}×TP{pool.tp}"
             if self.local_prefill_threshold:
                 label += f" local<{self.local_prefill_threshold}"
+            budget = pool.scheduler_config.max_num_batched_tokens
+            if budget != pre.scheduler_config.max_num_batched_tokens:
+                label += f" decode budget {budget}"
             return label
         label = f"{self.mode.value} {pool.num_workers}×TP{pool.tp}"
         if self.mode is Mode.CHUNKED:

@@ -12,7 +12,7 @@ class Layout:
     """Colocated/chunked: workers of `tp` devices (chunked with `budget` tokens per step).
     Disagg: `prefill_fraction` of the devices in prefill workers of `prefill_tp`, the rest in
     decode workers of `tp`; prompts with fewer than `local_prefill_threshold` uncached
-    tokens prefill on the decode worker."""
+    tokens prefill on the decode worker, in chunks of `decode_budget` (default: `budget`)."""
 
     mode: Mode
     tp: int
@@ -20,6 +20,7 @@ class Layout:
     prefill_tp: int | None = None
     prefill_fraction: float | None = None
     local_prefill_threshold: int = 0
+    decode_budget: int | None = None
 
     def split(self, num_gpus: int) -> tuple[int, int] | None:
         """(prefill workers, decode workers) on `num_gpus`, or None if it does not divide."""
@@ -37,6 +38,8 @@ class Layout:
             text = f"disagg {split[0]}×TP{self.prefill_tp} : {split[1]}×TP{self.tp}"
             if self.local_prefill_threshold:
                 text += f", local < {self.local_prefill_threshold}"
+            if self.decode_budget is not None:
+                text += f", decode budget {self.decode_budget}"
             return text
         text = f"{self.mode.value} {num_gpus // self.tp}×TP{self.tp}"
         return text + (f", budget {self.budget}" if self.mode is Mode.CHUNKED else "")
@@ -54,6 +57,7 @@ class Layout:
             return None
         return deployment.config(Mode.DISAGG, budget=self.budget,
                                  prefill=(split[0], self.prefill_tp), decode=(split[1], self.tp),
+                                 decode_budget=self.decode_budget,
                                  local_prefill_threshold=self.local_prefill_threshold,
                                  **overrides)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.bench.arrivals import parse_request_rates
 from pdserve.bench.benchmark import TRACE_WINDOW_STREAM, seeded_rng
@@ -94,6 +94,9 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
     lay.add_argument("--decode-tp", type=int, help="disagg (default: --tp)")
     lay.add_argument("--local-prefill-threshold", type=int, default=0,
                      help="disagg: prompts with fewer uncached tokens prefill on decode")
+    lay.add_argument("--decode-max-num-batched-tokens", type=int,
+                     help="disagg: the decode workers' token budget, which chunks their local "
+                          "prefills (serve's --decode-worker-args; default: the same budget)")
     lay.add_argument("--horizon", type=float, help="stop the clock after S simulated seconds")
 
 
@@ -155,18 +158,26 @@ class Deployment:
 
     def config(self, mode: Mode, *, tp: int = 1, num_workers: int = 1,
                budget: int | None = None, prefill: tuple[int, int] | None = None,
-               decode: tuple[int, int] | None = None, **overrides) -> SimConfig:
+               decode: tuple[int, int] | None = None, decode_budget: int | None = None,
+               **overrides) -> SimConfig:
         """A layout: `num_workers` × `tp` (colocated/chunked), or `prefill`/`decode` as
-        (workers, tp) pools (disagg)."""
+        (workers, tp) pools (disagg), the decode pool on `decode_budget` when given."""
         a = self.args
         if mode is Mode.COLOCATED:
             budget = self.max_model_len
+        budget = self.default_budget if budget is None else budget
+        for flag, value in (("--max-num-batched-tokens", budget),
+                            ("--decode-max-num-batched-tokens", decode_budget)):
+            if value is not None and value < 1:
+                raise SimConfigError(f"{flag} must be >= 1, got {value}")
         sched = scheduler_config_for(
-            mode, budget or self.default_budget, self.max_num_seqs, self.max_model_len,
+            mode, budget, self.max_num_seqs, self.max_model_len,
             long_prefill_token_threshold=a.long_prefill_token_threshold,
             max_num_partial_prefills=a.max_num_partial_prefills)
         if mode is Mode.DISAGG:
-            pool, prefill_pool = PoolConfig(*decode, sched), PoolConfig(*prefill, sched)
+            decode_sched = (sched if decode_budget is None
+                            else replace(sched, max_num_batched_tokens=decode_budget))
+            pool, prefill_pool = PoolConfig(*decode, decode_sched), PoolConfig(*prefill, sched)
         else:
             pool, prefill_pool = PoolConfig(num_workers, tp, sched), None
         kv_gb = a.kv_cache_memory_gb
@@ -192,6 +203,7 @@ def layout_config(deployment: Deployment, mode: Mode, **overrides) -> SimConfig:
         mode, tp=a.tp, num_workers=a.num_workers, budget=a.max_num_batched_tokens,
         prefill=(a.prefill_workers, a.prefill_tp or a.tp),
         decode=(a.decode_workers, a.decode_tp or a.tp),
+        decode_budget=a.decode_max_num_batched_tokens,
         local_prefill_threshold=a.local_prefill_threshold, horizon_s=a.horizon, **overrides)
 
 

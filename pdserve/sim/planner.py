@@ -29,6 +29,8 @@ TP_DEGREES = (1, 2, 4, 8)
 BUDGETS = (256, 512, 1024, 2048, 4096, 8192)
 MAX_SPLITS = 7
 THRESHOLDS = (256, 1024, 4096)
+# Decode workers' budgets for their local prefills (those below the layout's own budget).
+DECODE_BUDGETS = (128, 256, 512, 1024)
 FINALISTS_PER_MODE = 2
 # Capacity search: at most this many doublings/halvings of the rate, then bisections.
 _MAX_DOUBLINGS = 5
@@ -163,8 +165,9 @@ def rank(evaluations: Sequence[Evaluation]) -> list[Evaluation]:
 
 
 def search(inputs: PlanInputs, num_gpus: int, progress: Progress) -> list[Evaluation]:
-    """Every candidate at the planned rate, local-prefill thresholds on the best
-    disaggregated one, then the finalists' capacities."""
+    """Every candidate at the planned rate; local-prefill thresholds on the best
+    disaggregated one, then decode budgets on the best with a threshold; then the finalists'
+    capacities."""
     evaluations = []
     layouts = candidate_layouts(inputs, num_gpus)
     for i, layout in enumerate(layouts, start=1):
@@ -172,12 +175,15 @@ def search(inputs: PlanInputs, num_gpus: int, progress: Progress) -> list[Evalua
         evaluation = evaluate(inputs, layout, num_gpus)
         if evaluation is not None:
             evaluations.append(evaluation)
-    disagg = [e for e in rank(evaluations) if e.layout.mode is Mode.DISAGG]
-    if disagg:
-        for threshold in THRESHOLDS:
-            layout = replace(disagg[0].layout, local_prefill_threshold=threshold)
-            progress(f"[threshold] {layout.label(num_gpus)}")
-            evaluations.append(evaluate(inputs, layout, num_gpus))
+    best = _best_disagg(evaluations)
+    if best is not None:
+        _refine(inputs, num_gpus, progress, evaluations, "threshold",
+                [replace(best, local_prefill_threshold=t) for t in THRESHOLDS])
+    best = _best_disagg(evaluations, is_local=True)
+    if best is not None:
+        budget = best.budget or inputs.deployment.default_budget
+        _refine(inputs, num_gpus, progress, evaluations, "decode budget",
+                [replace(best, decode_budget=b) for b in DECODE_BUDGETS if b < budget])
     ranked = rank(evaluations)
     finalists = [e for mode in Mode
                  for e in [x for x in ranked if x.layout.mode is mode][:FINALISTS_PER_MODE]]
@@ -185,6 +191,25 @@ def search(inputs: PlanInputs, num_gpus: int, progress: Progress) -> list[Evalua
         capacity = find_capacity(inputs, evaluation.layout, num_gpus, progress)
         evaluations[evaluations.index(evaluation)] = replace(evaluation, capacity=capacity)
     return rank(evaluations)
+
+
+def _best_disagg(evaluations: list[Evaluation], is_local: bool = False) -> Layout | None:
+    """The best-ranked disaggregated layout (with a local-prefill threshold if `is_local`)."""
+    for evaluation in rank(evaluations):
+        layout = evaluation.layout
+        if layout.mode is Mode.DISAGG and (layout.local_prefill_threshold > 0 or not is_local):
+            return layout
+    return None
+
+
+def _refine(inputs: PlanInputs, num_gpus: int, progress: Progress,
+            evaluations: list[Evaluation], stage: str, layouts: list[Layout]) -> None:
+    """Evaluate variants of a layout, appending them to `evaluations`."""
+    for layout in layouts:
+        progress(f"[{stage}] {layout.label(num_gpus)}")
+        evaluation = evaluate(inputs, layout, num_gpus)
+        if evaluation is not None:
+            evaluations.append(evaluation)
 
 
 def planned_rate(inputs: PlanInputs) -> float:

@@ -39,6 +39,14 @@ def test_bad_input_is_one_clear_line(capsys):
     assert "--hardware" in err and "Traceback" not in err
     assert main(["simulate", "--mode", "sideways", *WORKLOAD]) == 2
     assert "--mode" in capsys.readouterr().err
+    assert main(["simulate", "--decode-max-num-batched-tokens", "0", *WORKLOAD]) == 2
+    assert "--decode-max-num-batched-tokens must be >= 1" in capsys.readouterr().err
+
+
+def test_decode_workers_get_their_own_budget(capsys):
+    args = ["simulate", "--mode", "disagg", "--local-prefill-threshold", "400", *WORKLOAD]
+    assert main([*args, "--decode-max-num-batched-tokens", "128"]) == 0
+    assert "disagg 1×TP1:1×TP1 local<400 decode budget 128" in capsys.readouterr().out
 
 
 def test_calibrate_from_step_file(tmp_path, capsys):
@@ -69,6 +77,9 @@ def test_small_plan_search(tmp_path, capsys):
     ranking = json.loads((tmp_path / "plan.json").read_text())["ranking"]
     modes = {row["layout"].split()[0] for row in ranking}
     assert modes == {"colocated", "chunked", "disagg"}
+    # The best disagg layout with a local-prefill threshold is tried with smaller decode budgets.
+    assert any("local < " in row["layout"] and "decode budget 256" in row["layout"]
+               for row in ranking)
 
 
 def test_workload_from_a_saved_run_replays_it(tmp_path):

@@ -119,6 +119,21 @@ def test_local_prefill_threshold_keeps_short_prompts_on_decode():
     assert "kv_transfer_bytes" in long.server_extra
 
 
+def test_a_smaller_decode_budget_chunks_local_prefills():
+    """Disagg with a local-prefill threshold: the decode worker prefills short prompts among
+    its streams, each chunk one stall; its own smaller budget shortens the stalls."""
+    specs = streams_plus_long_prompt(long_len=900)  # below the threshold: prefilled locally
+    whole = make_config(Mode.DISAGG, local_prefill_threshold=1000, budget=1024)
+    chunked = replace(whole, pool=with_scheduler(whole.pool, max_num_batched_tokens=128))
+    assert chunked.describe().endswith("local<1000 decode budget 128")
+
+    def worst_stream_gap(config):
+        records = simulate(config, specs).records
+        return max(max(r.itls) for r in records if r.prompt_len == 32)
+
+    assert worst_stream_gap(chunked) < 0.5 * worst_stream_gap(whole)
+
+
 def test_concurrent_transfers_share_the_link():
     # Two prefill workers (one 8-GPU node each) send to one decode worker (a third node)
     # with one 25 GbE NIC: two equal transfers at once each take twice as long as one alone.
