@@ -62,10 +62,12 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
     add_once(group, "--startup-timeout", type=float, default=600.0, metavar="SECONDS")
     add_once(group, "--worker-args", default="",
               help="extra flags for every worker, one shell-quoted string")
-    for role in ("prefill", "decode"):
-        add_once(group, f"--{role}-worker-args", default="",
-                 help=f"extra flags for {role} workers only, after --worker-args (so they win),"
-                      " e.g. a smaller --max-num-batched-tokens for decode workers' local prefills")
+    # One pool's flags come after --worker-args, so they win.
+    add_once(group, "--prefill-worker-args", default="", metavar="FLAGS",
+             help="extra flags for prefill workers only, e.g. '--max-num-batched-tokens 2048'")
+    add_once(group, "--decode-worker-args", default="", metavar="FLAGS",
+             help="extra flags for decode workers only, e.g. '--max-num-batched-tokens 128' "
+                  "to chunk their local prefills finely")
     add_routing_args(parser)
 
 
