@@ -247,6 +247,14 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
         "(e.g. '--step-log steps-{mode}.jsonl')",
     )
     g.add_argument(
+        "--mode-args",
+        action="append",
+        default=[],
+        metavar="MODE=ARGS",
+        help="extra arguments for one mode's server, after --server-args (repeatable), e.g. "
+        "\"chunked=--max-num-batched-tokens 256\": compare each mode at its own best settings",
+    )
+    g.add_argument(
         "--health-timeout", type=float, default=600.0, help="seconds to wait for GET /health == 200"
     )
     g.add_argument(
@@ -379,6 +387,8 @@ def _run_compare(args: argparse.Namespace) -> int:
         launch=LaunchConfig(
             command=tuple(shlex.split(args.server_cmd)),
             extra_args=tuple(shlex.split(args.server_args)),
+            mode_args={mode: tuple(shlex.split(text))
+                       for mode, text in _name_pairs(args.mode_args, "--mode-args", "ARGS")},
             health_timeout_s=args.health_timeout,
             stop_grace_s=args.stop_grace,
             log_dir=report_dir / "logs",

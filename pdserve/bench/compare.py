@@ -46,6 +46,9 @@ class CompareSpec:
             raise BenchError("bench compare: nothing to compare; give --modes or --external")
         if len(set(names)) != len(names):
             raise BenchError(f"bench compare: row names must be unique, got {names}")
+        for mode in self.launch.mode_args:
+            if mode not in self.modes:
+                raise BenchError(f"--mode-args: {mode!r} is not one of --modes {self.modes}")
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,7 @@ class CompareResult:
                 "modes": list(self.spec.modes),
                 "externals": dict(self.spec.externals),
                 "server_command": [*self.spec.launch.command, *self.spec.launch.extra_args],
+                "mode_args": {m: list(a) for m, a in self.spec.launch.mode_args.items()},
             },
             "rows": [asdict(r) for r in self.rows],
             "recommendation": None if self.recommendation is None else asdict(self.recommendation),

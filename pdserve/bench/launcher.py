@@ -39,12 +39,15 @@ class LaunchConfig:
     """How to start one server per mode.
 
     `command` is an argv template (see DEFAULT_SERVER_COMMAND); `extra_args` are appended,
-    with the same placeholders (e.g. a per-mode `--step-log steps-{mode}.jsonl`).
-    The child's stdout and stderr go to `log_dir/server-MODE.log`.
+    with the same placeholders (e.g. a per-mode `--step-log steps-{mode}.jsonl`), then
+    `mode_args[mode]`: one mode's own flags (e.g. its token budget), so that each mode can be
+    compared at its best settings. The child's stdout and stderr go to
+    `log_dir/server-MODE.log`.
     """
 
     command: tuple[str, ...] = DEFAULT_SERVER_COMMAND
     extra_args: tuple[str, ...] = ()
+    mode_args: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     host: str = "127.0.0.1"
     health_path: str = "/health"
     health_timeout_s: float = 600.0
@@ -64,12 +67,12 @@ class LaunchConfig:
     def argv(self, mode: str, port: int) -> list[str]:
         """The command for one mode, placeholders filled in."""
         values = {"python": sys.executable, "mode": mode, "host": self.host, "port": str(port)}
+        template = (*self.command, *self.extra_args, *self.mode_args.get(mode, ()))
         try:
-            return [part.format(**values) for part in (*self.command, *self.extra_args)]
+            return [part.format(**values) for part in template]
         except (KeyError, IndexError, ValueError) as exc:
-            template = " ".join((*self.command, *self.extra_args))
             raise BenchError(
-                f"--server-cmd/--server-args: bad placeholder {exc} in {template!r}; "
+                f"--server-cmd/--server-args: bad placeholder {exc} in {' '.join(template)!r}; "
                 "use {python}, {mode}, {host}, {port}"
             ) from None
 

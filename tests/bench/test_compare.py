@@ -56,6 +56,8 @@ def test_compare_runs_every_mode_and_writes_all_artefacts(
                 "{python} -m tests.bench.stub_server --host {host} --port {port} --mode {mode}",
                 "--server-args",
                 SCHEDULE,
+                "--mode-args",
+                "chunked=--itl-ms 12",  # the stub's chunked preset doubles it: 24 ms, not 30
                 "--health-timeout",
                 "60",
                 "--goodput",
@@ -77,6 +79,8 @@ def test_compare_runs_every_mode_and_writes_all_artefacts(
         assert data["runs"][name]["pdserve"]["config"]["seed"] == 3
         assert (out / f"itl_timeline-{name}.png").is_file()
         assert (out / "logs" / f"server-{name}.log").is_file() or name == "other"
+    assert data["config"]["mode_args"] == {"chunked": ["--itl-ms", "12"]}
+    assert rows["chunked"]["itl_p50"] < 28 < rows["colocated"]["itl_p50"] * 2
     # The same requests everywhere.
     input_lens = {tuple(run["input_lens"]) for run in data["runs"].values()}
     assert len(input_lens) == 1
@@ -105,6 +109,14 @@ def test_compare_runs_every_mode_and_writes_all_artefacts(
             rows[name]["completed"], rows[name]["itl_p99"], rows[name]["goodput"],
             rows[name]["is_interference"])
         assert f"again/{name}" in again
+
+
+def test_mode_args_must_name_a_compared_mode(capsys):
+    args = ["compare", *WORKLOAD_ARGS, "--modes", "chunked", "--mode-args", "disagg=--x 1"]
+    assert main(args) == 2
+    assert "--mode-args: 'disagg' is not one of --modes" in capsys.readouterr().err
+    assert main(["compare", *WORKLOAD_ARGS, "--modes", "chunked", "--mode-args", "chunked"]) == 2
+    assert "--mode-args: expected NAME=ARGS" in capsys.readouterr().err
 
 
 def test_saved_rows_reject_what_is_not_one_run(tmp_path, capsys):
