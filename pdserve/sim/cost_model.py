@@ -98,21 +98,16 @@ class CostModel:
     def _init_constants(self) -> None:
         # Everything below is per device and fixed for the deployment; step_cost only sums.
         m, eff, tp = self.model, self.efficiency, self.tp
-        wbytes = dtype_bytes(self.dtype)
         self.peak_linear_flops = self.hardware.peak_flops(self.dtype)
         # Attention runs in bf16 whatever the weights' dtype.
         self.peak_attention_flops = self.hardware.peak_flops("bf16")
         self._flops_per_s = self.peak_linear_flops * eff.linear_compute
         self._attn_flops_per_s = self.peak_attention_flops * eff.attention_compute
         self._bytes_per_s = self.hardware.memory_bandwidth * eff.memory
-        self._weight_bytes = wbytes
+        self._weight_bytes = dtype_bytes(self.dtype)
         # Parameters of the decoder layers' linears and of the LM head, per device.
         self.layer_params = m.num_layers * m.linear_params_per_layer / tp
         self.head_params = m.lm_head_params / tp
-        self._layer_flops_per_token = 2 * self.layer_params
-        self._layer_weight_bytes = self.layer_params * wbytes
-        self._head_flops_per_token = 2 * self.head_params
-        self._head_weight_bytes = self.head_params * wbytes
         # Q·K and P·V: 2 matmuls × 2 FLOPs per multiply-add, per query-key pair.
         self._attn_flops_per_pair = 4 * m.num_layers * m.q_size / tp
         self._kv_bytes_per_token_device = self.kv_bytes_per_token * self.kv_shard_fraction
@@ -147,7 +142,8 @@ class CostModel:
         """FLOPs and bytes per device of one step over `batch`, by component."""
         num_tokens = sum(seq.num_new_tokens for seq in batch)
         num_sampled = sum(1 for seq in batch if seq.is_sampling)
-        return StepWork(self._linear_work(num_tokens), self._head_work(num_sampled),
+        return StepWork(self._linear_work(num_tokens, self.layer_params),
+                        self._linear_work(num_sampled, self.head_params),
                         tuple(self._attention_work(seq) for seq in batch), len(batch))
 
     def _linear_s(self, num_rows: int, num_params: float) -> float:
@@ -158,17 +154,15 @@ class CostModel:
         curve = self.efficiency.linear_curve
         if curve:
             return num_params * seconds_per_param(curve, num_rows)
-        return roofline(2 * num_rows * num_params, num_params * self._weight_bytes,
-                        self._flops_per_s, self._bytes_per_s)
+        return roofline(*self._linear_work(num_rows, num_params), self._flops_per_s,
+                        self._bytes_per_s)
 
-    def _linear_work(self, num_tokens: int) -> tuple[float, float]:
-        return num_tokens * self._layer_flops_per_token, self._layer_weight_bytes
-
-    def _head_work(self, num_sampled: int) -> tuple[float, float]:
-        # Logits only for the rows that sample; no LM-head pass when none does.
-        if not num_sampled:
+    def _linear_work(self, num_rows: int, num_params: float) -> tuple[float, float]:
+        """FLOPs and weight bytes of linears holding `num_params` over `num_rows` rows; none
+        without rows (the LM head runs only for the rows that sample)."""
+        if not num_rows:
             return 0.0, 0.0
-        return num_sampled * self._head_flops_per_token, self._head_weight_bytes
+        return 2 * num_rows * num_params, num_params * self._weight_bytes
 
     def _attention_work(self, seq: SeqWork) -> tuple[float, float]:
         new, context = seq.num_new_tokens, seq.num_context_tokens
