@@ -41,10 +41,12 @@ demo: install
 
 test: install-test
 	$(VENV)/bin/ruff check pdserve tests benchmarks
+	$(VENV)/bin/ruff format --check pdserve tests benchmarks
 	$(VENV)/bin/pytest -q -rs
 
 lint: install-test
 	$(VENV)/bin/ruff check pdserve tests benchmarks
+	$(VENV)/bin/ruff format --check pdserve tests benchmarks
 
 clean:
 	rm -rf $(VENV)

@@ -48,8 +48,12 @@ def weight_bytes(config, dtype: torch.dtype) -> int:
     output projection (the embedding matrix when tied; one row lookup is negligible)."""
     hidden, kv_size = config.hidden_size, config.num_key_value_heads * config.head_dim
     q_size = config.num_attention_heads * config.head_dim
-    per_layer = (hidden * (q_size + 2 * kv_size) + q_size * hidden
-                 + 3 * hidden * config.intermediate_size + 2 * hidden)
+    per_layer = (
+        hidden * (q_size + 2 * kv_size)
+        + q_size * hidden
+        + 3 * hidden * config.intermediate_size
+        + 2 * hidden
+    )
     params = config.num_hidden_layers * per_layer + hidden + config.vocab_size * hidden
     return params * torch.finfo(dtype).bits // 8
 
@@ -113,9 +117,17 @@ def hf_decode(model, batch: int) -> float:
 
 def bench_dtype(dtype: str, bandwidth: float, hf_folder: Path | None) -> dict:
     loaded = load_model(None, dtype=dtype, device="cpu")
-    engine = LLMEngine(engine_config_from_kwargs(
-        mode="colocated", dtype=dtype, device="cpu", enable_prefix_caching=False,
-        max_num_seqs=64, kv_cache_memory_gb=2.0), loaded=loaded)
+    engine = LLMEngine(
+        engine_config_from_kwargs(
+            mode="colocated",
+            dtype=dtype,
+            device="cpu",
+            enable_prefix_caching=False,
+            max_num_seqs=64,
+            kv_cache_memory_gb=2.0,
+        ),
+        loaded=loaded,
+    )
     reference = hf_model(hf_folder, loaded.dtype) if hf_folder else None
     weights = weight_bytes(loaded.config, loaded.dtype)
     kv_per_token = kv_bytes_per_token(loaded.config, loaded.dtype)
@@ -124,13 +136,15 @@ def bench_dtype(dtype: str, bandwidth: float, hf_folder: Path | None) -> dict:
         pdserve_prefill(engine, 64)  # warm up
         rows["prefill"][length] = {
             "pdserve_tokens_per_s": pdserve_prefill(engine, length),
-            "transformers_tokens_per_s": hf_prefill(reference, length) if reference else None}
+            "transformers_tokens_per_s": hf_prefill(reference, length) if reference else None,
+        }
     for batch in DECODE_BATCHES:
         floor = (weights + batch * DECODE_CONTEXT * kv_per_token) / bandwidth
         rows["decode"][batch] = {
             "pdserve_step_ms": pdserve_decode(engine, batch) * 1e3,
             "transformers_step_ms": hf_decode(reference, batch) * 1e3 if reference else None,
-            "floor_ms": floor * 1e3}
+            "floor_ms": floor * 1e3,
+        }
     return rows
 
 
@@ -141,14 +155,20 @@ def print_table(result: dict) -> None:
         print(f"{'prefill':>12} {'pdserve tok/s':>14} {'transformers':>13} {'speed-up':>9}")
         for length, r in rows["prefill"].items():
             hf = r["transformers_tokens_per_s"]
-            print(f"{length:>12} {r['pdserve_tokens_per_s']:>14.0f} {hf or 0:>13.0f} "
-                  f"{r['pdserve_tokens_per_s'] / hf if hf else 0:>8.2f}x")
-        print(f"{'decode batch':>12} {'pdserve ms':>14} {'transformers':>13} {'floor ms':>9} "
-              f"{'x floor':>8}")
+            print(
+                f"{length:>12} {r['pdserve_tokens_per_s']:>14.0f} {hf or 0:>13.0f} "
+                f"{r['pdserve_tokens_per_s'] / hf if hf else 0:>8.2f}x"
+            )
+        print(
+            f"{'decode batch':>12} {'pdserve ms':>14} {'transformers':>13} {'floor ms':>9} "
+            f"{'x floor':>8}"
+        )
         for batch, r in rows["decode"].items():
             ours, hf = r["pdserve_step_ms"], r["transformers_step_ms"] or 0
-            print(f"{batch:>12} {ours:>14.1f} {hf:>13.1f} {r['floor_ms']:>9.1f} "
-                  f"{ours / r['floor_ms']:>7.2f}x")
+            print(
+                f"{batch:>12} {ours:>14.1f} {hf:>13.1f} {r['floor_ms']:>9.1f} "
+                f"{ours / r['floor_ms']:>7.2f}x"
+            )
 
 
 def main() -> int:

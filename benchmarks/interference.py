@@ -61,8 +61,16 @@ DISAGG_MAX_RATIO = 1.3
 CHUNKED_MAX_RATIO = 3.0
 MIN_STALL_FRACTION = 0.8  # colocated: the max gap covers most of the long prefill
 MIN_SHM_VS_MEMCPY = 0.5
-TIMING_KEYS = ("router_queue_ms", "prefill_ms", "kv_transfer_ms", "kv_transfer_bytes",
-               "first_decode_step_ms", "worker_queue_ms", "worker_prefill_ms", "worker_ttft_ms")
+TIMING_KEYS = (
+    "router_queue_ms",
+    "prefill_ms",
+    "kv_transfer_ms",
+    "kv_transfer_bytes",
+    "first_decode_step_ms",
+    "worker_queue_ms",
+    "worker_prefill_ms",
+    "worker_ttft_ms",
+)
 
 
 @dataclass(frozen=True)
@@ -91,17 +99,28 @@ def mode_runs(modes: list[str], budgets: list[int]) -> list[ModeRun]:
     runs = []
     for mode in modes:
         if mode == "chunked":
-            runs += [ModeRun(f"chunked-{b}", mode, ("--max-num-batched-tokens", str(b)),
-                             CHUNKED_MAX_RATIO) for b in budgets]
+            runs += [
+                ModeRun(
+                    f"chunked-{b}", mode, ("--max-num-batched-tokens", str(b)), CHUNKED_MAX_RATIO
+                )
+                for b in budgets
+            ]
         elif mode == "disagg":
-            runs.append(ModeRun(mode, mode, ("--prefill-workers", "1", "--decode-workers", "1"),
-                                DISAGG_MAX_RATIO))
+            runs.append(
+                ModeRun(
+                    mode,
+                    mode,
+                    ("--prefill-workers", "1", "--decode-workers", "1"),
+                    DISAGG_MAX_RATIO,
+                )
+            )
         else:
             runs.append(ModeRun(mode, mode))
     return runs
 
 
 # ---- one run ------------------------------------------------------------------------------
+
 
 class CpuProbe:
     """Scheduler accounting (/proc/PID/task/*/schedstat) of the engine processes: how much CPU
@@ -115,28 +134,43 @@ class CpuProbe:
         self.marks: list[tuple] = []
 
     def mark(self) -> None:
-        self.marks.append((time.perf_counter(),
-                           {name: _schedstat(pid) for name, pid in self.pids.items()},
-                           _step_time_sum_count(self.decode_url), _core_ticks()))
+        self.marks.append(
+            (
+                time.perf_counter(),
+                {name: _schedstat(pid) for name, pid in self.pids.items()},
+                _step_time_sum_count(self.decode_url),
+                _core_ticks(),
+            )
+        )
 
     def shares(self, start: int, end: int) -> dict[str, dict[str, float]]:
         """Between marks `start` and `end`: per process, run and run-queue wait as fractions
         of the wall time; the decoding engine's mean step time (ms) and steps per second."""
-        (t_a, a, steps_a, ticks_a), (t_b, b, steps_b, ticks_b) = (self.marks[start],
-                                                                  self.marks[end])
+        (t_a, a, steps_a, ticks_a), (t_b, b, steps_b, ticks_b) = (
+            self.marks[start],
+            self.marks[end],
+        )
         wall = t_b - t_a
         shares: dict[str, dict[str, float]] = {
-            name: {"cpu": (b[name][0] - a[name][0]) / wall,
-                   "runqueue_wait": (b[name][1] - a[name][1]) / wall} for name in a}
+            name: {
+                "cpu": (b[name][0] - a[name][0]) / wall,
+                "runqueue_wait": (b[name][1] - a[name][1]) / wall,
+            }
+            for name in a
+        }
         num_steps = steps_b[1] - steps_a[1]
-        shares["decode_engine"] = {"mean_step_ms": 1e3 * (steps_b[0] - steps_a[0]) / num_steps
-                                   if num_steps else 0.0, "steps_per_s": num_steps / wall}
+        shares["decode_engine"] = {
+            "mean_step_ms": 1e3 * (steps_b[0] - steps_a[0]) / num_steps if num_steps else 0.0,
+            "steps_per_s": num_steps / wall,
+        }
         for core, after in ticks_b.items():
             delta = [x - y for x, y in zip(after, ticks_a[core], strict=True)]
             total = sum(delta) or 1
             # /proc/stat: user nice system idle iowait irq softirq steal ...
-            shares[f"core{core}"] = {"busy": 1 - (delta[3] + delta[4]) / total,
-                                     "steal": delta[7] / total}
+            shares[f"core{core}"] = {
+                "busy": 1 - (delta[3] + delta[4]) / total,
+                "steal": delta[7] / total,
+            }
         return shares
 
 
@@ -156,8 +190,10 @@ def _step_time_sum_count(url: str) -> tuple[float, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             values[sample.name] = sample.value
-    return (values["pdserve:engine_step_time_seconds_sum"],
-            values["pdserve:engine_step_time_seconds_count"])
+    return (
+        values["pdserve:engine_step_time_seconds_sum"],
+        values["pdserve:engine_step_time_seconds_count"],
+    )
 
 
 def decode_url(mode: str, base_url: str) -> str:
@@ -198,31 +234,41 @@ def serving_pids(mode: str, server_pid: int) -> dict[str, int]:
     return pids
 
 
-async def drive(base_url: str, shorts: list[BenchRequest], long: BenchRequest,
-                warmup: BenchRequest, lead_tokens: int,
-                probe: CpuProbe) -> tuple[list[RequestRecord], float, str]:
+async def drive(
+    base_url: str,
+    shorts: list[BenchRequest],
+    long: BenchRequest,
+    warmup: BenchRequest,
+    lead_tokens: int,
+    probe: CpuProbe,
+) -> tuple[list[RequestRecord], float, str]:
     """The short streams, then the long request once they all stream; records and t0.
     `probe` is marked when the shorts start, when the long request is sent and when it ends."""
     endpoint = EndpointConfig(base_url=base_url, endpoint=CHAT_COMPLETIONS)
     # router_timing: the serving worker then reports its `pdserve_timing` (any mode).
-    timed = EndpointConfig(base_url=base_url, endpoint=CHAT_COMPLETIONS,
-                           extra_body={"router_timing": {}})
+    timed = EndpointConfig(
+        base_url=base_url, endpoint=CHAT_COMPLETIONS, extra_body={"router_timing": {}}
+    )
     async with make_http_client(endpoint) as http:
         model = (await probe_server(http, endpoint)).model
         await warm_up(http, endpoint, model, [warmup])
-        records = [RequestRecord(i, "short", r.prompt_len, r.output_len, 0.0)
-                   for i, r in enumerate(shorts)]
+        records = [
+            RequestRecord(i, "short", r.prompt_len, r.output_len, 0.0) for i, r in enumerate(shorts)
+        ]
         t0 = time.perf_counter()
         probe.mark()
-        tasks = [asyncio.create_task(send_request(http, endpoint, model, r, rec, t0))
-                 for r, rec in zip(shorts, records, strict=True)]
+        tasks = [
+            asyncio.create_task(send_request(http, endpoint, model, r, rec, t0))
+            for r, rec in zip(shorts, records, strict=True)
+        ]
         while min(len(r.token_times) for r in records) < lead_tokens:
             failed = [r.error for r in records if r.error]
             if failed or all(t.done() for t in tasks):
                 raise BenchError(f"a short stream failed before the long request: {failed}")
             await asyncio.sleep(0.005)
-        long_record = RequestRecord(len(shorts), "long", long.prompt_len, long.output_len,
-                                    time.perf_counter() - t0)
+        long_record = RequestRecord(
+            len(shorts), "long", long.prompt_len, long.output_len, time.perf_counter() - t0
+        )
         records.append(long_record)
         probe.mark()
         await send_request(http, timed, model, long, long_record, t0)
@@ -258,11 +304,16 @@ def analyze(run: ModeRun, records: list[RequestRecord]) -> dict:
     timing = long.server_extra.get("pdserve_timing") or {}
     ratio = during_ms.p99 / baseline_ms.median if baseline_ms.median else float("inf")
     result = {
-        "label": run.label, "mode": run.mode, "extra_args": list(run.extra_args),
-        "itl_during_ms": asdict(during_ms), "itl_baseline_ms": asdict(baseline_ms),
-        "num_gaps_during": len(during), "num_gaps_baseline": len(baseline),
+        "label": run.label,
+        "mode": run.mode,
+        "extra_args": list(run.extra_args),
+        "itl_during_ms": asdict(during_ms),
+        "itl_baseline_ms": asdict(baseline_ms),
+        "num_gaps_during": len(during),
+        "num_gaps_baseline": len(baseline),
         "p99_during_over_p50_baseline": ratio,
-        "long_ttft_ms": long.ttft * 1e3, "long_prompt_tokens": long.num_prompt_tokens_reported,
+        "long_ttft_ms": long.ttft * 1e3,
+        "long_prompt_tokens": long.num_prompt_tokens_reported,
         "long_lifetime_ms": (long.end_time - long.send_time) * 1e3,
         "timing": {k: timing[k] for k in TIMING_KEYS if k in timing},
     }
@@ -279,20 +330,28 @@ def analyze(run: ModeRun, records: list[RequestRecord]) -> dict:
 
 def run_mode(run: ModeRun, scenario: Scenario, requests: tuple, out: Path) -> dict:
     shorts, long, warmup = requests
-    launch = LaunchConfig(extra_args=run.extra_args, log_dir=out / "logs" / run.label,
-                          cwd=REPO_ROOT)
-    print(f"[{run.label}] starting pdserve serve --mode {run.mode} {' '.join(run.extra_args)}",
-          file=sys.stderr, flush=True)
+    launch = LaunchConfig(
+        extra_args=run.extra_args, log_dir=out / "logs" / run.label, cwd=REPO_ROOT
+    )
+    print(
+        f"[{run.label}] starting pdserve serve --mode {run.mode} {' '.join(run.extra_args)}",
+        file=sys.stderr,
+        flush=True,
+    )
     with launch_server(launch, run.mode) as server:
-        probe = CpuProbe(serving_pids(run.mode, server.process.pid),
-                         decode_url(run.mode, server.base_url))
+        probe = CpuProbe(
+            serving_pids(run.mode, server.process.pid), decode_url(run.mode, server.base_url)
+        )
         load_before = os.getloadavg()[0]
-        records, t0, model = asyncio.run(drive(server.base_url, shorts, long, warmup,
-                                               scenario.lead_tokens, probe))
+        records, t0, model = asyncio.run(
+            drive(server.base_url, shorts, long, warmup, scenario.lead_tokens, probe)
+        )
         load_after = os.getloadavg()[0]
-    spec = BenchSpec(EndpointConfig(base_url=server.base_url, endpoint=CHAT_COMPLETIONS),
-                     Workload(), interference=InterferenceConfig(
-                         long_prompt_tokens=scenario.long_prompt_tokens))
+    spec = BenchSpec(
+        EndpointConfig(base_url=server.base_url, endpoint=CHAT_COMPLETIONS),
+        Workload(),
+        interference=InterferenceConfig(long_prompt_tokens=scenario.long_prompt_tokens),
+    )
     bench = summarize(run.label, model, spec, None, records, t0)
     plot_itl_timeline(bench, out / f"itl-{run.label}.png")
     result = analyze(run, records)
@@ -313,18 +372,25 @@ def build_requests(scenario: Scenario) -> tuple[list[BenchRequest], BenchRequest
     def request(num_tokens: int, output: int, kind: str) -> BenchRequest:
         return BenchRequest(synth.text(num_tokens, rng), num_tokens, output, kind)
 
-    shorts = [request(scenario.short_prompt_tokens, scenario.short_output_tokens, "short")
-              for _ in range(scenario.num_streams)]
+    shorts = [
+        request(scenario.short_prompt_tokens, scenario.short_output_tokens, "short")
+        for _ in range(scenario.num_streams)
+    ]
     long = request(scenario.long_prompt_tokens, scenario.long_output_tokens, "long")
     return shorts, long, request(scenario.short_prompt_tokens, 4, "warmup")
 
 
 # ---- raw KV transfer bandwidth --------------------------------------------------------------
 
+
 def transfer_bandwidth(out: Path, repeats: int) -> dict:
     """benchmarks/kv_transfer.py on loopback (shm, tcp) and, when possible, across a veth."""
-    script = [sys.executable, str(REPO_ROOT / "benchmarks" / "kv_transfer.py"), "--repeats",
-              str(repeats)]
+    script = [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "kv_transfer.py"),
+        "--repeats",
+        str(repeats),
+    ]
     report = {"loopback": _run_json(script, out / "kv_transfer_loopback.json")}
     sys.path.insert(0, str(REPO_ROOT))
     from tests.router.netns import netns_unavailable_reason, two_hosts
@@ -334,37 +400,50 @@ def transfer_bandwidth(out: Path, repeats: int) -> dict:
         report["veth"] = {"skipped": reason}
         return report
     with two_hosts() as hosts:
-        veth = [*script, "--transports", "tcp", "--sender-netns", hosts.ns_a, "--sender-host",
-                hosts.addr_a]
+        veth = [
+            *script,
+            "--transports",
+            "tcp",
+            "--sender-netns",
+            hosts.ns_a,
+            "--sender-host",
+            hosts.addr_a,
+        ]
         report["veth"] = _run_json(hosts.command(hosts.ns_b, veth), out / "kv_transfer_veth.json")
     return report
 
 
 def _run_json(argv: list[str], path: Path) -> dict:
-    subprocess.run([*argv, "--json", str(path)], check=True, cwd=REPO_ROOT,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [*argv, "--json", str(path)], check=True, cwd=REPO_ROOT, stdout=subprocess.DEVNULL
+    )
     return json.loads(path.read_text())
 
 
 # ---- report ---------------------------------------------------------------------------------
 
+
 def print_report(results: list[dict], transfer: dict | None) -> None:
-    header = (f"{'mode':<12} {'ITL base p50/p99/max ms':>24} {'ITL during p50/p99/max ms':>26} "
-              f"{'p99/p50':>7} {'target':>7} {'long TTFT':>9} {'prefill':>8} {'KV ms':>6} "
-              f"{'KV MB':>6} {'B/tok':>6} {'1st dec':>7}")
+    header = (
+        f"{'mode':<12} {'ITL base p50/p99/max ms':>24} {'ITL during p50/p99/max ms':>26} "
+        f"{'p99/p50':>7} {'target':>7} {'long TTFT':>9} {'prefill':>8} {'KV ms':>6} "
+        f"{'KV MB':>6} {'B/tok':>6} {'1st dec':>7}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
         base, during, t = r["itl_baseline_ms"], r["itl_during_ms"], r["timing"]
         prefill = t.get("prefill_ms") or t.get("worker_prefill_ms", 0.0)
         verdict = {True: "met", False: "MISSED", None: "-"}[r.get("meets_target")]
-        print(f"{r['label']:<12} "
-              f"{base['median']:>8.1f}/{base['p99']:>6.1f}/{base['max']:>7.1f} "
-              f"{during['median']:>10.1f}/{during['p99']:>6.1f}/{during['max']:>7.1f} "
-              f"{r['p99_during_over_p50_baseline']:>7.2f} {verdict:>7} "
-              f"{r['long_ttft_ms']:>9.0f} {prefill:>8.0f} {t.get('kv_transfer_ms', 0):>6.1f} "
-              f"{t.get('kv_transfer_bytes', 0) / 1e6:>6.1f} {r.get('kv_bytes_per_token', 0):>6.0f} "
-              f"{t.get('first_decode_step_ms', 0):>7.1f}")
+        print(
+            f"{r['label']:<12} "
+            f"{base['median']:>8.1f}/{base['p99']:>6.1f}/{base['max']:>7.1f} "
+            f"{during['median']:>10.1f}/{during['p99']:>6.1f}/{during['max']:>7.1f} "
+            f"{r['p99_during_over_p50_baseline']:>7.2f} {verdict:>7} "
+            f"{r['long_ttft_ms']:>9.0f} {prefill:>8.0f} {t.get('kv_transfer_ms', 0):>6.1f} "
+            f"{t.get('kv_transfer_bytes', 0) / 1e6:>6.1f} {r.get('kv_bytes_per_token', 0):>6.0f} "
+            f"{t.get('first_decode_step_ms', 0):>7.1f}"
+        )
     for r in results:
         load = "/".join(f"{x:.1f}" for x in r["loadavg_1m_before_after"])
         print(f"  {r['label']} (load avg {load}): {r['interference_verdict']}")
@@ -372,25 +451,35 @@ def print_report(results: list[dict], transfer: dict | None) -> None:
         for name in before:
             a, b = before[name], during[name]
             if name == "decode_engine":
-                print(f"    decoding engine: mean step {a['mean_step_ms']:.1f} -> "
-                      f"{b['mean_step_ms']:.1f} ms, {a['steps_per_s']:.1f} -> "
-                      f"{b['steps_per_s']:.1f} steps/s (before -> during the long request)")
+                print(
+                    f"    decoding engine: mean step {a['mean_step_ms']:.1f} -> "
+                    f"{b['mean_step_ms']:.1f} ms, {a['steps_per_s']:.1f} -> "
+                    f"{b['steps_per_s']:.1f} steps/s (before -> during the long request)"
+                )
             elif name.startswith("core"):
-                print(f"    {name}: busy {a['busy']:.0%} -> {b['busy']:.0%}, "
-                      f"stolen by the VM host {a['steal']:.0%} -> {b['steal']:.0%}")
+                print(
+                    f"    {name}: busy {a['busy']:.0%} -> {b['busy']:.0%}, "
+                    f"stolen by the VM host {a['steal']:.0%} -> {b['steal']:.0%}"
+                )
             else:
-                print(f"    {name} process: cpu {a['cpu']:.0%} -> {b['cpu']:.0%} of wall, "
-                      f"waiting for a core {a['runqueue_wait']:.0%} -> "
-                      f"{b['runqueue_wait']:.0%}")
+                print(
+                    f"    {name} process: cpu {a['cpu']:.0%} -> {b['cpu']:.0%} of wall, "
+                    f"waiting for a core {a['runqueue_wait']:.0%} -> "
+                    f"{b['runqueue_wait']:.0%}"
+                )
         if "shows_stall" in r:
-            print(f"  colocated: max gap during = {r['max_gap_over_long_prefill']:.2f}x the long "
-                  f"prefill ({'stall shown' if r['shows_stall'] else 'NO stall'})")
+            print(
+                f"  colocated: max gap during = {r['max_gap_over_long_prefill']:.2f}x the long "
+                f"prefill ({'stall shown' if r['shows_stall'] else 'NO stall'})"
+            )
     chunked = [r for r in results if r["mode"] == "chunked"]
     if chunked:
         meeting = [r for r in chunked if r["meets_target"]]
         pick = max(meeting, key=lambda r: int(r["label"].split("-")[1]), default=None)
-        print(f"  chunked budget meeting {CHUNKED_MAX_RATIO:g}x: "
-              f"{pick['label'] if pick else 'none of ' + ', '.join(r['label'] for r in chunked)}")
+        print(
+            f"  chunked budget meeting {CHUNKED_MAX_RATIO:g}x: "
+            f"{pick['label'] if pick else 'none of ' + ', '.join(r['label'] for r in chunked)}"
+        )
     if transfer is not None:
         print_transfer(transfer)
 
@@ -404,19 +493,27 @@ def print_transfer(transfer: dict) -> None:
             continue
         for row in report.get("results", []):
             ratio = f"  {row['vs_memcpy']:.2f}x memcpy" if "vs_memcpy" in row else ""
-            print(f"  {where:<8} {row['case']:<32} {row['method']:<6} {row['blocks']:<10} "
-                  f"{row['gbytes_per_s_median']:6.2f} GB/s{ratio}")
+            print(
+                f"  {where:<8} {row['case']:<32} {row['method']:<6} {row['blocks']:<10} "
+                f"{row['gbytes_per_s_median']:6.2f} GB/s{ratio}"
+            )
     shm = [r for r in transfer["loopback"]["results"] if r["method"] == "shm"]
     worst = min((r["vs_memcpy"] for r in shm), default=float("nan"))
-    print(f"  shm >= {MIN_SHM_VS_MEMCPY:g}x memcpy: "
-          f"{'met' if worst >= MIN_SHM_VS_MEMCPY else 'MISSED'} (worst case {worst:.2f}x)")
+    print(
+        f"  shm >= {MIN_SHM_VS_MEMCPY:g}x memcpy: "
+        f"{'met' if worst >= MIN_SHM_VS_MEMCPY else 'MISSED'} (worst case {worst:.2f}x)"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("interference-results"))
-    parser.add_argument("--modes", nargs="+", default=["colocated", "chunked", "disagg"],
-                        choices=["colocated", "chunked", "disagg"])
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["colocated", "chunked", "disagg"],
+        choices=["colocated", "chunked", "disagg"],
+    )
     parser.add_argument("--chunk-budgets", nargs="+", type=int, default=[64, 128, 256])
     parser.add_argument("--lead-tokens", type=int, default=Scenario.lead_tokens)
     parser.add_argument("--transfer-repeats", type=int, default=5)
@@ -425,13 +522,18 @@ def main() -> None:
     scenario = Scenario(lead_tokens=args.lead_tokens)
     args.out.mkdir(parents=True, exist_ok=True)
     requests = build_requests(scenario)
-    results = [run_mode(run, scenario, requests, args.out)
-               for run in mode_runs(args.modes, args.chunk_budgets)]
-    transfer = None if args.skip_transfer else transfer_bandwidth(args.out,
-                                                                  args.transfer_repeats)
+    results = [
+        run_mode(run, scenario, requests, args.out)
+        for run in mode_runs(args.modes, args.chunk_budgets)
+    ]
+    transfer = None if args.skip_transfer else transfer_bandwidth(args.out, args.transfer_repeats)
     print_report(results, transfer)
-    report = {"scenario": asdict(scenario), "cores": sorted(os.sched_getaffinity(0)),
-              "modes": results, "transfer": transfer}
+    report = {
+        "scenario": asdict(scenario),
+        "cores": sorted(os.sched_getaffinity(0)),
+        "modes": results,
+        "transfer": transfer,
+    }
     (args.out / "interference.json").write_text(json.dumps(report, indent=2))
     print(f"\nwrote {args.out / 'interference.json'} and itl-*.png", file=sys.stderr)
 

@@ -51,10 +51,16 @@ class Case:
 
 
 CASES = [
-    Case("SmolLM2-135M, 3,000 tokens",
-         KVLayout("HuggingFaceTB/SmolLM2-135M-Instruct", 30, 3, 64, 16, "bfloat16"), 3000),
-    Case("Llama-3-8B layout, 1,024 tokens",
-         KVLayout("meta-llama/Meta-Llama-3-8B", 32, 8, 128, 16, "bfloat16"), 1024),
+    Case(
+        "SmolLM2-135M, 3,000 tokens",
+        KVLayout("HuggingFaceTB/SmolLM2-135M-Instruct", 30, 3, 64, 16, "bfloat16"),
+        3000,
+    ),
+    Case(
+        "Llama-3-8B layout, 1,024 tokens",
+        KVLayout("meta-llama/Meta-Llama-3-8B", 32, 8, 128, 16, "bfloat16"),
+        1024,
+    ),
 ]
 TRANSPORTS = ("shm", "tcp")
 BLOCK_ORDERS = ("contiguous", "fragmented")
@@ -78,9 +84,9 @@ def cache_blocks(case: Case) -> int:
 def block_ids(case: Case, order: str, seed: int) -> list[int]:
     ids = list(range(cache_blocks(case)))
     if order == "contiguous":
-        return ids[5:5 + case.num_blocks]
+        return ids[5 : 5 + case.num_blocks]
     random.Random(seed).shuffle(ids)
-    return ids[:case.num_blocks]
+    return ids[: case.num_blocks]
 
 
 def enter_netns(name: str) -> None:
@@ -101,10 +107,12 @@ def sender_main(conn, threads: int, sender: Sender) -> None:
     producers = {}
     for index, case in enumerate(CASES):
         for transport in sender.transports:
-            config = KVTransferConfig(transport=transport, kv_role="kv_producer",
-                                      kv_host=sender.host)
-            producer = create_kv_transport(config, case.layout, cache_blocks(case),
-                                           free_blocks=lambda rid, ids: None)
+            config = KVTransferConfig(
+                transport=transport, kv_role="kv_producer", kv_host=sender.host
+            )
+            producer = create_kv_transport(
+                config, case.layout, cache_blocks(case), free_blocks=lambda rid, ids: None
+            )
             producer.kv_cache.normal_()
             producers[index, transport] = producer
     conn.send("ready")
@@ -138,16 +146,18 @@ class Samples:
     e2e: list[float]
 
 
-def time_transport(conn, index: int, case: Case, transport: str, order: str, repeats: int,
-                   memcpy: Memcpy) -> Samples:
+def time_transport(
+    conn, index: int, case: Case, transport: str, order: str, repeats: int, memcpy: Memcpy
+) -> Samples:
     config = KVTransferConfig(transport=transport, kv_role="kv_consumer")
     consumer = create_kv_transport(config, case.layout, cache_blocks(case))
     samples = Samples([], [], [])
     try:
         for attempt in range(repeats + 1):  # attempt 0 warms up: HELLO, mapping, page faults
             remote_ids = block_ids(case, order, seed=attempt)
-            units = plan_units(case.layout.num_layers, remote_ids,
-                               block_ids(case, order, seed=attempt + 1000))
+            units = plan_units(
+                case.layout.num_layers, remote_ids, block_ids(case, order, seed=attempt + 1000)
+            )
             conn.send((index, transport, f"{transport}-{order}-{attempt}", remote_ids))
             params = KVTransferParams.from_dict(conn.recv())
             copy_seconds = memcpy.seconds()
@@ -164,12 +174,18 @@ def time_transport(conn, index: int, case: Case, transport: str, order: str, rep
     return samples
 
 
-def row(case: Case, method: str, order: str, seconds: list[float],
-        samples: Samples | None = None) -> dict:
-    result = {"case": case.name, "method": method, "blocks": order, "bytes": case.nbytes,
-              "ms_median": 1e3 * statistics.median(seconds),
-              "gbytes_per_s_median": case.nbytes / statistics.median(seconds) / 1e9,
-              "gbytes_per_s_best": case.nbytes / min(seconds) / 1e9}
+def row(
+    case: Case, method: str, order: str, seconds: list[float], samples: Samples | None = None
+) -> dict:
+    result = {
+        "case": case.name,
+        "method": method,
+        "blocks": order,
+        "bytes": case.nbytes,
+        "ms_median": 1e3 * statistics.median(seconds),
+        "gbytes_per_s_median": case.nbytes / statistics.median(seconds) / 1e9,
+        "gbytes_per_s_best": case.nbytes / min(seconds) / 1e9,
+    }
     if samples is not None:
         result["data_ms_median"] = 1e3 * statistics.median(samples.data)
         result["data_gbytes_per_s_median"] = case.nbytes / statistics.median(samples.data) / 1e9
@@ -195,8 +211,7 @@ def run(repeats: int, threads: int, sender: Sender = Sender()) -> list[dict]:
             rows, copies = [], []
             for transport in sender.transports:
                 for order in BLOCK_ORDERS:
-                    samples = time_transport(conn, index, case, transport, order, repeats,
-                                             memcpy)
+                    samples = time_transport(conn, index, case, transport, order, repeats, memcpy)
                     copies += samples.memcpy
                     rows.append(row(case, transport, order, samples.e2e, samples))
             results += [row(case, "memcpy", "-", copies), *rows]
@@ -207,38 +222,54 @@ def run(repeats: int, threads: int, sender: Sender = Sender()) -> list[dict]:
 
 
 def print_table(results: list[dict]) -> None:
-    header = (f"{'case':<32} {'method':<7} {'blocks':<11} {'MB':>6} {'ms e2e':>7} "
-              f"{'ms data':>7} {'GB/s e2e':>8} {'GB/s data':>9} {'x memcpy e2e/data':>17}")
+    header = (
+        f"{'case':<32} {'method':<7} {'blocks':<11} {'MB':>6} {'ms e2e':>7} "
+        f"{'ms data':>7} {'GB/s e2e':>8} {'GB/s data':>9} {'x memcpy e2e/data':>17}"
+    )
     print(header)
     print("-" * len(header))
     for r in results:
         data_ms = f"{r['data_ms_median']:.2f}" if "vs_memcpy" in r else ""
         data_gbs = f"{r['data_gbytes_per_s_median']:.2f}" if "vs_memcpy" in r else ""
         ratio = f"{r['vs_memcpy']:.2f} / {r['data_vs_memcpy']:.2f}" if "vs_memcpy" in r else ""
-        print(f"{r['case']:<32} {r['method']:<7} {r['blocks']:<11} {r['bytes'] / 1e6:>6.1f} "
-              f"{r['ms_median']:>7.2f} {data_ms:>7} {r['gbytes_per_s_median']:>8.2f} "
-              f"{data_gbs:>9} {ratio:>17}")
+        print(
+            f"{r['case']:<32} {r['method']:<7} {r['blocks']:<11} {r['bytes'] / 1e6:>6.1f} "
+            f"{r['ms_median']:>7.2f} {data_ms:>7} {r['gbytes_per_s_median']:>8.2f} "
+            f"{data_gbs:>9} {ratio:>17}"
+        )
     sys.stdout.flush()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads per process (deployment: 1 per pinned worker)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per process (deployment: 1 per pinned worker)",
+    )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=list(TRANSPORTS))
-    parser.add_argument("--sender-netns", default=None,
-                        help="run the prefill side in this network namespace (root)")
-    parser.add_argument("--sender-host", default="127.0.0.1",
-                        help="address the prefill side's KV server binds and advertises")
+    parser.add_argument(
+        "--sender-netns", default=None, help="run the prefill side in this network namespace (root)"
+    )
+    parser.add_argument(
+        "--sender-host",
+        default="127.0.0.1",
+        help="address the prefill side's KV server binds and advertises",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sender = Sender(tuple(args.transports), args.sender_netns, args.sender_host)
     results = run(args.repeats, args.threads, sender)
     print_table(results)
-    report = {"threads": args.threads, "repeats": args.repeats, "sender": asdict(sender),
-              "results": results}
+    report = {
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "sender": asdict(sender),
+        "results": results,
+    }
     print(json.dumps(report, indent=2))
     if args.json:
         with open(args.json, "w") as out:

@@ -58,14 +58,19 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running pdserve server (default: start one)")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--max-tokens", type=int, default=128,
-                        help="tokens of the single measured stream")
+    parser.add_argument(
+        "--max-tokens", type=int, default=128, help="tokens of the single measured stream"
+    )
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--duration", type=float, default=10.0,
-                        help="seconds of the max_tokens=1 throughput run")
+    parser.add_argument(
+        "--duration", type=float, default=10.0, help="seconds of the max_tokens=1 throughput run"
+    )
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("server_args", nargs=argparse.REMAINDER,
-                        help="after --: extra `pdserve serve` flags (e.g. -- --dtype bfloat16)")
+    parser.add_argument(
+        "server_args",
+        nargs=argparse.REMAINDER,
+        help="after --: extra `pdserve serve` flags (e.g. -- --dtype bfloat16)",
+    )
     return parser.parse_args()
 
 
@@ -74,10 +79,23 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     extra = [a for a in args.server_args if a != "--"]
-    command = [sys.executable, "-m", "pdserve.cli", "serve", "--port", str(port),
-               "--max-queue", "4096", *extra]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--max-queue",
+        "4096",
+        *extra,
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -108,8 +126,15 @@ def step_histogram(client: httpx.Client) -> tuple[float, float]:
 
 def single_stream(client: httpx.Client, model: str, max_tokens: int) -> dict:
     """One streamed completion; client ITL vs engine step time over the same steps."""
-    body = {"model": model, "prompt": "Hi", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": "Hi",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     steps_before = step_histogram(client)
     arrivals: list[float] = []
     num_tokens = 0
@@ -131,7 +156,9 @@ def single_stream(client: httpx.Client, model: str, max_tokens: int) -> dict:
     itl_mean = (arrivals[-1] - arrivals[0]) / max(num_tokens - 1, 1)
     step_mean = step_sum / step_count
     return {
-        "num_tokens": num_tokens, "num_chunks": len(arrivals), "num_steps": int(step_count),
+        "num_tokens": num_tokens,
+        "num_chunks": len(arrivals),
+        "num_steps": int(step_count),
         "client_itl_mean_ms": itl_mean * 1e3,
         "client_itl_p50_ms": statistics.median(gaps) * 1e3,
         "client_itl_p99_ms": sorted(gaps)[int(0.99 * (len(gaps) - 1))] * 1e3,
@@ -140,8 +167,9 @@ def single_stream(client: httpx.Client, model: str, max_tokens: int) -> dict:
     }
 
 
-async def throughput(url: str, headers: dict, model: str, concurrency: int,
-                     duration: float) -> dict:
+async def throughput(
+    url: str, headers: dict, model: str, concurrency: int, duration: float
+) -> dict:
     body = {"model": model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
     latencies: list[float] = []
     statuses: dict[int, int] = {}
@@ -156,35 +184,46 @@ async def throughput(url: str, headers: dict, model: str, concurrency: int,
                 latencies.append(time.perf_counter() - start)
 
     limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=300,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, timeout=300, limits=limits
+    ) as client:
         await client.post("/v1/completions", json=body)  # warm-up
         started = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
     latencies.sort()
     return {
-        "concurrency": concurrency, "seconds": elapsed, "num_ok": len(latencies),
-        "statuses": statuses, "requests_per_s": len(latencies) / elapsed,
+        "concurrency": concurrency,
+        "seconds": elapsed,
+        "num_ok": len(latencies),
+        "statuses": statuses,
+        "requests_per_s": len(latencies) / elapsed,
         "latency_p50_ms": latencies[len(latencies) // 2] * 1e3 if latencies else None,
-        "latency_p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1e3
-        if latencies else None,
+        "latency_p99_ms": latencies[int(0.99 * (len(latencies) - 1))] * 1e3 if latencies else None,
     }
 
 
 def print_report(report: dict) -> None:
     s, t = report["single_stream"], report["throughput"]
-    print(f"single stream: {s['num_tokens']} tokens in {s['num_chunks']} chunks, "
-          f"{s['num_steps']} engine steps")
-    print(f"  client ITL mean {s['client_itl_mean_ms']:.2f} ms "
-          f"(p50 {s['client_itl_p50_ms']:.2f}, p99 {s['client_itl_p99_ms']:.2f})")
+    print(
+        f"single stream: {s['num_tokens']} tokens in {s['num_chunks']} chunks, "
+        f"{s['num_steps']} engine steps"
+    )
+    print(
+        f"  client ITL mean {s['client_itl_mean_ms']:.2f} ms "
+        f"(p50 {s['client_itl_p50_ms']:.2f}, p99 {s['client_itl_p99_ms']:.2f})"
+    )
     print(f"  engine step mean {s['engine_step_mean_ms']:.2f} ms")
     verdict = "OK" if s["overhead_per_token_ms"] < 2.0 else "ABOVE TARGET"
-    print(f"  server overhead per token {s['overhead_per_token_ms']:.2f} ms "
-          f"(target < 2 ms: {verdict})")
-    print(f"max_tokens=1 throughput: {t['requests_per_s']:.1f} requests/s with "
-          f"{t['concurrency']} clients over {t['seconds']:.1f} s (statuses {t['statuses']}; "
-          f"latency p50 {t['latency_p50_ms']:.1f} ms, p99 {t['latency_p99_ms']:.1f} ms)")
+    print(
+        f"  server overhead per token {s['overhead_per_token_ms']:.2f} ms "
+        f"(target < 2 ms: {verdict})"
+    )
+    print(
+        f"max_tokens=1 throughput: {t['requests_per_s']:.1f} requests/s with "
+        f"{t['concurrency']} clients over {t['seconds']:.1f} s (statuses {t['statuses']}; "
+        f"latency p50 {t['latency_p50_ms']:.1f} ms, p99 {t['latency_p99_ms']:.1f} ms)"
+    )
 
 
 if __name__ == "__main__":

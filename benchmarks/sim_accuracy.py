@@ -29,8 +29,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-FIGURES = (("TTFT p50", "median_ttft_ms"), ("TTFT p99", "p99_ttft_ms"),
-           ("ITL p50", "median_itl_ms"), ("ITL p99", "p99_itl_ms"))
+FIGURES = (
+    ("TTFT p50", "median_ttft_ms"),
+    ("TTFT p99", "p99_ttft_ms"),
+    ("ITL p50", "median_itl_ms"),
+    ("ITL p99", "p99_itl_ms"),
+)
 TARGET = 0.15
 # Each mode's server as the simulator sees it, and the cores (threads) of each worker: the
 # colocated/chunked server uses both cores, each disaggregated worker one.
@@ -62,16 +66,37 @@ def calibrate(out: Path, workload: list[str], reuse: bool) -> dict[int, Path]:
         for old in logs.glob("*.jsonl"):
             old.unlink()  # step logs append
         logs.mkdir(parents=True, exist_ok=True)
-        pdserve("bench", "compare", *workload, "--server-args",
-                f"--step-log {logs}/steps-{{mode}}.jsonl", "--report", str(logs / "report"),
-                "--save-result", str(logs / "compare.json"), "--no-progress")
+        pdserve(
+            "bench",
+            "compare",
+            *workload,
+            "--server-args",
+            f"--step-log {logs}/steps-{{mode}}.jsonl",
+            "--report",
+            str(logs / "report"),
+            "--save-result",
+            str(logs / "compare.json"),
+            "--no-progress",
+        )
     calibrations = {}
     for threads in sorted(set(THREADS.values())):
-        steps = [str(path) for mode, n in THREADS.items() if n == threads
-                 for path in sorted(logs.glob(f"steps-{mode}*.jsonl"))]
+        steps = [
+            str(path)
+            for mode, n in THREADS.items()
+            if n == threads
+            for path in sorted(logs.glob(f"steps-{mode}*.jsonl"))
+        ]
         path = out / f"calibration-{threads}-thread.json"
-        pdserve("simulate", "calibrate", "--hardware", hardware(threads), "--steps", *steps,
-                "--output", str(path))
+        pdserve(
+            "simulate",
+            "calibrate",
+            "--hardware",
+            hardware(threads),
+            "--steps",
+            *steps,
+            "--output",
+            str(path),
+        )
         calibrations[threads] = path
     return calibrations
 
@@ -82,17 +107,34 @@ def measure(out: Path, workload: list[str], reuse: bool, repeats: int) -> list[d
     for repeat in range(1, repeats + 1):
         path = out / ("compare.json" if repeat == 1 else f"compare-{repeat}.json")
         if not (reuse and path.exists()):
-            pdserve("bench", "compare", *workload, "--report", str(out / f"measured-{repeat}"),
-                    "--save-result", str(path), "--no-progress")
+            pdserve(
+                "bench",
+                "compare",
+                *workload,
+                "--report",
+                str(out / f"measured-{repeat}"),
+                "--save-result",
+                str(path),
+                "--no-progress",
+            )
         runs.append(json.loads(path.read_text())["runs"])
     return runs
 
 
 def predict(out: Path, mode: str, measured_run: Path, calibration: Path) -> dict:
     path = out / f"predicted-{mode}.json"
-    pdserve("simulate", *LAYOUTS[mode], "--hardware", hardware(THREADS[mode]),
-            "--workload-from", str(measured_run),
-            "--calibration", str(calibration), "--save-result", str(path))
+    pdserve(
+        "simulate",
+        *LAYOUTS[mode],
+        "--hardware",
+        hardware(THREADS[mode]),
+        "--workload-from",
+        str(measured_run),
+        "--calibration",
+        str(calibration),
+        "--save-result",
+        str(path),
+    )
     return json.loads(path.read_text())
 
 
@@ -103,16 +145,27 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=40)
     parser.add_argument("--request-rate", default="1")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="measured runs of the workload; the prediction is judged "
-                             "against their mean (default: %(default)s)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="measured runs of the workload; the prediction is judged "
+        "against their mean (default: %(default)s)",
+    )
     parser.add_argument("--reuse", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    workload = ["--workload", args.workload, "--num-prompts", str(args.num_prompts),
-                "--request-rate", args.request_rate]
-    calibrations = calibrate(args.out, [*workload, "--seed", str(args.seed + CALIBRATION_SEED)],
-                             args.reuse)
+    workload = [
+        "--workload",
+        args.workload,
+        "--num-prompts",
+        str(args.num_prompts),
+        "--request-rate",
+        args.request_rate,
+    ]
+    calibrations = calibrate(
+        args.out, [*workload, "--seed", str(args.seed + CALIBRATION_SEED)], args.reuse
+    )
     workload += ["--seed", str(args.seed)]
     repeats = measure(args.out, workload, args.reuse, args.repeats)
     rows = []
@@ -132,12 +185,18 @@ def main() -> int:
     if rows:
         within = sum(abs(r.error) <= TARGET for r in rows)
         mean = sum(abs(r.error) for r in rows) / len(rows)
-        table += (f"\n\nMean absolute error {mean:.1%}; {within} of {len(rows)} figures within "
-                  f"{TARGET:.0%}.")
+        table += (
+            f"\n\nMean absolute error {mean:.1%}; {within} of {len(rows)} figures within "
+            f"{TARGET:.0%}."
+        )
     print(table)
     (args.out / "sim_accuracy.md").write_text(
-        "# Simulator accuracy\n\n" + " ".join(workload) + f", {args.repeats} measured runs\n\n"
-        + table + "\n")
+        "# Simulator accuracy\n\n"
+        + " ".join(workload)
+        + f", {args.repeats} measured runs\n\n"
+        + table
+        + "\n"
+    )
     return 0 if all(abs(r.error) <= TARGET for r in rows) else 1
 
 
@@ -163,13 +222,18 @@ class Row:
 
 
 def format_table(rows: list[Row]) -> str:
-    lines = ["| mode | figure | measured ms (each run) | run-to-run spread | predicted ms | "
-             "error vs mean |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | figure | measured ms (each run) | run-to-run spread | predicted ms | "
+        "error vs mean |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         mark = "" if abs(r.error) <= TARGET else " ✗"
         runs = " / ".join(f"{v:.1f}" for v in r.measured)
-        lines.append(f"| {r.mode} | {r.figure} | {runs} | {r.spread:.1%} | {r.predicted:.1f} | "
-                     f"{r.error:+.1%}{mark} |")
+        lines.append(
+            f"| {r.mode} | {r.figure} | {runs} | {r.spread:.1%} | {r.predicted:.1f} | "
+            f"{r.error:+.1%}{mark} |"
+        )
     return "\n".join(lines)
 
 

@@ -252,7 +252,7 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="MODE=ARGS",
         help="extra arguments for one mode's server, after --server-args (repeatable), e.g. "
-        "\"chunked=--max-num-batched-tokens 256\": compare each mode at its own best settings",
+        '"chunked=--max-num-batched-tokens 256": compare each mode at its own best settings',
     )
     g.add_argument(
         "--health-timeout", type=float, default=600.0, help="seconds to wait for GET /health == 200"
@@ -375,8 +375,11 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    saved = [row for name, path in _name_pairs(args.saved, "--saved", "FILE.json")
-             for row in load_saved_rows(name, path)]
+    saved = [
+        row
+        for name, path in _name_pairs(args.saved, "--saved", "FILE.json")
+        for row in load_saved_rows(name, path)
+    ]
     if saved and not args.modes and not args.external:
         print(format_table(saved))
         return 0
@@ -387,8 +390,10 @@ def _run_compare(args: argparse.Namespace) -> int:
         launch=LaunchConfig(
             command=tuple(shlex.split(args.server_cmd)),
             extra_args=tuple(shlex.split(args.server_args)),
-            mode_args={mode: tuple(shlex.split(text))
-                       for mode, text in _name_pairs(args.mode_args, "--mode-args", "ARGS")},
+            mode_args={
+                mode: tuple(shlex.split(text))
+                for mode, text in _name_pairs(args.mode_args, "--mode-args", "ARGS")
+            },
             health_timeout_s=args.health_timeout,
             stop_grace_s=args.stop_grace,
             log_dir=report_dir / "logs",

@@ -93,22 +93,28 @@ class CompareRow:
             verdict=report.verdict,
         )
 
-
     @classmethod
     def from_saved(cls, name: str, run: dict) -> CompareRow:
         """A row from a saved run (`--save-result` JSON of `bench` or `simulate`)."""
         interference = run.get("pdserve", {}).get("interference", {})
         try:
             return cls(
-                name=name, completed=run["completed"], failed=run.get("failed", 0),
-                ttft_p50=run["median_ttft_ms"], ttft_p99=run["p99_ttft_ms"],
-                itl_p50=run["median_itl_ms"], itl_p99=run["p99_itl_ms"],
-                itl_max=run["max_itl_ms"], tpot_p99=run["p99_tpot_ms"],
-                output_throughput=run["output_throughput"], goodput=run.get("request_goodput"),
+                name=name,
+                completed=run["completed"],
+                failed=run.get("failed", 0),
+                ttft_p50=run["median_ttft_ms"],
+                ttft_p99=run["p99_ttft_ms"],
+                itl_p50=run["median_itl_ms"],
+                itl_p99=run["p99_itl_ms"],
+                itl_max=run["max_itl_ms"],
+                tpot_p99=run["p99_tpot_ms"],
+                output_throughput=run["output_throughput"],
+                goodput=run.get("request_goodput"),
                 spike_fraction=interference.get("spike_fraction", 0.0),
                 in_prefill_fraction=interference.get("in_prefill_fraction", 0.0),
                 is_interference=interference.get("is_interference", False),
-                verdict=interference.get("verdict", ""))
+                verdict=interference.get("verdict", ""),
+            )
         except (KeyError, TypeError) as exc:
             raise BenchError(f"--saved {name}: not a saved benchmark run (missing {exc})") from None
 

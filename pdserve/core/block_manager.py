@@ -57,8 +57,13 @@ class Block:
 class BlockManager:
     """Allocates KV blocks to requests; shares and caches full blocks by content."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn = chained_block_hash) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_fn: HashFn = chained_block_hash,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -104,7 +109,7 @@ class BlockManager:
         hit: list[int] = []
         parent: BlockHash | None = None
         for i in range(max_blocks):
-            chunk = tokens[i * self.block_size:(i + 1) * self.block_size]
+            chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
             block_hash = self._hash_fn(parent, chunk)
             block_id = self._cached.get(block_hash)
             if block_id is None or not self._verify(self.blocks[block_id], parent, chunk):
@@ -114,8 +119,9 @@ class BlockManager:
         return hit
 
     # ---- allocation --------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: Sequence[int] = ()) -> bool:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
+    ) -> bool:
         """Grow `request.block_table` to hold its computed tokens plus `num_new_tokens`.
 
         `computed_blocks` (from `get_computed_blocks`, only for a request holding no blocks)
@@ -139,7 +145,8 @@ class BlockManager:
             request.num_computed_tokens += num_hit_tokens
             request.num_cached_tokens = num_hit_tokens
             self._block_hashes[request.request_id] = [
-                self.blocks[b].block_hash for b in computed_blocks]
+                self.blocks[b].block_hash for b in computed_blocks
+            ]
         for _ in range(max(num_needed, 0)):
             request.block_table.append(self._allocate_fresh())
         return True
@@ -155,7 +162,7 @@ class BlockManager:
         tokens = request.all_token_ids
         for i in range(len(hashes), num_full):
             parent = hashes[-1] if hashes else None
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             block_hash = self._hash_fn(parent, chunk)
             hashes.append(block_hash)
             block = self.blocks[request.block_table[i]]
@@ -195,8 +202,9 @@ class BlockManager:
         """An empty block: a freed empty one, else a never-used one, else the least
         recently freed cached one, its content evicted."""
         front = next(iter(self._free), None)
-        if (front is None or self.blocks[front].block_hash is not None) and \
-                self._num_used_ids < self.num_blocks:
+        if (
+            front is None or self.blocks[front].block_hash is not None
+        ) and self._num_used_ids < self.num_blocks:
             block = self.blocks[self._num_used_ids] = Block(self._num_used_ids)
             self._num_used_ids += 1
         else:

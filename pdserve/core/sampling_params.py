@@ -39,23 +39,45 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _require(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
-                 "max_tokens", "must be an integer")
-        _require(1 <= self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens",
-                 f"must be between 1 and {MAX_TOKENS_LIMIT}, got {self.max_tokens}")
-        _require(0.0 <= self.temperature <= 2.0, "temperature",
-                 f"must be between 0 and 2, got {self.temperature}")
+        _require(
+            isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
+            "max_tokens",
+            "must be an integer",
+        )
+        _require(
+            1 <= self.max_tokens <= MAX_TOKENS_LIMIT,
+            "max_tokens",
+            f"must be between 1 and {MAX_TOKENS_LIMIT}, got {self.max_tokens}",
+        )
+        _require(
+            0.0 <= self.temperature <= 2.0,
+            "temperature",
+            f"must be between 0 and 2, got {self.temperature}",
+        )
         _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(self.top_k is None or self.top_k >= 1, "top_k",
-                 f"must be at least 1 (or 0/None to disable), got {self.top_k}")
-        _require(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-                 f"must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _require(all(isinstance(s, str) and s for s in self.stop), "stop",
-                 "must be non-empty strings")
-        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-                 "stop_token_ids", "must be non-negative token ids")
-        _require(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-                 f"must be between 0 and 20, got {self.logprobs}")
+        _require(
+            self.top_k is None or self.top_k >= 1,
+            "top_k",
+            f"must be at least 1 (or 0/None to disable), got {self.top_k}",
+        )
+        _require(
+            0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}",
+        )
+        _require(
+            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
+        )
+        _require(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be non-negative token ids",
+        )
+        _require(
+            self.logprobs is None or 0 <= self.logprobs <= 20,
+            "logprobs",
+            f"must be between 0 and 20, got {self.logprobs}",
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -73,11 +73,16 @@ class SchedulerStats:
 class Scheduler:
     """Continuous-batching scheduler over a paged KV cache (see module docstring)."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 connector: KVConnectorScheduler | None = None) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        connector: KVConnectorScheduler | None = None,
+    ) -> None:
         self.config = scheduler_config
-        self.block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size,
-                                          cache_config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
         self.connector = connector
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
@@ -119,8 +124,13 @@ class Scheduler:
         return bool(self.requests)
 
     def get_stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.block_manager.usage,
-                              self.block_manager.prefix_cache_hit_rate, self.num_preemptions)
+        return SchedulerStats(
+            len(self.running),
+            len(self.waiting),
+            self.block_manager.usage,
+            self.block_manager.prefix_cache_hit_rate,
+            self.num_preemptions,
+        )
 
     # ---- scheduling --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -155,8 +165,7 @@ class Scheduler:
             budget = None if budget is None else budget - num_new
         return budget
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int,
-                          is_chunking: bool) -> None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, is_chunking: bool) -> None:
         """Admit waiting requests in FCFS order while blocks, seats and budget last.
 
         Without chunking a prompt is taken whole (alone if it exceeds the budget)."""
@@ -164,8 +173,9 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.waiting[0]
             # A request arriving with blocks (its KV was received) has nothing to look up.
-            computed = [] if request.block_table else \
-                self.block_manager.get_computed_blocks(request)
+            computed = (
+                [] if request.block_table else self.block_manager.get_computed_blocks(request)
+            )
             admission = self._start_receiving(request, computed)
             if admission is _Admission.RECEIVING:
                 continue
@@ -216,8 +226,7 @@ class Scheduler:
         if self.connector is None:
             return update
         events = self.connector.get_finished()
-        for request_id in events.finished_sending | events.finished_recving | \
-                events.failed_recving:
+        for request_id in events.finished_sending | events.finished_recving | events.failed_recving:
             held = self.held.pop(request_id, None)
             if held is not None:
                 self.block_manager.free(held)
@@ -253,8 +262,7 @@ class Scheduler:
             num_tokens = min(num_tokens, threshold)
         return max(num_tokens, 0)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int,
-                             output: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Find blocks for `request`, preempting the newest unscheduled running requests
         (possibly `request` itself) until they fit. Returns whether `request` still runs."""
         while not self.block_manager.allocate_slots(request, num_new):
@@ -284,8 +292,7 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # ---- after the forward pass --------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput,
-                           sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish requests that stop.
 
         `sampled` maps request id to the token sampled for each request that sampled.

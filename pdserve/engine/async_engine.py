@@ -38,8 +38,10 @@ class EngineOverloadedError(RuntimeError):
     """Admission control: the waiting queue is full. Retry after `retry_after_s`."""
 
     def __init__(self, num_waiting: int, max_queue: int, retry_after_s: int) -> None:
-        super().__init__(f"server is overloaded: {num_waiting} requests waiting "
-                         f"(max_queue={max_queue}); retry after {retry_after_s} s")
+        super().__init__(
+            f"server is overloaded: {num_waiting} requests waiting "
+            f"(max_queue={max_queue}); retry after {retry_after_s} s"
+        )
         self.retry_after_s = retry_after_s
 
 
@@ -50,9 +52,14 @@ class RequestFailedError(RuntimeError):
 class EngineProtocol(Protocol):
     """What the async wrapper needs from `LLMEngine` (see docs/architecture.md)."""
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling_params: SamplingParams, kv_transfer_params: dict | None = None,
-                    arrival_time: float | None = None) -> None: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+        arrival_time: float | None = None,
+    ) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
 
@@ -106,8 +113,9 @@ class RequestStream:
     `EngineDeadError` if the engine failed the request. `close()` aborts an unfinished request.
     """
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, num_prompt_tokens: int,
-                 arrival_time: float) -> None:
+    def __init__(
+        self, engine: AsyncLLMEngine, request_id: str, num_prompt_tokens: int, arrival_time: float
+    ) -> None:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self._engine = engine
@@ -156,8 +164,13 @@ class AsyncLLMEngine:
     `step_observer(seconds)` is called on the engine thread after every step.
     """
 
-    def __init__(self, engine: EngineProtocol, *, max_queue: int = DEFAULT_MAX_QUEUE,
-                 step_observer: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineProtocol,
+        *,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        step_observer: Callable[[float], None] | None = None,
+    ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
         self.engine = engine
@@ -203,10 +216,14 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join, grace_s + timeout_s)
 
     # ---- requests (event loop) -------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt_token_ids: list[int],
-                          sampling_params: SamplingParams,
-                          kv_transfer_params: dict | None = None,
-                          arrival_time: float | None = None) -> RequestStream:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
         """Queue a request; return its stream once the engine thread has admitted it.
 
         `arrival_time` (time.monotonic(), default now) is when the request reached the server;
@@ -219,16 +236,21 @@ class AsyncLLMEngine:
         self._check_alive()
         if request_id in self._active_ids:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = RequestStream(self, request_id, len(prompt_token_ids),
-                               time.monotonic() if arrival_time is None else arrival_time)
+        stream = RequestStream(
+            self,
+            request_id,
+            len(prompt_token_ids),
+            time.monotonic() if arrival_time is None else arrival_time,
+        )
         with self._lock:
             if self._shutdown_deadline is not None:
                 raise EngineDeadError("server is shutting down")
             num_waiting = self._num_engine_waiting + len(self._new)
             if num_waiting >= self.max_queue:
                 raise EngineOverloadedError(num_waiting, self.max_queue, self._retry_after_s())
-            self._new.append(_Submission(stream, list(prompt_token_ids), sampling_params,
-                                         kv_transfer_params))
+            self._new.append(
+                _Submission(stream, list(prompt_token_ids), sampling_params, kv_transfer_params)
+            )
         self._active_ids.add(request_id)
         self._wakeup.set()
         try:
@@ -239,12 +261,17 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       sampling_params: SamplingParams,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs; closing or cancelling the iterator aborts it."""
-        stream = await self.add_request(request_id, prompt_token_ids, sampling_params,
-                                        kv_transfer_params)
+        stream = await self.add_request(
+            request_id, prompt_token_ids, sampling_params, kv_transfer_params
+        )
         try:
             async for output in stream:
                 yield output
@@ -272,8 +299,11 @@ class AsyncLLMEngine:
     def is_healthy(self, timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S) -> bool:
         """True while the engine thread is alive and its loop made progress within
         `timeout_s` (an idle loop still beats every `HEARTBEAT_INTERVAL_S`)."""
-        return (self.is_running and self._shutdown_deadline is None
-                and time.monotonic() - self._stats.heartbeat < timeout_s)
+        return (
+            self.is_running
+            and self._shutdown_deadline is None
+            and time.monotonic() - self._stats.heartbeat < timeout_s
+        )
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -340,9 +370,13 @@ class AsyncLLMEngine:
     def _admit(self, sub: _Submission) -> _StreamItem:
         stream = sub.stream
         try:
-            self.engine.add_request(stream.request_id, sub.prompt_token_ids,
-                                    sub.sampling_params, sub.kv_transfer_params,
-                                    stream.metrics.arrival_time)
+            self.engine.add_request(
+                stream.request_id,
+                sub.prompt_token_ids,
+                sub.sampling_params,
+                sub.kv_transfer_params,
+                stream.metrics.arrival_time,
+            )
         except InvalidParameterError as exc:
             return exc
         except Exception as exc:
@@ -374,8 +408,9 @@ class AsyncLLMEngine:
             outbox.append((stream, output))
         self._publish_stats(num_steps=self._stats.num_steps + 1)
 
-    def _fail_running(self, outbox: list[tuple[RequestStream, _StreamItem]],
-                      error: BaseException) -> None:
+    def _fail_running(
+        self, outbox: list[tuple[RequestStream, _StreamItem]], error: BaseException
+    ) -> None:
         for request_id, stream in self._running.items():
             self.engine.abort_request(request_id)
             outbox.append((stream, error))
@@ -387,8 +422,9 @@ class AsyncLLMEngine:
             outbox.append((stream, _final_output(stream, FinishReason.ABORT)))
         self._running.clear()
         with self._lock:  # late arrivals raced with begin_shutdown
-            outbox.extend((sub.stream, EngineDeadError("server is shutting down"))
-                          for sub in self._new)
+            outbox.extend(
+                (sub.stream, EngineDeadError("server is shutting down")) for sub in self._new
+            )
             self._new.clear()
         self._publish_stats()
 
@@ -444,7 +480,13 @@ def _final_output(stream: RequestStream, reason: FinishReason) -> RequestOutput:
     if metrics.finished_time is None:
         metrics.finished_time = time.monotonic()
     return RequestOutput(
-        request_id=stream.request_id, new_token_ids=[], new_text="", finished=True,
-        finish_reason=reason, num_prompt_tokens=stream.num_prompt_tokens,
-        num_output_tokens=stream.num_output_tokens, num_cached_tokens=stream.num_cached_tokens,
-        metrics=metrics)
+        request_id=stream.request_id,
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason=reason,
+        num_prompt_tokens=stream.num_prompt_tokens,
+        num_output_tokens=stream.num_output_tokens,
+        num_cached_tokens=stream.num_cached_tokens,
+        metrics=metrics,
+    )

@@ -48,7 +48,9 @@ class EngineConfig:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.kv_failure_policy not in KV_FAILURE_POLICIES:
-            raise ValueError(f"kv_failure_policy must be one of {', '.join(KV_FAILURE_POLICIES)}"
-                             f", got {self.kv_failure_policy!r}")
+            raise ValueError(
+                f"kv_failure_policy must be one of {', '.join(KV_FAILURE_POLICIES)}"
+                f", got {self.kv_failure_policy!r}"
+            )
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")

@@ -36,12 +36,12 @@ class Detokenizer:
     def add_tokens(self, token_ids: list[int]) -> None:
         """Append tokens; updates `output_text` and `is_stopped` (a stop string was found)."""
         self._token_ids.extend(token_ids)
-        prefix = self._tokenizer.decode(self._token_ids[self._prefix_offset:self._read_offset])
-        full = self._tokenizer.decode(self._token_ids[self._prefix_offset:])
+        prefix = self._tokenizer.decode(self._token_ids[self._prefix_offset : self._read_offset])
+        full = self._tokenizer.decode(self._token_ids[self._prefix_offset :])
         if full.endswith(REPLACEMENT_CHAR) or len(full) <= len(prefix):
             return  # an incomplete character: wait for the rest of its bytes
         start = len(self.output_text)
-        self.output_text += full[len(prefix):]
+        self.output_text += full[len(prefix) :]
         self._prefix_offset = max(self._read_offset, len(self._token_ids) - CONTEXT_TOKENS)
         self._read_offset = len(self._token_ids)
         self._check_stop(start)
@@ -51,7 +51,7 @@ class Detokenizer:
         end = len(self.output_text)
         if not (is_final or self.is_stopped):
             end = max(end - self._holdback, self._num_emitted_chars)
-        text = self.output_text[self._num_emitted_chars:end]
+        text = self.output_text[self._num_emitted_chars : end]
         self._num_emitted_chars = end
         return text
 

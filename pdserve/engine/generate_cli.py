@@ -29,9 +29,14 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.prompt.strip():
         raise InvalidParameterError("prompt", "must not be empty")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, stop=tuple(args.stop),
-                            seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=tuple(args.stop),
+        seed=args.seed,
+    )
     llm = LLM.from_config(engine_config_from_args(args, args.mode))
     if args.chat:
         result = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
@@ -39,4 +44,3 @@ def run(args: argparse.Namespace) -> int:
         result = llm.generate(args.prompt, params, use_tqdm=False)[0]
     sys.stdout.write(result.text + "\n")
     return 0
-

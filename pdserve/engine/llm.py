@@ -33,8 +33,9 @@ class GenerationResult:
 class LLM:
     """Run many prompts through one engine with continuous batching."""
 
-    def __init__(self, model: str | None = None, *, engine: LLMEngine | None = None,
-                 **engine_kwargs) -> None:
+    def __init__(
+        self, model: str | None = None, *, engine: LLMEngine | None = None, **engine_kwargs
+    ) -> None:
         self.engine = engine or LLMEngine.from_args(model=model, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
@@ -43,22 +44,30 @@ class LLM:
     def from_config(cls, config: EngineConfig) -> LLM:
         return cls(engine=LLMEngine(config))
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[GenerationResult]:
         """Generate for each prompt (text or token ids); results in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         token_lists = [self._encode(p) for p in prompts]
         return self._run(token_lists, sampling_params, use_tqdm)
 
-    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[GenerationResult]:
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[GenerationResult]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True)
-                   for c in conversations]
+        prompts = [
+            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True)
+            for c in conversations
+        ]
         return self._run([self._encode(p) for p in prompts], sampling_params, use_tqdm)
 
     def _encode(self, prompt: Prompt) -> list[int]:
@@ -89,9 +98,17 @@ class LLM:
         with tqdm(total=num_requests, desc="generate", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    result = partial.setdefault(out.request_id, GenerationResult(
-                        [], "", [], None, out.num_cached_tokens,
-                        [] if out.logprobs is not None else None))
+                    result = partial.setdefault(
+                        out.request_id,
+                        GenerationResult(
+                            [],
+                            "",
+                            [],
+                            None,
+                            out.num_cached_tokens,
+                            [] if out.logprobs is not None else None,
+                        ),
+                    )
                     result.text += out.new_text
                     result.token_ids += out.new_token_ids
                     if out.logprobs is not None:

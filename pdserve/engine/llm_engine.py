@@ -78,17 +78,25 @@ class LLMEngine:
         # tokenizer's.
         tokenizer_eos = self.tokenizer.eos_token_id
         self._eos_token_ids = frozenset(self.model_config.eos_token_ids) | (
-            {tokenizer_eos} if tokenizer_eos is not None else set())
+            {tokenizer_eos} if tokenizer_eos is not None else set()
+        )
         num_blocks = self._num_kv_blocks()
-        self.max_model_len = min(self.model_config.max_position_embeddings,
-                                 config.max_model_len or self.model_config.max_position_embeddings,
-                                 num_blocks * config.block_size)
+        self.max_model_len = min(
+            self.model_config.max_position_embeddings,
+            config.max_model_len or self.model_config.max_position_embeddings,
+            num_blocks * config.block_size,
+        )
         scheduler_config = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         cache_config = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
         self.connector = self._make_connector(num_blocks)
         self.scheduler = Scheduler(scheduler_config, cache_config, self.connector)
-        self.runner = ModelRunner(self.loaded, num_blocks, config.block_size, config.seed,
-                                  self.connector.transport.kv_cache if self.connector else None)
+        self.runner = ModelRunner(
+            self.loaded,
+            num_blocks,
+            config.block_size,
+            config.seed,
+            self.connector.transport.kv_cache if self.connector else None,
+        )
         self._tracked: dict[str, _Tracked] = {}
         self._num_steps = 0
         self._last_step_time: float | None = None
@@ -97,9 +105,16 @@ class LLMEngine:
         self._step_log = StepLog(config.step_log) if config.step_log else None
         if self._step_log is not None:
             self.step_observers.append(self._step_log)
-        logger.info("engine ready: %s, %s on %s, %d KV blocks of %d, max_model_len %d, %s",
-                    self.model_name, self.loaded.dtype, self.loaded.device, num_blocks,
-                    config.block_size, self.max_model_len, config.scheduler.scheduling.value)
+        logger.info(
+            "engine ready: %s, %s on %s, %d KV blocks of %d, max_model_len %d, %s",
+            self.model_name,
+            self.loaded.dtype,
+            self.loaded.device,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+            config.scheduler.scheduling.value,
+        )
 
     @classmethod
     def from_args(cls, **kwargs) -> LLMEngine:
@@ -113,56 +128,79 @@ class LLMEngine:
             return None
         from pdserve.kv_transfer.connector import KVConnector
 
-        return KVConnector(self.config.kv_transfer, self.kv_layout(), num_blocks,
-                           recompute_on_failure=self.config.kv_failure_policy == "recompute")
+        return KVConnector(
+            self.config.kv_transfer,
+            self.kv_layout(),
+            num_blocks,
+            recompute_on_failure=self.config.kv_failure_policy == "recompute",
+        )
 
     def kv_layout(self) -> KVLayout:
         """What this engine's KV blocks mean, for checking a transfer's other end."""
         config = self.model_config
-        return KVLayout(model_id=self.model_name, num_layers=config.num_hidden_layers,
-                        num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                        block_size=self.config.block_size,
-                        dtype=str(self.loaded.dtype).removeprefix("torch."))
+        return KVLayout(
+            model_id=self.model_name,
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            block_size=self.config.block_size,
+            dtype=str(self.loaded.dtype).removeprefix("torch."),
+        )
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         gigabytes = self.config.kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB
-        bytes_per_block = kv_bytes_per_token(self.model_config, self.loaded.dtype) * \
-            self.config.block_size
+        bytes_per_block = (
+            kv_bytes_per_token(self.model_config, self.loaded.dtype) * self.config.block_size
+        )
         return max(int(gigabytes * 2**30 // bytes_per_block), 1)
 
     # ---- requests ----------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling_params: SamplingParams | None = None,
-                    kv_transfer_params: dict | None = None,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        kv_transfer_params: dict | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         """Queue a request. Raises `InvalidParameterError` naming the field for bad input."""
         params = sampling_params or SamplingParams()
         self._validate_prompt(prompt_token_ids)
         vocab_size = self.model_config.vocab_size
         if any(t >= vocab_size for t in params.stop_token_ids):
-            raise InvalidParameterError("stop_token_ids",
-                                        f"must be below the vocabulary size {vocab_size}")
+            raise InvalidParameterError(
+                "stop_token_ids", f"must be below the vocabulary size {vocab_size}"
+            )
         first_tokens = self._validate_kv_transfer_params(kv_transfer_params, prompt_token_ids)
-        request = Request(request_id, list(prompt_token_ids), params,
-                          eos_token_ids=self._eos_token_ids,
-                          output_token_ids=first_tokens,
-                          kv_transfer_params=kv_transfer_params)
+        request = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            eos_token_ids=self._eos_token_ids,
+            output_token_ids=first_tokens,
+            kv_transfer_params=kv_transfer_params,
+        )
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)
         self._tracked[request_id] = _Tracked(
-            request, Detokenizer(self.tokenizer, params.stop), RequestMetrics(request.arrival_time),
-            is_prefill_leg=bool(kv_transfer_params and kv_transfer_params.get("do_remote_decode")))
+            request,
+            Detokenizer(self.tokenizer, params.stop),
+            RequestMetrics(request.arrival_time),
+            is_prefill_leg=bool(kv_transfer_params and kv_transfer_params.get("do_remote_decode")),
+        )
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
             raise InvalidParameterError("prompt", "must not be empty")
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidParameterError(
-                "prompt", f"has {len(prompt_token_ids)} tokens, but this model and KV cache "
-                f"allow at most {self.max_model_len - 1} (max_model_len {self.max_model_len})")
+                "prompt",
+                f"has {len(prompt_token_ids)} tokens, but this model and KV cache "
+                f"allow at most {self.max_model_len - 1} (max_model_len {self.max_model_len})",
+            )
         vocab_size = self.model_config.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise InvalidParameterError("prompt", f"token ids must be in [0, {vocab_size})")
@@ -174,8 +212,10 @@ class LLMEngine:
             return []
         if self.connector is None:
             raise InvalidParameterError(
-                "kv_transfer_params", "this worker takes no part in KV transfer (start it with "
-                "--role prefill or --role decode)")
+                "kv_transfer_params",
+                "this worker takes no part in KV transfer (start it with "
+                "--role prefill or --role decode)",
+            )
         try:
             params = KVTransferParams.from_dict(data)
         except KVTransferError as exc:
@@ -185,14 +225,18 @@ class LLMEngine:
         layout = self.kv_layout()
         if params.layout_hash != layout.layout_hash():
             raise InvalidParameterError(
-                "kv_transfer_params", "layout_hash differs from this worker's KV layout "
+                "kv_transfer_params",
+                "layout_hash differs from this worker's KV layout "
                 f"(model {layout.model_id}, {layout.dtype}, block_size {layout.block_size}, "
                 f"{layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
-                f"{layout.head_dim}): the prefill worker runs another model, dtype or layout")
+                f"{layout.head_dim}): the prefill worker runs another model, dtype or layout",
+            )
         if params.remote_num_tokens != len(prompt) or params.first_token_id is None:
             raise InvalidParameterError(
-                "kv_transfer_params", f"remote_num_tokens must equal the prompt's {len(prompt)} "
-                "tokens and first_token_id must be set")
+                "kv_transfer_params",
+                f"remote_num_tokens must equal the prompt's {len(prompt)} "
+                "tokens and first_token_id must be set",
+            )
         return [params.first_token_id]
 
     def abort_request(self, request_id: str) -> None:
@@ -213,20 +257,24 @@ class LLMEngine:
                 time.sleep(KV_POLL_INTERVAL_S)  # only transfers in flight: don't spin
             return outputs
         batch = step_batch(scheduler_output) if self.step_observers else ()
-        prefilling = [s.request.request_id for s in scheduler_output.scheduled
-                      if s.request.is_prefilling]
+        prefilling = [
+            s.request.request_id for s in scheduler_output.scheduled if s.request.is_prefilling
+        ]
         start = time.monotonic()
         sampled = self.runner.execute(scheduler_output)
         finished = self.scheduler.update_from_output(
-            scheduler_output, {rid: s.token_id for rid, s in sampled.items()})
+            scheduler_output, {rid: s.token_id for rid, s in sampled.items()}
+        )
         self._last_step_time = time.monotonic() - start
         self._num_steps += 1
         for request_id in prefilling:
             self._tracked[request_id].metrics.prefill_time += self._last_step_time
         finished_ids = {r.request_id for r in finished}
         now = time.monotonic()
-        outputs += [self._output_for(self._tracked[rid], token, now, rid in finished_ids)
-                    for rid, token in sampled.items()]
+        outputs += [
+            self._output_for(self._tracked[rid], token, now, rid in finished_ids)
+            for rid, token in sampled.items()
+        ]
         if self.step_observers:
             record = StepRecord(batch, time.perf_counter() - step_start)
             for observe in self.step_observers:
@@ -258,8 +306,9 @@ class LLMEngine:
             return KVTransferOutcome(0, 0.0, str(result.error))
         return KVTransferOutcome(result.stats.num_bytes, result.stats.seconds)
 
-    def _output_for(self, tracked: _Tracked, token: SampledToken | None, now: float,
-                    is_finished: bool) -> RequestOutput:
+    def _output_for(
+        self, tracked: _Tracked, token: SampledToken | None, now: float, is_finished: bool
+    ) -> RequestOutput:
         """The output for one new token (None: the request ends without one)."""
         request, metrics = tracked.request, tracked.metrics
         if token is not None:
@@ -278,14 +327,18 @@ class LLMEngine:
             request_id=request.request_id,
             new_token_ids=[token.token_id] if token is not None else [],
             new_text=tracked.detokenizer.take_new_text(is_final=is_finished),
-            finished=is_finished, finish_reason=request.finish_reason if is_finished else None,
+            finished=is_finished,
+            finish_reason=request.finish_reason if is_finished else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens, metrics=metrics,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=metrics,
             logprobs=[token.logprob] if token is not None and token.logprob else None,
             kv_transfer_params=request.kv_transfer_params
-            if is_finished and tracked.is_prefill_leg else None,
-            kv_transfer=tracked.transfer)
+            if is_finished and tracked.is_prefill_leg
+            else None,
+            kv_transfer=tracked.transfer,
+        )
 
     def _release(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)
@@ -302,7 +355,14 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         stats = self.scheduler.get_stats()
         manager = self.scheduler.block_manager
-        return EngineStats(stats.num_running, stats.num_waiting, stats.kv_cache_usage,
-                           manager.num_free_blocks, manager.num_blocks,
-                           stats.prefix_cache_hit_rate, stats.num_preemptions, self._num_steps,
-                           self._last_step_time)
+        return EngineStats(
+            stats.num_running,
+            stats.num_waiting,
+            stats.kv_cache_usage,
+            manager.num_free_blocks,
+            manager.num_blocks,
+            stats.prefix_cache_hit_rate,
+            stats.num_preemptions,
+            self._num_steps,
+            self._last_step_time,
+        )

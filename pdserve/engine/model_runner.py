@@ -17,8 +17,14 @@ class ModelRunner:
     The KV cache is one tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
     """
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int,
-                 kv_cache: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        seed: int,
+        kv_cache: torch.Tensor | None = None,
+    ) -> None:
         """`kv_cache`: an existing cache tensor to use (e.g. one in shared memory that a KV
         transport serves from); allocated here when None."""
         self.model = loaded.model
@@ -26,8 +32,9 @@ class ModelRunner:
         self.device = loaded.device
         self.block_size = block_size
         if kv_cache is None:
-            kv_cache = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype,
-                                         loaded.device)
+            kv_cache = allocate_kv_cache(
+                loaded.config, num_blocks, block_size, loaded.dtype, loaded.device
+            )
         self.kv_cache = kv_cache
         self.sampler = Sampler(seed)
 
@@ -45,8 +52,12 @@ class ModelRunner:
             positions.extend(range(start, end))
             seqs.append((request.block_table, start, scheduled.num_new_tokens))
         metadata = AttentionMetadata.build(seqs, self.block_size, self.device)
-        hidden = self.model(torch.tensor(input_ids, device=self.device),
-                            torch.tensor(positions, device=self.device), self.kv_cache, metadata)
+        hidden = self.model(
+            torch.tensor(input_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            self.kv_cache,
+            metadata,
+        )
         # The last new token of each request that catches up is the one that predicts.
         ends = torch.cumsum(torch.tensor([s.num_new_tokens for s in output.scheduled]), 0) - 1
         rows = [i for i, s in enumerate(output.scheduled) if s.is_sampling]

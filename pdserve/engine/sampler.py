@@ -38,8 +38,10 @@ class Sampler:
         for row, request in enumerate(requests):
             if not request.sampling_params.is_greedy:
                 token_ids[row] = self._sample_row(logits[row], request)
-        return [SampledToken(t, self._logprob(logits[row], t, request))
-                for row, (t, request) in enumerate(zip(token_ids, requests, strict=True))]
+        return [
+            SampledToken(t, self._logprob(logits[row], t, request))
+            for row, (t, request) in enumerate(zip(token_ids, requests, strict=True))
+        ]
 
     def _mask_early_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """Before `min_tokens` outputs, EOS and stop tokens cannot be sampled."""

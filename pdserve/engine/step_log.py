@@ -29,8 +29,9 @@ class StepRecord:
 def step_batch(output: SchedulerOutput) -> tuple[tuple[int, int, bool], ...]:
     """A `StepRecord.batch`; call before the scheduler applies the step (context = tokens
     computed before it)."""
-    return tuple((s.num_new_tokens, s.request.num_computed_tokens, s.is_sampling)
-                 for s in output.scheduled)
+    return tuple(
+        (s.num_new_tokens, s.request.num_computed_tokens, s.is_sampling) for s in output.scheduled
+    )
 
 
 class StepLog:

@@ -20,6 +20,7 @@ from pdserve.kv_transfer.transport import KVTransport, TransferStats
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class FinishedTransfer:
     """Outcome of one submitted transfer: `stats` on success, else `error`."""
@@ -43,13 +44,19 @@ class BackgroundReceiver:
         self._finished: list[FinishedTransfer] = []
         self._num_pending = 0
 
-    def submit(self, request_id: str, params: KVTransferParams,
-               local_block_ids: Sequence[int], skip_blocks: int = 0) -> None:
+    def submit(
+        self,
+        request_id: str,
+        params: KVTransferParams,
+        local_block_ids: Sequence[int],
+        skip_blocks: int = 0,
+    ) -> None:
         """Start fetching `params`' blocks into `local_block_ids` (see `KVTransport.receive`)."""
         with self._lock:
             self._num_pending += 1
-        future = self._pool.submit(self._transport.receive, params, tuple(local_block_ids),
-                                   skip_blocks=skip_blocks)
+        future = self._pool.submit(
+            self._transport.receive, params, tuple(local_block_ids), skip_blocks=skip_blocks
+        )
         future.add_done_callback(lambda f: self._done(request_id, f))
 
     def submit_release(self, params: KVTransferParams) -> None:

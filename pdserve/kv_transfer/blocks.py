@@ -22,8 +22,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     for name, value in TORCH_DTYPES.items():
         if value == dtype:
             return name
-    raise KVProtocolError(f"KV cache dtype {dtype} is not supported for transfer "
-                          f"(supported: {sorted(TORCH_DTYPES)})")
+    raise KVProtocolError(
+        f"KV cache dtype {dtype} is not supported for transfer (supported: {sorted(TORCH_DTYPES)})"
+    )
 
 
 def layout_of(kv_cache: torch.Tensor, model_id: str) -> KVLayout:
@@ -31,21 +32,31 @@ def layout_of(kv_cache: torch.Tensor, model_id: str) -> KVLayout:
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
         raise KVProtocolError(
             "kv_cache must have shape [num_layers, 2, num_blocks, block_size, num_kv_heads, "
-            f"head_dim], got {list(kv_cache.shape)}")
+            f"head_dim], got {list(kv_cache.shape)}"
+        )
     num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    return KVLayout(model_id=model_id, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                    head_dim=head_dim, block_size=block_size, dtype=dtype_name(kv_cache.dtype))
+    return KVLayout(
+        model_id=model_id,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype_name(kv_cache.dtype),
+    )
 
 
 def check_cache(kv_cache: torch.Tensor, layout: KVLayout) -> None:
     """Raise unless `kv_cache` is a contiguous CPU cache tensor of `layout`."""
     if kv_cache.device.type != "cpu":
         # A GPU cache would need pinned host staging on both ends; not built yet.
-        raise KVProtocolError(f"KV transfer needs the KV cache in CPU memory, got "
-                              f"{kv_cache.device}")
+        raise KVProtocolError(
+            f"KV transfer needs the KV cache in CPU memory, got {kv_cache.device}"
+        )
     if layout_of(kv_cache, layout.model_id) != layout:
-        raise KVProtocolError(f"kv_cache {list(kv_cache.shape)} {kv_cache.dtype} does not match "
-                              f"the KV layout {layout}")
+        raise KVProtocolError(
+            f"kv_cache {list(kv_cache.shape)} {kv_cache.dtype} does not match "
+            f"the KV layout {layout}"
+        )
     if not kv_cache.is_contiguous():
         raise KVProtocolError("kv_cache must be contiguous")
 
@@ -64,15 +75,16 @@ def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int
     return runs
 
 
-def copy_blocks(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor,
-                src_ids: Sequence[int]) -> None:
+def copy_blocks(
+    dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]
+) -> None:
     """``dst[:, :, dst_ids[i]] = src[:, :, src_ids[i]]`` for every i, in one pass over the
     bytes (no gathered temporary). `dst` and `src` are contiguous, same layer count."""
     # As numpy byte arrays [layers * 2, num_blocks, block bytes]: a slice assignment costs a
     # few microseconds, a 6-d torch copy_ tens, and fragmented lists make one call per block.
     dst_bytes, src_bytes = _block_bytes(dst), _block_bytes(src)
     for s, d, n in block_runs(src_ids, dst_ids):
-        dst_bytes[:, d:d + n] = src_bytes[:, s:s + n]
+        dst_bytes[:, d : d + n] = src_bytes[:, s : s + n]
 
 
 def _block_bytes(cache: torch.Tensor) -> np.ndarray:

@@ -30,8 +30,11 @@ from pdserve.kv_transfer.wire import (
     send_frame,
 )
 
-_ERROR_CODES = {"lease": KVLeaseError, "incompatible": KVIncompatibleError,
-                "bad_request": KVProtocolError}
+_ERROR_CODES = {
+    "lease": KVLeaseError,
+    "incompatible": KVIncompatibleError,
+    "bad_request": KVProtocolError,
+}
 
 
 class KVClient:
@@ -47,8 +50,14 @@ class KVClient:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def call(self, msg_type: MessageType, meta: dict[str, Any], *,
-             expect: MessageType = MessageType.REPLY, payload_len: int = 0) -> dict[str, Any]:
+    def call(
+        self,
+        msg_type: MessageType,
+        meta: dict[str, Any],
+        *,
+        expect: MessageType = MessageType.REPLY,
+        payload_len: int = 0,
+    ) -> dict[str, Any]:
         """Send a request and read the response header and metadata.
 
         For `expect=DATA` the caller then reads exactly `payload_len` bytes with `recv_into`.
@@ -69,9 +78,11 @@ class KVClient:
             self._raise_remote_error(frame.meta)
         if frame.msg_type is not expect or frame.payload_len != payload_len:
             self.close()
-            raise FrameError(f"KV server {self.address} answered {frame.msg_type.name} with "
-                             f"{frame.payload_len} payload bytes; expected {expect.name} with "
-                             f"{payload_len}")
+            raise FrameError(
+                f"KV server {self.address} answered {frame.msg_type.name} with "
+                f"{frame.payload_len} payload bytes; expected {expect.name} with "
+                f"{payload_len}"
+            )
         return frame.meta
 
     def recv_into(self, view: memoryview) -> None:
@@ -127,9 +138,14 @@ def _failure(address: str, exc: BaseException) -> KVTransferError:
 def release_over(client: KVClient, params: KVTransferParams) -> bool:
     """RELEASE the lease `params` name; True iff it was still live (which confirms every
     block fetched under it)."""
-    reply = client.call(MessageType.RELEASE, {
-        "request_id": params.remote_request_id, "engine_id": params.remote_engine_id,
-        "block_ids": list(params.remote_block_ids)})
+    reply = client.call(
+        MessageType.RELEASE,
+        {
+            "request_id": params.remote_request_id,
+            "engine_id": params.remote_engine_id,
+            "block_ids": list(params.remote_block_ids),
+        },
+    )
     released = reply.get("released")
     if not isinstance(released, bool):
         raise KVProtocolError("RELEASE reply.released must be a boolean")

@@ -36,8 +36,9 @@ class KVTransferConfig:
         if isinstance(self.kv_role, str):
             object.__setattr__(self, "kv_role", KVRole(self.kv_role))
         if self.transport not in TRANSPORT_NAMES:
-            raise ValueError(f"transport must be one of {list(TRANSPORT_NAMES)}, "
-                             f"got {self.transport!r}")
+            raise ValueError(
+                f"transport must be one of {list(TRANSPORT_NAMES)}, got {self.transport!r}"
+            )
         if not (isinstance(self.kv_port, int) and 0 <= self.kv_port <= 65535):
             raise ValueError(f"kv_port must be in [0, 65535], got {self.kv_port!r}")
         for name in ("kv_lease_timeout", "kv_transfer_timeout", "kv_idle_timeout"):

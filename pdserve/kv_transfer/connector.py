@@ -31,11 +31,18 @@ logger = logging.getLogger(__name__)
 class KVConnector(KVConnectorScheduler):
     """Scheduler-side decisions over one worker's transport (see module docstring)."""
 
-    def __init__(self, config: KVTransferConfig, layout: KVLayout, num_blocks: int, *,
-                 recompute_on_failure: bool = True) -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        layout: KVLayout,
+        num_blocks: int,
+        *,
+        recompute_on_failure: bool = True,
+    ) -> None:
         self._freed: list[str] = []
         self.transport: KVTransport = create_kv_transport(
-            config, layout, num_blocks, free_blocks=lambda rid, ids: self._freed.append(rid))
+            config, layout, num_blocks, free_blocks=lambda rid, ids: self._freed.append(rid)
+        )
         self._receiver = BackgroundReceiver(self.transport) if config.is_consumer else None
         self._recompute_on_failure = recompute_on_failure
         self._receiving: set[str] = set()
@@ -67,8 +74,9 @@ class KVConnector(KVConnectorScheduler):
         layout = self.transport.layout
         # Tokens before the external ones are local prefix-cache hits: whole blocks.
         skip_blocks = (params.remote_num_tokens - num_external_tokens) // layout.block_size
-        local_block_ids = request.block_table[skip_blocks:
-                                              layout.num_blocks_for(params.remote_num_tokens)]
+        local_block_ids = request.block_table[
+            skip_blocks : layout.num_blocks_for(params.remote_num_tokens)
+        ]
         self._settled.add(request.request_id)
         self._receiving.add(request.request_id)
         self._receiver.submit(request.request_id, params, local_block_ids, skip_blocks)
@@ -82,7 +90,7 @@ class KVConnector(KVConnectorScheduler):
         if not self._should_send(request):
             return False
         num_tokens = request.num_prompt_tokens
-        block_ids = request.block_table[:self.transport.layout.num_blocks_for(num_tokens)]
+        block_ids = request.block_table[: self.transport.layout.num_blocks_for(num_tokens)]
         first_token = request.output_token_ids[0] if request.output_token_ids else None
         params = self.transport.expose(request_id, block_ids, num_tokens, first_token)
         request.kv_transfer_params = params.to_dict()
@@ -99,8 +107,9 @@ class KVConnector(KVConnectorScheduler):
             if finished.is_ok:
                 events.finished_recving.add(finished.request_id)
             else:
-                logger.warning("KV transfer for request %r failed: %s", finished.request_id,
-                               finished.error)
+                logger.warning(
+                    "KV transfer for request %r failed: %s", finished.request_id, finished.error
+                )
                 events.failed_recving.add(finished.request_id)
         self.transport.collect()
         events.finished_sending = set(self._freed)
@@ -119,15 +128,18 @@ class KVConnector(KVConnectorScheduler):
 
     def _remote_params(self, request: Request) -> KVTransferParams | None:
         data = request.kv_transfer_params
-        if (self._receiver is None or not data or not data.get("do_remote_prefill")
-                or request.request_id in self._settled):
+        if (
+            self._receiver is None
+            or not data
+            or not data.get("do_remote_prefill")
+            or request.request_id in self._settled
+        ):
             return None
         try:
             return KVTransferParams.from_dict(data)
         except KVTransferError as exc:
             # The server validates params at the HTTP layer; anything else is computed here.
-            logger.warning("request %r: ignoring kv_transfer_params: %s", request.request_id,
-                           exc)
+            logger.warning("request %r: ignoring kv_transfer_params: %s", request.request_id, exc)
             self._settled.add(request.request_id)
             return None
 
@@ -136,7 +148,10 @@ class KVConnector(KVConnectorScheduler):
         # Only the router's prefill leg ended by its max_tokens (core checks length before
         # stop tokens, so an EOS first token is leased too: the decode leg decides); an
         # aborted leg has nobody to fetch it.
-        return (self.transport.server is not None and bool(data)
-                and data.get("do_remote_decode") is True
-                and request.finish_reason is FinishReason.LENGTH
-                and request.num_computed_tokens >= request.num_prompt_tokens)
+        return (
+            self.transport.server is not None
+            and bool(data)
+            and data.get("do_remote_decode") is True
+            and request.finish_reason is FinishReason.LENGTH
+            and request.num_computed_tokens >= request.num_prompt_tokens
+        )

@@ -14,8 +14,13 @@ from pdserve.kv_transfer.tcp import TcpTransport
 from pdserve.kv_transfer.transport import KVTransport
 
 
-def create_kv_transport(config: KVTransferConfig, layout: KVLayout, num_blocks: int, *,
-                        free_blocks: FreeBlocksFn | None = None) -> KVTransport:
+def create_kv_transport(
+    config: KVTransferConfig,
+    layout: KVLayout,
+    num_blocks: int,
+    *,
+    free_blocks: FreeBlocksFn | None = None,
+) -> KVTransport:
     """Allocate the engine's KV cache (CPU memory) and the transport that moves it.
 
     The engine must use `transport.kv_cache` as its KV cache tensor (for a shm producer it
@@ -30,7 +35,8 @@ def create_kv_transport(config: KVTransferConfig, layout: KVLayout, num_blocks: 
     if config.transport == "tcp":
         # zero_() rather than torch.zeros: writing every page now means no transfer ever pays
         # for first-touch page faults (torch.zeros may hand back lazily-zeroed pages).
-        cache = torch.empty(layout.cache_shape(num_blocks),
-                            dtype=TORCH_DTYPES[layout.dtype]).zero_()
+        cache = torch.empty(
+            layout.cache_shape(num_blocks), dtype=TORCH_DTYPES[layout.dtype]
+        ).zero_()
         return TcpTransport(cache, layout, config, leases)
     return ShmTransport(SharedKVCache.create(layout, num_blocks), layout, config, leases)

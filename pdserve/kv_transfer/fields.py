@@ -32,8 +32,15 @@ def get_bool(data: Mapping[str, Any], key: str, where: str, *, default: bool = F
     return value
 
 
-def get_int(data: Mapping[str, Any], key: str, where: str, *, required: bool = True,
-            min_value: int = 0, max_value: int | None = None) -> int | None:
+def get_int(
+    data: Mapping[str, Any],
+    key: str,
+    where: str,
+    *,
+    required: bool = True,
+    min_value: int = 0,
+    max_value: int | None = None,
+) -> int | None:
     value = _raw(data, key, where, required)
     if value is None:
         return None
@@ -50,8 +57,9 @@ def check_int(value: Any, name: str, *, min_value: int = 0, max_value: int | Non
     return value
 
 
-def get_str(data: Mapping[str, Any], key: str, where: str, *, required: bool = True,
-            max_len: int = 256) -> str | None:
+def get_str(
+    data: Mapping[str, Any], key: str, where: str, *, required: bool = True, max_len: int = 256
+) -> str | None:
     value = _raw(data, key, where, required)
     if value is None:
         return None
@@ -62,8 +70,9 @@ def get_str(data: Mapping[str, Any], key: str, where: str, *, required: bool = T
     return value
 
 
-def get_int_list(data: Mapping[str, Any], key: str, where: str, *, max_len: int,
-                 max_value: int | None = None) -> tuple[int, ...]:
+def get_int_list(
+    data: Mapping[str, Any], key: str, where: str, *, max_len: int, max_value: int | None = None
+) -> tuple[int, ...]:
     value = _raw(data, key, where, required=True)
     if not isinstance(value, list | tuple):
         raise KVProtocolError(f"{where}.{key} must be a list of integers")

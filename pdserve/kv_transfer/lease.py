@@ -42,8 +42,12 @@ class Lease:
 class LeaseManager:
     """Thread-safe registry of leased KV blocks with timeout."""
 
-    def __init__(self, free_blocks: FreeBlocksFn, lease_timeout: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        free_blocks: FreeBlocksFn,
+        lease_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not lease_timeout > 0:
             raise ValueError(f"kv_lease_timeout must be positive, got {lease_timeout!r}")
         self._free_blocks = free_blocks
@@ -57,8 +61,9 @@ class LeaseManager:
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a KV lease")
-            lease = Lease(request_id, tuple(block_ids), num_tokens,
-                          self._clock() + self.lease_timeout)
+            lease = Lease(
+                request_id, tuple(block_ids), num_tokens, self._clock() + self.lease_timeout
+            )
             self._leases[request_id] = lease
             return lease
 
@@ -98,15 +103,21 @@ class LeaseManager:
         thread that owns the block manager. Returns the freed request ids."""
         now = self._clock()
         with self._lock:
-            done = [lease for lease in self._leases.values()
-                    if (lease.is_released or now >= lease.deadline) and lease.num_readers == 0]
+            done = [
+                lease
+                for lease in self._leases.values()
+                if (lease.is_released or now >= lease.deadline) and lease.num_readers == 0
+            ]
             for lease in done:
                 del self._leases[lease.request_id]
         for lease in done:
             if not lease.is_released:
-                logger.warning("KV lease for request %r expired after %.1fs unfetched; "
-                               "freeing %d blocks", lease.request_id, self.lease_timeout,
-                               len(lease.block_ids))
+                logger.warning(
+                    "KV lease for request %r expired after %.1fs unfetched; freeing %d blocks",
+                    lease.request_id,
+                    self.lease_timeout,
+                    len(lease.block_ids),
+                )
         self._return_blocks(done)
         return [lease.request_id for lease in done]
 
@@ -134,8 +145,10 @@ class LeaseManager:
         if lease.is_released:
             raise KVLeaseError(f"KV lease for request {request_id!r} was already released")
         if self._clock() >= lease.deadline:
-            raise KVLeaseError(f"KV lease for request {request_id!r} expired "
-                               f"(kv_lease_timeout {self.lease_timeout:g}s)")
+            raise KVLeaseError(
+                f"KV lease for request {request_id!r} expired "
+                f"(kv_lease_timeout {self.lease_timeout:g}s)"
+            )
         return lease
 
     def _return_blocks(self, leases: list[Lease]) -> None:

@@ -111,23 +111,30 @@ def _validate_layout_dict(data: Mapping[str, Any], where: str) -> None:
     dtype = get_str(data, "dtype", where)
     if dtype not in DTYPE_ITEMSIZE:
         raise KVProtocolError(
-            f"{where}.dtype must be one of {sorted(DTYPE_ITEMSIZE)}, got {dtype!r}")
+            f"{where}.dtype must be one of {sorted(DTYPE_ITEMSIZE)}, got {dtype!r}"
+        )
 
 
-def check_compatible(local: KVLayout, remote: KVLayout,
-                     remote_version: int = KV_TRANSFER_PROTOCOL_VERSION) -> None:
+def check_compatible(
+    local: KVLayout, remote: KVLayout, remote_version: int = KV_TRANSFER_PROTOCOL_VERSION
+) -> None:
     """Raise `KVIncompatibleError` naming every difference that forbids a raw-byte transfer."""
     differences = []
     if remote_version != KV_TRANSFER_PROTOCOL_VERSION:
-        differences.append(f"protocol version differs (local {KV_TRANSFER_PROTOCOL_VERSION}, "
-                           f"remote {remote_version})")
+        differences.append(
+            f"protocol version differs (local {KV_TRANSFER_PROTOCOL_VERSION}, "
+            f"remote {remote_version})"
+        )
     if local.model_id != remote.model_id:
         differences.append(f"model differs (local {local.model_id!r}, remote {remote.model_id!r})")
     if local.dtype != remote.dtype:
         differences.append(f"dtype differs (local {local.dtype}, remote {remote.dtype})")
     shape_keys = ("num_layers", "num_kv_heads", "head_dim", "block_size")
-    shape_diffs = [f"{k} local {getattr(local, k)} remote {getattr(remote, k)}"
-                   for k in shape_keys if getattr(local, k) != getattr(remote, k)]
+    shape_diffs = [
+        f"{k} local {getattr(local, k)} remote {getattr(remote, k)}"
+        for k in shape_keys
+        if getattr(local, k) != getattr(remote, k)
+    ]
     if shape_diffs:
         differences.append("block layout differs (" + ", ".join(shape_diffs) + ")")
     if differences:
@@ -139,7 +146,8 @@ def check_protocol_version(version: int, where: str) -> None:
         raise KVIncompatibleError(
             f"{where}: KV transfer protocol version {version} is not supported "
             f"(this worker speaks version {KV_TRANSFER_PROTOCOL_VERSION})",
-            [f"protocol version differs (local {KV_TRANSFER_PROTOCOL_VERSION}, remote {version})"])
+            [f"protocol version differs (local {KV_TRANSFER_PROTOCOL_VERSION}, remote {version})"],
+        )
 
 
 @dataclass(frozen=True)
@@ -214,8 +222,7 @@ def _validate_params_dict(data: Mapping[str, Any], where: str) -> None:
     get_str(data, "remote_engine_id", where, required=do_remote_prefill)
     get_str(data, "remote_request_id", where, required=do_remote_prefill, max_len=1024)
     get_str(data, "remote_host", where, required=do_remote_prefill)
-    get_int(data, "remote_port", where, required=do_remote_prefill, min_value=1,
-            max_value=65535)
+    get_int(data, "remote_port", where, required=do_remote_prefill, min_value=1, max_value=65535)
     get_str(data, "layout_hash", where, required=do_remote_prefill)
     if data.get("remote_block_ids") is not None:
         get_int_list(data, "remote_block_ids", where, max_len=MAX_BLOCKS_PER_REQUEST)
@@ -224,7 +231,8 @@ def _validate_params_dict(data: Mapping[str, Any], where: str) -> None:
     transport = get_str(data, "transport", where, required=do_remote_prefill)
     if transport is not None and transport not in TRANSPORT_NAMES:
         raise KVProtocolError(
-            f"{where}.transport must be one of {list(TRANSPORT_NAMES)}, got {transport!r}")
+            f"{where}.transport must be one of {list(TRANSPORT_NAMES)}, got {transport!r}"
+        )
     get_str(data, "shm_name", where, required=do_remote_prefill and transport == "shm")
     if do_remote_prefill:
         _validate_hand_off(data, where)

@@ -42,15 +42,28 @@ _DRAIN_BYTES = 1 << 20
 class KVServer:
     """Serves HELLO / FETCH / RELEASE for the leases of one engine's `kv_cache`."""
 
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, leases: LeaseManager, *,
-                 engine_id: str, host: str, port: int, idle_timeout: float,
-                 hello_extra: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        leases: LeaseManager,
+        *,
+        engine_id: str,
+        host: str,
+        port: int,
+        idle_timeout: float,
+        hello_extra: dict[str, Any] | None = None,
+    ) -> None:
         self._kv_cache = kv_cache
         self._layout = layout
         self._leases = leases
-        self._hello = {"protocol_version": KV_TRANSFER_PROTOCOL_VERSION, "engine_id": engine_id,
-                       "layout": layout.to_dict(), "num_blocks": kv_cache.shape[2],
-                       **(hello_extra or {})}
+        self._hello = {
+            "protocol_version": KV_TRANSFER_PROTOCOL_VERSION,
+            "engine_id": engine_id,
+            "layout": layout.to_dict(),
+            "num_blocks": kv_cache.shape[2],
+            **(hello_extra or {}),
+        }
         self._idle_timeout = idle_timeout
         self._listener = socket.create_server((host, port))
         self._lock = threading.Lock()
@@ -59,10 +72,11 @@ class KVServer:
         self.num_rejected_frames = 0
         self.num_bytes_sent = 0
         self._handlers: dict[MessageType, Callable[[socket.socket, dict, Any], None]] = {
-            MessageType.HELLO: self._on_hello, MessageType.FETCH: self._on_fetch,
-            MessageType.RELEASE: self._on_release}
-        self._acceptor = threading.Thread(target=self._accept_loop, name="kv-server",
-                                          daemon=True)
+            MessageType.HELLO: self._on_hello,
+            MessageType.FETCH: self._on_fetch,
+            MessageType.RELEASE: self._on_release,
+        }
+        self._acceptor = threading.Thread(target=self._accept_loop, name="kv-server", daemon=True)
         self._acceptor.start()
 
     @property
@@ -93,12 +107,16 @@ class KVServer:
                 if not refuse:
                     self._connections.add(conn)
             if refuse:
-                logger.warning("KV server refusing connection from %s: %d connections open",
-                               peer, MAX_CONNECTIONS)
+                logger.warning(
+                    "KV server refusing connection from %s: %d connections open",
+                    peer,
+                    MAX_CONNECTIONS,
+                )
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn, peer), name=f"kv-conn-{peer}",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn, peer), name=f"kv-conn-{peer}", daemon=True
+            ).start()
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         conn.settimeout(self._idle_timeout)
@@ -154,8 +172,9 @@ class KVServer:
         # Request ids are only unique per engine: never release for a previous incarnation.
         engine_id = get_str(meta, "engine_id", "RELEASE")
         if engine_id != self._hello["engine_id"]:
-            raise KVLeaseError(f"RELEASE names engine {engine_id}, this is engine "
-                               f"{self._hello['engine_id']}")
+            raise KVLeaseError(
+                f"RELEASE names engine {engine_id}, this is engine {self._hello['engine_id']}"
+            )
         block_ids = get_int_list(meta, "block_ids", "RELEASE", max_len=self._kv_cache.shape[2])
         released = self._leases.release(request_id, block_ids)
         send_frame(conn, MessageType.REPLY, {"released": released})
@@ -166,29 +185,41 @@ class KVServer:
         start = get_int(meta, "layer_start", "FETCH", max_value=num_layers - 1)
         end = get_int(meta, "layer_end", "FETCH", min_value=start + 1, max_value=num_layers)
         num_blocks = self._kv_cache.shape[2]
-        block_ids = get_int_list(meta, "block_ids", "FETCH", max_len=num_blocks,
-                                 max_value=num_blocks - 1)
+        block_ids = get_int_list(
+            meta, "block_ids", "FETCH", max_len=num_blocks, max_value=num_blocks - 1
+        )
         if not block_ids:
             raise KVProtocolError("FETCH.block_ids names no blocks")
         with self._leases.reading(request_id) as lease:
             outside = set(block_ids) - set(lease.block_ids)
             if outside:
-                raise KVLeaseError(f"FETCH.block_ids {sorted(outside)[:8]} are not leased to "
-                                   f"request {request_id!r}")
+                raise KVLeaseError(
+                    f"FETCH.block_ids {sorted(outside)[:8]} are not leased to "
+                    f"request {request_id!r}"
+                )
             self._send_layers(conn, start, end, block_ids, staging)
 
-    def _send_layers(self, conn: socket.socket, start: int, end: int,
-                     block_ids: tuple[int, ...], staging: StagingBuffer) -> None:
+    def _send_layers(
+        self,
+        conn: socket.socket,
+        start: int,
+        end: int,
+        block_ids: tuple[int, ...],
+        staging: StagingBuffer,
+    ) -> None:
         # Gather one layer at a time into a small staging buffer that stays in cache while the
         # kernel copies it into the socket: bounded memory, no whole-request temporary.
         layer = staging.layer(len(block_ids))
         payload_len = (end - start) * layer.numel() * layer.element_size()
-        send_frame(conn, MessageType.DATA,
-                   {"dtype": dtype_name(layer.dtype), "shape": [end - start, *layer.shape[1:]]},
-                   payload_len)
+        send_frame(
+            conn,
+            MessageType.DATA,
+            {"dtype": dtype_name(layer.dtype), "shape": [end - start, *layer.shape[1:]]},
+            payload_len,
+        )
         blocks = StagedBlocks(block_ids)
         for index in range(start, end):
-            blocks.gather(self._kv_cache[index:index + 1], layer)
+            blocks.gather(self._kv_cache[index : index + 1], layer)
             conn.sendall(byte_view(layer))
         with self._lock:
             self.num_bytes_sent += payload_len

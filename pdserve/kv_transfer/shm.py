@@ -27,8 +27,13 @@ class ShmTransport(KVTransport):
 
     name: ClassVar[str] = "shm"
 
-    def __init__(self, segment: SharedKVCache, layout: KVLayout, config: KVTransferConfig,
-                 leases: LeaseManager | None = None) -> None:
+    def __init__(
+        self,
+        segment: SharedKVCache,
+        layout: KVLayout,
+        config: KVTransferConfig,
+        leases: LeaseManager | None = None,
+    ) -> None:
         self.segment = segment
         super().__init__(segment.tensor, layout, config, leases)
 
@@ -44,24 +49,32 @@ class ShmTransport(KVTransport):
 
     def _attach(self, remote: RemoteEngine, params: KVTransferParams) -> SharedKVCache:
         if remote.hello.get("shm_name") != params.shm_name:
-            raise KVProtocolError(f"kv_transfer_params.shm_name {params.shm_name!r} is not the "
-                                  f"segment of engine {remote.engine_id}")
+            raise KVProtocolError(
+                f"kv_transfer_params.shm_name {params.shm_name!r} is not the "
+                f"segment of engine {remote.engine_id}"
+            )
         mapped = SharedKVCache.attach(params.shm_name, remote.layout)
         if mapped.num_blocks != remote.num_blocks:
-            raise KVProtocolError(f"shm segment {params.shm_name} holds {mapped.num_blocks} "
-                                  f"blocks, the engine reports {remote.num_blocks}")
+            raise KVProtocolError(
+                f"shm segment {params.shm_name} holds {mapped.num_blocks} "
+                f"blocks, the engine reports {remote.num_blocks}"
+            )
         return mapped
 
-    def _read_units(self, remote: RemoteEngine, request_id: str,
-                    units: Sequence[KVTransferUnit]) -> int:
+    def _read_units(
+        self, remote: RemoteEngine, request_id: str, units: Sequence[KVTransferUnit]
+    ) -> int:
         source = remote.attachment.tensor
         num_bytes = 0
         for unit in units:
             if max(unit.remote_block_ids) >= remote.num_blocks:
-                raise KVProtocolError(f"unit.remote_block_ids exceed the {remote.num_blocks} "
-                                      f"blocks of engine {remote.engine_id}")
+                raise KVProtocolError(
+                    f"unit.remote_block_ids exceed the {remote.num_blocks} "
+                    f"blocks of engine {remote.engine_id}"
+                )
             layers = slice(unit.layer_start, unit.layer_end)
-            copy_blocks(self.kv_cache[layers], unit.local_block_ids, source[layers],
-                        unit.remote_block_ids)
+            copy_blocks(
+                self.kv_cache[layers], unit.local_block_ids, source[layers], unit.remote_block_ids
+            )
             num_bytes += self.layout.nbytes(unit.num_blocks, unit.num_layers)
         return num_bytes

@@ -84,8 +84,10 @@ class SharedKVCache:
             nbytes = os.fstat(fd).st_size
             per_block = layout.nbytes(1)
             if nbytes == 0 or nbytes % per_block:
-                raise KVProtocolError(f"shm segment {name} is {nbytes} bytes, not a whole "
-                                      f"number of {per_block}-byte blocks of {layout}")
+                raise KVProtocolError(
+                    f"shm segment {name} is {nbytes} bytes, not a whole "
+                    f"number of {per_block}-byte blocks of {layout}"
+                )
             tensor = _map(fd, nbytes, layout, nbytes // per_block, is_writable=False)
         finally:
             os.close(fd)
@@ -109,8 +111,9 @@ def _unlink_owned() -> None:
         _unlink(name)
 
 
-def _map(fd: int, nbytes: int, layout: KVLayout, num_blocks: int,
-         is_writable: bool = True) -> torch.Tensor:
+def _map(
+    fd: int, nbytes: int, layout: KVLayout, num_blocks: int, is_writable: bool = True
+) -> torch.Tensor:
     # MAP_POPULATE faults every page in now, so the first transfer is not slowed by page faults.
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     # A reader maps read-only: a stray write faults instead of corrupting the owner's cache.

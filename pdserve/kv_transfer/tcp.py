@@ -23,25 +23,33 @@ class TcpTransport(KVTransport):
 
     name: ClassVar[str] = "tcp"
 
-    def _read_units(self, remote: RemoteEngine, request_id: str,
-                    units: Sequence[KVTransferUnit]) -> int:
+    def _read_units(
+        self, remote: RemoteEngine, request_id: str, units: Sequence[KVTransferUnit]
+    ) -> int:
         return sum(self._read_unit(remote, request_id, unit) for unit in units)
 
     def _read_unit(self, remote: RemoteEngine, request_id: str, unit: KVTransferUnit) -> int:
         num_bytes = self.layout.nbytes(unit.num_blocks, unit.num_layers)
         meta = remote.client.call(
             MessageType.FETCH,
-            {"request_id": request_id, "layer_start": unit.layer_start,
-             "layer_end": unit.layer_end, "block_ids": list(unit.remote_block_ids)},
-            expect=MessageType.DATA, payload_len=num_bytes)
+            {
+                "request_id": request_id,
+                "layer_start": unit.layer_start,
+                "layer_end": unit.layer_end,
+                "block_ids": list(unit.remote_block_ids),
+            },
+            expect=MessageType.DATA,
+            payload_len=num_bytes,
+        )
         layer = remote.staging.layer(unit.num_blocks)
         expected = {"dtype": self.layout.dtype, "shape": [unit.num_layers, *layer.shape[1:]]}
         if meta != expected:
             remote.client.close()  # the payload is still on the wire
-            raise FrameError(f"KV server {remote.client.address} sent DATA {meta}, "
-                             f"expected {expected}")
+            raise FrameError(
+                f"KV server {remote.client.address} sent DATA {meta}, expected {expected}"
+            )
         blocks = StagedBlocks(unit.local_block_ids)
         for index in range(unit.layer_start, unit.layer_end):
             remote.client.recv_into(byte_view(layer))
-            blocks.scatter(self.kv_cache[index:index + 1], layer)
+            blocks.scatter(self.kv_cache[index : index + 1], layer)
         return num_bytes

@@ -93,8 +93,13 @@ class KVTransport(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, config: KVTransferConfig,
-                 leases: LeaseManager | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        config: KVTransferConfig,
+        leases: LeaseManager | None = None,
+    ) -> None:
         check_cache(kv_cache, layout)
         if config.transport != self.name:
             raise ValueError(f"config.transport is {config.transport!r}, not {self.name!r}")
@@ -110,9 +115,15 @@ class KVTransport(ABC):
         self._server: KVServer | None = None
         if config.is_producer:
             self._server = KVServer(
-                kv_cache, layout, leases, engine_id=self.engine_id, host=config.kv_host,
-                port=config.kv_port, idle_timeout=config.kv_idle_timeout,
-                hello_extra=self._hello_extra())
+                kv_cache,
+                layout,
+                leases,
+                engine_id=self.engine_id,
+                host=config.kv_host,
+                port=config.kv_port,
+                idle_timeout=config.kv_idle_timeout,
+                hello_extra=self._hello_extra(),
+            )
 
     @property
     def num_blocks(self) -> int:
@@ -130,8 +141,13 @@ class KVTransport(ABC):
 
     # ---- sender (prefill worker) ----
 
-    def expose(self, request_id: str, block_ids: Sequence[int], num_tokens: int,
-               first_token_id: int | None = None) -> KVTransferParams:
+    def expose(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        first_token_id: int | None = None,
+    ) -> KVTransferParams:
         """Lease the blocks holding `num_tokens` tokens of `request_id`'s KV and return the
         decode leg's params. From now until `collect()` frees them the engine must not reuse
         these blocks."""
@@ -139,19 +155,27 @@ class KVTransport(ABC):
             raise KVTransferError("this transport is not a kv_producer")
         check_int(num_tokens, "num_tokens", min_value=1)
         if len(block_ids) != self.layout.num_blocks_for(num_tokens):
-            raise KVProtocolError(f"{num_tokens} tokens need "
-                                  f"{self.layout.num_blocks_for(num_tokens)} blocks of "
-                                  f"{self.layout.block_size}, got {len(block_ids)}")
+            raise KVProtocolError(
+                f"{num_tokens} tokens need "
+                f"{self.layout.num_blocks_for(num_tokens)} blocks of "
+                f"{self.layout.block_size}, got {len(block_ids)}"
+            )
         for block_id in block_ids:
             check_int(block_id, "block_ids[]", max_value=self.num_blocks - 1)
         self.leases.grant(request_id, block_ids, num_tokens)
         return KVTransferParams(
-            do_remote_prefill=True, remote_engine_id=self.engine_id,
-            remote_request_id=request_id, remote_host=self.config.advertise_host,
-            remote_port=self._server.port, remote_block_ids=tuple(block_ids),
-            remote_num_tokens=num_tokens, transport=self.name,
-            layout_hash=self.layout.layout_hash(), first_token_id=first_token_id,
-            **self._params_extra())
+            do_remote_prefill=True,
+            remote_engine_id=self.engine_id,
+            remote_request_id=request_id,
+            remote_host=self.config.advertise_host,
+            remote_port=self._server.port,
+            remote_block_ids=tuple(block_ids),
+            remote_num_tokens=num_tokens,
+            transport=self.name,
+            layout_hash=self.layout.layout_hash(),
+            first_token_id=first_token_id,
+            **self._params_extra(),
+        )
 
     def collect(self) -> list[str]:
         """Free released and expired leases through the engine's callback (engine thread)."""
@@ -159,8 +183,9 @@ class KVTransport(ABC):
 
     # ---- receiver (decode worker) ----
 
-    def receive(self, params: KVTransferParams, local_block_ids: Sequence[int], *,
-                skip_blocks: int = 0) -> TransferStats:
+    def receive(
+        self, params: KVTransferParams, local_block_ids: Sequence[int], *, skip_blocks: int = 0
+    ) -> TransferStats:
         """Fetch the request's KV, every layer, into `local_block_ids`, then release it; the
         data is good iff this returns (`KVLeaseError` if the lease ended first).
 
@@ -168,15 +193,18 @@ class KVTransport(ABC):
         them from its prefix cache); `local_block_ids[i]` receives remote block
         ``skip_blocks + i``. The remote lease is released even when the fetch fails.
         """
-        remote_ids = params.remote_block_ids[skip_blocks:skip_blocks + len(local_block_ids)]
+        remote_ids = params.remote_block_ids[skip_blocks : skip_blocks + len(local_block_ids)]
         if skip_blocks < 0 or len(remote_ids) != len(local_block_ids):
-            raise KVProtocolError(f"cannot place remote blocks {skip_blocks}.. of "
-                                  f"{len(params.remote_block_ids)} into "
-                                  f"{len(local_block_ids)} local blocks")
+            raise KVProtocolError(
+                f"cannot place remote blocks {skip_blocks}.. of "
+                f"{len(params.remote_block_ids)} into "
+                f"{len(local_block_ids)} local blocks"
+            )
         start = time.perf_counter()
         try:
-            fetched = self.fetch(params, plan_units(self.layout.num_layers, remote_ids,
-                                                    local_block_ids))
+            fetched = self.fetch(
+                params, plan_units(self.layout.num_layers, remote_ids, local_block_ids)
+            )
         except KVTransferError:
             self._release_quietly(params)
             raise
@@ -184,7 +212,8 @@ class KVTransport(ABC):
             raise KVLeaseError(
                 f"the prefill worker's lease on request {params.remote_request_id!r} ended "
                 "before the transfer was confirmed (kv_lease_timeout passed, or it was revoked "
-                "or released already); the received KV is discarded")
+                "or released already); the received KV is discarded"
+            )
         return TransferStats(fetched.num_bytes, fetched.num_units, time.perf_counter() - start)
 
     def fetch(self, params: KVTransferParams, units: Sequence[KVTransferUnit]) -> TransferStats:
@@ -195,11 +224,14 @@ class KVTransport(ABC):
         (version/model/dtype/layout), `KVLeaseError` (the sender no longer holds the blocks)
         or `KVTransferError` (unreachable, bad frames)."""
         if not params.do_remote_prefill:
-            raise KVProtocolError("kv_transfer_params.do_remote_prefill is not set: "
-                                  "nothing to fetch")
+            raise KVProtocolError(
+                "kv_transfer_params.do_remote_prefill is not set: nothing to fetch"
+            )
         if params.transport != self.name:
-            raise KVProtocolError(f"kv_transfer_params.transport is {params.transport!r}; "
-                                  f"this worker's KV transport is {self.name!r}")
+            raise KVProtocolError(
+                f"kv_transfer_params.transport is {params.transport!r}; "
+                f"this worker's KV transport is {self.name!r}"
+            )
         # Connect first: HELLO names a version/model/dtype/layout mismatch precisely, before
         # block counts computed from a foreign layout could fail confusingly.
         remote = self._remote(params)
@@ -246,8 +278,9 @@ class KVTransport(ABC):
         return None
 
     @abstractmethod
-    def _read_units(self, remote: RemoteEngine, request_id: str,
-                    units: Sequence[KVTransferUnit]) -> int:
+    def _read_units(
+        self, remote: RemoteEngine, request_id: str, units: Sequence[KVTransferUnit]
+    ) -> int:
         """Bring every unit's bytes into `self.kv_cache`; return the bytes moved. Called with
         `remote.lock` held."""
 
@@ -256,20 +289,26 @@ class KVTransport(ABC):
     def _check_units(self, params: KVTransferParams, units: Sequence[KVTransferUnit]) -> None:
         needed = self.layout.num_blocks_for(params.remote_num_tokens)
         if len(params.remote_block_ids) != needed:
-            raise KVProtocolError(f"kv_transfer_params: {params.remote_num_tokens} tokens need "
-                                  f"{needed} blocks, remote_block_ids has "
-                                  f"{len(params.remote_block_ids)}")
+            raise KVProtocolError(
+                f"kv_transfer_params: {params.remote_num_tokens} tokens need "
+                f"{needed} blocks, remote_block_ids has "
+                f"{len(params.remote_block_ids)}"
+            )
         leased = set(params.remote_block_ids)
         for unit in units:
             if unit.layer_end > self.layout.num_layers:
-                raise KVProtocolError(f"unit layers [{unit.layer_start}, {unit.layer_end}) "
-                                      f"exceed {self.layout.num_layers} layers")
+                raise KVProtocolError(
+                    f"unit layers [{unit.layer_start}, {unit.layer_end}) "
+                    f"exceed {self.layout.num_layers} layers"
+                )
             if not leased.issuperset(unit.remote_block_ids):
-                raise KVProtocolError("unit.remote_block_ids are not all in "
-                                      "kv_transfer_params.remote_block_ids")
+                raise KVProtocolError(
+                    "unit.remote_block_ids are not all in kv_transfer_params.remote_block_ids"
+                )
             if max(unit.local_block_ids) >= self.num_blocks:
-                raise KVProtocolError(f"unit.local_block_ids exceed the local cache's "
-                                      f"{self.num_blocks} blocks")
+                raise KVProtocolError(
+                    f"unit.local_block_ids exceed the local cache's {self.num_blocks} blocks"
+                )
 
     def _remote(self, params: KVTransferParams) -> RemoteEngine:
         key = _remote_key(params)
@@ -281,8 +320,7 @@ class KVTransport(ABC):
             return remote
 
     def _connect(self, params: KVTransferParams) -> RemoteEngine:
-        client = KVClient(params.remote_host, params.remote_port,
-                          self.config.kv_transfer_timeout)
+        client = KVClient(params.remote_host, params.remote_port, self.config.kv_transfer_timeout)
         try:
             hello = client.call(MessageType.HELLO, {})
             remote = self._check_hello(client, hello, params)
@@ -292,8 +330,9 @@ class KVTransport(ABC):
             raise
         return remote
 
-    def _check_hello(self, client: KVClient, hello: dict[str, Any],
-                     params: KVTransferParams) -> RemoteEngine:
+    def _check_hello(
+        self, client: KVClient, hello: dict[str, Any], params: KVTransferParams
+    ) -> RemoteEngine:
         where = f"KV server {client.address} HELLO"
         version = get_int(hello, "protocol_version", where)
         engine_id = get_str(hello, "engine_id", where)
@@ -301,15 +340,19 @@ class KVTransport(ABC):
         num_blocks = get_int(hello, "num_blocks", where, min_value=1)
         check_compatible(self.layout, remote_layout, version)
         if engine_id != params.remote_engine_id:
-            raise KVTransferError(f"stale kv_transfer_params: {client.address} is engine "
-                                  f"{engine_id}, not {params.remote_engine_id}")
+            raise KVTransferError(
+                f"stale kv_transfer_params: {client.address} is engine "
+                f"{engine_id}, not {params.remote_engine_id}"
+            )
         if params.layout_hash != remote_layout.layout_hash():
             raise KVIncompatibleError(
                 f"kv_transfer_params.layout_hash {params.layout_hash} does not match the KV "
                 f"layout of {client.address} ({remote_layout.layout_hash()})",
-                ["layout hash differs"])
-        return RemoteEngine(engine_id, remote_layout, num_blocks, client, hello,
-                            StagingBuffer(remote_layout))
+                ["layout hash differs"],
+            )
+        return RemoteEngine(
+            engine_id, remote_layout, num_blocks, client, hello, StagingBuffer(remote_layout)
+        )
 
     @contextlib.contextmanager
     def _using(self, remote: RemoteEngine) -> Iterator[None]:

@@ -32,7 +32,8 @@ class KVTransferUnit:
         if len(self.remote_block_ids) != len(self.local_block_ids):
             raise KVProtocolError(
                 f"unit has {len(self.remote_block_ids)} remote block ids but "
-                f"{len(self.local_block_ids)} local block ids")
+                f"{len(self.local_block_ids)} local block ids"
+            )
         if not self.remote_block_ids:
             raise KVProtocolError("unit names no blocks")
         for name, ids in (("remote", self.remote_block_ids), ("local", self.local_block_ids)):
@@ -50,12 +51,19 @@ class KVTransferUnit:
         return len(self.remote_block_ids)
 
 
-def plan_units(num_layers: int, remote_block_ids: Sequence[int], local_block_ids: Sequence[int],
-               layers_per_unit: int | None = None) -> list[KVTransferUnit]:
+def plan_units(
+    num_layers: int,
+    remote_block_ids: Sequence[int],
+    local_block_ids: Sequence[int],
+    layers_per_unit: int | None = None,
+) -> list[KVTransferUnit]:
     """Split a request's transfer into units: one for all layers (`layers_per_unit` None),
     else consecutive layer groups of that size."""
     step = num_layers if layers_per_unit is None else layers_per_unit
     check_int(step, "layers_per_unit", min_value=1)
-    return [KVTransferUnit(start, min(start + step, num_layers), tuple(remote_block_ids),
-                           tuple(local_block_ids))
-            for start in range(0, num_layers, step)]
+    return [
+        KVTransferUnit(
+            start, min(start + step, num_layers), tuple(remote_block_ids), tuple(local_block_ids)
+        )
+        for start in range(0, num_layers, step)
+    ]

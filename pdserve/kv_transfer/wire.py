@@ -54,8 +54,10 @@ class VersionMismatch(FrameError):
     """A well-formed header from a peer speaking another protocol version."""
 
     def __init__(self, version: int) -> None:
-        super().__init__(f"peer speaks KV transfer protocol version {version}, "
-                         f"this worker speaks {KV_TRANSFER_PROTOCOL_VERSION}")
+        super().__init__(
+            f"peer speaks KV transfer protocol version {version}, "
+            f"this worker speaks {KV_TRANSFER_PROTOCOL_VERSION}"
+        )
         self.version = version
 
 
@@ -68,16 +70,21 @@ class Frame:
     payload_len: int
 
 
-def encode_frame(msg_type: MessageType, meta: dict[str, Any], payload_len: int = 0,
-                 version: int = KV_TRANSFER_PROTOCOL_VERSION) -> bytes:
+def encode_frame(
+    msg_type: MessageType,
+    meta: dict[str, Any],
+    payload_len: int = 0,
+    version: int = KV_TRANSFER_PROTOCOL_VERSION,
+) -> bytes:
     body = json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
     if len(body) > MAX_META_BYTES:
         raise FrameError(f"frame metadata is {len(body)} bytes, over {MAX_META_BYTES}")
     return HEADER.pack(MAGIC, version, int(msg_type), len(body), payload_len) + body
 
 
-def send_frame(sock: socket.socket, msg_type: MessageType, meta: dict[str, Any],
-               payload_len: int = 0) -> None:
+def send_frame(
+    sock: socket.socket, msg_type: MessageType, meta: dict[str, Any], payload_len: int = 0
+) -> None:
     """Send header and metadata; a DATA sender then sends exactly `payload_len` bytes."""
     sock.sendall(encode_frame(msg_type, meta, payload_len))
 
@@ -134,4 +141,3 @@ def _decode_meta(body: bytes) -> dict[str, Any]:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name}")
-

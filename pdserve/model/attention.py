@@ -43,11 +43,14 @@ class PrefillChunk:
         """Slots [seq_len] of the whole context and the mask [num_new, seq_len] (True: the
         query at that row sees that position), for paths that gather the context."""
         device = self.block_table.device
-        context = torch.arange(self.num_computed_tokens + self.token_end - self.token_start,
-                               device=device)
-        slots = self.block_table[context // self.block_size] * self.block_size + \
-            context % self.block_size
-        query_positions = context[self.num_computed_tokens:]
+        context = torch.arange(
+            self.num_computed_tokens + self.token_end - self.token_start, device=device
+        )
+        slots = (
+            self.block_table[context // self.block_size] * self.block_size
+            + context % self.block_size
+        )
+        query_positions = context[self.num_computed_tokens :]
         return slots, context[None, :] <= query_positions[:, None]
 
 
@@ -69,8 +72,9 @@ class DecodeBatch:
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
-    def gather_plan(self, num_kv_heads: int, num_slots: int, dtype: torch.dtype
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_plan(
+        self, num_kv_heads: int, num_slots: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of the cache viewed as [2 * num_slots * num_kv_heads, head_dim] holding K then
         V of every (sequence, kv head, position), and the additive mask [B * kv_heads, 1, L]
         (positions past a sequence's end read its first slot, masked out)."""
@@ -80,8 +84,10 @@ class DecodeBatch:
             positions = torch.arange(self.max_len, device=device)
             is_padding = positions[None, :] >= self.seq_lens[:, None]
             positions = positions.masked_fill(is_padding, 0)
-            slots = (torch.gather(self.block_tables, 1, positions // self.block_size)
-                     * self.block_size + positions % self.block_size)
+            slots = (
+                torch.gather(self.block_tables, 1, positions // self.block_size) * self.block_size
+                + positions % self.block_size
+            )
             heads = torch.arange(num_kv_heads, device=device)
             k_rows = (slots[:, None, :] * num_kv_heads + heads[None, :, None]).flatten()
             rows = torch.cat((k_rows, k_rows + num_slots * num_kv_heads))
@@ -116,8 +122,12 @@ class AttentionMetadata:
         return not self.prefills
 
     @classmethod
-    def build(cls, seqs: Sequence[tuple[Sequence[int], int, int]], block_size: int,
-              device: torch.device | str) -> AttentionMetadata:
+    def build(
+        cls,
+        seqs: Sequence[tuple[Sequence[int], int, int]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
         """From (block_table, num_computed_tokens, num_new_tokens) per sequence, in the order
         their new tokens appear in the flat batch."""
         if not seqs:
@@ -126,8 +136,9 @@ class AttentionMetadata:
         num_new = np.array([n for _, _, n in seqs], dtype=np.int64)
         seq_lens = computed + num_new
         if num_new.min() < 1 or computed.min() < 0:
-            raise ValueError("every sequence needs num_new_tokens >= 1 and "
-                             "num_computed_tokens >= 0")
+            raise ValueError(
+                "every sequence needs num_new_tokens >= 1 and num_computed_tokens >= 0"
+            )
         block_tables = _block_tables(seqs, seq_lens, block_size)
         if block_tables.min() < 0:
             raise ValueError("block ids must be non-negative")
@@ -135,8 +146,9 @@ class AttentionMetadata:
         # Position of every new token, and the row of its sequence.
         seq_index = np.repeat(np.arange(len(seqs)), num_new)
         positions = np.arange(starts[-1]) - np.repeat(starts[:-1] - computed, num_new)
-        slot_mapping = (block_tables[seq_index, positions // block_size] * block_size
-                        + positions % block_size)
+        slot_mapping = (
+            block_tables[seq_index, positions // block_size] * block_size + positions % block_size
+        )
         is_decode = num_new == 1
         return cls(
             query_start_loc=_tensor(starts, device, torch.int32),
@@ -147,12 +159,23 @@ class AttentionMetadata:
             max_query_len=int(num_new.max()),
             max_seq_len=int(seq_lens.max()),
             max_block_id=int(block_tables.max()),
-            decode=_decode_batch(np.flatnonzero(is_decode), starts, seq_lens, block_tables,
-                                 block_size, device) if is_decode.any() else None,
-            prefills=tuple(PrefillChunk(
-                int(starts[i]), int(starts[i + 1]), int(computed[i]),
-                _tensor(block_tables[i, :-(-int(seq_lens[i]) // block_size)], device,
-                        torch.int64), block_size) for i in np.flatnonzero(~is_decode)),
+            decode=_decode_batch(
+                np.flatnonzero(is_decode), starts, seq_lens, block_tables, block_size, device
+            )
+            if is_decode.any()
+            else None,
+            prefills=tuple(
+                PrefillChunk(
+                    int(starts[i]),
+                    int(starts[i + 1]),
+                    int(computed[i]),
+                    _tensor(
+                        block_tables[i, : -(-int(seq_lens[i]) // block_size)], device, torch.int64
+                    ),
+                    block_size,
+                )
+                for i in np.flatnonzero(~is_decode)
+            ),
         )
 
 
@@ -160,37 +183,59 @@ def _tensor(array: np.ndarray, device: torch.device | str, dtype: torch.dtype) -
     return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
 
 
-def _block_tables(seqs: Sequence[tuple[Sequence[int], int, int]], seq_lens: np.ndarray,
-                  block_size: int) -> np.ndarray:
+def _block_tables(
+    seqs: Sequence[tuple[Sequence[int], int, int]], seq_lens: np.ndarray, block_size: int
+) -> np.ndarray:
     """[S, max_blocks] int64: each table cut to the blocks its context needs, padded with 0."""
     num_blocks = -(-seq_lens // block_size)
     tables = np.zeros((len(seqs), int(num_blocks.max())), dtype=np.int64)
     for i, (table, _, _) in enumerate(seqs):
         if len(table) < num_blocks[i]:
-            raise ValueError(f"sequence {i}: {len(table)} blocks of {block_size} cannot hold "
-                             f"{seq_lens[i]} tokens")
-        tables[i, :num_blocks[i]] = table[:num_blocks[i]]
+            raise ValueError(
+                f"sequence {i}: {len(table)} blocks of {block_size} cannot hold "
+                f"{seq_lens[i]} tokens"
+            )
+        tables[i, : num_blocks[i]] = table[: num_blocks[i]]
     return tables
 
 
-def _decode_batch(ids: np.ndarray, starts: np.ndarray, seq_lens: np.ndarray,
-                  block_tables: np.ndarray, block_size: int, device: torch.device | str
-                  ) -> DecodeBatch:
+def _decode_batch(
+    ids: np.ndarray,
+    starts: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+    device: torch.device | str,
+) -> DecodeBatch:
     rows = starts[ids]
     is_contiguous = bool((np.diff(rows) == 1).all())
-    token_index = (slice(int(rows[0]), int(rows[0]) + len(rows)) if is_contiguous
-                   else _tensor(rows, device, torch.int64))
+    token_index = (
+        slice(int(rows[0]), int(rows[0]) + len(rows))
+        if is_contiguous
+        else _tensor(rows, device, torch.int64)
+    )
     lens = seq_lens[ids]
-    tables = block_tables[ids, :-(-int(lens.max()) // block_size)]
-    return DecodeBatch(token_index, _tensor(tables, device, torch.int64),
-                       _tensor(lens, device, torch.int64), int(lens.max()), block_size)
+    tables = block_tables[ids, : -(-int(lens.max()) // block_size)]
+    return DecodeBatch(
+        token_index,
+        _tensor(tables, device, torch.int64),
+        _tensor(lens, device, torch.int64),
+        int(lens.max()),
+        block_size,
+    )
 
 
 class AttentionBackend:
     """Writes a step's new K/V into the paged cache and attends each query to its context."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """q [T, num_heads, head_dim], k/v [T, num_kv_heads, head_dim] (any strides),
         kv_layer [2, num_blocks, block_size, num_kv_heads, head_dim] (this layer's cache,
         updated in place) -> [T, num_heads * head_dim]."""
@@ -205,51 +250,72 @@ class TorchAttentionBackend(AttentionBackend):
         self.scale = scale
         self.cpu_ops = cpu_ops
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         if meta.max_block_id >= kv_layer.shape[1]:
-            raise ValueError(f"block id {meta.max_block_id} is outside the KV cache "
-                             f"({kv_layer.shape[1]} blocks)")
+            raise ValueError(
+                f"block id {meta.max_block_id} is outside the KV cache ({kv_layer.shape[1]} blocks)"
+            )
         slots = kv_layer.view(2, -1, k.shape[1], head_dim)  # [2, num_slots, kv_heads, D]
         slots[0].index_copy_(0, meta.slot_mapping, k)
         slots[1].index_copy_(0, meta.slot_mapping, v)
         decode = meta.decode
-        kernel = self.cpu_ops if self.cpu_ops is not None and q.device.type == "cpu" and \
-            self.cpu_ops.supports(q.dtype) and head_dim % 16 == 0 else None
+        kernel = (
+            self.cpu_ops
+            if self.cpu_ops is not None
+            and q.device.type == "cpu"
+            and self.cpu_ops.supports(q.dtype)
+            and head_dim % 16 == 0
+            else None
+        )
         if decode is not None and decode.num_seqs == num_tokens:
             return self._decode(q, kv_layer, decode, kernel)
         if len(meta.prefills) == 1 and decode is None:
             return self._prefill(q, k, v, kv_layer, meta.prefills[0])
         out = q.new_empty(num_tokens, num_heads * head_dim)
         if decode is not None:
-            out[decode.token_index] = self._decode(q[decode.token_index], kv_layer, decode,
-                                                   kernel)
+            out[decode.token_index] = self._decode(q[decode.token_index], kv_layer, decode, kernel)
         for chunk in meta.prefills:
             rows = chunk.rows
             out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_layer, chunk)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch,
-                kernel: CpuOps | None) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch, kernel: CpuOps | None
+    ) -> torch.Tensor:
         if kernel is not None:
-            return kernel.paged_decode(q, kv_layer, batch.block_tables, batch.seq_lens,
-                                       self.scale)
+            return kernel.paged_decode(q, kv_layer, batch.block_tables, batch.seq_lens, self.scale)
         # Fold the query heads sharing a KV head into that head's "queries" (GQA without
         # repeating K/V): scores [B * kv_heads, group, L] from one batched matmul.
         num_seqs, num_heads, head_dim = q.shape
         num_kv_heads = kv_layer.shape[-2]
         num_slots = kv_layer.shape[1] * kv_layer.shape[2]
         rows, bias = batch.gather_plan(num_kv_heads, num_slots, q.dtype)
-        kv = kv_layer.view(-1, head_dim).index_select(0, rows).view(
-            2, num_seqs * num_kv_heads, -1, head_dim)
+        kv = (
+            kv_layer.view(-1, head_dim)
+            .index_select(0, rows)
+            .view(2, num_seqs * num_kv_heads, -1, head_dim)
+        )
         q = q.reshape(num_seqs * num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = torch.add(bias, torch.bmm(q, kv[0].transpose(1, 2)), alpha=self.scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.bmm(probs, kv[1]).view(num_seqs, num_heads * head_dim)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_layer: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        chunk: PrefillChunk,
+    ) -> torch.Tensor:
         mask = None
         if chunk.num_computed_tokens:  # attend to the cached context too: gather it
             slots, mask = chunk.context_slots_and_mask
@@ -257,6 +323,12 @@ class TorchAttentionBackend(AttentionBackend):
             k, v = context[0], context[1]
         # SDPA wants [batch, heads, tokens, head_dim]; transposed views, no copies.
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=True,
+        )
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)

@@ -27,21 +27,26 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: Mapping[str, str | None]) -> None:
         self.source = source
         self._special_tokens = dict(special_tokens)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         self._template = env.from_string(source)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               **kwargs: Any) -> str:
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
         """The prompt text for `messages` (dicts with "role" and "content")."""
         variables = {"tools": None, "documents": None, **self._special_tokens, **kwargs}
         try:
-            return self._template.render(messages=list(messages),
-                                         add_generation_prompt=add_generation_prompt,
-                                         **variables)
+            return self._template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **variables
+            )
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, KeyError, ValueError) as e:
@@ -56,7 +61,13 @@ def _strftime_now(date_format: str) -> str:
     return datetime.now().strftime(date_format)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )

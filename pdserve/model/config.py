@@ -39,11 +39,14 @@ class RopeScaling:
         _positive_float("rope_scaling.factor", self.factor)
         _positive_float("rope_scaling.low_freq_factor", self.low_freq_factor)
         _positive_float("rope_scaling.high_freq_factor", self.high_freq_factor)
-        _positive_int("rope_scaling.original_max_position_embeddings",
-                      self.original_max_position_embeddings)
+        _positive_int(
+            "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings
+        )
         if not self.high_freq_factor > self.low_freq_factor:
-            raise ValueError("rope_scaling.high_freq_factor must exceed low_freq_factor, got "
-                             f"{self.high_freq_factor} <= {self.low_freq_factor}")
+            raise ValueError(
+                "rope_scaling.high_freq_factor must exceed low_freq_factor, got "
+                f"{self.high_freq_factor} <= {self.low_freq_factor}"
+            )
 
 
 @dataclass(frozen=True)
@@ -71,24 +74,37 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {self.architecture!r}; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings"):
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             _positive_int(name, getattr(self, name))
         _positive_float("rms_norm_eps", self.rms_norm_eps)
         _positive_float("rope_theta", self.rope_theta)
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a "
-                             f"multiple of num_key_value_heads ({self.num_key_value_heads})")
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a "
+                f"multiple of num_key_value_heads ({self.num_key_value_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
         for token_id in (self.bos_token_id, *self.eos_token_ids):
             if token_id is not None and not 0 <= token_id < self.vocab_size:
-                raise ValueError(f"special token id {token_id} is outside the vocabulary "
-                                 f"(vocab_size {self.vocab_size})")
+                raise ValueError(
+                    f"special token id {token_id} is outside the vocabulary "
+                    f"(vocab_size {self.vocab_size})"
+                )
 
     @property
     def q_size(self) -> int:
@@ -106,8 +122,10 @@ class ModelConfig:
             raise ValueError("config.json has no 'architectures' entry")
         architecture = architectures[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {architecture!r}; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(
+                f"unsupported architecture {architecture!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         _reject_sliding_window(config)
         num_heads = _required(config, "num_attention_heads")
         hidden_size = _required(config, "hidden_size")
@@ -126,23 +144,28 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(config.get("attention_bias",
-                                           SUPPORTED_ARCHITECTURES[architecture])),
+            attention_bias=bool(
+                config.get("attention_bias", SUPPORTED_ARCHITECTURES[architecture])
+            ),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_as_ids(config.get("eos_token_id")),
         )
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: Mapping[str, Any], *, has_output_weight: bool,
-                           vocab_size: int) -> ModelConfig:
+    def from_gguf_metadata(
+        cls, metadata: Mapping[str, Any], *, has_output_weight: bool, vocab_size: int
+    ) -> ModelConfig:
         """From decoded GGUF key/values. Tied embeddings iff the file has no `output.weight`."""
         arch = metadata.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
-            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
-                             f"{', '.join(GGUF_ARCHITECTURES)}")
+            raise ValueError(
+                f"unsupported GGUF architecture {arch!r}; supported: "
+                f"{', '.join(GGUF_ARCHITECTURES)}"
+            )
         if metadata.get(f"{arch}.rope.scaling.type", "none") != "none":
-            raise ValueError(f"unsupported GGUF rope scaling "
-                             f"{metadata[f'{arch}.rope.scaling.type']!r}")
+            raise ValueError(
+                f"unsupported GGUF rope scaling {metadata[f'{arch}.rope.scaling.type']!r}"
+            )
         num_heads = _required(metadata, f"{arch}.attention.head_count")
         hidden_size = _required(metadata, f"{arch}.embedding_length")
         eos = metadata.get("tokenizer.ggml.eos_token_id")
@@ -169,8 +192,11 @@ class ModelConfig:
 
     def to_hf_config(self) -> dict[str, Any]:
         """The config.json dict transformers (4.x and 5.x) and vLLM read for this model."""
-        model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                      "Qwen2ForCausalLM": "qwen2"}[self.architecture]
+        model_type = {
+            "LlamaForCausalLM": "llama",
+            "MistralForCausalLM": "mistral",
+            "Qwen2ForCausalLM": "qwen2",
+        }[self.architecture]
         rope_scaling = None
         if self.rope_scaling is not None:
             rope_scaling = {"rope_type": "llama3", **self.rope_scaling.__dict__}
@@ -233,8 +259,10 @@ def _reject_sliding_window(config: Mapping[str, Any]) -> None:
         return
     max_len = config.get("max_position_embeddings", 2048)
     if window < max_len:
-        raise ValueError(f"sliding-window attention (sliding_window={window} < "
-                         f"max_position_embeddings={max_len}) is not supported")
+        raise ValueError(
+            f"sliding-window attention (sliding_window={window} < "
+            f"max_position_embeddings={max_len}) is not supported"
+        )
 
 
 def _required(mapping: Mapping[str, Any], key: str) -> Any:
@@ -245,8 +273,10 @@ def _required(mapping: Mapping[str, Any], key: str) -> Any:
 
 def _divide(numerator: int, denominator: int, name: str) -> int:
     if numerator % denominator:
-        raise ValueError(f"{name} ({numerator}) is not a multiple of the head count "
-                         f"({denominator}); set head_dim explicitly")
+        raise ValueError(
+            f"{name} ({numerator}) is not a multiple of the head count "
+            f"({denominator}); set head_dim explicitly"
+        )
     return numerator // denominator
 
 
@@ -262,6 +292,9 @@ def _positive_int(name: str, value: Any) -> None:
 
 
 def _positive_float(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not (
-            math.isfinite(value) and value > 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
         raise ValueError(f"{name} must be a positive number, got {value!r}")

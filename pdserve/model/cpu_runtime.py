@@ -36,7 +36,8 @@ def tune_cpu_allocator() -> bool:
     except (OSError, AttributeError):
         return False
     is_set = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES))
+        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)
+    )
     logger.debug("glibc malloc thresholds %s", "set" if is_set else "not set")
     return is_set
 

@@ -7,8 +7,10 @@ import argparse
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "export-hf", help="write a Hugging Face model folder (config.json, safetensors, "
-                          "tokenizer.json) from a GGUF")
+        "export-hf",
+        help="write a Hugging Face model folder (config.json, safetensors, "
+        "tokenizer.json) from a GGUF",
+    )
     parser.add_argument("out_dir")
     parser.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M)")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))

@@ -56,12 +56,16 @@ class GGUFModelFile:
             raise ModelLoadError(f"{self.path}: corrupt or truncated GGUF file ({e})") from None
         self._tensors = {t.name: t for t in reader.tensors}
         if "rope_freqs.weight" in self._tensors:
-            raise ModelLoadError(f"{self.path}: rope frequency factors (Llama 3.1 rope scaling "
-                                 "in GGUF) are not supported; load the Hugging Face folder")
+            raise ModelLoadError(
+                f"{self.path}: rope frequency factors (Llama 3.1 rope scaling "
+                "in GGUF) are not supported; load the Hugging Face folder"
+            )
         try:
             self.config = ModelConfig.from_gguf_metadata(
-                self.metadata, has_output_weight="output.weight" in self._tensors,
-                vocab_size=len(self.metadata.get("tokenizer.ggml.tokens", ())))
+                self.metadata,
+                has_output_weight="output.weight" in self._tensors,
+                vocab_size=len(self.metadata.get("tokenizer.ggml.tokens", ())),
+            )
         except ValueError as e:
             raise ModelLoadError(f"{self.path}: {e}") from None
 
@@ -87,8 +91,9 @@ class GGUFModelFile:
             try:
                 values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
             except (ValueError, NotImplementedError) as e:
-                raise ModelLoadError(f"{self.path}: cannot dequantize {name} "
-                                     f"({tensor.tensor_type.name}): {e}") from None
+                raise ModelLoadError(
+                    f"{self.path}: cannot dequantize {name} ({tensor.tensor_type.name}): {e}"
+                ) from None
             yield hf_name, torch.from_numpy(self._to_hf_layout(hf_name, values))
 
     def _to_hf_layout(self, hf_name: str, values: np.ndarray) -> np.ndarray:
@@ -106,8 +111,11 @@ class GGUFModelFile:
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Rows of each head from interleaved (x0, y0, x1, y1, ...) to halves (x..., y...)."""
     head_dim = weight.shape[0] // num_heads
-    return weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).swapaxes(1, 2) \
+    return (
+        weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
         .reshape(weight.shape)
+    )
 
 
 def _hf_name(name: str) -> str | None:

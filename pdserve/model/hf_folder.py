@@ -26,8 +26,11 @@ class HFModelFolder:
         self.path = Path(folder)
         config_path = self.path / "config.json"
         try:
-            self.config = ModelConfig.from_hf_config(_with_generation_eos(
-                read_json_object(config_path), self.path / "generation_config.json"))
+            self.config = ModelConfig.from_hf_config(
+                _with_generation_eos(
+                    read_json_object(config_path), self.path / "generation_config.json"
+                )
+            )
         except (ValueError, TypeError) as e:
             raise ModelLoadError(f"{config_path}: {e}") from None
         self.weight_files = self._weight_files()
@@ -46,8 +49,9 @@ class HFModelFolder:
             return files
         shards = sorted(self.path.glob("*.safetensors"))
         if not shards:
-            raise ModelLoadError(f"{self.path}: no *.safetensors weights (other weight formats "
-                                 "are not supported)")
+            raise ModelLoadError(
+                f"{self.path}: no *.safetensors weights (other weight formats are not supported)"
+            )
         files = {}
         for shard in shards:
             with _open(shard) as f:
@@ -78,8 +82,9 @@ class HFModelFolder:
                 available = set(f.keys())
                 for name in names:
                     if name not in available:
-                        raise ModelLoadError(f"{file}: lacks tensor {name} (listed in "
-                                             f"{INDEX_FILE})")
+                        raise ModelLoadError(
+                            f"{file}: lacks tensor {name} (listed in {INDEX_FILE})"
+                        )
                     try:
                         yield name, f.get_tensor(name)
                     except SafetensorError as e:

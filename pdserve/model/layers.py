@@ -32,16 +32,27 @@ class Linear(nn.Module):
     # Rows of x the blocked layout is tuned for; any row count works with either layout.
     PACK_BATCH_HINT = 32
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: torch.device, ops: CpuOps | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: CpuOps | None = None,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.ops = ops
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype,
-                                               device=device), requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
-                                  requires_grad=False) if bias else None)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
         # The oneDNN-blocked copy of `weight` (then `weight` is dropped) or None.
         self.packed_weight: torch.Tensor | None = None
         # W in the layout of `CpuOps.linear`, for inputs of up to LINEAR_MAX_ROWS rows, or None.
@@ -67,8 +78,9 @@ class Linear(nn.Module):
         if self.streaming_weight is not None and x.shape[0] <= LINEAR_MAX_ROWS:
             return self.ops.linear(x, self.streaming_weight, self.bias)
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none",
-                                                      [], "")
+            return torch.ops.mkldnn._linear_pointwise(
+                x, self.packed_weight, self.bias, "none", [], ""
+            )
         return F.linear(x, self.weight, self.bias)
 
 
@@ -78,16 +90,24 @@ class RMSNorm(nn.Module):
     With `ops` (CPU kernels) both happen in one pass and the residual is updated in place.
     """
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
-                 device: torch.device, ops: CpuOps | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: CpuOps | None = None,
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.ops = ops
-        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual [T, hidden] -> (normed x + residual, x + residual); residual None
         means the stream starts at x."""
         if self.ops is not None:
@@ -103,8 +123,13 @@ class RotaryEmbedding(nn.Module):
     `angles(positions)` runs once per forward; `rotate(qkv, ...)` once per layer.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 ops: CpuOps | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: CpuOps | None = None,
+    ) -> None:
         super().__init__()
         self.dtype = dtype
         self.head_dim = config.head_dim
@@ -120,18 +145,21 @@ class RotaryEmbedding(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()
         if self.ops is not None:
             return cos, sin
-        return (torch.cat((cos, cos), dim=-1).to(self.dtype)[:, None, :],
-                torch.cat((-sin, sin), dim=-1).to(self.dtype)[:, None, :])
+        return (
+            torch.cat((cos, cos), dim=-1).to(self.dtype)[:, None, :],
+            torch.cat((-sin, sin), dim=-1).to(self.dtype)[:, None, :],
+        )
 
-    def rotate(self, qkv: torch.Tensor, num_heads: int,
-               angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def rotate(
+        self, qkv: torch.Tensor, num_heads: int, angles: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         """The first `num_heads` heads of each row of qkv [T, >= num_heads * head_dim] (the
         fused q and k), rotated: [T, num_heads, head_dim]. The CPU kernel rotates in place."""
         num_tokens = qkv.shape[0]
         if self.ops is not None:
             self.ops.rotary_(qkv, num_heads, self.head_dim, *angles)
-            return qkv[:, :num_heads * self.head_dim].view(num_tokens, num_heads, self.head_dim)
-        x = qkv[:, :num_heads * self.head_dim].view(num_tokens, num_heads, self.head_dim)
+            return qkv[:, : num_heads * self.head_dim].view(num_tokens, num_heads, self.head_dim)
+        x = qkv[:, : num_heads * self.head_dim].view(num_tokens, num_heads, self.head_dim)
         cos, signed_sin = angles
         x1, x2 = x.chunk(2, dim=-1)
         # x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1) = (x2, x1) * sign
@@ -153,8 +181,9 @@ class SiluAndMul(nn.Module):
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
-                               .to(torch.float32) / head_dim)
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    )
     if scaling is None:
         return inv_freq
     # Llama 3.1: wavelengths longer than the original context / low_freq_factor are slowed
@@ -164,7 +193,8 @@ def _inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
     smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, blended, scaled)

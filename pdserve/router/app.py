@@ -54,11 +54,15 @@ def build_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None) ->
     @app.get("/health")
     async def health() -> JSONResponse:
         """200 while at least one decode worker is in rotation, else 503."""
-        summary = {role.value: {"routable": len(pool.routable()), "total": len(pool.workers)}
-                   for role, pool in runtime.registry.pools.items()}
+        summary = {
+            role.value: {"routable": len(pool.routable()), "total": len(pool.workers)}
+            for role, pool in runtime.registry.pools.items()
+        }
         is_up = bool(runtime.registry.decode.routable())
-        return JSONResponse({"status": "ok" if is_up else "unavailable", **summary},
-                            status_code=200 if is_up else 503)
+        return JSONResponse(
+            {"status": "ok" if is_up else "unavailable", **summary},
+            status_code=200 if is_up else 503,
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -77,8 +81,11 @@ async def _proxy_models(runtime: RouterRuntime) -> Response:
         except httpx.TransportError as exc:
             runtime.health.report_failure(worker, f"/v1/models: {type(exc).__name__}")
             continue
-        return Response(upstream.content, status_code=upstream.status_code,
-                        media_type=upstream.headers.get("content-type"))
+        return Response(
+            upstream.content,
+            status_code=upstream.status_code,
+            media_type=upstream.headers.get("content-type"),
+        )
     raise RouterHTTPError(503, "no healthy worker", code="no_worker")
 
 
@@ -87,10 +94,12 @@ def _api_key_check(api_key: str | None):
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(),
-                                                                 api_key.encode()):
-            raise RouterHTTPError(401, "missing or invalid API key (Authorization: Bearer KEY)",
-                                  code="invalid_api_key")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise RouterHTTPError(
+                401,
+                "missing or invalid API key (Authorization: Bearer KEY)",
+                code="invalid_api_key",
+            )
 
     return check
 

@@ -57,16 +57,24 @@ class RouterConfig:
     max_body_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "prefill_urls", tuple(
-            normalize_worker_url(u, "--prefill") for u in self.prefill_urls))
-        object.__setattr__(self, "decode_urls", tuple(
-            normalize_worker_url(u, "--decode") for u in self.decode_urls))
+        object.__setattr__(
+            self,
+            "prefill_urls",
+            tuple(normalize_worker_url(u, "--prefill") for u in self.prefill_urls),
+        )
+        object.__setattr__(
+            self,
+            "decode_urls",
+            tuple(normalize_worker_url(u, "--decode") for u in self.decode_urls),
+        )
         if not self.decode_urls:
             raise ValueError("--decode: at least one decode worker URL is required")
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICY_NAMES:
-                raise ValueError(f"--{name.replace('_', '-')}: unknown policy "
-                                 f"{getattr(self, name)!r}; known: {', '.join(POLICY_NAMES)}")
+                raise ValueError(
+                    f"--{name.replace('_', '-')}: unknown policy "
+                    f"{getattr(self, name)!r}; known: {', '.join(POLICY_NAMES)}"
+                )
         _at_least("local_prefill_threshold", self.local_prefill_threshold, 0)
         _at_least("port", self.port, 0)
         _at_least("block_size", self.block_size, 1)
@@ -85,7 +93,9 @@ class RouterConfig:
     def needs_token_ids(self) -> bool:
         """Whether routing needs the prompt's token ids (threshold or prefix matching)."""
         return self.local_prefill_threshold > 0 or "prefix_aware" in (
-            self.prefill_policy, self.decode_policy)
+            self.prefill_policy,
+            self.decode_policy,
+        )
 
 
 def _at_least(name: str, value: int, minimum: int) -> None:

@@ -23,6 +23,6 @@ def assign_cores(cores: Sequence[int], num_workers: int) -> list[tuple[int, ...]
     shares, start = [], 0
     for i in range(num_workers):
         size = share + (1 if i < extra else 0)
-        shares.append(tuple(cores[start:start + size]))
+        shares.append(tuple(cores[start : start + size]))
         start += size
     return shares

@@ -75,9 +75,15 @@ class _Flight:
 
 
 class Dispatcher:
-    def __init__(self, config: RouterConfig, registry: WorkerRegistry,
-                 client: httpx.AsyncClient, health: HealthMonitor, metrics: RouterMetrics,
-                 tokenizer: PromptTokenizer) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: WorkerRegistry,
+        client: httpx.AsyncClient,
+        health: HealthMonitor,
+        metrics: RouterMetrics,
+        tokenizer: PromptTokenizer,
+    ) -> None:
         self.config = config
         self.registry = registry
         self.client = client
@@ -138,12 +144,14 @@ class Dispatcher:
         return await self._complete(request, flight, upstream)
 
     # ---- prefill leg -------------------------------------------------------------------
-    async def _kv_params(self, request: Request, flight: _Flight,
-                         num_cached_tokens: int) -> dict[str, Any] | None:
+    async def _kv_params(
+        self, request: Request, flight: _Flight, num_cached_tokens: int
+    ) -> dict[str, Any] | None:
         """The prefill worker's ``kv_transfer_params``, or None when decode prefills."""
         num_uncached = flight.prompt.num_tokens - num_cached_tokens
         if not self.registry.prefill.workers or (
-                num_uncached < self.config.local_prefill_threshold):
+            num_uncached < self.config.local_prefill_threshold
+        ):
             flight.timing.route = Route.LOCAL
             return None
         params = await until_disconnected(request, self._prefill(flight))
@@ -176,36 +184,44 @@ class Dispatcher:
         finally:
             flight.timing.prefill_ms = now_ms() - started
 
-    async def _prefill_once(self, worker: Worker, flight: _Flight,
-                            leg: dict[str, Any]) -> dict[str, Any] | None:
+    async def _prefill_once(
+        self, worker: Worker, flight: _Flight, leg: dict[str, Any]
+    ) -> dict[str, Any] | None:
         """The KV params of one attempt; None when it failed in a way worth retrying."""
         lease = self.registry.prefill.acquire(worker, flight.prompt.num_tokens)
         try:
-            response = await self.client.post(f"{worker.url}{flight.endpoint}", json=leg,
-                                              headers=self._leg_headers(flight))
+            response = await self.client.post(
+                f"{worker.url}{flight.endpoint}", json=leg, headers=self._leg_headers(flight)
+            )
         except httpx.TransportError as exc:
             self.health.report_failure(worker, f"prefill leg: {_describe(exc)}")
             return None
         finally:
             lease.release()
         if response.status_code == 429 or response.status_code >= 500:
-            logger.warning("prefill worker %s answered %d; retrying elsewhere",
-                           worker.worker_id, response.status_code)
+            logger.warning(
+                "prefill worker %s answered %d; retrying elsewhere",
+                worker.worker_id,
+                response.status_code,
+            )
             return None
         if response.status_code != 200:
             raise _UpstreamAnswer(_relayed(response, response.content))
         params = _json_object_field(response.content, "kv_transfer_params")
         if params is None:
-            logger.warning("prefill worker %s answered without kv_transfer_params",
-                           worker.worker_id)
+            logger.warning(
+                "prefill worker %s answered without kv_transfer_params", worker.worker_id
+            )
         return params
 
     # ---- decode leg --------------------------------------------------------------------
-    async def _open_decode(self, request: Request, flight: _Flight,
-                           kv_params: dict[str, Any] | None) -> httpx.Response:
+    async def _open_decode(
+        self, request: Request, flight: _Flight, kv_params: dict[str, Any] | None
+    ) -> httpx.Response:
         """Send the decode leg and return its response, headers read, body still streaming."""
-        leg = decode_leg_body(flight.body, kv_params, flight.timing.router_timing_field(),
-                              force_usage=True)
+        leg = decode_leg_body(
+            flight.body, kv_params, flight.timing.router_timing_field(), force_usage=True
+        )
         tried: list[str] = []
         for _ in range(DECODE_ATTEMPTS):
             worker = flight.decode.worker
@@ -223,12 +239,14 @@ class Dispatcher:
         raise self._fail("decode_failed", 502, "no decode worker could take the request")
 
     async def _send(self, worker: Worker, flight: _Flight, leg: dict[str, Any]) -> httpx.Response:
-        upstream = self.client.build_request("POST", f"{worker.url}{flight.endpoint}", json=leg,
-                                             headers=self._leg_headers(flight))
+        upstream = self.client.build_request(
+            "POST", f"{worker.url}{flight.endpoint}", json=leg, headers=self._leg_headers(flight)
+        )
         return await self.client.send(upstream, stream=True)
 
-    async def _relay_failure(self, request: Request, flight: _Flight,
-                             upstream: httpx.Response) -> NoReturn:
+    async def _relay_failure(
+        self, request: Request, flight: _Flight, upstream: httpx.Response
+    ) -> NoReturn:
         """The decode worker refused the leg: its answer goes to the client as is."""
         content = await self._read(request, flight, upstream)
         if upstream.status_code >= 500:
@@ -236,18 +254,24 @@ class Dispatcher:
         raise _UpstreamAnswer(_relayed(upstream, content))
 
     def _stream(self, flight: _Flight, upstream: httpx.Response) -> Response:
-        events = relay_events(upstream, flight.timing, strip_usage=not wants_usage(flight.body),
-                              on_broken=partial(self._on_stream_broken, flight))
+        events = relay_events(
+            upstream,
+            flight.timing,
+            strip_usage=not wants_usage(flight.body),
+            on_broken=partial(self._on_stream_broken, flight),
+        )
 
         async def on_close() -> None:
             await upstream.aclose()
             self._finish(flight)
 
-        return ManagedStreamingResponse(events, on_close, media_type="text/event-stream",
-                                        headers=self._client_headers(flight))
+        return ManagedStreamingResponse(
+            events, on_close, media_type="text/event-stream", headers=self._client_headers(flight)
+        )
 
-    async def _complete(self, request: Request, flight: _Flight,
-                        upstream: httpx.Response) -> Response:
+    async def _complete(
+        self, request: Request, flight: _Flight, upstream: httpx.Response
+    ) -> Response:
         content = await self._read(request, flight, upstream)
         flight.timing.mark_first_byte()
         flight.timing.worker.update(extract_worker_timing(_json(content)) or {})
@@ -259,8 +283,9 @@ class Dispatcher:
             return await until_disconnected(request, upstream.aread())
         except httpx.TransportError as exc:
             self.health.report_failure(flight.decode.worker, f"decode leg: {_describe(exc)}")
-            raise self._fail("decode_failed", 502,
-                             f"decode worker failed mid-response: {_describe(exc)}") from exc
+            raise self._fail(
+                "decode_failed", 502, f"decode worker failed mid-response: {_describe(exc)}"
+            ) from exc
         finally:
             await upstream.aclose()
 
@@ -292,15 +317,22 @@ class Dispatcher:
 
     @staticmethod
     def _client_headers(flight: _Flight) -> dict[str, str]:
-        return {TIMING_HEADER: flight.timing.header_value(),
-                "x-request-id": flight.timing.request_id}
+        return {
+            TIMING_HEADER: flight.timing.header_value(),
+            "x-request-id": flight.timing.request_id,
+        }
 
 
-def _relayed(upstream: httpx.Response, content: bytes,
-             headers: dict[str, str] | None = None) -> Response:
+def _relayed(
+    upstream: httpx.Response, content: bytes, headers: dict[str, str] | None = None
+) -> Response:
     kept = {k: upstream.headers[k] for k in _RELAYED_HEADERS if k in upstream.headers}
-    return Response(content, status_code=upstream.status_code, headers={**kept, **(headers or {})},
-                    media_type=upstream.headers.get("content-type"))
+    return Response(
+        content,
+        status_code=upstream.status_code,
+        headers={**kept, **(headers or {})},
+        media_type=upstream.headers.get("content-type"),
+    )
 
 
 def _json(content: bytes) -> Any:

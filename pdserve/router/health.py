@@ -24,9 +24,16 @@ logger = logging.getLogger("pdserve.router")
 
 
 class HealthMonitor:
-    def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, *,
-                 interval_s: float, timeout_s: float, unhealthy_threshold: int,
-                 scrape_roles: Collection[PoolRole] = ()) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        client: httpx.AsyncClient,
+        *,
+        interval_s: float,
+        timeout_s: float,
+        unhealthy_threshold: int,
+        scrape_roles: Collection[PoolRole] = (),
+    ) -> None:
         self.registry = registry
         self.client = client
         self.interval_s = interval_s
@@ -63,15 +70,18 @@ class HealthMonitor:
     def _record_failure(self, worker: Worker, reason: str) -> None:
         worker.num_consecutive_failures += 1
         worker.last_error = reason
-        if (worker.state is not WorkerState.HEALTHY
-                or worker.num_consecutive_failures >= self.unhealthy_threshold):
+        if (
+            worker.state is not WorkerState.HEALTHY
+            or worker.num_consecutive_failures >= self.unhealthy_threshold
+        ):
             self._open(worker, reason)
 
     def _open(self, worker: Worker, reason: str) -> None:
         worker.last_error = reason
         if worker.state is not WorkerState.UNHEALTHY:
-            logger.warning("worker %s (%s) out of rotation: %s", worker.worker_id, worker.url,
-                           reason)
+            logger.warning(
+                "worker %s (%s) out of rotation: %s", worker.worker_id, worker.url, reason
+            )
         worker.state = WorkerState.UNHEALTHY
 
     def _mark_healthy(self, worker: Worker) -> None:

@@ -41,8 +41,21 @@ logger = logging.getLogger("pdserve.router")
 WORKER_HOST = "127.0.0.1"
 KV_TRANSPORTS = ("shm", "tcp")
 # Serve flags the launcher sets per worker itself, or keeps for the router.
-_NOT_FORWARDED = frozenset({"help", "mode", "host", "port", "api_key", "role", "num_threads",
-                            "run", "command", "log_level", "step_log"})
+_NOT_FORWARDED = frozenset(
+    {
+        "help",
+        "mode",
+        "host",
+        "port",
+        "api_key",
+        "role",
+        "num_threads",
+        "run",
+        "command",
+        "log_level",
+        "step_log",
+    }
+)
 # Disaggregation flags workers need too.
 _WORKER_DISAGG_FLAGS = frozenset({"kv_transport"})
 
@@ -53,29 +66,60 @@ def add_disagg_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("disaggregated serving (--mode disagg)")
     add_once(group, "--prefill-workers", type=int, default=1)
     add_once(group, "--decode-workers", type=int, default=1)
-    add_once(group, "--kv-transport", choices=KV_TRANSPORTS, default="shm",
-              help="how KV blocks move between workers: shared memory (same host) or TCP")
-    add_once(group, "--worker-base-port", type=int, default=None,
-              help="workers listen on consecutive ports from here (default: free ports)")
-    add_once(group, "--worker-log-dir", default=None,
-              help="one log file per worker (default: a new temporary directory)")
+    add_once(
+        group,
+        "--kv-transport",
+        choices=KV_TRANSPORTS,
+        default="shm",
+        help="how KV blocks move between workers: shared memory (same host) or TCP",
+    )
+    add_once(
+        group,
+        "--worker-base-port",
+        type=int,
+        default=None,
+        help="workers listen on consecutive ports from here (default: free ports)",
+    )
+    add_once(
+        group,
+        "--worker-log-dir",
+        default=None,
+        help="one log file per worker (default: a new temporary directory)",
+    )
     add_once(group, "--startup-timeout", type=float, default=600.0, metavar="SECONDS")
-    add_once(group, "--worker-args", default="",
-              help="extra flags for every worker, one shell-quoted string")
+    add_once(
+        group,
+        "--worker-args",
+        default="",
+        help="extra flags for every worker, one shell-quoted string",
+    )
     # One pool's flags come after --worker-args, so they win.
-    add_once(group, "--prefill-worker-args", default="", metavar="FLAGS",
-             help="extra flags for prefill workers only, e.g. '--max-num-batched-tokens 2048'")
-    add_once(group, "--decode-worker-args", default="", metavar="FLAGS",
-             help="extra flags for decode workers only, e.g. '--max-num-batched-tokens 128' "
-                  "to chunk their local prefills finely")
+    add_once(
+        group,
+        "--prefill-worker-args",
+        default="",
+        metavar="FLAGS",
+        help="extra flags for prefill workers only, e.g. '--max-num-batched-tokens 2048'",
+    )
+    add_once(
+        group,
+        "--decode-worker-args",
+        default="",
+        metavar="FLAGS",
+        help="extra flags for decode workers only, e.g. '--max-num-batched-tokens 128' "
+        "to chunk their local prefills finely",
+    )
     add_routing_args(parser)
 
 
 def launch_disagg(args: argparse.Namespace) -> int:
     """Run the deployment until SIGINT/SIGTERM; 0 after a clean stop, 1 if startup failed."""
     specs = plan_workers(args)
-    config = router_config_from_args(args, [s.url for s in specs if s.role == "prefill"],
-                                     [s.url for s in specs if s.role == "decode"])
+    config = router_config_from_args(
+        args,
+        [s.url for s in specs if s.role == "prefill"],
+        [s.url for s in specs if s.role == "decode"],
+    )
     # Workers listen on loopback behind the router, which alone checks the API key.
     group = WorkerGroup(specs, unset_env=("PDSERVE_API_KEY",))
     _print_plan(specs)
@@ -83,8 +127,11 @@ def launch_disagg(args: argparse.Namespace) -> int:
         try:
             group.start()
             wait = lambda: group.wait_healthy(args.startup_timeout)  # noqa: E731
-            tokenizer = (_load_tokenizer_while(wait, getattr(args, "model", None))
-                         if config.needs_token_ids else wait())
+            tokenizer = (
+                _load_tokenizer_while(wait, getattr(args, "model", None))
+                if config.needs_token_ids
+                else wait()
+            )
             print(f"pdserve disagg: serving on http://{config.host}:{config.port}", flush=True)
             serve_router(config, tokenizer)
         except WorkerStartupError as exc:
@@ -97,8 +144,9 @@ def launch_disagg(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_workers(args: argparse.Namespace,
-                 serve_parser: argparse.ArgumentParser | None = None) -> list[WorkerSpec]:
+def plan_workers(
+    args: argparse.Namespace, serve_parser: argparse.ArgumentParser | None = None
+) -> list[WorkerSpec]:
     """Prefill workers then decode workers: ports, cores, commands and log files."""
     num_prefill, num_decode = args.prefill_workers, args.decode_workers
     if num_prefill < 0 or num_decode < 1:
@@ -113,13 +161,24 @@ def plan_workers(args: argparse.Namespace,
     for role, port, worker_cores in zip(roles, ports, cores, strict=True):
         name = f"{role}-{counts[role]}"
         counts[role] += 1
-        command = (sys.executable, "-m", "pdserve.cli", "serve", "--role", role,
-                   "--host", WORKER_HOST, "--port", str(port),
-                   "--num-threads", str(len(worker_cores)), *shared,
-                   *shlex.split(getattr(args, f"{role}_worker_args", "")),
-                   *_step_log_flags(getattr(args, "step_log", None), name))
-        specs.append(WorkerSpec(name, role, port, worker_cores, command,
-                                log_dir / f"{name}.log"))
+        command = (
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "serve",
+            "--role",
+            role,
+            "--host",
+            WORKER_HOST,
+            "--port",
+            str(port),
+            "--num-threads",
+            str(len(worker_cores)),
+            *shared,
+            *shlex.split(getattr(args, f"{role}_worker_args", "")),
+            *_step_log_flags(getattr(args, "step_log", None), name),
+        )
+        specs.append(WorkerSpec(name, role, port, worker_cores, command, log_dir / f"{name}.log"))
     return specs
 
 
@@ -131,8 +190,9 @@ def _step_log_flags(path: str | None, worker_name: str) -> list[str]:
     return ["--step-log", str(path.with_name(f"{path.stem}.{worker_name}{path.suffix}"))]
 
 
-def worker_flags(args: argparse.Namespace,
-                 serve_parser: argparse.ArgumentParser | None = None) -> list[str]:
+def worker_flags(
+    args: argparse.Namespace, serve_parser: argparse.ArgumentParser | None = None
+) -> list[str]:
     """The flags of `args` that differ from `serve_parser`'s defaults and belong to workers."""
     parser = serve_parser if serve_parser is not None else _serve_parser()
     launcher_only = _dests(add_disagg_args) - _WORKER_DISAGG_FLAGS
@@ -199,8 +259,11 @@ def _load_tokenizer_while(wait: Callable[[], None], model: str | None) -> Prompt
 def _print_plan(specs: list[WorkerSpec]) -> None:
     for spec in specs:
         cores = ",".join(map(str, spec.cores))
-        print(f"pdserve disagg: {spec.name} on {spec.url}, cores {cores}, log {spec.log_path}",
-              file=sys.stderr, flush=True)
+        print(
+            f"pdserve disagg: {spec.name} on {spec.url}, cores {cores}, log {spec.log_path}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class _Shutdown(Exception):

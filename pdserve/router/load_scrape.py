@@ -32,19 +32,20 @@ def parse_worker_load(text: str) -> ScrapedLoad:
     return ScrapedLoad(
         num_running=None if running is None else round(running),
         num_waiting=None if waiting is None else round(waiting),
-        kv_cache_usage=totals.get(KV_USAGE_GAUGE))
+        kv_cache_usage=totals.get(KV_USAGE_GAUGE),
+    )
 
 
 def _sample_value(line: str, name: str) -> float | None:
     """The value of a sample line ``name{labels} value [timestamp]`` of metric `name`."""
     if not line.startswith(name):
         return None
-    rest = line[len(name):]
+    rest = line[len(name) :]
     if rest.startswith("{"):
         close = rest.rfind("}")
         if close < 0:
             return None
-        rest = rest[close + 1:]
+        rest = rest[close + 1 :]
     elif not rest.startswith(" "):
         return None  # a longer name sharing the prefix
     fields = rest.split()

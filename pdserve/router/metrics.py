@@ -11,13 +11,35 @@ from prometheus_client.exposition import generate_latest
 from pdserve.router.timing import RequestTiming
 from pdserve.router.worker import Worker, WorkerState
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                    10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _BYTES_BUCKETS = tuple(float(1 << p) for p in range(10, 34, 2))  # 1 KiB .. 8 GiB
 
 # Error types counted in pdserve:router_request_errors_total.
-ERROR_TYPES = ("no_worker", "prefill_failed", "decode_failed", "decode_stream_broken",
-               "client_disconnected", "bad_request")
+ERROR_TYPES = (
+    "no_worker",
+    "prefill_failed",
+    "decode_failed",
+    "decode_stream_broken",
+    "client_disconnected",
+    "bad_request",
+)
 
 
 class _WorkerCollector:
@@ -29,15 +51,21 @@ class _WorkerCollector:
 
     def collect(self) -> Iterable[Metric]:
         labels = ["worker", "role", "url"]
-        up = GaugeMetricFamily("pdserve:router_worker_up",
-                               "1 when the worker is in rotation (healthy, not draining)",
-                               labels=labels)
-        inflight = GaugeMetricFamily("pdserve:router_worker_inflight_requests",
-                                     "Requests the router has in flight on the worker",
-                                     labels=labels)
-        healthy = GaugeMetricFamily("pdserve:router_worker_healthy",
-                                    "1 when the worker's last health check passed",
-                                    labels=labels)
+        up = GaugeMetricFamily(
+            "pdserve:router_worker_up",
+            "1 when the worker is in rotation (healthy, not draining)",
+            labels=labels,
+        )
+        inflight = GaugeMetricFamily(
+            "pdserve:router_worker_inflight_requests",
+            "Requests the router has in flight on the worker",
+            labels=labels,
+        )
+        healthy = GaugeMetricFamily(
+            "pdserve:router_worker_healthy",
+            "1 when the worker's last health check passed",
+            labels=labels,
+        )
         for w in self._workers():
             values = [w.worker_id, w.role.value, w.url]
             up.add_metric(values, float(w.is_routable))
@@ -54,42 +82,61 @@ class RouterMetrics:
         def seconds(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, buckets=_LATENCY_BUCKETS, registry=r)
 
-        self.queue = seconds("pdserve:router_queue_seconds",
-                             "Arrival to first leg sent (tokenize + select)")
-        self.prefill_leg = seconds("pdserve:router_prefill_leg_seconds",
-                                   "Prefill leg round trip, retries included")
-        self.kv_transfer = seconds("pdserve:router_kv_transfer_seconds",
-                                   "KV fetch time reported by the decode worker")
+        self.queue = seconds(
+            "pdserve:router_queue_seconds", "Arrival to first leg sent (tokenize + select)"
+        )
+        self.prefill_leg = seconds(
+            "pdserve:router_prefill_leg_seconds", "Prefill leg round trip, retries included"
+        )
+        self.kv_transfer = seconds(
+            "pdserve:router_kv_transfer_seconds", "KV fetch time reported by the decode worker"
+        )
         self.kv_transfer_bytes = Histogram(
-            "pdserve:router_kv_transfer_bytes", "KV bytes fetched by the decode worker",
-            buckets=_BYTES_BUCKETS, registry=r)
-        self.first_decode_step = seconds("pdserve:router_first_decode_step_seconds",
-                                         "Decode worker's first step, as it reports it")
-        self.ttft = seconds("pdserve:router_time_to_first_token_seconds",
-                            "Arrival to the decode worker's first body byte")
-        self.e2e = seconds("pdserve:router_e2e_request_latency_seconds",
-                           "Arrival to the end of the response")
-        self.requests = Counter("pdserve:router_requests", "Requests finished, by route",
-                                ["route"], registry=r)
-        self.errors = Counter("pdserve:router_request_errors", "Failed requests, by type",
-                              ["type"], registry=r)
-        self.prefill_retries = Counter("pdserve:router_prefill_retries",
-                                       "Prefill legs retried on another worker", registry=r)
+            "pdserve:router_kv_transfer_bytes",
+            "KV bytes fetched by the decode worker",
+            buckets=_BYTES_BUCKETS,
+            registry=r,
+        )
+        self.first_decode_step = seconds(
+            "pdserve:router_first_decode_step_seconds",
+            "Decode worker's first step, as it reports it",
+        )
+        self.ttft = seconds(
+            "pdserve:router_time_to_first_token_seconds",
+            "Arrival to the decode worker's first body byte",
+        )
+        self.e2e = seconds(
+            "pdserve:router_e2e_request_latency_seconds", "Arrival to the end of the response"
+        )
+        self.requests = Counter(
+            "pdserve:router_requests", "Requests finished, by route", ["route"], registry=r
+        )
+        self.errors = Counter(
+            "pdserve:router_request_errors", "Failed requests, by type", ["type"], registry=r
+        )
+        self.prefill_retries = Counter(
+            "pdserve:router_prefill_retries", "Prefill legs retried on another worker", registry=r
+        )
         r.register(_WorkerCollector(workers))
 
     def observe(self, timing: RequestTiming) -> None:
         """Record a finished request's breakdown."""
         if timing.route is not None:
             self.requests.labels(timing.route.value).inc()
-        for histogram, value_ms in ((self.queue, timing.router_queue_ms),
-                                    (self.prefill_leg, timing.prefill_ms),
-                                    (self.ttft, timing.ttft_ms), (self.e2e, timing.e2e_ms)):
+        for histogram, value_ms in (
+            (self.queue, timing.router_queue_ms),
+            (self.prefill_leg, timing.prefill_ms),
+            (self.ttft, timing.ttft_ms),
+            (self.e2e, timing.e2e_ms),
+        ):
             if value_ms is not None:
                 histogram.observe(value_ms / 1e3)
         reported = timing.worker
-        for histogram, key, scale in ((self.kv_transfer, "kv_transfer_ms", 1e-3),
-                                      (self.kv_transfer_bytes, "kv_transfer_bytes", 1.0),
-                                      (self.first_decode_step, "first_decode_step_ms", 1e-3)):
+        for histogram, key, scale in (
+            (self.kv_transfer, "kv_transfer_ms", 1e-3),
+            (self.kv_transfer_bytes, "kv_transfer_bytes", 1.0),
+            (self.first_decode_step, "first_decode_step_ms", 1e-3),
+        ):
             value = reported.get(key)
             if isinstance(value, int | float) and not isinstance(value, bool):
                 histogram.observe(value * scale)

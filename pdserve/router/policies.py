@@ -49,8 +49,7 @@ def load_of(load: WorkerLoad, role: PoolRole) -> int:
     return load.num_running + load.num_waiting
 
 
-def _least_loaded_index(loads: Sequence[WorkerLoad], role: PoolRole,
-                        indices: Sequence[int]) -> int:
+def _least_loaded_index(loads: Sequence[WorkerLoad], role: PoolRole, indices: Sequence[int]) -> int:
     # Ties go to the emptier KV cache, then to the lowest index (deterministic).
     return min(indices, key=lambda i: (load_of(loads[i], role), loads[i].kv_cache_usage, i))
 

@@ -57,16 +57,17 @@ class WorkerPool:
         return iter(list(self.workers.values()))
 
     def routable(self, exclude: Collection[str] = ()) -> list[Worker]:
-        return [w for w in self.workers.values()
-                if w.is_routable and w.worker_id not in exclude]
+        return [w for w in self.workers.values() if w.is_routable and w.worker_id not in exclude]
 
     def select(self, prompt: PromptInfo, exclude: Collection[str] = ()) -> Selection | None:
         """Pick a worker for `prompt` (None when no routable worker is left)."""
         candidates = self.routable(exclude)
         if not candidates:
             return None
-        cached = [self.prefix_index.num_cached_tokens(w.worker_id, prompt.block_hashes)
-                  for w in candidates]
+        cached = [
+            self.prefix_index.num_cached_tokens(w.worker_id, prompt.block_hashes)
+            for w in candidates
+        ]
         loads = [w.load(n) for w, n in zip(candidates, cached, strict=True)]
         index = self.policy.select(loads, prompt.num_tokens)
         worker = candidates[index]

@@ -20,7 +20,7 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[Block
     hashes: list[BlockHash] = []
     parent: BlockHash | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chained_block_hash(parent, token_ids[start:start + block_size])
+        parent = chained_block_hash(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
 

@@ -41,8 +41,11 @@ def literal_token_ids(body: dict[str, Any]) -> list[int] | None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
         prompt = prompt[0]
-    if (isinstance(prompt, list) and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
         return prompt
     return None
 
@@ -55,8 +58,10 @@ def tokenize_request_body(endpoint: str, body: dict[str, Any]) -> dict[str, Any]
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return None
-        request = {"messages": messages,
-                   "add_generation_prompt": body.get("add_generation_prompt", True)}
+        request = {
+            "messages": messages,
+            "add_generation_prompt": body.get("add_generation_prompt", True),
+        }
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:

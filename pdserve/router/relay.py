@@ -22,8 +22,13 @@ from pdserve.router.timing import RequestTiming, extract_worker_timing
 _TIMING_MARKER = b'"pdserve_timing"'
 
 
-async def relay_events(upstream: httpx.Response, timing: RequestTiming, *, strip_usage: bool,
-                       on_broken: Callable[[str, bool], None]) -> AsyncIterator[bytes]:
+async def relay_events(
+    upstream: httpx.Response,
+    timing: RequestTiming,
+    *,
+    strip_usage: bool,
+    on_broken: Callable[[str, bool], None],
+) -> AsyncIterator[bytes]:
     """The client's stream. `on_broken(reason, is_transport_error)` is called when the
     upstream stream fails or ends early."""
     is_done = False
@@ -61,8 +66,12 @@ class ManagedStreamingResponse(StreamingResponse):
     """A StreamingResponse that always runs `on_close` once it is over: finished, failed, or
     cancelled by the client's disconnect (shielded, so the cancellation cannot skip it)."""
 
-    def __init__(self, content: AsyncGenerator[bytes, None],
-                 on_close: Callable[[], Awaitable[None]], **kwargs) -> None:
+    def __init__(
+        self,
+        content: AsyncGenerator[bytes, None],
+        on_close: Callable[[], Awaitable[None]],
+        **kwargs,
+    ) -> None:
         super().__init__(content, **kwargs)
         self._content = content
         self._on_close = on_close

@@ -20,10 +20,15 @@ from pdserve.router.tokenizer import PromptTokenizer, RemoteTokenizer
 def build_registry(config: RouterConfig) -> WorkerRegistry:
     """Both pools with their policies and the configured workers (not yet checked)."""
     pools = {}
-    for role, policy in ((PoolRole.PREFILL, config.prefill_policy),
-                         (PoolRole.DECODE, config.decode_policy)):
-        pools[role] = WorkerPool(role, make_policy(policy, role, config.balance_factor),
-                                 PrefixIndex(config.block_size, config.prefix_index_blocks))
+    for role, policy in (
+        (PoolRole.PREFILL, config.prefill_policy),
+        (PoolRole.DECODE, config.decode_policy),
+    ):
+        pools[role] = WorkerPool(
+            role,
+            make_policy(policy, role, config.balance_factor),
+            PrefixIndex(config.block_size, config.prefix_index_blocks),
+        )
     registry = WorkerRegistry(pools[PoolRole.PREFILL], pools[PoolRole.DECODE])
     for url in config.prefill_urls:
         registry.add(url, PoolRole.PREFILL)
@@ -68,17 +73,27 @@ class RouterRuntime:
             # Legs may run as long as they generate; only connecting is bounded.
             timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            trust_env=False)
-        scrape = [role for role, pool in self.registry.pools.items()
-                  if not isinstance(pool.policy, RoundRobin)]
+            trust_env=False,
+        )
+        scrape = [
+            role
+            for role, pool in self.registry.pools.items()
+            if not isinstance(pool.policy, RoundRobin)
+        ]
         self._health = HealthMonitor(
-            self.registry, self._client, interval_s=config.health_interval_s,
-            timeout_s=config.health_timeout_s, unhealthy_threshold=config.unhealthy_threshold,
-            scrape_roles=scrape)
-        tokenizer = self._tokenizer or RemoteTokenizer(self.registry, self._client,
-                                                       config.health_timeout_s)
-        self._dispatcher = Dispatcher(config, self.registry, self._client, self._health,
-                                      self.metrics, tokenizer)
+            self.registry,
+            self._client,
+            interval_s=config.health_interval_s,
+            timeout_s=config.health_timeout_s,
+            unhealthy_threshold=config.unhealthy_threshold,
+            scrape_roles=scrape,
+        )
+        tokenizer = self._tokenizer or RemoteTokenizer(
+            self.registry, self._client, config.health_timeout_s
+        )
+        self._dispatcher = Dispatcher(
+            config, self.registry, self._client, self._health, self.metrics, tokenizer
+        )
         await self._health.check_all()
         self._health_task = asyncio.create_task(self._health.run())
 

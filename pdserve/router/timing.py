@@ -61,14 +61,17 @@ class RequestTiming:
 
     def router_timing_field(self) -> dict[str, float]:
         """The ``router_timing`` object sent with the decode leg."""
-        return {"router_queue_ms": _round(self.router_queue_ms or 0.0),
-                "prefill_ms": _round(self.prefill_ms or 0.0)}
+        return {
+            "router_queue_ms": _round(self.router_queue_ms or 0.0),
+            "prefill_ms": _round(self.prefill_ms or 0.0),
+        }
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
             "request_id": self.request_id,
             "route": None if self.route is None else self.route.value,
-            "prefill_worker": self.prefill_worker, "decode_worker": self.decode_worker,
+            "prefill_worker": self.prefill_worker,
+            "decode_worker": self.decode_worker,
             "num_prefill_attempts": self.num_prefill_attempts,
             **self.router_timing_field(),
         }

@@ -70,7 +70,8 @@ class LocalTokenizer:
         try:
             messages = [_template_message(m) for m in request["messages"]]
             text = self._tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request["add_generation_prompt"])
+                messages, add_generation_prompt=request["add_generation_prompt"]
+            )
         except (ValueError, TypeError, KeyError, AttributeError):
             return None  # the worker will reject these messages with a proper 400
         return self._tokenizer.encode(text)
@@ -90,8 +91,9 @@ def _model_path(model: str | None) -> Path:
     if model is None or model == "default":
         spec = importlib.util.find_spec(_DEFAULT_MODEL_PACKAGE)
         if spec is None or not spec.submodule_search_locations:
-            raise ValueError(f"--tokenizer: the default model needs the {_DEFAULT_MODEL_PACKAGE} "
-                             "package")
+            raise ValueError(
+                f"--tokenizer: the default model needs the {_DEFAULT_MODEL_PACKAGE} package"
+            )
         return Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_MODEL_FILE
     path = Path(model).expanduser()
     if not path.exists():
@@ -110,8 +112,9 @@ def _gguf_metadata(path: Path) -> dict[str, Any]:
 
 
 class RemoteTokenizer:
-    def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient,
-                 timeout_s: float) -> None:
+    def __init__(
+        self, registry: WorkerRegistry, client: httpx.AsyncClient, timeout_s: float
+    ) -> None:
         self.registry = registry
         self.client = client
         self.timeout_s = timeout_s
@@ -123,8 +126,9 @@ class RemoteTokenizer:
             return None
         for worker in self._candidates()[:_MAX_TRIES]:
             try:
-                response = await self.client.post(f"{worker.url}/tokenize", json=request,
-                                                  timeout=self.timeout_s)
+                response = await self.client.post(
+                    f"{worker.url}/tokenize", json=request, timeout=self.timeout_s
+                )
             except httpx.HTTPError as exc:
                 self._warn(f"{worker.url}/tokenize failed: {type(exc).__name__}: {exc}")
                 continue
@@ -137,8 +141,9 @@ class RemoteTokenizer:
     def _candidates(self) -> list[Worker]:
         """Least busy prefill workers first (tokenizing there keeps decode cores free)."""
         key = lambda w: w.num_inflight  # noqa: E731
-        return (sorted(self.registry.prefill.routable(), key=key)
-                + sorted(self.registry.decode.routable(), key=key))
+        return sorted(self.registry.prefill.routable(), key=key) + sorted(
+            self.registry.decode.routable(), key=key
+        )
 
     def _warn(self, message: str) -> None:
         if not self._has_warned:

@@ -37,9 +37,14 @@ class UnclaimedKV:
             params = KVTransferParams.from_dict(data)
             released = await asyncio.to_thread(release_lease, params, self.timeout_s)
         except (KVTransferError, OSError) as exc:
-            logger.warning("could not release unclaimed KV lease %s: %s",
-                           data.get("remote_request_id"), exc)
+            logger.warning(
+                "could not release unclaimed KV lease %s: %s", data.get("remote_request_id"), exc
+            )
             return
-        logger.info("released unclaimed KV lease %s on %s:%s (%s)", params.remote_request_id,
-                    params.remote_host, params.remote_port,
-                    "freed" if released else "already gone")
+        logger.info(
+            "released unclaimed KV lease %s on %s:%s (%s)",
+            params.remote_request_id,
+            params.remote_host,
+            params.remote_port,
+            "freed" if released else "already gone",
+        )

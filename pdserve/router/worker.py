@@ -54,15 +54,21 @@ class Worker:
             num_waiting=scraped.num_waiting or 0,
             num_pending_prefill_tokens=self.num_inflight_prefill_tokens,
             kv_cache_usage=scraped.kv_cache_usage or 0.0,
-            num_cached_tokens=num_cached_tokens)
+            num_cached_tokens=num_cached_tokens,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The record `GET /workers` returns."""
         return {
-            "id": self.worker_id, "url": self.url, "role": self.role.value,
-            "state": self.state.value, "draining": self.is_draining,
+            "id": self.worker_id,
+            "url": self.url,
+            "role": self.role.value,
+            "state": self.state.value,
+            "draining": self.is_draining,
             "num_inflight": self.num_inflight,
             "num_inflight_prefill_tokens": self.num_inflight_prefill_tokens,
-            "num_running": self.scraped.num_running, "num_waiting": self.scraped.num_waiting,
-            "kv_cache_usage": self.scraped.kv_cache_usage, "last_error": self.last_error,
+            "num_running": self.scraped.num_running,
+            "num_waiting": self.scraped.num_waiting,
+            "kv_cache_usage": self.scraped.kv_cache_usage,
+            "last_error": self.last_error,
         }

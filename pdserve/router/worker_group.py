@@ -56,9 +56,14 @@ class WorkerGroup:
             env = {**inherited, "OMP_NUM_THREADS": str(len(spec.cores)), "PYTHONUNBUFFERED": "1"}
             with open(spec.log_path, "ab") as log:
                 self._processes[spec.name] = subprocess.Popen(
-                    spec.command, stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                    preexec_fn=_child_setup(spec.cores))
+                    spec.command,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                    preexec_fn=_child_setup(spec.cores),
+                )
 
     def pid(self, name: str) -> int:
         return self._processes[name].pid
@@ -75,14 +80,16 @@ class WorkerGroup:
                     if code is not None:
                         raise WorkerStartupError(
                             f"{spec.name} exited with code {code} during startup; last lines "
-                            f"of {spec.log_path}:\n{log_tail(spec.log_path)}")
+                            f"of {spec.log_path}:\n{log_tail(spec.log_path)}"
+                        )
                     if _is_healthy(client, spec.url):
                         pending.remove(spec)
                 if pending and time.monotonic() > deadline:
                     names = ", ".join(s.name for s in pending)
                     raise WorkerStartupError(
                         f"{names} not healthy after {timeout_s:.0f}s; last lines of "
-                        f"{pending[0].log_path}:\n{log_tail(pending[0].log_path)}")
+                        f"{pending[0].log_path}:\n{log_tail(pending[0].log_path)}"
+                    )
                 if pending:
                     time.sleep(poll_s)
 

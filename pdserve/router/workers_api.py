@@ -45,8 +45,9 @@ def workers_router(runtime: RouterRuntime) -> APIRouter:
         if worker is None:
             raise RouterHTTPError(404, f"no worker with id {worker_id!r}", param="worker_id")
         is_removed = not runtime.registry.is_registered(worker)
-        return JSONResponse({**worker.to_dict(), "removed": is_removed},
-                            status_code=200 if is_removed else 202)
+        return JSONResponse(
+            {**worker.to_dict(), "removed": is_removed}, status_code=200 if is_removed else 202
+        )
 
     return router
 

@@ -52,10 +52,15 @@ def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
     """Build the app over a (not yet started) synchronous `LLMEngine`; the engine thread
     starts with the app's lifespan and stops with it."""
     metrics = ServerMetrics(settings.served_model_names[0], stats=lambda: engine.stats)
-    engine = AsyncLLMEngine(llm_engine, max_queue=settings.max_queue,
-                            step_observer=metrics.step_time.observe)
-    model = ModelInfo(settings.served_model_names, llm_engine.tokenizer,
-                      llm_engine.max_model_len, llm_engine.model_config.vocab_size)
+    engine = AsyncLLMEngine(
+        llm_engine, max_queue=settings.max_queue, step_observer=metrics.step_time.observe
+    )
+    model = ModelInfo(
+        settings.served_model_names,
+        llm_engine.tokenizer,
+        llm_engine.max_model_len,
+        llm_engine.model_config.vocab_size,
+    )
     state = ServerState(engine, model, metrics, TokenTexts(llm_engine.tokenizer), settings)
 
     @contextlib.asynccontextmanager
@@ -66,19 +71,25 @@ def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
         finally:
             await engine.shutdown(grace_s=0.0)
 
-    app = FastAPI(title="pdserve", description="OpenAI-compatible LLM server",
-                  lifespan=lifespan)
+    app = FastAPI(title="pdserve", description="OpenAI-compatible LLM server", lifespan=lifespan)
     app.state.pdserve = state
 
     def on_error(error: APIError, path: str) -> None:
         metrics.count_error(error.error_type.type_name)
-        logger.info("- %s status=%d type=%s param=%s: %s", path, error.error_type.status_code,
-                    error.error_type.type_name, error.param, error.message)
+        logger.info(
+            "- %s status=%d type=%s param=%s: %s",
+            path,
+            error.error_type.status_code,
+            error.error_type.type_name,
+            error.param,
+            error.message,
+        )
 
     install_handlers(app, on_error)
     # Added last = runs first: a request without the key is refused before its body is read.
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes,
-                       on_error=on_error)
+    app.add_middleware(
+        BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes, on_error=on_error
+    )
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, on_error=on_error)
     _add_routes(app, state)
@@ -91,30 +102,62 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         arrival_time = time.monotonic()
         # Off the event loop: a long prompt takes the tokenizer 100+ ms.
         prepared = await asyncio.to_thread(prepare_completion, body, state.model)
-        responses = CompletionResponses(new_request_id(http_request, "cmpl"),
-                                        body.model or state.model.name, state.token_texts,
-                                        body.include_usage, body.router_timing)
-        return await serve(http_request, state, prepared, responses, stream=bool(body.stream),
-                           endpoint="completions", arrival_time=arrival_time)
+        responses = CompletionResponses(
+            new_request_id(http_request, "cmpl"),
+            body.model or state.model.name,
+            state.token_texts,
+            body.include_usage,
+            body.router_timing,
+        )
+        return await serve(
+            http_request,
+            state,
+            prepared,
+            responses,
+            stream=bool(body.stream),
+            endpoint="completions",
+            arrival_time=arrival_time,
+        )
 
     @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
         arrival_time = time.monotonic()
         prepared = await asyncio.to_thread(prepare_chat, body, state.model)
-        responses = ChatResponses(new_request_id(http_request, "chatcmpl"),
-                                  body.model or state.model.name, state.token_texts,
-                                  body.include_usage, body.router_timing)
-        return await serve(http_request, state, prepared, responses, stream=bool(body.stream),
-                           endpoint="chat", arrival_time=arrival_time)
+        responses = ChatResponses(
+            new_request_id(http_request, "chatcmpl"),
+            body.model or state.model.name,
+            state.token_texts,
+            body.include_usage,
+            body.router_timing,
+        )
+        return await serve(
+            http_request,
+            state,
+            prepared,
+            responses,
+            stream=bool(body.stream),
+            endpoint="chat",
+            arrival_time=arrival_time,
+        )
 
     add_tokenize_route(app, state.model)
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "pdserve",
-             "root": state.model.name, "max_model_len": state.model.max_model_len}
-            for name in state.model.served_model_names]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "pdserve",
+                    "root": state.model.name,
+                    "max_model_len": state.model.max_model_len,
+                }
+                for name in state.model.served_model_names
+            ],
+        }
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -31,24 +31,46 @@ def add_parser(subparsers) -> None:
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
-    group.add_argument("--mode", choices=("colocated", "chunked", "disagg"), default="chunked",
-                       help="colocated: whole-prompt continuous batching; chunked: chunked "
-                            "prefill; disagg: a router plus prefill and decode worker "
-                            "processes (see --prefill-workers, --decode-workers)")
+    group.add_argument(
+        "--mode",
+        choices=("colocated", "chunked", "disagg"),
+        default="chunked",
+        help="colocated: whole-prompt continuous batching; chunked: chunked "
+        "prefill; disagg: a router plus prefill and decode worker "
+        "processes (see --prefill-workers, --decode-workers)",
+    )
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=DEFAULT_PORT)
-    group.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1/* "
-                            "(default: $PDSERVE_API_KEY)")
-    group.add_argument("--served-model-name", nargs="+", default=None,
-                       help="names clients may use for the model (default: the model's name)")
-    group.add_argument("--max-queue", type=int, default=ServerSettings.max_queue,
-                       help="waiting requests beyond which new ones get 429")
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY)",
+    )
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names clients may use for the model (default: the model's name)",
+    )
+    group.add_argument(
+        "--max-queue",
+        type=int,
+        default=ServerSettings.max_queue,
+        help="waiting requests beyond which new ones get 429",
+    )
     group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    group.add_argument("--shutdown-grace", type=float, default=ServerSettings.shutdown_grace_s,
-                       help="seconds in-flight requests get to finish on SIGTERM")
-    group.add_argument("--health-timeout", type=float, default=ServerSettings.health_timeout_s,
-                       help="/health is 503 when the engine loop stalls this long")
+    group.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=ServerSettings.shutdown_grace_s,
+        help="seconds in-flight requests get to finish on SIGTERM",
+    )
+    group.add_argument(
+        "--health-timeout",
+        type=float,
+        default=ServerSettings.health_timeout_s,
+        help="/health is 503 when the engine loop stalls this long",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,18 +85,30 @@ def run(args: argparse.Namespace) -> int:
     llm_engine = LLMEngine(engine_config_from_args(args, args.mode))
     settings = ServerSettings(
         served_model_names=tuple(args.served_model_name or (llm_engine.model_name,)),
-        api_key=args.api_key, max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-        shutdown_grace_s=args.shutdown_grace, health_timeout_s=args.health_timeout)
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_grace_s=args.shutdown_grace,
+        health_timeout_s=args.health_timeout,
+    )
     app = create_app(llm_engine, settings)
     # One line per request comes from our own access logger, whatever --log-level says.
     logging.getLogger("pdserve.server.access").setLevel(logging.INFO)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10)
-    server = GracefulServer(config, on_exit=lambda: app.state.pdserve.engine.begin_shutdown(
-        settings.shutdown_grace_s))
-    logging.getLogger(__name__).warning("pdserve serving %s on http://%s:%d",
-                                        settings.served_model_names[0], args.host, args.port)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10,
+    )
+    server = GracefulServer(
+        config, on_exit=lambda: app.state.pdserve.engine.begin_shutdown(settings.shutdown_grace_s)
+    )
+    logging.getLogger(__name__).warning(
+        "pdserve serving %s on http://%s:%d", settings.served_model_names[0], args.host, args.port
+    )
     server.run()
     return 0 if server.started else 1
 

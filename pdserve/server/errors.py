@@ -47,8 +47,14 @@ class ErrorType(enum.Enum):
 class APIError(Exception):
     """Raised anywhere in a handler; becomes the OpenAI error response."""
 
-    def __init__(self, error_type: ErrorType, message: str, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        error_type: ErrorType,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.error_type = error_type
         self.message = message
@@ -57,12 +63,19 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.error_type.type_name,
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type.type_name,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.error_type.status_code,
-                            headers=self.headers)
+        return JSONResponse(
+            self.body(), status_code=self.error_type.status_code, headers=self.headers
+        )
 
     def sse_event(self) -> str:
         """The error as a server-sent event, for failures after a stream has started."""
@@ -136,8 +149,9 @@ def install_handlers(app, on_error) -> None:
         return respond(request, APIError(error_type, str(exc.detail), headers=exc.headers))
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return respond(request, APIError(ErrorType.INTERNAL,
-                                         f"internal error: {type(exc).__name__}"))
+        return respond(
+            request, APIError(ErrorType.INTERNAL, f"internal error: {type(exc).__name__}")
+        )
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, request_validation)

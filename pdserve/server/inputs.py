@@ -27,8 +27,11 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            ) -> str: ...
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+    ) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -54,9 +57,13 @@ class PreparedRequest:
 
 def check_model(model: str | None, info: ModelInfo) -> None:
     if model is not None and model not in info.served_model_names:
-        raise APIError(ErrorType.NOT_FOUND, f"model {model!r} does not exist; this server "
-                       f"serves {', '.join(info.served_model_names)}", "model",
-                       "model_not_found")
+        raise APIError(
+            ErrorType.NOT_FOUND,
+            f"model {model!r} does not exist; this server "
+            f"serves {', '.join(info.served_model_names)}",
+            "model",
+            "model_not_found",
+        )
 
 
 def prepare_completion(body: CompletionRequest, info: ModelInfo) -> PreparedRequest:
@@ -64,10 +71,12 @@ def prepare_completion(body: CompletionRequest, info: ModelInfo) -> PreparedRequ
     if body.echo:
         raise invalid("echo", "echo is not supported")
     prompt_ids = _completion_prompt_ids(body.prompt, info)
-    max_tokens = _max_tokens(body.max_tokens, "max_tokens", len(prompt_ids), info,
-                             DEFAULT_COMPLETION_MAX_TOKENS)
-    params = _sampling_params(body, max_tokens, body.logprobs, info,
-                              rename={"logprobs": "logprobs"})
+    max_tokens = _max_tokens(
+        body.max_tokens, "max_tokens", len(prompt_ids), info, DEFAULT_COMPLETION_MAX_TOKENS
+    )
+    params = _sampling_params(
+        body, max_tokens, body.logprobs, info, rename={"logprobs": "logprobs"}
+    )
     return PreparedRequest(prompt_ids, params, body.kv_transfer_params)
 
 
@@ -82,16 +91,24 @@ def prepare_chat(body: ChatCompletionRequest, info: ModelInfo) -> PreparedReques
         requested, param = body.max_tokens, "max_tokens"
     max_tokens = _max_tokens(requested, param, len(prompt_ids), info, default=None)
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = _sampling_params(body, max_tokens, num_logprobs, info,
-                              rename={"max_tokens": param, "logprobs": "top_logprobs"})
+    params = _sampling_params(
+        body,
+        max_tokens,
+        num_logprobs,
+        info,
+        rename={"max_tokens": param, "logprobs": "top_logprobs"},
+    )
     return PreparedRequest(prompt_ids, params, body.kv_transfer_params)
 
 
 def _completion_prompt_ids(prompt: str | list, info: ModelInfo) -> list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
-            raise invalid("prompt", "batched prompts are not supported: send one prompt per "
-                          f"request (got {len(prompt)})")
+            raise invalid(
+                "prompt",
+                "batched prompts are not supported: send one prompt per "
+                f"request (got {len(prompt)})",
+            )
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
@@ -113,46 +130,62 @@ def _chat_prompt_ids(body: ChatCompletionRequest, info: ModelInfo) -> list[int]:
     return ids
 
 
-def chat_prompt_ids(messages: list[ChatMessage], add_generation_prompt: bool,
-                    info: ModelInfo) -> list[int]:
+def chat_prompt_ids(
+    messages: list[ChatMessage], add_generation_prompt: bool, info: ModelInfo
+) -> list[int]:
     """The prompt ids of a chat (its template rendered, then encoded); no length check.
     Shared with POST /tokenize, so both give the same ids."""
     # "developer" is OpenAI's newer name for the system role.
-    rendered = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in messages]
+    rendered = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in messages
+    ]
     try:
         text = info.tokenizer.apply_chat_template(
-            rendered, add_generation_prompt=add_generation_prompt)
+            rendered, add_generation_prompt=add_generation_prompt
+        )
     except ChatTemplateError as exc:
-        raise invalid("messages", f"the model's chat template rejected the messages: "
-                      f"{exc}") from exc
+        raise invalid(
+            "messages", f"the model's chat template rejected the messages: {exc}"
+        ) from exc
     return info.tokenizer.encode(text)
 
 
 def _check_context(num_prompt_tokens: int, param: str, info: ModelInfo) -> None:
     # At least one token must fit after the prompt.
     if num_prompt_tokens >= info.max_model_len:
-        raise invalid(param, f"this model's context window is {info.max_model_len} tokens, "
-                      f"but the {param} has {num_prompt_tokens} tokens (at most "
-                      f"{info.max_model_len - 1} leave room for an answer)")
+        raise invalid(
+            param,
+            f"this model's context window is {info.max_model_len} tokens, "
+            f"but the {param} has {num_prompt_tokens} tokens (at most "
+            f"{info.max_model_len - 1} leave room for an answer)",
+        )
 
 
-def _max_tokens(requested: int | None, param: str, num_prompt_tokens: int, info: ModelInfo,
-                default: int | None) -> int:
+def _max_tokens(
+    requested: int | None, param: str, num_prompt_tokens: int, info: ModelInfo, default: int | None
+) -> int:
     """An explicit request that overflows the context is an error; a default is clamped."""
     room = info.max_model_len - num_prompt_tokens
     if requested is None:
         return room if default is None else min(default, room)
     if requested > room:
-        raise invalid(param, f"this model's context window is {info.max_model_len} tokens; "
-                      f"the prompt has {num_prompt_tokens}, so {param} can be at most {room} "
-                      f"(got {requested})")
+        raise invalid(
+            param,
+            f"this model's context window is {info.max_model_len} tokens; "
+            f"the prompt has {num_prompt_tokens}, so {param} can be at most {room} "
+            f"(got {requested})",
+        )
     return requested
 
 
-def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                     num_logprobs: int | None, info: ModelInfo,
-                     rename: dict[str, str]) -> SamplingParams:
+def _sampling_params(
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    num_logprobs: int | None,
+    info: ModelInfo,
+    rename: dict[str, str],
+) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings (got {len(stop)})")
@@ -167,9 +200,13 @@ def _sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=None if body.top_k is None or body.top_k <= 0 else body.top_k,
-            seed=body.seed, stop=tuple(stop), stop_token_ids=tuple(stop_token_ids),
-            ignore_eos=bool(body.ignore_eos), min_tokens=body.min_tokens or 0,
-            logprobs=num_logprobs)
+            seed=body.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(stop_token_ids),
+            ignore_eos=bool(body.ignore_eos),
+            min_tokens=body.min_tokens or 0,
+            logprobs=num_logprobs,
+        )
     except InvalidParameterError as exc:
         param = rename.get(exc.param, exc.param)
         raise invalid(param, str(exc).replace(exc.param, param, 1)) from exc

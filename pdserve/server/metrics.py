@@ -19,11 +19,59 @@ from pdserve.engine.async_engine import AsyncEngineStats
 from pdserve.server.errors import ErrorType
 
 # Bucket edges in seconds: CPU decode steps are tens of ms, long CPU prefills seconds.
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-                    0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-                    160.0, 320.0)
-_STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
-                 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+)
+_STEP_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 LABEL = "model_name"
@@ -37,47 +85,67 @@ class ServerMetrics:
         self.model_name = model_name
 
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
-            return Histogram(name, doc, [LABEL], registry=self.registry,
-                             buckets=buckets).labels(model_name)
+            return Histogram(name, doc, [LABEL], registry=self.registry, buckets=buckets).labels(
+                model_name
+            )
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, [LABEL], registry=self.registry).labels(model_name)
 
         self.time_to_first_token = histogram(
-            "pdserve:time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
+            "pdserve:time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS
+        )
         self.inter_token_latency = histogram(
-            "pdserve:inter_token_latency_seconds", "Gap between consecutive tokens.",
-            _LATENCY_BUCKETS)
+            "pdserve:inter_token_latency_seconds",
+            "Gap between consecutive tokens.",
+            _LATENCY_BUCKETS,
+        )
         self.time_per_output_token = histogram(
             "pdserve:request_time_per_output_token_seconds",
-            "Per request: (last token - first token) / (output tokens - 1).", _LATENCY_BUCKETS)
+            "Per request: (last token - first token) / (output tokens - 1).",
+            _LATENCY_BUCKETS,
+        )
         self.e2e_latency = histogram(
-            "pdserve:e2e_request_latency_seconds", "Arrival to the last output.",
-            _LATENCY_BUCKETS)
+            "pdserve:e2e_request_latency_seconds", "Arrival to the last output.", _LATENCY_BUCKETS
+        )
         self.queue_time = histogram(
-            "pdserve:request_queue_time_seconds", "Arrival to first scheduled step.",
-            _LATENCY_BUCKETS)
+            "pdserve:request_queue_time_seconds",
+            "Arrival to first scheduled step.",
+            _LATENCY_BUCKETS,
+        )
         self.prefill_time = histogram(
-            "pdserve:request_prefill_time_seconds", "Forward-pass time spent on the prompt.",
-            _LATENCY_BUCKETS)
+            "pdserve:request_prefill_time_seconds",
+            "Forward-pass time spent on the prompt.",
+            _LATENCY_BUCKETS,
+        )
         self.decode_time = histogram(
-            "pdserve:request_decode_time_seconds", "First token to last token.",
-            _LATENCY_BUCKETS)
+            "pdserve:request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS
+        )
         self.prompt_tokens_per_request = histogram(
-            "pdserve:request_prompt_tokens", "Prompt tokens per finished request.",
-            _TOKEN_BUCKETS)
+            "pdserve:request_prompt_tokens", "Prompt tokens per finished request.", _TOKEN_BUCKETS
+        )
         self.generation_tokens_per_request = histogram(
-            "pdserve:request_generation_tokens", "Output tokens per finished request.",
-            _TOKEN_BUCKETS)
+            "pdserve:request_generation_tokens",
+            "Output tokens per finished request.",
+            _TOKEN_BUCKETS,
+        )
         self.step_time = histogram(
-            "pdserve:engine_step_time_seconds", "Duration of one LLMEngine.step().",
-            _STEP_BUCKETS)
+            "pdserve:engine_step_time_seconds", "Duration of one LLMEngine.step().", _STEP_BUCKETS
+        )
         self.prompt_tokens = counter("pdserve:prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("pdserve:generation_tokens", "Generated tokens.")
-        self._success = Counter("pdserve:request_success", "Finished requests by reason.",
-                                [LABEL, "finished_reason"], registry=self.registry)
-        self._errors = Counter("pdserve:request_errors", "Error responses by error type.",
-                               [LABEL, "type"], registry=self.registry)
+        self._success = Counter(
+            "pdserve:request_success",
+            "Finished requests by reason.",
+            [LABEL, "finished_reason"],
+            registry=self.registry,
+        )
+        self._errors = Counter(
+            "pdserve:request_errors",
+            "Error responses by error type.",
+            [LABEL, "type"],
+            registry=self.registry,
+        )
         # Every label value exists from the start, so rate() and dashboards see zeros.
         for reason in FinishReason:
             self._success.labels(model_name, reason.value)
@@ -105,25 +173,39 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         gauges = (
-            ("pdserve:num_requests_running", "Requests in the running batch.",
-             stats.num_running),
-            ("pdserve:num_requests_waiting", "Requests waiting for their first step.",
-             stats.num_waiting),
-            ("pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
-             stats.kv_cache_usage),
-            ("pdserve:kv_cache_free_blocks", "KV blocks free (cached-but-unused count as free).",
-             stats.num_free_blocks),
+            ("pdserve:num_requests_running", "Requests in the running batch.", stats.num_running),
+            (
+                "pdserve:num_requests_waiting",
+                "Requests waiting for their first step.",
+                stats.num_waiting,
+            ),
+            (
+                "pdserve:kv_cache_usage_perc",
+                "Fraction of KV blocks in use (0-1).",
+                stats.kv_cache_usage,
+            ),
+            (
+                "pdserve:kv_cache_free_blocks",
+                "KV blocks free (cached-but-unused count as free).",
+                stats.num_free_blocks,
+            ),
             ("pdserve:kv_cache_total_blocks", "KV blocks in the pool.", stats.num_total_blocks),
-            ("pdserve:prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / "
-             "prompt tokens looked up.", stats.prefix_cache_hit_rate),
+            (
+                "pdserve:prefix_cache_hit_rate",
+                "Prompt tokens found in the prefix cache / prompt tokens looked up.",
+                stats.prefix_cache_hit_rate,
+            ),
         )
         for name, doc, value in gauges:
             family = GaugeMetricFamily(name, doc, labels=[LABEL])
             family.add_metric([self._model_name], value)
             yield family
         counters = (
-            ("pdserve:num_preemptions", "Requests preempted to free KV blocks.",
-             stats.num_preemptions),
+            (
+                "pdserve:num_preemptions",
+                "Requests preempted to free KV blocks.",
+                stats.num_preemptions,
+            ),
             ("pdserve:engine_steps", "Engine steps run.", stats.num_steps),
         )
         for name, doc, value in counters:

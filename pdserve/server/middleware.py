@@ -17,8 +17,9 @@ from pdserve.server.errors import APIError, ErrorType
 class ApiKeyMiddleware:
     """Every request under `/v1/` needs `Authorization: Bearer <api_key>`."""
 
-    def __init__(self, app: ASGIApp, api_key: str,
-                 on_error: Callable[[APIError, str], None]) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str, on_error: Callable[[APIError, str], None]
+    ) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
         self._on_error = on_error
@@ -27,9 +28,12 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
-                error = APIError(ErrorType.AUTHENTICATION, "invalid or missing API key: send "
-                                 "'Authorization: Bearer <key>'", code="invalid_api_key",
-                                 headers={"WWW-Authenticate": "Bearer"})
+                error = APIError(
+                    ErrorType.AUTHENTICATION,
+                    "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 self._on_error(error, scope["path"])
                 await error.response()(scope, receive, send)
                 return
@@ -40,16 +44,19 @@ class BodySizeLimitMiddleware:
     """Requests whose body exceeds `max_bytes` get 413, whether announced by Content-Length
     or discovered while streaming in (chunked transfer encoding)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int,
-                 on_error: Callable[[APIError, str], None]) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, on_error: Callable[[APIError, str], None]
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self._on_error = on_error
 
     def _error(self, scope: Scope) -> APIError:
-        error = APIError(ErrorType.REQUEST_TOO_LARGE,
-                         f"request body exceeds the limit of {self.max_bytes} bytes",
-                         code="request_too_large")
+        error = APIError(
+            ErrorType.REQUEST_TOO_LARGE,
+            f"request body exceeds the limit of {self.max_bytes} bytes",
+            code="request_too_large",
+        )
         self._on_error(error, scope["path"])
         return error
 

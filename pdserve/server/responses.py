@@ -46,9 +46,11 @@ def finite_logprob(value: float) -> float:
 
 
 def usage(output: RequestOutput) -> dict:
-    body = {"prompt_tokens": output.num_prompt_tokens,
-            "completion_tokens": output.num_output_tokens,
-            "total_tokens": output.num_prompt_tokens + output.num_output_tokens}
+    body = {
+        "prompt_tokens": output.num_prompt_tokens,
+        "completion_tokens": output.num_output_tokens,
+        "total_tokens": output.num_prompt_tokens + output.num_output_tokens,
+    }
     if output.num_cached_tokens:
         body["prompt_tokens_details"] = {"cached_tokens": output.num_cached_tokens}
     return body
@@ -60,8 +62,14 @@ class Responses:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, request_id: str, model: str, token_texts: TokenTexts,
-                 include_usage: bool = False, router_timing: dict | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        token_texts: TokenTexts,
+        include_usage: bool = False,
+        router_timing: dict | None = None,
+    ) -> None:
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
@@ -100,11 +108,9 @@ class Responses:
         return sse_event(payload)
 
     # ---- non-streaming ---------------------------------------------------------------------
-    def full(self, text: str, logprobs: list[TokenLogprob] | None,
-             final: RequestOutput) -> dict:
+    def full(self, text: str, logprobs: list[TokenLogprob] | None, final: RequestOutput) -> dict:
         finish_reason = final.finish_reason.value if final.finish_reason else None
-        body = self._envelope(self.object_name, [self._full_choice(text, logprobs,
-                                                                   finish_reason)])
+        body = self._envelope(self.object_name, [self._full_choice(text, logprobs, finish_reason)])
         body["usage"] = usage(final)
         if final.kv_transfer_params is not None:
             body["kv_transfer_params"] = final.kv_transfer_params
@@ -114,15 +120,22 @@ class Responses:
 
     # ---- per endpoint ----------------------------------------------------------------------
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
-        return {"id": self.request_id, "object": object_name, "created": self.created,
-                "model": self.model, "choices": choices}
+        return {
+            "id": self.request_id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
-    def _stream_choice(self, text: str, logprobs: list[TokenLogprob] | None,
-                       finish_reason: str | None) -> dict:
+    def _stream_choice(
+        self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None
+    ) -> dict:
         raise NotImplementedError
 
-    def _full_choice(self, text: str, logprobs: list[TokenLogprob] | None,
-                     finish_reason: str | None) -> dict:
+    def _full_choice(
+        self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None
+    ) -> dict:
         raise NotImplementedError
 
 
@@ -138,8 +151,12 @@ class CompletionResponses(Responses):
         return self._full_choice(text, logprobs, finish_reason)
 
     def _full_choice(self, text, logprobs, finish_reason) -> dict:
-        return {"index": 0, "text": text, "logprobs": self._logprobs(logprobs),
-                "finish_reason": finish_reason}
+        return {
+            "index": 0,
+            "text": text,
+            "logprobs": self._logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
 
     def _logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
         if logprobs is None:
@@ -152,8 +169,10 @@ class CompletionResponses(Responses):
         return {
             "tokens": tokens,
             "token_logprobs": [finite_logprob(lp.logprob) for lp in logprobs],
-            "top_logprobs": [{self._token_texts(t): finite_logprob(v) for t, v in lp.top_logprobs}
-                             for lp in logprobs],
+            "top_logprobs": [
+                {self._token_texts(t): finite_logprob(v) for t, v in lp.top_logprobs}
+                for lp in logprobs
+            ],
             "text_offset": offsets,
         }
 
@@ -163,8 +182,12 @@ class ChatResponses(Responses):
     chunk_object_name = "chat.completion.chunk"
 
     def opening_chunks(self) -> list[str]:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None}
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         payload = self._envelope(self.chunk_object_name, [choice])
         if self.include_usage:
             payload["usage"] = None
@@ -172,22 +195,38 @@ class ChatResponses(Responses):
 
     def _stream_choice(self, text, logprobs, finish_reason) -> dict:
         delta = {"content": text} if text else {}
-        return {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs),
-                "finish_reason": finish_reason}
+        return {
+            "index": 0,
+            "delta": delta,
+            "logprobs": self._logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
 
     def _full_choice(self, text, logprobs, finish_reason) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": text},
-                "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": self._logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
 
     def _logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
         if logprobs is None:
             return None
-        return {"content": [
-            {**self._entry(lp.token_id, lp.logprob),
-             "top_logprobs": [self._entry(t, v) for t, v in lp.top_logprobs]}
-            for lp in logprobs]}
+        return {
+            "content": [
+                {
+                    **self._entry(lp.token_id, lp.logprob),
+                    "top_logprobs": [self._entry(t, v) for t, v in lp.top_logprobs],
+                }
+                for lp in logprobs
+            ]
+        }
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self._token_texts(token_id)
-        return {"token": text, "logprob": finite_logprob(logprob),
-                "bytes": list(text.encode("utf-8"))}
+        return {
+            "token": text,
+            "logprob": finite_logprob(logprob),
+            "bytes": list(text.encode("utf-8")),
+        }

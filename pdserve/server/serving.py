@@ -56,9 +56,16 @@ def new_request_id(http_request: Request, prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-async def serve(http_request: Request, state: ServerState, prepared: PreparedRequest,
-                responses: Responses, *, stream: bool, endpoint: str,
-                arrival_time: float) -> Response:
+async def serve(
+    http_request: Request,
+    state: ServerState,
+    prepared: PreparedRequest,
+    responses: Responses,
+    *,
+    stream: bool,
+    endpoint: str,
+    arrival_time: float,
+) -> Response:
     """Admit the request (errors become 4xx/503 before any byte is sent) and answer it."""
     engine_stream = await _admit(state.engine, responses.request_id, prepared, arrival_time)
     tracker = RequestTracker(responses.request_id, endpoint, state.metrics, arrival_time)
@@ -68,9 +75,16 @@ async def serve(http_request: Request, state: ServerState, prepared: PreparedReq
             _stream(engine_stream, responses, tracker, state.metrics),
             on_close=lambda: _close(engine_stream, tracker),
             media_type="text/event-stream",
-            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    body = await _collect(http_request, state.engine, engine_stream, responses, tracker,
-                          prepared.sampling_params.logprobs is not None)
+            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    body = await _collect(
+        http_request,
+        state.engine,
+        engine_stream,
+        responses,
+        tracker,
+        prepared.sampling_params.logprobs is not None,
+    )
     return JSONResponse(body, headers=headers)
 
 
@@ -78,8 +92,7 @@ class _EngineStreamingResponse(StreamingResponse):
     """A stream that always releases its engine request, even when the client vanished
     before the body iterator ever started (then its own `finally` never runs)."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
-                 **kwargs) -> None:
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs) -> None:
         super().__init__(content, **kwargs)
         self._on_close = on_close
 
@@ -96,15 +109,24 @@ def _close(engine_stream: RequestStream, tracker: RequestTracker) -> None:
     tracker.finish("client_disconnected")
 
 
-async def _admit(engine: AsyncLLMEngine, request_id: str, prepared: PreparedRequest,
-                 arrival_time: float) -> RequestStream:
+async def _admit(
+    engine: AsyncLLMEngine, request_id: str, prepared: PreparedRequest, arrival_time: float
+) -> RequestStream:
     try:
-        return await engine.add_request(request_id, prepared.prompt_token_ids,
-                                        prepared.sampling_params, prepared.kv_transfer_params,
-                                        arrival_time)
+        return await engine.add_request(
+            request_id,
+            prepared.prompt_token_ids,
+            prepared.sampling_params,
+            prepared.kv_transfer_params,
+            arrival_time,
+        )
     except EngineOverloadedError as exc:
-        raise APIError(ErrorType.RATE_LIMIT, str(exc), code="queue_full",
-                       headers={"Retry-After": str(exc.retry_after_s)}) from exc
+        raise APIError(
+            ErrorType.RATE_LIMIT,
+            str(exc),
+            code="queue_full",
+            headers={"Retry-After": str(exc.retry_after_s)},
+        ) from exc
     except InvalidParameterError as exc:
         raise invalid(exc.param, str(exc)) from exc
     except EngineDeadError as exc:
@@ -113,8 +135,12 @@ async def _admit(engine: AsyncLLMEngine, request_id: str, prepared: PreparedRequ
         raise invalid(None, str(exc)) from exc
 
 
-async def _stream(engine_stream: RequestStream, responses: Responses, tracker: RequestTracker,
-                  metrics: ServerMetrics) -> AsyncIterator[str]:
+async def _stream(
+    engine_stream: RequestStream,
+    responses: Responses,
+    tracker: RequestTracker,
+    metrics: ServerMetrics,
+) -> AsyncIterator[str]:
     status = "ok"
     try:
         for event in responses.opening_chunks():
@@ -147,10 +173,17 @@ async def _stream(engine_stream: RequestStream, responses: Responses, tracker: R
         tracker.finish(status)
 
 
-async def _collect(http_request: Request, engine: AsyncLLMEngine, engine_stream: RequestStream,
-                   responses: Responses, tracker: RequestTracker, wants_logprobs: bool) -> dict:
-    watcher = asyncio.create_task(_abort_on_disconnect(http_request, engine,
-                                                       engine_stream.request_id))
+async def _collect(
+    http_request: Request,
+    engine: AsyncLLMEngine,
+    engine_stream: RequestStream,
+    responses: Responses,
+    tracker: RequestTracker,
+    wants_logprobs: bool,
+) -> dict:
+    watcher = asyncio.create_task(
+        _abort_on_disconnect(http_request, engine, engine_stream.request_id)
+    )
     texts: list[str] = []
     logprobs: list[TokenLogprob] | None = [] if wants_logprobs else None
     final: RequestOutput | None = None
@@ -176,8 +209,9 @@ async def _collect(http_request: Request, engine: AsyncLLMEngine, engine_stream:
     return responses.full("".join(texts), logprobs, final)
 
 
-async def _abort_on_disconnect(http_request: Request, engine: AsyncLLMEngine,
-                               request_id: str) -> None:
+async def _abort_on_disconnect(
+    http_request: Request, engine: AsyncLLMEngine, request_id: str
+) -> None:
     """The body is read already, so the next ASGI message is the disconnect."""
     while (await http_request.receive())["type"] != "http.disconnect":
         pass
@@ -189,8 +223,11 @@ def _raise_if_failed(output: RequestOutput) -> None:
     --kv-failure-policy fail) is answered as a failure, not as a normal finish."""
     if output.finished and output.finish_reason is FinishReason.ERROR:
         transfer = output.kv_transfer
-        cause = (f"KV transfer failed: {transfer.error}" if transfer and transfer.error
-                 else "the engine failed the request")
+        cause = (
+            f"KV transfer failed: {transfer.error}"
+            if transfer and transfer.error
+            else "the engine failed the request"
+        )
         raise RequestFailedError(cause)
 
 

@@ -20,8 +20,9 @@ access_logger = logging.getLogger("pdserve.server.access")
 class RequestTracker:
     """Observes one request's outputs; `finish()` records its metrics and log line once."""
 
-    def __init__(self, request_id: str, endpoint: str, metrics: ServerMetrics,
-                 arrival_time: float) -> None:
+    def __init__(
+        self, request_id: str, endpoint: str, metrics: ServerMetrics, arrival_time: float
+    ) -> None:
         self.request_id = request_id
         self._endpoint = endpoint
         self._metrics = metrics
@@ -69,14 +70,24 @@ class RequestTracker:
             self._metrics.count_success(reason)
         else:
             reason = "none"
-        ttft = (self._first_token_time - self.arrival_time
-                if self._first_token_time is not None else None)
+        ttft = (
+            self._first_token_time - self.arrival_time
+            if self._first_token_time is not None
+            else None
+        )
         access_logger.info(
             "%s %s status=%s finish=%s prompt_tokens=%d output_tokens=%d cached_tokens=%s "
-            "ttft_ms=%s e2e_ms=%.1f", self.request_id, self._endpoint, status, reason,
-            self._num_prompt_tokens, self._num_output_tokens,
+            "ttft_ms=%s e2e_ms=%.1f",
+            self.request_id,
+            self._endpoint,
+            status,
+            reason,
+            self._num_prompt_tokens,
+            self._num_output_tokens,
             final.num_cached_tokens if final else "-",
-            f"{ttft * 1e3:.1f}" if ttft is not None else "-", (now - self.arrival_time) * 1e3)
+            f"{ttft * 1e3:.1f}" if ttft is not None else "-",
+            (now - self.arrival_time) * 1e3,
+        )
 
     def _record_finished(self, final: RequestOutput, now: float) -> None:
         metrics = self._metrics
@@ -95,4 +106,5 @@ class RequestTracker:
             metrics.decode_time.observe(last - first)
             if final.num_output_tokens > 1:
                 metrics.time_per_output_token.observe(
-                    (last - first) / (final.num_output_tokens - 1))
+                    (last - first) / (final.num_output_tokens - 1)
+                )

@@ -59,8 +59,7 @@ class WorkerTiming:
         if self._first_token_time is not None:
             report["worker_ttft_ms"] = _ms(self._first_token_time - clock.arrival_time)
         if self._second_token_time is not None and clock.first_token_time is not None:
-            report["first_decode_step_ms"] = _ms(self._second_token_time
-                                                 - clock.first_token_time)
+            report["first_decode_step_ms"] = _ms(self._second_token_time - clock.first_token_time)
         if clock.first_scheduled_time is not None:
             report["worker_queue_ms"] = _ms(clock.first_scheduled_time - clock.arrival_time)
         report["worker_prefill_ms"] = _ms(clock.prefill_time)
@@ -69,8 +68,11 @@ class WorkerTiming:
 
 def _numbers(given: dict[str, Any]) -> dict[str, float]:
     """The numeric entries of an untrusted dict, at most `MAX_ECHOED_ENTRIES`."""
-    numbers = {k: v for k, v in given.items()
-               if isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)}
+    numbers = {
+        k: v
+        for k, v in given.items()
+        if isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool)
+    }
     return dict(list(numbers.items())[:MAX_ECHOED_ENTRIES])
 
 

@@ -59,9 +59,12 @@ class Fit:
     num_outliers: int = 0
 
     def metadata(self) -> dict:
-        return {"mean_abs_rel_error": self.mean_abs_rel_error,
-                "max_abs_rel_error": self.max_abs_rel_error, "num_samples": self.num_samples,
-                "num_outliers": self.num_outliers}
+        return {
+            "mean_abs_rel_error": self.mean_abs_rel_error,
+            "max_abs_rel_error": self.max_abs_rel_error,
+            "num_samples": self.num_samples,
+            "num_outliers": self.num_outliers,
+        }
 
 
 def save_samples(samples: Sequence[StepSample], path: str | Path) -> None:
@@ -95,17 +98,23 @@ _ENGINE_BENCH_DECODE_CONTEXT = 512
 def _engine_bench_samples(result: dict) -> list[StepSample]:
     runs = [r for r in result["runs"] if r["dtype"] == "bfloat16"] or result["runs"]
     run = runs[0]
-    samples = [StepSample((SeqWork(int(length), 0, True),),
-                          int(length) / r["pdserve_tokens_per_s"])
-               for length, r in run["prefill"].items()]
-    samples += [StepSample((SeqWork(1, _ENGINE_BENCH_DECODE_CONTEXT, True),) * int(batch),
-                           r["pdserve_step_ms"] / 1000)
-                for batch, r in run["decode"].items()]
+    samples = [
+        StepSample((SeqWork(int(length), 0, True),), int(length) / r["pdserve_tokens_per_s"])
+        for length, r in run["prefill"].items()
+    ]
+    samples += [
+        StepSample(
+            (SeqWork(1, _ENGINE_BENCH_DECODE_CONTEXT, True),) * int(batch),
+            r["pdserve_step_ms"] / 1000,
+        )
+        for batch, r in run["decode"].items()
+    ]
     return samples
 
 
-def fit_efficiency(cost_model: CostModel, samples: Sequence[StepSample],
-                   network: float = 1.0) -> Fit:
+def fit_efficiency(
+    cost_model: CostModel, samples: Sequence[StepSample], network: float = 1.0
+) -> Fit:
     """The efficiency that best predicts `samples` on `cost_model`'s model and hardware.
 
     Steps slowed by something else on the machine (another process taking a core) would
@@ -132,14 +141,19 @@ def fit_efficiency(cost_model: CostModel, samples: Sequence[StepSample],
         predicted = np.array(_predictions(cost_model, fit, kept))
         ratios = np.array([s.step_s for s in kept]) / predicted
         quantiles = np.quantile(ratios, np.linspace(0, 1, _JITTER_QUANTILES))
-        fit = dataclasses.replace(fit, step_jitter=tuple(round(float(q), 4) for q in quantiles),
-                                  jitter_step_s=float(np.median(predicted)))
-    return Fit(fit, float(np.mean(errors)), float(np.max(errors)), len(kept),
-               len(samples) - len(kept))
+        fit = dataclasses.replace(
+            fit,
+            step_jitter=tuple(round(float(q), 4) for q in quantiles),
+            jitter_step_s=float(np.median(predicted)),
+        )
+    return Fit(
+        fit, float(np.mean(errors)), float(np.max(errors)), len(kept), len(samples) - len(kept)
+    )
 
 
-def _fit(cost_model: CostModel, samples: Sequence[StepSample], network: float,
-         weights: np.ndarray) -> Efficiency:
+def _fit(
+    cost_model: CostModel, samples: Sequence[StepSample], network: float, weights: np.ndarray
+) -> Efficiency:
     """The roofline efficiencies; then, keeping its attention terms (refitting them beside a
     curve this flexible trades attention against negative curve values), the linear curve,
     if it predicts the samples better (it cannot where few row counts were measured)."""
@@ -148,18 +162,29 @@ def _fit(cost_model: CostModel, samples: Sequence[StepSample], network: float,
     for factor in _REFINEMENTS:
         best = terms.search(*(_around(v, factor) for v in best[:3]))
     linear, attention, memory, step_overhead, per_seq = best
-    roofline = Efficiency(linear_compute=linear, attention_compute=attention, memory=memory,
-                          network=network, step_overhead_s=step_overhead,
-                          per_seq_overhead_s=per_seq)
-    curve = CurveFit(cost_model, samples, weights / terms.times, lambda a, m: terms.attention_s(
-        np.array([a]), np.array([m]))[:, 0, 0])
+    roofline = Efficiency(
+        linear_compute=linear,
+        attention_compute=attention,
+        memory=memory,
+        network=network,
+        step_overhead_s=step_overhead,
+        per_seq_overhead_s=per_seq,
+    )
+    curve = CurveFit(
+        cost_model,
+        samples,
+        weights / terms.times,
+        lambda a, m: terms.attention_s(np.array([a]), np.array([m]))[:, 0, 0],
+    )
     if not curve.is_possible:
         return roofline
     knots, per_seq = curve.solve(attention, memory)
-    curved = dataclasses.replace(roofline, step_overhead_s=0.0, per_seq_overhead_s=per_seq,
-                                 linear_curve=knots)
-    losses = [float(np.sum((weights * _errors(cost_model, e, samples)) ** 2))
-              for e in (roofline, curved)]
+    curved = dataclasses.replace(
+        roofline, step_overhead_s=0.0, per_seq_overhead_s=per_seq, linear_curve=knots
+    )
+    losses = [
+        float(np.sum((weights * _errors(cost_model, e, samples)) ** 2)) for e in (roofline, curved)
+    ]
     return curved if losses[1] < losses[0] else roofline
 
 
@@ -167,26 +192,37 @@ def _around(value: float, factor: float) -> np.ndarray:
     return np.geomspace(max(value / factor, 1e-4), min(value * factor, 1.0), _FINE_STEPS)
 
 
-def _errors(cost_model: CostModel, efficiency: Efficiency,
-            samples: Sequence[StepSample]) -> list[float]:
+def _errors(
+    cost_model: CostModel, efficiency: Efficiency, samples: Sequence[StepSample]
+) -> list[float]:
     """|predicted − measured| / measured per sample."""
-    return [abs(p - s.step_s) / s.step_s
-            for s, p in zip(samples, _predictions(cost_model, efficiency, samples), strict=True)]
+    return [
+        abs(p - s.step_s) / s.step_s
+        for s, p in zip(samples, _predictions(cost_model, efficiency, samples), strict=True)
+    ]
 
 
-def _predictions(cost_model: CostModel, efficiency: Efficiency,
-                 samples: Sequence[StepSample]) -> list[float]:
-    model = CostModel(cost_model.model, cost_model.hardware, cost_model.tp,
-                      dtype=cost_model.dtype, kv_dtype=cost_model.kv_dtype,
-                      efficiency=efficiency, inter_node_link=cost_model.tp_link)
+def _predictions(
+    cost_model: CostModel, efficiency: Efficiency, samples: Sequence[StepSample]
+) -> list[float]:
+    model = CostModel(
+        cost_model.model,
+        cost_model.hardware,
+        cost_model.tp,
+        dtype=cost_model.dtype,
+        kv_dtype=cost_model.kv_dtype,
+        efficiency=efficiency,
+        inter_node_link=cost_model.tp_link,
+    )
     return [model.step_time(s.batch) for s in samples]
 
 
 class _Terms:
     """Per-sample seconds at 100% of each peak, to evaluate a grid of efficiencies at once."""
 
-    def __init__(self, cost_model: CostModel, samples: Sequence[StepSample],
-                 weights: np.ndarray) -> None:
+    def __init__(
+        self, cost_model: CostModel, samples: Sequence[StepSample], weights: np.ndarray
+    ) -> None:
         peak_flops, peak_attn = cost_model.peak_linear_flops, cost_model.peak_attention_flops
         bandwidth = cost_model.hardware.memory_bandwidth
         self.samples = samples
@@ -194,10 +230,13 @@ class _Terms:
         for sample in samples:
             work = cost_model.step_work(sample.batch)
             attention = np.array(work.attention).reshape(-1, 2)
-            self.works.append((
-                (work.linear[0] / peak_flops, work.linear[1] / bandwidth),
-                (work.lm_head[0] / peak_flops, work.lm_head[1] / bandwidth),
-                (attention[:, 0] / peak_attn, attention[:, 1] / bandwidth)))
+            self.works.append(
+                (
+                    (work.linear[0] / peak_flops, work.linear[1] / bandwidth),
+                    (work.lm_head[0] / peak_flops, work.lm_head[1] / bandwidth),
+                    (attention[:, 0] / peak_attn, attention[:, 1] / bandwidth),
+                )
+            )
         self.times = np.array([s.step_s for s in samples])
         # Relative error, each sample scaled by its robustness weight.
         self.weights = weights / self.times
@@ -206,12 +245,19 @@ class _Terms:
     def attention_s(self, attention: np.ndarray, memory: np.ndarray) -> np.ndarray:
         """[k, a, m]: attention seconds of sample k at efficiencies (a, m)."""
         inv_a, inv_m = 1 / attention, 1 / memory
-        return np.stack([np.maximum(att_c[:, None, None] * inv_a[None, :, None],
-                                    att_m[:, None, None] * inv_m[None, None, :]).sum(axis=0)
-                         for _, _, (att_c, att_m) in self.works])
+        return np.stack(
+            [
+                np.maximum(
+                    att_c[:, None, None] * inv_a[None, :, None],
+                    att_m[:, None, None] * inv_m[None, None, :],
+                ).sum(axis=0)
+                for _, _, (att_c, att_m) in self.works
+            ]
+        )
 
-    def search(self, linear: np.ndarray, attention: np.ndarray,
-               memory: np.ndarray) -> tuple[float, float, float, float, float]:
+    def search(
+        self, linear: np.ndarray, attention: np.ndarray, memory: np.ndarray
+    ) -> tuple[float, float, float, float, float]:
         """Best (linear, attention, memory, step overhead, per-seq overhead) on the grid."""
         # predicted[k, l, a, m]: roofline seconds of sample k at efficiencies (l, a, m).
         predicted = np.stack([self._roofline(w, linear, attention, memory) for w in self.works])
@@ -219,17 +265,24 @@ class _Terms:
         residual = (self.times[:, None, None, None] - predicted) * weights[:, None, None, None]
         overhead, per_seq, loss = _fit_overheads(residual, weights, self.num_seqs * weights)
         index = np.unravel_index(np.argmin(loss), loss.shape)
-        return (float(linear[index[0]]), float(attention[index[1]]), float(memory[index[2]]),
-                float(overhead[index]), float(per_seq[index]))
+        return (
+            float(linear[index[0]]),
+            float(attention[index[1]]),
+            float(memory[index[2]]),
+            float(overhead[index]),
+            float(per_seq[index]),
+        )
 
     @staticmethod
     def _roofline(work, linear, attention, memory) -> np.ndarray:
         (lin_c, lin_m), (head_c, head_m), (att_c, att_m) = work
         inv_l, inv_a, inv_m = 1 / linear, 1 / attention, 1 / memory
-        dense = (np.maximum.outer(lin_c * inv_l, lin_m * inv_m)
-                 + np.maximum.outer(head_c * inv_l, head_m * inv_m))  # [l, m]
-        attn = np.maximum(att_c[:, None, None] * inv_a[None, :, None],
-                          att_m[:, None, None] * inv_m[None, None, :]).sum(axis=0)  # [a, m]
+        dense = np.maximum.outer(lin_c * inv_l, lin_m * inv_m) + np.maximum.outer(
+            head_c * inv_l, head_m * inv_m
+        )  # [l, m]
+        attn = np.maximum(
+            att_c[:, None, None] * inv_a[None, :, None], att_m[:, None, None] * inv_m[None, None, :]
+        ).sum(axis=0)  # [a, m]
         return dense[:, None, :] + attn[None, :, :]
 
 
@@ -257,6 +310,11 @@ def _fit_overheads(residual: np.ndarray, a: np.ndarray, b: np.ndarray):
     per_seq = np.where(negative_per_seq, 0.0, per_seq)
     per_seq = np.where(negative_overhead & ~negative_per_seq, only_per_seq, per_seq)
     overhead = np.where(negative_overhead & ~negative_per_seq, 0.0, overhead)
-    loss = (residual ** 2).sum(axis=0) - 2 * (overhead * ya + per_seq * yb) \
-        + overhead ** 2 * saa + 2 * overhead * per_seq * sab + per_seq ** 2 * sbb
+    loss = (
+        (residual**2).sum(axis=0)
+        - 2 * (overhead * ya + per_seq * yb)
+        + overhead**2 * saa
+        + 2 * overhead * per_seq * sab
+        + per_seq**2 * sbb
+    )
     return overhead, per_seq, loss

@@ -30,8 +30,14 @@ from pdserve.sim.workload import SimRequestSpec, plan_requests
 LLAMA_70B = MODELS["Llama-3-70B"]
 LLAMA_70B_LONG = MODELS["Llama-3.1-70B"]
 H100 = get_hardware("H100-SXM")
-IDEAL = Efficiency(linear_compute=1, attention_compute=1, memory=1, network=1,
-                   step_overhead_s=0, per_seq_overhead_s=0)
+IDEAL = Efficiency(
+    linear_compute=1,
+    attention_compute=1,
+    memory=1,
+    network=1,
+    step_overhead_s=0,
+    per_seq_overhead_s=0,
+)
 TYPICAL = Efficiency()
 
 
@@ -49,19 +55,37 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:,.0f} ms" if seconds >= 0.01 else f"{seconds * 1000:.1f} ms"
 
 
-def _config(mode: Mode, *, model: ModelSpec = LLAMA_70B, workers: int = 1, tp: int = 8,
-            prefill: int = 1, budget: int = 2048, max_num_seqs: int = 256,
-            network: str = "ib-8x400", **kwargs) -> SimConfig:
+def _config(
+    mode: Mode,
+    *,
+    model: ModelSpec = LLAMA_70B,
+    workers: int = 1,
+    tp: int = 8,
+    prefill: int = 1,
+    budget: int = 2048,
+    max_num_seqs: int = 256,
+    network: str = "ib-8x400",
+    **kwargs,
+) -> SimConfig:
     if mode is Mode.COLOCATED:
         budget = model.max_position_embeddings
     sched = scheduler_config_for(mode, budget, max_num_seqs, model.max_position_embeddings)
     prefill_pool = PoolConfig(prefill, tp, sched) if mode is Mode.DISAGG else None
-    return SimConfig(model, H100, mode, PoolConfig(workers, tp, sched), prefill_pool,
-                     network=get_network(network), efficiency=TYPICAL, **kwargs)
+    return SimConfig(
+        model,
+        H100,
+        mode,
+        PoolConfig(workers, tp, sched),
+        prefill_pool,
+        network=get_network(network),
+        efficiency=TYPICAL,
+        **kwargs,
+    )
 
 
-def _prefill_bound(model: ModelSpec, hardware_name: str, tokens: int, dtype: str,
-                   tp: int = 8) -> float:
+def _prefill_bound(
+    model: ModelSpec, hardware_name: str, tokens: int, dtype: str, tp: int = 8
+) -> float:
     """Seconds of pure math for a whole-prompt prefill at 100% of peak (no memory or
     communication time; attention in bf16): a bound nothing beats."""
     cost = CostModel(model, HARDWARE[hardware_name], tp, dtype=dtype, efficiency=IDEAL)
@@ -79,8 +103,9 @@ def _all_reduce_s(model: ModelSpec, tokens: int, tp: int = 8) -> float:
 
 def _trace(num_prompts: int, rate: float | None, seed: int = 0) -> list[SimRequestSpec]:
     """Azure conversation trace lengths (the first `num_prompts` requests)."""
-    options = WorkloadOptions(num_prompts=num_prompts,
-                              trace_window=TraceWindow(num_prompts=num_prompts))
+    options = WorkloadOptions(
+        num_prompts=num_prompts, trace_window=TraceWindow(num_prompts=num_prompts)
+    )
     workload = make_workload("trace", options, None)
     return plan_requests(workload, seed=seed, request_rate=rate, max_model_len=8192)
 
@@ -103,12 +128,18 @@ def _p99(result: SimResult, metric: str) -> float:
 
 # ---- the claims ------------------------------------------------------------------------
 def claim_1() -> ClaimReport:
-    report = ClaimReport(1, "A 28k-token prompt on Llama-3-70B is prefilled in 310 ms on a "
-                            "prefill node, and its KV cache crosses a 400 Gb/s RoCE fabric to "
-                            "a decode node in 14 ms.")
+    report = ClaimReport(
+        1,
+        "A 28k-token prompt on Llama-3-70B is prefilled in 310 ms on a "
+        "prefill node, and its KV cache crosses a 400 Gb/s RoCE fabric to "
+        "a decode node in 14 ms.",
+    )
     tokens = 28_000
-    bounds = {(hw, dt): _prefill_bound(LLAMA_70B_LONG, hw, tokens, dt)
-              for hw in ("H100-SXM", "H200", "B200") for dt in ("bf16", "fp8")}
+    bounds = {
+        (hw, dt): _prefill_bound(LLAMA_70B_LONG, hw, tokens, dt)
+        for hw in ("H100-SXM", "H200", "B200")
+        for dt in ("bf16", "fp8")
+    }
     kv_bytes = LLAMA_70B.kv_bytes_per_token("bf16") * tokens
     one_nic = kv_bytes / get_network("roce-400").bandwidth
     eight_nics = kv_bytes / get_network("ib-8x400").node_bandwidth
@@ -120,8 +151,9 @@ def claim_1() -> ClaimReport:
         f"FLOPs in the linear layers + {4 * 80 * 8192 * tokens * (tokens + 1) / 2:.2e} in "
         "causal attention.",
         "Fastest possible prefill on one 8-GPU node (TP8, FLOPs at 100% of peak, attention "
-        "in bf16): " + ", ".join(f"{hw} {dt} {_ms(t)}" for (hw, dt), t in bounds.items()) +
-        f". TP8 adds two all-reduces per layer: {_ms(_all_reduce_s(LLAMA_70B, tokens))} "
+        "in bf16): "
+        + ", ".join(f"{hw} {dt} {_ms(t)}" for (hw, dt), t in bounds.items())
+        + f". TP8 adds two all-reduces per layer: {_ms(_all_reduce_s(LLAMA_70B, tokens))} "
         "more on H100 NVLink unless overlapped with compute.",
         f"KV cache: 28,000 × 327,680 B = {kv_bytes / 1e9:.2f} GB (bf16). At 400 Gb/s "
         f"(50 GB/s) that is {_ms(one_nic)}; even eight 400 Gb/s NICs per node take "
@@ -134,7 +166,8 @@ def claim_1() -> ClaimReport:
     report.simulation = [
         f"`disagg 1×TP8 : 1×TP8` on H100, one 400 Gb/s RoCE NIC per node, typical "
         f"efficiencies: prefill leg {record.server_extra['prefill_ms']:,.0f} ms, KV transfer "
-        f"{record.server_extra['kv_transfer_ms']:,.0f} ms, TTFT {_ms(record.ttft)}."]
+        f"{record.server_extra['kv_transfer_ms']:,.0f} ms, TTFT {_ms(record.ttft)}."
+    ]
     fp8_h100 = bounds[("H100-SXM", "fp8")]
     report.verdict = (
         f"Cannot hold as stated. On an 8×H100 node even FP8 at 100% of peak needs "
@@ -142,18 +175,23 @@ def claim_1() -> ClaimReport:
         f"nodes with FP8 (bound {_ms(bounds[('B200', 'fp8')])}, so ~"
         f"{bounds[('B200', 'fp8')] / 0.310:.0%} of peak). The 14 ms transfer is off by "
         f"{one_nic / 0.014:.0f}× for one 400 Gb/s link; it would need ~5 Tb/s, or a prompt "
-        f"~{0.014 * 50e9 / 327_680:,.0f} tokens long.")
+        f"~{0.014 * 50e9 / 327_680:,.0f} tokens long."
+    )
     return report
 
 
 def claim_2() -> ClaimReport:
-    report = ClaimReport(2, "A 32k-token prompt froze an 8×H100 server's other streams for "
-                            "2.4 s under colocated serving; 1,024-token chunks fixed it.")
+    report = ClaimReport(
+        2,
+        "A 32k-token prompt froze an 8×H100 server's other streams for "
+        "2.4 s under colocated serving; 1,024-token chunks fixed it.",
+    )
     tokens = 32_000
     bound = _prefill_bound(LLAMA_70B_LONG, "H100-SXM", tokens, "bf16")
     typical = CostModel(LLAMA_70B_LONG, H100, 8, efficiency=TYPICAL).prefill_time(tokens)
     chunk_bound = CostModel(LLAMA_70B_LONG, H100, 8, efficiency=IDEAL).step_time(
-        [SeqWork(1024, tokens - 1024, False)])
+        [SeqWork(1024, tokens - 1024, False)]
+    )
     report.physics = [
         f"Prefill of 32k tokens of Llama-3.x-70B on 8×H100 (TP8, bf16): at least "
         f"{_ms(bound)} of math at 100% of peak (plus "
@@ -172,24 +210,33 @@ def claim_2() -> ClaimReport:
         stream_gaps = _stream_gaps(result, "stream")
         gaps[mode] = max(stream_gaps)
         long = next(r for r in result.records if r.kind == "long")
-        lines.append(f"{label}: worst gap in the 32 other streams {_ms(gaps[mode])} "
-                     f"(median {_ms(median(stream_gaps))}); the 32k prompt's TTFT "
-                     f"{_ms(long.ttft)}.")
-    report.simulation = ["1×TP8 H100 engine, 32 streams decoding (512-token prompts), a 32k "
-                         "prompt arriving at 2 s; typical efficiencies.", *lines]
+        lines.append(
+            f"{label}: worst gap in the 32 other streams {_ms(gaps[mode])} "
+            f"(median {_ms(median(stream_gaps))}); the 32k prompt's TTFT "
+            f"{_ms(long.ttft)}."
+        )
+    report.simulation = [
+        "1×TP8 H100 engine, 32 streams decoding (512-token prompts), a 32k "
+        "prompt arriving at 2 s; typical efficiencies.",
+        *lines,
+    ]
     report.verdict = (
         f"Plausible. The freeze is physics: the streams stall for the whole prefill "
         f"(simulated {_ms(gaps[Mode.COLOCATED])}; 2.4 s implies a slower stack than the "
         f"simulated one). 1,024-token chunks cap the stall at one chunk step (simulated "
         f"worst gap {_ms(gaps[Mode.CHUNKED])}), at the price of a later first token for "
-        "the long prompt.")
+        "the long prompt."
+    )
     return report
 
 
 def claim_3(num_prompts: int) -> ClaimReport:
-    report = ClaimReport(3, "For Llama-3-70B with 500 concurrent sessions: colocated P99 ITL "
-                            "up to 380 ms, chunked prefill (budget 2,048) 48 ms, disaggregated "
-                            "14 ms with sub-200 ms P99 TTFT.")
+    report = ClaimReport(
+        3,
+        "For Llama-3-70B with 500 concurrent sessions: colocated P99 ITL "
+        "up to 380 ms, chunked prefill (budget 2,048) 48 ms, disaggregated "
+        "14 ms with sub-200 ms P99 TTFT.",
+    )
     specs = _trace(num_prompts, math.inf)
     context = median(s.prompt_len for s in specs) + median(s.output_len for s in specs) / 2
     ideal = CostModel(LLAMA_70B, H100, 8, efficiency=IDEAL)
@@ -201,8 +248,7 @@ def claim_3(num_prompts: int) -> ClaimReport:
     mean_output = sum(s.output_len for s in specs) / len(specs)
     # Closed loop without think time: each session sends its next request when one ends.
     rate = 500 / (mean_output * 0.014)
-    prefill_node = 8 * H100.peak_bf16_flops * TYPICAL.linear_compute / (
-        2 * LLAMA_70B.num_params)
+    prefill_node = 8 * H100.peak_bf16_flops * TYPICAL.linear_compute / (2 * LLAMA_70B.num_params)
     report.physics = [
         f"The claim names neither hardware nor traffic; take H100s and the Azure conversation "
         f"trace (mean prompt {mean_prompt:,.0f}, mean output {mean_output:,.0f} tokens). A "
@@ -218,21 +264,31 @@ def claim_3(num_prompts: int) -> ClaimReport:
         f"~{math.ceil(rate * mean_prompt / prefill_node)} prefill nodes (fewer with think time "
         "between a session's requests).",
     ]
-    layouts = [("colocated 4×TP8", _config(Mode.COLOCATED, workers=4)),
-               ("chunked 4×TP8, 2,048", _config(Mode.CHUNKED, workers=4)),
-               ("disagg 2×TP8 : 2×TP8", _config(Mode.DISAGG, prefill=2, workers=2))]
+    layouts = [
+        ("colocated 4×TP8", _config(Mode.COLOCATED, workers=4)),
+        ("chunked 4×TP8, 2,048", _config(Mode.CHUNKED, workers=4)),
+        ("disagg 2×TP8 : 2×TP8", _config(Mode.DISAGG, prefill=2, workers=2)),
+    ]
     results = {}
     for label, config in layouts:
         config = replace(config, max_concurrency=500)
-        config = replace(config, pool=replace(config.pool, scheduler_config=replace(
-            config.pool.scheduler_config, max_num_seqs=512)))
+        config = replace(
+            config,
+            pool=replace(
+                config.pool,
+                scheduler_config=replace(config.pool.scheduler_config, max_num_seqs=512),
+            ),
+        )
         results[label] = simulate(config, specs)
     report.simulation = [
         f"{num_prompts:,} trace requests, 500 always in flight (closed loop, no think time), "
         "32 H100s in each layout, typical efficiencies, ib-8x400 between nodes:",
-        *(f"{label} ({results[label].config.num_devices} GPUs): P99 ITL "
-          f"{_ms(_p99(results[label], 'itl'))}, P99 TTFT {_ms(_p99(results[label], 'ttft'))}"
-          for label, _ in layouts)]
+        *(
+            f"{label} ({results[label].config.num_devices} GPUs): P99 ITL "
+            f"{_ms(_p99(results[label], 'itl'))}, P99 TTFT {_ms(_p99(results[label], 'ttft'))}"
+            for label, _ in layouts
+        ),
+    ]
     colocated, chunked, disagg = (results[label] for label, _ in layouts)
     report.verdict = (
         f"The ordering holds: colocated P99 ITL {_ms(_p99(colocated, 'itl'))} > chunked "
@@ -242,13 +298,15 @@ def claim_3(num_prompts: int) -> ClaimReport:
         f"{'reproduced' if _p99(disagg, 'ttft') < 0.2 else 'not reproduced'} here "
         f"({_ms(_p99(disagg, 'ttft'))}): without think time the sessions' prompt rate "
         "overwhelms any prefill pool of comparable size; the claim can hold only with long "
-        "think times or many prefill nodes per decode node.")
+        "think times or many prefill nodes per decode node."
+    )
     return report
 
 
 def claim_4(num_prompts: int) -> ClaimReport:
-    report = ClaimReport(4, "Disaggregating 64 H100s (16 prefill, 48 decode) cut p99 TTFT "
-                            "from 840 ms to 290 ms.")
+    report = ClaimReport(
+        4, "Disaggregating 64 H100s (16 prefill, 48 decode) cut p99 TTFT from 840 ms to 290 ms."
+    )
     baseline = _config(Mode.CHUNKED, workers=8)
     disagg = _config(Mode.DISAGG, prefill=2, workers=6)
     rate, base = _rate_for_ttft(baseline, num_prompts, target_s=0.840)
@@ -281,22 +339,24 @@ def claim_4(num_prompts: int) -> ClaimReport:
         f"matched load, and from {_ms(half_ttfts[0])} to {_ms(half_ttfts[1])} at half of it. "
         "A quarter of the GPUs must absorb every prompt, so prompts queue there; the claim "
         "can hold only where the colocated TTFT is dominated by decode interference and the "
-        "prompt-token rate leaves the 16 prefill GPUs spare capacity.")
+        "prompt-token rate leaves the 16 prefill GPUs spare capacity."
+    )
     return report
 
 
 def claim_5(num_prompts: int) -> ClaimReport:
-    report = ClaimReport(5, "Moving a prompt's KV cache over 400 Gb/s InfiniBand takes about "
-                            "8 ms.")
+    report = ClaimReport(5, "Moving a prompt's KV cache over 400 Gb/s InfiniBand takes about 8 ms.")
     link = get_network("ib-400")
-    in_8ms = {name: (0.008 - link.latency_s) * link.bandwidth / MODELS[name].kv_bytes_per_token()
-              for name in ("Llama-3-70B", "Llama-3.1-8B", "Qwen2.5-7B", "Mistral-7B")}
+    in_8ms = {
+        name: (0.008 - link.latency_s) * link.bandwidth / MODELS[name].kv_bytes_per_token()
+        for name in ("Llama-3-70B", "Llama-3.1-8B", "Qwen2.5-7B", "Mistral-7B")
+    }
     specs = _trace(num_prompts, None)
     typical_prompt = median(s.prompt_len for s in specs)
     report.physics = [
-        "8 ms at 400 Gb/s (50 GB/s) moves 400 MB: the KV of " +
-        ", ".join(f"{tokens:,.0f} tokens of {name}" for name, tokens in in_8ms.items()) +
-        " (bf16).",
+        "8 ms at 400 Gb/s (50 GB/s) moves 400 MB: the KV of "
+        + ", ".join(f"{tokens:,.0f} tokens of {name}" for name, tokens in in_8ms.items())
+        + " (bf16).",
         f"The Azure trace's median prompt ({typical_prompt:,.0f} tokens) on Llama-3-70B: "
         f"{_ms(typical_prompt * 327_680 / link.bandwidth)}; its p99 prompt "
         f"({_percentile([s.prompt_len for s in specs], 99):,.0f} tokens): "
@@ -304,16 +364,21 @@ def claim_5(num_prompts: int) -> ClaimReport:
         f"a 28k prompt: {_ms(28_000 * 327_680 / link.bandwidth)}.",
     ]
     result = simulate(_config(Mode.DISAGG, network="ib-400"), specs)
-    times = [r.server_extra["kv_transfer_ms"] / 1000 for r in result.records
-             if "kv_transfer_ms" in r.server_extra]
+    times = [
+        r.server_extra["kv_transfer_ms"] / 1000
+        for r in result.records
+        if "kv_transfer_ms" in r.server_extra
+    ]
     report.simulation = [
         f"`disagg 1×TP8 : 1×TP8`, Llama-3-70B, one 400 Gb/s NIC per node, Azure trace at "
         f"its own pace ({num_prompts:,} requests): KV transfer median {_ms(median(times))}, "
-        f"p99 {_ms(_percentile(times, 99))}."]
+        f"p99 {_ms(_percentile(times, 99))}."
+    ]
     report.verdict = (
         "Holds for a typical chat prompt on a 70B GQA model (~1k tokens → ~7 ms on a "
         "dedicated 400 Gb/s link), not in general: transfer time is linear in prompt length "
-        "and KV size per token, and links are shared.")
+        "and KV size per token, and links are shared."
+    )
     return report
 
 
@@ -364,11 +429,17 @@ def render(reports: list[ClaimReport]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="docs/claims.md")
-    parser.add_argument("--num-prompts", type=int, default=2000,
-                        help="trace requests per simulated scenario")
+    parser.add_argument(
+        "--num-prompts", type=int, default=2000, help="trace requests per simulated scenario"
+    )
     args = parser.parse_args(argv)
-    reports = [claim_1(), claim_2(), claim_3(args.num_prompts), claim_4(args.num_prompts),
-               claim_5(args.num_prompts)]
+    reports = [
+        claim_1(),
+        claim_2(),
+        claim_3(args.num_prompts),
+        claim_4(args.num_prompts),
+        claim_5(args.num_prompts),
+    ]
     Path(args.output).write_text(render(reports))
     print(f"wrote {args.output}")
     return 0

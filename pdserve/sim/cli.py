@@ -37,46 +37,66 @@ from pdserve.sim.simulator import simulate
 def add_parsers(subparsers) -> None:
     """Add `simulate` (with its `calibrate` subcommand) and `plan`."""
     sim = subparsers.add_parser(
-        "simulate", help="simulate a cluster layout on the real scheduler",
+        "simulate",
+        help="simulate a cluster layout on the real scheduler",
         description="Discrete-event simulation of a serving layout: pdserve's own scheduler, "
-                    "block manager and router policies, with a physical cost model in place "
-                    "of the GPUs. Prints the benchmark's metrics.")
+        "block manager and router policies, with a physical cost model in place "
+        "of the GPUs. Prints the benchmark's metrics.",
+    )
     add_deployment_args(sim, with_layout=True)
     add_workload_args(sim)
     _add_output_args(sim)
     sim.set_defaults(run=run, sim_command=None)
     sub = sim.add_subparsers(dest="sim_command", metavar="{calibrate}")
     cal = sub.add_parser(
-        "calibrate", help="fit the cost model's efficiencies to measured engine steps",
+        "calibrate",
+        help="fit the cost model's efficiencies to measured engine steps",
         description="Fit efficiency factors and overheads to real engine step times and "
-                    "save them for --calibration.")
+        "save them for --calibration.",
+    )
     cal.add_argument("--model", default="SmolLM2-135M")
     cal.add_argument("--hardware", default="cpu-local")
     cal.add_argument("--tp", type=int, default=1)
     cal.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"])
     source = cal.add_mutually_exclusive_group(required=True)
-    source.add_argument("--steps", metavar="FILE", nargs="+",
-                        help="step samples: JSONL such as `pdserve serve --step-log` writes, "
-                             "or benchmarks/engine.py --json output")
-    source.add_argument("--measure", action="store_true",
-                        help="run the real engine on this machine to measure steps")
+    source.add_argument(
+        "--steps",
+        metavar="FILE",
+        nargs="+",
+        help="step samples: JSONL such as `pdserve serve --step-log` writes, "
+        "or benchmarks/engine.py --json output",
+    )
+    source.add_argument(
+        "--measure",
+        action="store_true",
+        help="run the real engine on this machine to measure steps",
+    )
     cal.add_argument("--num-threads", type=int, help="--measure: torch threads (cores)")
     cal.add_argument("--save-steps", metavar="FILE.jsonl", help="--measure: keep the samples")
     cal.add_argument("--output", default="calibration.json", help="(default: %(default)s)")
 
     plan = subparsers.add_parser(
-        "plan", help="rank layouts of N GPUs by goodput per GPU under SLOs",
+        "plan",
+        help="rank layouts of N GPUs by goodput per GPU under SLOs",
         description="Search colocated, chunked (token budgets 256-8192, TP degrees) and "
-                    "disaggregated layouts (prefill:decode splits, TP, local-prefill "
-                    "threshold, the decode workers' budget for those local prefills) of "
-                    "--gpus devices, simulate each, rank by goodput per GPU.")
+        "disaggregated layouts (prefill:decode splits, TP, local-prefill "
+        "threshold, the decode workers' budget for those local prefills) of "
+        "--gpus devices, simulate each, rank by goodput per GPU.",
+    )
     add_deployment_args(plan, with_layout=False)
     plan.add_argument("--gpus", type=int, required=True)
-    plan.add_argument("--slo", nargs="+", required=True, metavar="METRIC:MS[,METRIC:MS]",
-                      help="e.g. ttft:500,tpot:50")
-    plan.add_argument("--target-rate", type=float,
-                      help="inverse question: GPUs needed for this rate (default: "
-                           "--request-rate)")
+    plan.add_argument(
+        "--slo",
+        nargs="+",
+        required=True,
+        metavar="METRIC:MS[,METRIC:MS]",
+        help="e.g. ttft:500,tpot:50",
+    )
+    plan.add_argument(
+        "--target-rate",
+        type=float,
+        help="inverse question: GPUs needed for this rate (default: --request-rate)",
+    )
     plan.add_argument("--max-gpus", type=int, default=4096, help="inverse search bound")
     plan.add_argument("--top", type=int, default=20, help="rows of the table to print")
     add_workload_args(plan)
@@ -116,23 +136,34 @@ def _simulate(args: argparse.Namespace) -> int:
     for mode in parse_modes(args.mode):
         config = layout_config(deployment, mode, max_concurrency=planned.max_concurrency)
         sim = simulate(config, planned.specs)
-        result = bench_result(sim, planned.workload, seed=planned.seed,
-                              request_rate=planned.request_rate,
-                              burstiness=planned.burstiness, slos=slos)
+        result = bench_result(
+            sim,
+            planned.workload,
+            seed=planned.seed,
+            request_rate=planned.request_rate,
+            burstiness=planned.burstiness,
+            slos=slos,
+        )
         results.append(result)
         payload[result.label] = result_json(sim, result)
         print(format_summary(result))
-        print(f"simulated {sim.duration_s:.1f} s of {config.num_devices} × "
-              f"{config.hardware.name} in {sim.wall_time_s:.1f} s ({sim.num_events} events)\n")
+        print(
+            f"simulated {sim.duration_s:.1f} s of {config.num_devices} × "
+            f"{config.hardware.name} in {sim.wall_time_s:.1f} s ({sim.num_events} events)\n"
+        )
     if len(results) > 1:
         print(format_table([CompareRow.of(r.label, r) for r in results]))
     if args.save_result:
         data = next(iter(payload.values())) if len(payload) == 1 else {"runs": payload}
         _write_json(args.save_result, data)
     if args.report:
-        path = write_report(results, args.report, "Simulated runs",
-                            preamble=f"Simulated with `pdserve simulate` ({deployment.model.name}"
-                                     f" on {deployment.hardware.name}).")
+        path = write_report(
+            results,
+            args.report,
+            "Simulated runs",
+            preamble=f"Simulated with `pdserve simulate` ({deployment.model.name}"
+            f" on {deployment.hardware.name}).",
+        )
         print(f"report: {path}")
     return 0
 
@@ -148,20 +179,27 @@ def _calibrate(args: argparse.Namespace) -> int:
     else:
         samples = [s for path in args.steps for s in load_samples(path)]
     fit = fit_efficiency(CostModel(model, hardware, args.tp, dtype=args.dtype), samples)
-    fit.efficiency.save(args.output, model=model.name, hardware=hardware.name, tp=args.tp,
-                        **fit.metadata())
+    fit.efficiency.save(
+        args.output, model=model.name, hardware=hardware.name, tp=args.tp, **fit.metadata()
+    )
     e = fit.efficiency
-    print(f"fitted on {fit.num_samples} steps ({fit.num_outliers} set aside as disturbed): "
-          f"linear {e.linear_compute:.3f}, attention {e.attention_compute:.3f}, memory "
-          f"{e.memory:.3f} of peak; overhead "
-          f"{e.step_overhead_s * 1e3:.2f} ms/step + {e.per_seq_overhead_s * 1e3:.3f} ms/seq; "
-          f"error mean {fit.mean_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}")
+    print(
+        f"fitted on {fit.num_samples} steps ({fit.num_outliers} set aside as disturbed): "
+        f"linear {e.linear_compute:.3f}, attention {e.attention_compute:.3f}, memory "
+        f"{e.memory:.3f} of peak; overhead "
+        f"{e.step_overhead_s * 1e3:.2f} ms/step + {e.per_seq_overhead_s * 1e3:.3f} ms/seq; "
+        f"error mean {fit.mean_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}"
+    )
     if e.linear_curve:
-        print(f"linear layers: measured curve over {len(e.linear_curve)} row counts "
-              f"({e.linear_curve[0][0]}-{e.linear_curve[-1][0]}), time ∝ rows beyond")
+        print(
+            f"linear layers: measured curve over {len(e.linear_curve)} row counts "
+            f"({e.linear_curve[0][0]}-{e.linear_curve[-1][0]}), time ∝ rows beyond"
+        )
     if e.step_jitter:
-        quantiles = ", ".join(f"p{p} {e.step_jitter[round(p / 100 * (len(e.step_jitter) - 1))]:.2f}"
-                              for p in (10, 50, 90, 99))
+        quantiles = ", ".join(
+            f"p{p} {e.step_jitter[round(p / 100 * (len(e.step_jitter) - 1))]:.2f}"
+            for p in (10, 50, 90, 99)
+        )
         print(f"step jitter (measured / modelled): {quantiles}")
     print(f"saved {args.output}")
     return 0
@@ -187,12 +225,25 @@ def _plan(args: argparse.Namespace) -> int:
         path = plot_goodput_vs_split(evaluations, Path(args.report) / "goodput_vs_split.png")
         print(f"plot: {path}")
     if args.save_result:
-        _write_json(args.save_result, {
-            "gpus": args.gpus, "slos_ms": slos, "request_rate": planned.request_rate,
-            "ranking": [{"layout": e.label, "goodput": e.goodput,
-                         "goodput_per_gpu": e.goodput_per_gpu, "attainment": e.attainment,
-                         "binding_slo": e.binding_slo(),
-                         **e.result.metrics.to_vllm_dict()} for e in evaluations]})
+        _write_json(
+            args.save_result,
+            {
+                "gpus": args.gpus,
+                "slos_ms": slos,
+                "request_rate": planned.request_rate,
+                "ranking": [
+                    {
+                        "layout": e.label,
+                        "goodput": e.goodput,
+                        "goodput_per_gpu": e.goodput_per_gpu,
+                        "attainment": e.attainment,
+                        "binding_slo": e.binding_slo(),
+                        **e.result.metrics.to_vllm_dict(),
+                    }
+                    for e in evaluations
+                ],
+            },
+        )
     return 0
 
 
@@ -206,8 +257,9 @@ def _inverse(args, inputs: PlanInputs, evaluations, target: float, progress) -> 
         if family in seen:
             continue
         seen.add(family)
-        gpus = gpus_for_rate(inputs, evaluation.layout, target, planned.specs, args.max_gpus,
-                             progress)
+        gpus = gpus_for_rate(
+            inputs, evaluation.layout, target, planned.specs, args.max_gpus, progress
+        )
         answer = f"{gpus} GPUs" if gpus else f"more than {args.max_gpus} GPUs"
         print(f"  {evaluation.layout.label(gpus or args.gpus)}: {answer}")
 

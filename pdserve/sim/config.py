@@ -30,8 +30,9 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.tp < 1:
-            raise SimConfigError(f"a pool needs >= 1 worker of >= 1 device, got "
-                                 f"{self.num_workers} × tp {self.tp}")
+            raise SimConfigError(
+                f"a pool needs >= 1 worker of >= 1 device, got {self.num_workers} × tp {self.tp}"
+            )
 
     @property
     def num_devices(self) -> int:
@@ -77,8 +78,9 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         if (self.mode is Mode.DISAGG) != (self.prefill_pool is not None):
-            raise SimConfigError("--prefill-workers/--decode-workers go with --mode disagg "
-                                 "(and only with it)")
+            raise SimConfigError(
+                "--prefill-workers/--decode-workers go with --mode disagg (and only with it)"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise SimConfigError("--num-kv-blocks must be >= 1")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
@@ -94,8 +96,9 @@ class SimConfig:
         if self.mode is not Mode.DISAGG:
             expected = SchedulingPolicy(self.mode.value)
             if self.pool.scheduler_config.scheduling is not expected:
-                raise SimConfigError(f"mode {self.mode.value} needs a {expected.value} "
-                                     "scheduler config")
+                raise SimConfigError(
+                    f"mode {self.mode.value} needs a {expected.value} scheduler config"
+                )
 
     @property
     def num_devices(self) -> int:
@@ -124,13 +127,18 @@ class SimConfig:
         return label
 
 
-def scheduler_config_for(mode: Mode, max_num_batched_tokens: int, max_num_seqs: int,
-                         max_model_len: int, **kwargs) -> SchedulerConfig:
+def scheduler_config_for(
+    mode: Mode, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, **kwargs
+) -> SchedulerConfig:
     """The core scheduler config a worker of `mode` runs (disagg workers chunk)."""
-    scheduling = (SchedulingPolicy.COLOCATED if mode is Mode.COLOCATED
-                  else SchedulingPolicy.CHUNKED)
-    return SchedulerConfig(scheduling=scheduling, max_num_batched_tokens=max_num_batched_tokens,
-                           max_num_seqs=max_num_seqs, max_model_len=max_model_len, **kwargs)
+    scheduling = SchedulingPolicy.COLOCATED if mode is Mode.COLOCATED else SchedulingPolicy.CHUNKED
+    return SchedulerConfig(
+        scheduling=scheduling,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        **kwargs,
+    )
 
 
 def with_scheduler(pool: PoolConfig, **changes) -> PoolConfig:

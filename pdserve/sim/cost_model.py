@@ -57,8 +57,12 @@ class StepCost:
         return self.linear_s + self.attention_s + self.communication_s + self.overhead_s
 
     def scaled(self, factor: float) -> StepCost:
-        return StepCost(self.linear_s * factor, self.attention_s * factor,
-                        self.communication_s * factor, self.overhead_s * factor)
+        return StepCost(
+            self.linear_s * factor,
+            self.attention_s * factor,
+            self.communication_s * factor,
+            self.overhead_s * factor,
+        )
 
 
 def roofline(flops: float, num_bytes: float, flops_per_s: float, bytes_per_s: float) -> float:
@@ -76,15 +80,24 @@ def ring_all_reduce_s(num_bytes: float, tp: int, bandwidth: float, latency_s: fl
 class CostModel:
     """Step and transfer times for `model` on a TP group of `tp` `hardware` devices."""
 
-    def __init__(self, model: ModelSpec, hardware: Hardware, tp: int = 1, *,
-                 dtype: str = "bf16", kv_dtype: str = "bf16",
-                 efficiency: Efficiency | None = None,
-                 inter_node_link: Interconnect | None = None) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        hardware: Hardware,
+        tp: int = 1,
+        *,
+        dtype: str = "bf16",
+        kv_dtype: str = "bf16",
+        efficiency: Efficiency | None = None,
+        inter_node_link: Interconnect | None = None,
+    ) -> None:
         if tp < 1:
             raise SimConfigError(f"--tp must be >= 1, got {tp}")
         if tp > hardware.devices_per_node and inter_node_link is None:
-            raise SimConfigError(f"--tp {tp} spans nodes of {hardware.devices_per_node} "
-                                 f"{hardware.name}; give --network for the link between them")
+            raise SimConfigError(
+                f"--tp {tp} spans nodes of {hardware.devices_per_node} "
+                f"{hardware.name}; give --network for the link between them"
+            )
         self.model = model
         self.hardware = hardware
         self.tp = tp
@@ -127,10 +140,13 @@ class CostModel:
         """Seconds one forward pass over `batch` takes, by component."""
         num_tokens = sum(seq.num_new_tokens for seq in batch)
         num_sampled = sum(1 for seq in batch if seq.is_sampling)
-        linear = self._linear_s(num_tokens, self.layer_params) + \
-            self._linear_s(num_sampled, self.head_params)
-        attention = sum(roofline(*self._attention_work(seq), self._attn_flops_per_s,
-                                 self._bytes_per_s) for seq in batch)
+        linear = self._linear_s(num_tokens, self.layer_params) + self._linear_s(
+            num_sampled, self.head_params
+        )
+        attention = sum(
+            roofline(*self._attention_work(seq), self._attn_flops_per_s, self._bytes_per_s)
+            for seq in batch
+        )
         eff = self.efficiency
         overhead = eff.step_overhead_s + eff.per_seq_overhead_s * len(batch)
         return StepCost(linear, attention, self._all_reduces_s(num_tokens), overhead)
@@ -142,9 +158,12 @@ class CostModel:
         """FLOPs and bytes per device of one step over `batch`, by component."""
         num_tokens = sum(seq.num_new_tokens for seq in batch)
         num_sampled = sum(1 for seq in batch if seq.is_sampling)
-        return StepWork(self._linear_work(num_tokens, self.layer_params),
-                        self._linear_work(num_sampled, self.head_params),
-                        tuple(self._attention_work(seq) for seq in batch), len(batch))
+        return StepWork(
+            self._linear_work(num_tokens, self.layer_params),
+            self._linear_work(num_sampled, self.head_params),
+            tuple(self._attention_work(seq) for seq in batch),
+            len(batch),
+        )
 
     def _linear_s(self, num_rows: int, num_params: float) -> float:
         """Seconds of linear layers holding `num_params` parameters (per device) over
@@ -154,8 +173,9 @@ class CostModel:
         curve = self.efficiency.linear_curve
         if curve:
             return num_params * seconds_per_param(curve, num_rows)
-        return roofline(*self._linear_work(num_rows, num_params), self._flops_per_s,
-                        self._bytes_per_s)
+        return roofline(
+            *self._linear_work(num_rows, num_params), self._flops_per_s, self._bytes_per_s
+        )
 
     def _linear_work(self, num_rows: int, num_params: float) -> tuple[float, float]:
         """FLOPs and weight bytes of linears holding `num_params` over `num_rows` rows; none
@@ -177,8 +197,12 @@ class CostModel:
         if self.tp == 1 or num_tokens == 0:
             return 0.0
         link = self.tp_link
-        one = ring_all_reduce_s(num_tokens * self._all_reduce_bytes_per_token, self.tp,
-                                link.bandwidth * self.efficiency.network, link.latency_s)
+        one = ring_all_reduce_s(
+            num_tokens * self._all_reduce_bytes_per_token,
+            self.tp,
+            link.bandwidth * self.efficiency.network,
+            link.latency_s,
+        )
         return 2 * self.model.num_layers * one
 
     def prefill_time(self, num_tokens: int, chunk_size: int | None = None) -> float:
@@ -191,8 +215,9 @@ class CostModel:
             done += new
         return total
 
-    def kv_transfer_time(self, num_tokens: int, link: Interconnect,
-                         num_devices: int | None = None) -> float:
+    def kv_transfer_time(
+        self, num_tokens: int, link: Interconnect, num_devices: int | None = None
+    ) -> float:
         """Seconds to move `num_tokens` tokens of KV over an otherwise idle `link` from a
         group of `num_devices` devices (default: this TP group)."""
         lanes_bw = link.transfer_bandwidth(num_devices or self.tp) * self.efficiency.network
@@ -202,23 +227,28 @@ class CostModel:
         """Rough peak activation memory per device: one layer's widest live tensors for a
         full token budget (residual, normed input, gate and up outputs) + fp32 logits."""
         m = self.model
-        per_token = (2 * m.hidden_size + 2 * m.intermediate_size / self.tp)
+        per_token = 2 * m.hidden_size + 2 * m.intermediate_size / self.tp
         act = max_num_batched_tokens * per_token * dtype_bytes(ACTIVATION_DTYPE)
         return act + max_num_seqs * m.vocab_size / self.tp * 4
 
-    def kv_capacity_tokens(self, max_num_batched_tokens: int, max_num_seqs: int,
-                           memory_utilization: float = 0.9) -> int:
+    def kv_capacity_tokens(
+        self, max_num_batched_tokens: int, max_num_seqs: int, memory_utilization: float = 0.9
+    ) -> int:
         """Tokens of KV the group holds: device memory × utilization − weights − activations.
 
         Raises `SimConfigError` when the weights alone do not fit.
         """
         per_device = self.hardware.memory_capacity * memory_utilization
         weights = self.model.weight_bytes(self.dtype) / self.tp
-        free = per_device - weights - self.activation_reserve_bytes(max_num_batched_tokens,
-                                                                     max_num_seqs)
+        free = (
+            per_device
+            - weights
+            - self.activation_reserve_bytes(max_num_batched_tokens, max_num_seqs)
+        )
         if free <= 0:
             raise SimConfigError(
                 f"{self.model.name} needs {weights / 1e9:.1f} GB of weights per device at "
                 f"--tp {self.tp}; a {self.hardware.name} has "
-                f"{self.hardware.memory_capacity / 1e9:.0f} GB: raise --tp")
+                f"{self.hardware.memory_capacity / 1e9:.0f} GB: raise --tp"
+            )
         return int(free / self._kv_bytes_per_token_device)

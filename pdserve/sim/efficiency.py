@@ -50,8 +50,9 @@ class Efficiency:
         for name in ("step_overhead_s", "per_seq_overhead_s"):
             if getattr(self, name) < 0:
                 raise SimConfigError(f"efficiency {name} must be >= 0")
-        object.__setattr__(self, "linear_curve",
-                           tuple((int(m), float(t)) for m, t in self.linear_curve))
+        object.__setattr__(
+            self, "linear_curve", tuple((int(m), float(t)) for m, t in self.linear_curve)
+        )
         rows = [m for m, _ in self.linear_curve]
         if any(m < 1 for m in rows) or rows != sorted(set(rows)):
             raise SimConfigError("efficiency linear_curve rows must be positive and increasing")
@@ -60,8 +61,9 @@ class Efficiency:
         object.__setattr__(self, "step_jitter", tuple(float(q) for q in self.step_jitter))
         jitter = self.step_jitter
         if len(jitter) == 1 or any(not q > 0 for q in jitter) or list(jitter) != sorted(jitter):
-            raise SimConfigError("efficiency step_jitter must be at least 2 positive "
-                                 "quantiles in ascending order")
+            raise SimConfigError(
+                "efficiency step_jitter must be at least 2 positive quantiles in ascending order"
+            )
         if self.step_jitter and not self.jitter_step_s > 0:
             raise SimConfigError("efficiency jitter_step_s must be positive with step_jitter")
 
@@ -89,8 +91,9 @@ class Efficiency:
         try:
             data = json.loads(Path(path).read_text())["efficiency"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise SimConfigError(f"--calibration: cannot read efficiency from {path}: "
-                                 f"{exc}") from None
+            raise SimConfigError(
+                f"--calibration: cannot read efficiency from {path}: {exc}"
+            ) from None
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -100,8 +103,14 @@ class Efficiency:
 
 # The local CPU before calibration: matmuls reach a fraction of the nominal peak, and a
 # Python engine step costs milliseconds.
-CPU_DEFAULT = Efficiency(linear_compute=0.3, attention_compute=0.1, memory=0.7, network=0.5,
-                         step_overhead_s=5e-3, per_seq_overhead_s=2e-4)
+CPU_DEFAULT = Efficiency(
+    linear_compute=0.3,
+    attention_compute=0.1,
+    memory=0.7,
+    network=0.5,
+    step_overhead_s=5e-3,
+    per_seq_overhead_s=2e-4,
+)
 
 
 def default_efficiency(hardware_name: str) -> Efficiency:

@@ -88,8 +88,15 @@ def local_cpu(num_cores: int = 1) -> Hardware:
     if not 1 <= num_cores <= LOCAL_CPU_CORES:
         raise SimConfigError(f"--hardware cpu-local:N takes 1 to {LOCAL_CPU_CORES} cores")
     name = "cpu-local" if num_cores == 1 else f"cpu-local:{num_cores}"
-    return Hardware(name, num_cores * CPU_CORE_FLOPS, None, num_cores * CPU_CORE_BANDWIDTH,
-                    CPU_WORKER_MEMORY, "shm", devices_per_node=LOCAL_CPU_CORES // num_cores)
+    return Hardware(
+        name,
+        num_cores * CPU_CORE_FLOPS,
+        None,
+        num_cores * CPU_CORE_BANDWIDTH,
+        CPU_WORKER_MEMORY,
+        "shm",
+        devices_per_node=LOCAL_CPU_CORES // num_cores,
+    )
 
 
 HARDWARE["cpu-local"] = local_cpu(1)

@@ -50,16 +50,25 @@ class Layout:
         if self.mode is not Mode.DISAGG:
             if num_gpus % self.tp:
                 return None
-            return deployment.config(self.mode, tp=self.tp, num_workers=num_gpus // self.tp,
-                                     budget=self.budget, **overrides)
+            return deployment.config(
+                self.mode,
+                tp=self.tp,
+                num_workers=num_gpus // self.tp,
+                budget=self.budget,
+                **overrides,
+            )
         split = self.split(num_gpus)
         if split is None:
             return None
-        return deployment.config(Mode.DISAGG, budget=self.budget,
-                                 prefill=(split[0], self.prefill_tp), decode=(split[1], self.tp),
-                                 decode_budget=self.decode_budget,
-                                 local_prefill_threshold=self.local_prefill_threshold,
-                                 **overrides)
+        return deployment.config(
+            Mode.DISAGG,
+            budget=self.budget,
+            prefill=(split[0], self.prefill_tp),
+            decode=(split[1], self.tp),
+            decode_budget=self.decode_budget,
+            local_prefill_threshold=self.local_prefill_threshold,
+            **overrides,
+        )
 
     @property
     def granularity(self) -> int:

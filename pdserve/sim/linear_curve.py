@@ -55,8 +55,13 @@ class CurveFit:
     attention seconds [k] at those efficiencies.
     """
 
-    def __init__(self, cost_model: CostModel, samples: Sequence[StepSample], scale: np.ndarray,
-                 attention_s: Callable[[float, float], np.ndarray]) -> None:
+    def __init__(
+        self,
+        cost_model: CostModel,
+        samples: Sequence[StepSample],
+        scale: np.ndarray,
+        attention_s: Callable[[float, float], np.ndarray],
+    ) -> None:
         self.times = np.array([s.step_s for s in samples])
         self.layer_rows = [sum(q.num_new_tokens for q in s.batch) for s in samples]
         self.head_rows = [sum(q.is_sampling for q in s.batch) for s in samples]
@@ -113,7 +118,7 @@ class CurveFit:
             # by orders of magnitude.
             norms = np.linalg.norm(columns, axis=0)
             values = np.linalg.lstsq(columns / norms, target, rcond=None)[0] / norms
-            curve_values, per_seq = values[:len(knots)], values[-1] if has_per_seq else 0.0
+            curve_values, per_seq = values[: len(knots)], values[-1] if has_per_seq else 0.0
             keep = curve_values > 0
             if (keep.all() and per_seq >= 0) or not keep.any():
                 break

@@ -31,25 +31,38 @@ SCENARIOS: tuple[tuple[str, int, list[tuple[int, int]]], ...] = (
 _WARM_UP = "warm-up"
 
 
-def measure_step_samples(*, num_threads: int | None = None, model: str | None = None,
-                         dtype: str = "auto",
-                         progress: Callable[[str], None] = print) -> list[StepSample]:
+def measure_step_samples(
+    *,
+    num_threads: int | None = None,
+    model: str | None = None,
+    dtype: str = "auto",
+    progress: Callable[[str], None] = print,
+) -> list[StepSample]:
     """Run the scenarios on the real engine; return one sample per step (warm-up dropped)."""
     from pdserve.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_args(model=model, dtype=dtype, device="cpu", mode="chunked",
-                                 max_num_batched_tokens=2048, max_num_seqs=64,
-                                 enable_prefix_caching=False, num_threads=num_threads)
+    engine = LLMEngine.from_args(
+        model=model,
+        dtype=dtype,
+        device="cpu",
+        mode="chunked",
+        max_num_batched_tokens=2048,
+        max_num_seqs=64,
+        enable_prefix_caching=False,
+        num_threads=num_threads,
+    )
     vocab = engine.model_config.vocab_size
     rng = random.Random(0)
     samples: list[StepSample] = []
     for name, budget, requests in SCENARIOS:
-        engine.scheduler.config = dataclasses.replace(engine.scheduler.config,
-                                                      max_num_batched_tokens=budget)
+        engine.scheduler.config = dataclasses.replace(
+            engine.scheduler.config, max_num_batched_tokens=budget
+        )
         for i, (prompt_len, output_len) in enumerate(requests):
             ids = [rng.randrange(1000, vocab) for _ in range(prompt_len)]
-            engine.add_request(f"{name}-{i}", ids,
-                               SamplingParams(max_tokens=output_len, ignore_eos=True))
+            engine.add_request(
+                f"{name}-{i}", ids, SamplingParams(max_tokens=output_len, ignore_eos=True)
+            )
         steps = _run_timed(engine)
         if name != _WARM_UP:
             samples += steps

@@ -31,16 +31,25 @@ class ModelSpec:
     max_position_embeddings: int
 
     def __post_init__(self) -> None:
-        for field_name in ("num_layers", "hidden_size", "intermediate_size",
-                           "num_attention_heads", "num_kv_heads", "head_dim", "vocab_size",
-                           "max_position_embeddings"):
+        for field_name in (
+            "num_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "max_position_embeddings",
+        ):
             value = getattr(self, field_name)
             if not isinstance(value, int) or value < 1:
-                raise SimConfigError(f"model {self.name}: {field_name} must be a positive "
-                                     f"integer, got {value!r}")
+                raise SimConfigError(
+                    f"model {self.name}: {field_name} must be a positive integer, got {value!r}"
+                )
         if self.num_attention_heads % self.num_kv_heads:
-            raise SimConfigError(f"model {self.name}: num_attention_heads must be a multiple "
-                                 "of num_key_value_heads")
+            raise SimConfigError(
+                f"model {self.name}: num_attention_heads must be a multiple of num_key_value_heads"
+            )
 
     @property
     def q_size(self) -> int:
@@ -111,34 +120,83 @@ MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
         # meta-llama/Llama-3.1-8B config.json
-        _catalog_entry("Llama-3.1-8B", num_hidden_layers=32, hidden_size=4096,
-                       intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                       vocab_size=128256, max_position_embeddings=131072),
+        _catalog_entry(
+            "Llama-3.1-8B",
+            num_hidden_layers=32,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+        ),
         # meta-llama/Meta-Llama-3-70B config.json (8k context; Llama-3.1-70B has the same
         # shapes with max_position_embeddings 131072).
-        _catalog_entry("Llama-3-70B", num_hidden_layers=80, hidden_size=8192,
-                       intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
-                       vocab_size=128256, max_position_embeddings=8192),
-        _catalog_entry("Llama-3.1-70B", num_hidden_layers=80, hidden_size=8192,
-                       intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
-                       vocab_size=128256, max_position_embeddings=131072),
+        _catalog_entry(
+            "Llama-3-70B",
+            num_hidden_layers=80,
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=8192,
+        ),
+        _catalog_entry(
+            "Llama-3.1-70B",
+            num_hidden_layers=80,
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+        ),
         # Qwen/Qwen2.5-7B config.json
-        _catalog_entry("Qwen2.5-7B", num_hidden_layers=28, hidden_size=3584,
-                       intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
-                       vocab_size=152064, max_position_embeddings=131072),
+        _catalog_entry(
+            "Qwen2.5-7B",
+            num_hidden_layers=28,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            vocab_size=152064,
+            max_position_embeddings=131072,
+        ),
         # Qwen/Qwen2.5-72B config.json
-        _catalog_entry("Qwen2.5-72B", num_hidden_layers=80, hidden_size=8192,
-                       intermediate_size=29568, num_attention_heads=64, num_key_value_heads=8,
-                       vocab_size=152064, max_position_embeddings=131072),
+        _catalog_entry(
+            "Qwen2.5-72B",
+            num_hidden_layers=80,
+            hidden_size=8192,
+            intermediate_size=29568,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            vocab_size=152064,
+            max_position_embeddings=131072,
+        ),
         # mistralai/Mistral-7B-v0.3 config.json
-        _catalog_entry("Mistral-7B", num_hidden_layers=32, hidden_size=4096,
-                       intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                       vocab_size=32768, max_position_embeddings=32768),
+        _catalog_entry(
+            "Mistral-7B",
+            num_hidden_layers=32,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=32768,
+            max_position_embeddings=32768,
+        ),
         # HuggingFaceTB/SmolLM2-135M-Instruct config.json
-        _catalog_entry("SmolLM2-135M", num_hidden_layers=30, hidden_size=576,
-                       intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                       vocab_size=49152, tie_word_embeddings=True,
-                       max_position_embeddings=8192),
+        _catalog_entry(
+            "SmolLM2-135M",
+            num_hidden_layers=30,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+        ),
     )
 }
 
@@ -152,8 +210,10 @@ def load_model_spec(name_or_path: str) -> ModelSpec:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise SimConfigError(f"--model: {name_or_path!r} is neither a catalog model "
-                             f"({', '.join(sorted(MODELS))}) nor a config.json file")
+        raise SimConfigError(
+            f"--model: {name_or_path!r} is neither a catalog model "
+            f"({', '.join(sorted(MODELS))}) nor a config.json file"
+        )
     try:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:

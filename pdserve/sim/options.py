@@ -50,28 +50,45 @@ def is_local_cpu(hardware: Hardware) -> bool:
 def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -> None:
     """Model, hardware, links and engine knobs; `with_layout` adds mode and worker counts."""
     g = parser.add_argument_group("deployment")
-    g.add_argument("--model", default="SmolLM2-135M",
-                   help="catalog model or a Hugging Face config.json (default: %(default)s)")
-    g.add_argument("--hardware", default="cpu-local",
-                   help="H100-SXM, H200, A100-80GB, L40S, B200, cpu-local[:N] "
-                        "(default: %(default)s)")
-    g.add_argument("--network", help="link between nodes: ib-400, ib-8x400, roce-100, "
-                                     "roce-400, eth-25, ... or a number of Gb/s "
-                                     "(default: ib-8x400; shm on cpu-local)")
+    g.add_argument(
+        "--model",
+        default="SmolLM2-135M",
+        help="catalog model or a Hugging Face config.json (default: %(default)s)",
+    )
+    g.add_argument(
+        "--hardware",
+        default="cpu-local",
+        help="H100-SXM, H200, A100-80GB, L40S, B200, cpu-local[:N] (default: %(default)s)",
+    )
+    g.add_argument(
+        "--network",
+        help="link between nodes: ib-400, ib-8x400, roce-100, "
+        "roce-400, eth-25, ... or a number of Gb/s "
+        "(default: ib-8x400; shm on cpu-local)",
+    )
     g.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"], help="weights")
     g.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"])
-    g.add_argument("--calibration", metavar="FILE.json",
-                   help="efficiency factors from `pdserve simulate calibrate`")
-    g.add_argument("--max-num-seqs", type=int,
-                   help=f"default {CPU_MAX_NUM_SEQS} on cpu-local, {GPU_MAX_NUM_SEQS} otherwise")
+    g.add_argument(
+        "--calibration",
+        metavar="FILE.json",
+        help="efficiency factors from `pdserve simulate calibrate`",
+    )
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help=f"default {CPU_MAX_NUM_SEQS} on cpu-local, {GPU_MAX_NUM_SEQS} otherwise",
+    )
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--long-prefill-token-threshold", type=int)
     g.add_argument("--max-num-partial-prefills", type=int, default=1)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, help="per worker (default: from memory)")
-    g.add_argument("--kv-cache-memory-gb", type=float,
-                   help=f"KV budget per worker (default {CPU_KV_CACHE_MEMORY_GB} on cpu-local, "
-                        "else device memory minus weights)")
+    g.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        help=f"KV budget per worker (default {CPU_KV_CACHE_MEMORY_GB} on cpu-local, "
+        "else device memory minus weights)",
+    )
     g.add_argument("--memory-utilization", type=float, default=0.9)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--prefill-policy", default="least_loaded", choices=POLICY_NAMES)
@@ -79,24 +96,40 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
     if not with_layout:
         return
     lay = parser.add_argument_group("layout")
-    lay.add_argument("--mode", default="chunked",
-                     help="colocated, chunked, disagg, or several comma-separated "
-                          "(simulated side by side)")
+    lay.add_argument(
+        "--mode",
+        default="chunked",
+        help="colocated, chunked, disagg, or several comma-separated (simulated side by side)",
+    )
     lay.add_argument("--tp", type=int, default=1, help="tensor-parallel devices per worker")
-    lay.add_argument("--num-workers", type=int, default=1,
-                     help="colocated/chunked: engine instances behind the router")
-    lay.add_argument("--max-num-batched-tokens", type=int,
-                     help=f"chunked token budget (default {CPU_CHUNKED_BUDGET} on cpu-local, "
-                          f"{GPU_CHUNKED_BUDGET} otherwise; colocated: the context length)")
+    lay.add_argument(
+        "--num-workers",
+        type=int,
+        default=1,
+        help="colocated/chunked: engine instances behind the router",
+    )
+    lay.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help=f"chunked token budget (default {CPU_CHUNKED_BUDGET} on cpu-local, "
+        f"{GPU_CHUNKED_BUDGET} otherwise; colocated: the context length)",
+    )
     lay.add_argument("--prefill-workers", type=int, default=1, help="disagg")
     lay.add_argument("--decode-workers", type=int, default=1, help="disagg")
     lay.add_argument("--prefill-tp", type=int, help="disagg (default: --tp)")
     lay.add_argument("--decode-tp", type=int, help="disagg (default: --tp)")
-    lay.add_argument("--local-prefill-threshold", type=int, default=0,
-                     help="disagg: prompts with fewer uncached tokens prefill on decode")
-    lay.add_argument("--decode-max-num-batched-tokens", type=int,
-                     help="disagg: the decode workers' token budget, which chunks their local "
-                          "prefills (serve's --decode-worker-args; default: the same budget)")
+    lay.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=0,
+        help="disagg: prompts with fewer uncached tokens prefill on decode",
+    )
+    lay.add_argument(
+        "--decode-max-num-batched-tokens",
+        type=int,
+        help="disagg: the decode workers' token budget, which chunks their local "
+        "prefills (serve's --decode-worker-args; default: the same budget)",
+    )
     lay.add_argument("--horizon", type=float, help="stop the clock after S simulated seconds")
 
 
@@ -104,12 +137,18 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The benchmark's workload options (same names), plus --duration and --workload-from."""
     g = parser.add_argument_group("workload (as pdserve bench)")
     g.add_argument("--workload", default="mixed", choices=WORKLOAD_NAMES)
-    g.add_argument("--workload-from", metavar="FILE.json",
-                   help="replay the requests of a `pdserve bench --save-result` run")
+    g.add_argument(
+        "--workload-from",
+        metavar="FILE.json",
+        help="replay the requests of a `pdserve bench --save-result` run",
+    )
     g.add_argument("--num-prompts", type=int)
     g.add_argument("--request-rate", help="req/s or inf (default: the workload's)")
-    g.add_argument("--duration", type=float,
-                   help="seconds of traffic: num-prompts = rate × duration (trace: a window)")
+    g.add_argument(
+        "--duration",
+        type=float,
+        help="seconds of traffic: num-prompts = rate × duration (trace: a window)",
+    )
     g.add_argument("--burstiness", type=float, default=1.0)
     g.add_argument("--max-concurrency", type=int)
     g.add_argument("--seed", type=int, default=0)
@@ -156,27 +195,44 @@ class Deployment:
         limit = self.args.max_model_len or self.model.max_position_embeddings
         return min(limit, self.model.max_position_embeddings)
 
-    def config(self, mode: Mode, *, tp: int = 1, num_workers: int = 1,
-               budget: int | None = None, prefill: tuple[int, int] | None = None,
-               decode: tuple[int, int] | None = None, decode_budget: int | None = None,
-               **overrides) -> SimConfig:
+    def config(
+        self,
+        mode: Mode,
+        *,
+        tp: int = 1,
+        num_workers: int = 1,
+        budget: int | None = None,
+        prefill: tuple[int, int] | None = None,
+        decode: tuple[int, int] | None = None,
+        decode_budget: int | None = None,
+        **overrides,
+    ) -> SimConfig:
         """A layout: `num_workers` × `tp` (colocated/chunked), or `prefill`/`decode` as
         (workers, tp) pools (disagg), the decode pool on `decode_budget` when given."""
         a = self.args
         if mode is Mode.COLOCATED:
             budget = self.max_model_len
         budget = self.default_budget if budget is None else budget
-        for flag, value in (("--max-num-batched-tokens", budget),
-                            ("--decode-max-num-batched-tokens", decode_budget)):
+        for flag, value in (
+            ("--max-num-batched-tokens", budget),
+            ("--decode-max-num-batched-tokens", decode_budget),
+        ):
             if value is not None and value < 1:
                 raise SimConfigError(f"{flag} must be >= 1, got {value}")
         sched = scheduler_config_for(
-            mode, budget, self.max_num_seqs, self.max_model_len,
+            mode,
+            budget,
+            self.max_num_seqs,
+            self.max_model_len,
             long_prefill_token_threshold=a.long_prefill_token_threshold,
-            max_num_partial_prefills=a.max_num_partial_prefills)
+            max_num_partial_prefills=a.max_num_partial_prefills,
+        )
         if mode is Mode.DISAGG:
-            decode_sched = (sched if decode_budget is None
-                            else replace(sched, max_num_batched_tokens=decode_budget))
+            decode_sched = (
+                sched
+                if decode_budget is None
+                else replace(sched, max_num_batched_tokens=decode_budget)
+            )
             pool, prefill_pool = PoolConfig(*decode, decode_sched), PoolConfig(*prefill, sched)
         else:
             pool, prefill_pool = PoolConfig(num_workers, tp, sched), None
@@ -186,12 +242,19 @@ class Deployment:
         network = a.network or ("shm" if is_local_cpu(self.hardware) else "ib-8x400")
         efficiency = Efficiency.load(a.calibration) if a.calibration else None
         fields = dict(
-            network=get_network(network), efficiency=efficiency, dtype=a.dtype,
-            kv_dtype=a.kv_dtype, block_size=a.block_size,
+            network=get_network(network),
+            efficiency=efficiency,
+            dtype=a.dtype,
+            kv_dtype=a.kv_dtype,
+            block_size=a.block_size,
             enable_prefix_caching=a.enable_prefix_caching,
-            memory_utilization=a.memory_utilization, num_kv_blocks=a.num_kv_blocks,
-            kv_cache_memory_gb=kv_gb, prefill_policy=a.prefill_policy,
-            decode_policy=a.decode_policy, seed=a.seed)
+            memory_utilization=a.memory_utilization,
+            num_kv_blocks=a.num_kv_blocks,
+            kv_cache_memory_gb=kv_gb,
+            prefill_policy=a.prefill_policy,
+            decode_policy=a.decode_policy,
+            seed=a.seed,
+        )
         fields.update(overrides)
         return SimConfig(self.model, self.hardware, mode, pool, prefill_pool, **fields)
 
@@ -200,19 +263,26 @@ def layout_config(deployment: Deployment, mode: Mode, **overrides) -> SimConfig:
     """The single layout `simulate`'s layout options describe, for one mode."""
     a = deployment.args
     return deployment.config(
-        mode, tp=a.tp, num_workers=a.num_workers, budget=a.max_num_batched_tokens,
+        mode,
+        tp=a.tp,
+        num_workers=a.num_workers,
+        budget=a.max_num_batched_tokens,
         prefill=(a.prefill_workers, a.prefill_tp or a.tp),
         decode=(a.decode_workers, a.decode_tp or a.tp),
         decode_budget=a.decode_max_num_batched_tokens,
-        local_prefill_threshold=a.local_prefill_threshold, horizon_s=a.horizon, **overrides)
+        local_prefill_threshold=a.local_prefill_threshold,
+        horizon_s=a.horizon,
+        **overrides,
+    )
 
 
 def parse_modes(text: str) -> list[Mode]:
     try:
         return [Mode(m.strip()) for m in text.split(",") if m.strip()]
     except ValueError:
-        raise SimConfigError(f"--mode: expected colocated, chunked or disagg (comma-separated), "
-                             f"got {text!r}") from None
+        raise SimConfigError(
+            f"--mode: expected colocated, chunked or disagg (comma-separated), got {text!r}"
+        ) from None
 
 
 # ---- workloads -------------------------------------------------------------------------
@@ -228,18 +298,25 @@ class PlannedWorkload:
     max_concurrency: int | None
 
 
-def workload_from_args(args: argparse.Namespace, max_model_len: int,
-                       request_rate: float | None = None) -> PlannedWorkload:
+def workload_from_args(
+    args: argparse.Namespace, max_model_len: int, request_rate: float | None = None
+) -> PlannedWorkload:
     """Build the requests; `request_rate` overrides --request-rate (plan's search)."""
     try:
         if args.workload_from:
             return _replayed(args)
         rate = request_rate if request_rate is not None else _single_rate(args.request_rate)
         workload = _workload(args, rate)
-        specs = plan_requests(workload, seed=args.seed, request_rate=rate,
-                              burstiness=args.burstiness, max_model_len=max_model_len)
-        return PlannedWorkload(workload, specs, rate, args.seed, args.burstiness,
-                               args.max_concurrency)
+        specs = plan_requests(
+            workload,
+            seed=args.seed,
+            request_rate=rate,
+            burstiness=args.burstiness,
+            max_model_len=max_model_len,
+        )
+        return PlannedWorkload(
+            workload, specs, rate, args.seed, args.burstiness, args.max_concurrency
+        )
     except BenchError as exc:
         raise SimConfigError(str(exc)) from None
 
@@ -263,24 +340,36 @@ def _single_rate(text: str | None) -> float | None:
 
 
 def _workload(args: argparse.Namespace, rate: float | None) -> Workload:
-    num_prompts, window = args.num_prompts, TraceWindow(
-        start_s=args.trace_window_start, time_scale=args.trace_time_scale,
-        max_input_len=args.trace_max_input_len, max_output_len=args.trace_max_output_len,
-        duration_s=args.duration if args.workload == "trace" else None)
+    num_prompts, window = (
+        args.num_prompts,
+        TraceWindow(
+            start_s=args.trace_window_start,
+            time_scale=args.trace_time_scale,
+            max_input_len=args.trace_max_input_len,
+            max_output_len=args.trace_max_output_len,
+            duration_s=args.duration if args.workload == "trace" else None,
+        ),
+    )
     if args.duration is not None and args.workload != "trace" and num_prompts is None:
         if rate is None or math.isinf(rate):
             raise SimConfigError("--duration needs a finite --request-rate")
         num_prompts = max(1, math.ceil(rate * args.duration))
     options = WorkloadOptions(
-        num_prompts=num_prompts, input_len=args.input_len, output_len=args.output_len,
-        range_ratio=args.range_ratio, prefix_len=args.prefix_len,
-        num_prefixes=args.num_prefixes, long_fraction=args.long_fraction,
+        num_prompts=num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        prefix_len=args.prefix_len,
+        num_prefixes=args.num_prefixes,
+        long_fraction=args.long_fraction,
         burst_size=args.burst_size,
         chat_input_len=_range(args.chat_input_len, "--chat-input-len"),
         chat_output_len=_range(args.chat_output_len, "--chat-output-len"),
         long_input_len=_range(args.long_input_len, "--long-input-len"),
         long_output_len=_range(args.long_output_len, "--long-output-len"),
-        trace=args.trace, trace_window=window)
+        trace=args.trace,
+        trace_window=window,
+    )
     return make_workload(args.workload, options, seeded_rng(args.seed, TRACE_WINDOW_STREAM))
 
 
@@ -290,9 +379,16 @@ def _range(text: str | None, option: str) -> LengthRange | None:
 
 def _replayed(args: argparse.Namespace) -> PlannedWorkload:
     specs, config = specs_from_bench_result(args.workload_from)
-    entries = tuple(TraceEntry(s.arrival_time, s.output_len, prompt_len=s.prompt_len)
-                    for s in specs)
+    entries = tuple(
+        TraceEntry(s.arrival_time, s.output_len, prompt_len=s.prompt_len) for s in specs
+    )
     # The replayed run's concurrency cap unless the command line gives one.
     cap = args.max_concurrency or config.get("max_concurrency")
-    return PlannedWorkload(TraceWorkload(entries), specs, None, int(config.get("seed", 0)),
-                           float(config.get("burstiness", 1.0)), cap)
+    return PlannedWorkload(
+        TraceWorkload(entries),
+        specs,
+        None,
+        int(config.get("seed", 0)),
+        float(config.get("burstiness", 1.0)),
+        cap,
+    )

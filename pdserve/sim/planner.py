@@ -103,8 +103,10 @@ def candidate_layouts(inputs: PlanInputs, num_gpus: int) -> list[Layout]:
     for tp in feasible_tps(inputs, num_gpus):
         layouts.append(Layout(Mode.COLOCATED, tp))
         layouts += [Layout(Mode.CHUNKED, tp, budget=b) for b in BUDGETS]
-        layouts += [Layout(Mode.DISAGG, tp, prefill_tp=tp, prefill_fraction=k * tp / num_gpus)
-                    for k in _split_counts(num_gpus // tp)]
+        layouts += [
+            Layout(Mode.DISAGG, tp, prefill_tp=tp, prefill_fraction=k * tp / num_gpus)
+            for k in _split_counts(num_gpus // tp)
+        ]
     return layouts
 
 
@@ -112,8 +114,9 @@ def feasible_tps(inputs: PlanInputs, num_gpus: int) -> list[int]:
     """TP degrees inside one node that divide the GPUs and hold the longest request's KV."""
     deployment = inputs.deployment
     hardware = deployment.hardware
-    longest = max(min(s.prompt_len + s.output_len, deployment.max_model_len)
-                  for s in inputs.planned.specs)
+    longest = max(
+        min(s.prompt_len + s.output_len, deployment.max_model_len) for s in inputs.planned.specs
+    )
     tps = []
     for tp in TP_DEGREES:
         if tp > hardware.devices_per_node or num_gpus % tp:
@@ -126,8 +129,10 @@ def feasible_tps(inputs: PlanInputs, num_gpus: int) -> list[int]:
         if capacity >= longest:
             tps.append(tp)
     if not tps:
-        raise SimConfigError(f"{deployment.model.name} does not fit {num_gpus} "
-                             f"{hardware.name} at any TP of {TP_DEGREES}")
+        raise SimConfigError(
+            f"{deployment.model.name} does not fit {num_gpus} "
+            f"{hardware.name} at any TP of {TP_DEGREES}"
+        )
     return tps
 
 
@@ -141,27 +146,40 @@ def _split_counts(num_workers: int) -> list[int]:
     return sorted({max(1, round(step * (i + 0.5))) for i in range(MAX_SPLITS)})
 
 
-def evaluate(inputs: PlanInputs, layout: Layout, num_gpus: int,
-             specs=None, request_rate=None) -> Evaluation | None:
+def evaluate(
+    inputs: PlanInputs, layout: Layout, num_gpus: int, specs=None, request_rate=None
+) -> Evaluation | None:
     """Simulate `layout` on `num_gpus` (None if it does not divide them)."""
     planned = inputs.planned
     config = layout.config(inputs.deployment, num_gpus, max_concurrency=planned.max_concurrency)
     if config is None:
         return None
     sim = simulate(config, specs if specs is not None else planned.specs)
-    result = bench_result(sim, planned.workload, seed=planned.seed,
-                          request_rate=request_rate or planned.request_rate,
-                          burstiness=planned.burstiness, slos=inputs.slos,
-                          label=layout.label(num_gpus))
+    result = bench_result(
+        sim,
+        planned.workload,
+        seed=planned.seed,
+        request_rate=request_rate or planned.request_rate,
+        burstiness=planned.burstiness,
+        slos=inputs.slos,
+        label=layout.label(num_gpus),
+    )
     return Evaluation(layout, num_gpus, sim, result, inputs.slos)
 
 
 def rank(evaluations: Sequence[Evaluation]) -> list[Evaluation]:
     """Best first: capacity per GPU (finalists), then goodput per GPU at the planned rate,
     SLO attainment, lower p99 TTFT."""
-    return sorted(evaluations, key=lambda e: (
-        e.capacity is None, -(e.capacity_per_gpu or 0.0), -e.goodput_per_gpu, -e.attainment,
-        e.result.metrics.ttft.p99))
+    return sorted(
+        evaluations,
+        key=lambda e: (
+            e.capacity is None,
+            -(e.capacity_per_gpu or 0.0),
+            -e.goodput_per_gpu,
+            -e.attainment,
+            e.result.metrics.ttft.p99,
+        ),
+    )
 
 
 def search(inputs: PlanInputs, num_gpus: int, progress: Progress) -> list[Evaluation]:
@@ -177,16 +195,31 @@ def search(inputs: PlanInputs, num_gpus: int, progress: Progress) -> list[Evalua
             evaluations.append(evaluation)
     best = _best_disagg(evaluations)
     if best is not None:
-        _refine(inputs, num_gpus, progress, evaluations, "threshold",
-                [replace(best, local_prefill_threshold=t) for t in THRESHOLDS])
+        _refine(
+            inputs,
+            num_gpus,
+            progress,
+            evaluations,
+            "threshold",
+            [replace(best, local_prefill_threshold=t) for t in THRESHOLDS],
+        )
     best = _best_disagg(evaluations, is_local=True)
     if best is not None:
         budget = best.budget or inputs.deployment.default_budget
-        _refine(inputs, num_gpus, progress, evaluations, "decode budget",
-                [replace(best, decode_budget=b) for b in DECODE_BUDGETS if b < budget])
+        _refine(
+            inputs,
+            num_gpus,
+            progress,
+            evaluations,
+            "decode budget",
+            [replace(best, decode_budget=b) for b in DECODE_BUDGETS if b < budget],
+        )
     ranked = rank(evaluations)
-    finalists = [e for mode in Mode
-                 for e in [x for x in ranked if x.layout.mode is mode][:FINALISTS_PER_MODE]]
+    finalists = [
+        e
+        for mode in Mode
+        for e in [x for x in ranked if x.layout.mode is mode][:FINALISTS_PER_MODE]
+    ]
     for evaluation in finalists:
         capacity = find_capacity(inputs, evaluation.layout, num_gpus, progress)
         evaluations[evaluations.index(evaluation)] = replace(evaluation, capacity=capacity)
@@ -202,8 +235,14 @@ def _best_disagg(evaluations: list[Evaluation], is_local: bool = False) -> Layou
     return None
 
 
-def _refine(inputs: PlanInputs, num_gpus: int, progress: Progress,
-            evaluations: list[Evaluation], stage: str, layouts: list[Layout]) -> None:
+def _refine(
+    inputs: PlanInputs,
+    num_gpus: int,
+    progress: Progress,
+    evaluations: list[Evaluation],
+    stage: str,
+    layouts: list[Layout],
+) -> None:
     """Evaluate variants of a layout, appending them to `evaluations`."""
     for layout in layouts:
         progress(f"[{stage}] {layout.label(num_gpus)}")
@@ -229,8 +268,7 @@ def at_rate(specs, base_rate: float, rate: float) -> list:
     return [replace(s, arrival_time=s.arrival_time * base_rate / rate) for s in specs]
 
 
-def find_capacity(inputs: PlanInputs, layout: Layout, num_gpus: int,
-                  progress: Progress) -> float:
+def find_capacity(inputs: PlanInputs, layout: Layout, num_gpus: int, progress: Progress) -> float:
     """The highest rate (req/s, within a few percent) at which `layout` carries the planned
     requests; 0 when it does not carry them even at 1/32 of the planned rate."""
     base = planned_rate(inputs)
@@ -238,8 +276,10 @@ def find_capacity(inputs: PlanInputs, layout: Layout, num_gpus: int,
 
     def carries(rate: float) -> bool:
         evaluation = evaluate(inputs, layout, num_gpus, at_rate(specs, base, rate), rate)
-        progress(f"[capacity] {layout.label(num_gpus)} at {rate:.3g} req/s: "
-                 f"{evaluation.attainment:.0%} within SLOs")
+        progress(
+            f"[capacity] {layout.label(num_gpus)} at {rate:.3g} req/s: "
+            f"{evaluation.attainment:.0%} within SLOs"
+        )
         return evaluation.carries_load
 
     good, bad = (base, None) if carries(base) else (None, base)
@@ -262,8 +302,9 @@ def find_capacity(inputs: PlanInputs, layout: Layout, num_gpus: int,
     return good
 
 
-def gpus_for_rate(inputs: PlanInputs, layout: Layout, target_rate: float, specs,
-                  max_gpus: int, progress: Progress) -> int | None:
+def gpus_for_rate(
+    inputs: PlanInputs, layout: Layout, target_rate: float, specs, max_gpus: int, progress: Progress
+) -> int | None:
     """Fewest GPUs (a multiple of the layout's granularity, up to `max_gpus`) at which
     `layout` carries `specs` arriving at `target_rate`; None if not within `max_gpus`."""
     step = layout.granularity

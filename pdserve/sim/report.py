@@ -19,16 +19,31 @@ from pdserve.sim.simulator import SimResult
 SIMULATED_BASE_URL = "http://simulated"
 
 
-def bench_result(sim: SimResult, workload: Workload, *, seed: int,
-                 request_rate: float | None, burstiness: float = 1.0,
-                 slos: Mapping[str, float] | None = None, label: str | None = None) -> BenchResult:
+def bench_result(
+    sim: SimResult,
+    workload: Workload,
+    *,
+    seed: int,
+    request_rate: float | None,
+    burstiness: float = 1.0,
+    slos: Mapping[str, float] | None = None,
+    label: str | None = None,
+) -> BenchResult:
     """The run as the benchmark would have recorded it (clock zero = simulation start)."""
-    spec = BenchSpec(endpoint=EndpointConfig(base_url=SIMULATED_BASE_URL), workload=workload,
-                     seed=seed, request_rates=(request_rate,), burstiness=burstiness,
-                     max_concurrency=sim.config.max_concurrency, num_warmups=0,
-                     slos=dict(slos or {}), show_progress=False)
-    return summarize(label or sim.config.describe(), sim.config.model.name, spec, request_rate,
-                     sim.records, 0.0)
+    spec = BenchSpec(
+        endpoint=EndpointConfig(base_url=SIMULATED_BASE_URL),
+        workload=workload,
+        seed=seed,
+        request_rates=(request_rate,),
+        burstiness=burstiness,
+        max_concurrency=sim.config.max_concurrency,
+        num_warmups=0,
+        slos=dict(slos or {}),
+        show_progress=False,
+    )
+    return summarize(
+        label or sim.config.describe(), sim.config.model.name, spec, request_rate, sim.records, 0.0
+    )
 
 
 def simulation_summary(sim: SimResult) -> dict:
@@ -44,8 +59,10 @@ def simulation_summary(sim: SimResult) -> dict:
             "num_steps": sum(s.num_steps for s in stats),
             "utilization": busy / capacity if capacity else 0.0,
             "max_step_ms": max((s.max_step_s for s in stats), default=0.0) * 1000,
-            "busy_s": {part: sum(getattr(s, f"{part}_s") for s in stats)
-                       for part in ("linear", "attention", "communication", "overhead")},
+            "busy_s": {
+                part: sum(getattr(s, f"{part}_s") for s in stats)
+                for part in ("linear", "attention", "communication", "overhead")
+            },
         }
     return {
         "layout": cfg.describe(),

@@ -36,21 +36,35 @@ class Route:
 
 
 class SimRouter:
-    def __init__(self, prefill: Sequence[SimWorker], decode: Sequence[SimWorker], *,
-                 prefill_policy: str, decode_policy: str, local_prefill_threshold: int,
-                 block_size: int) -> None:
+    def __init__(
+        self,
+        prefill: Sequence[SimWorker],
+        decode: Sequence[SimWorker],
+        *,
+        prefill_policy: str,
+        decode_policy: str,
+        local_prefill_threshold: int,
+        block_size: int,
+    ) -> None:
         try:
-            pools = [WorkerPool(role, make_policy(name, role),
-                                PrefixIndex(block_size, _PREFIX_INDEX_BLOCKS))
-                     for role, name in ((PoolRole.PREFILL, prefill_policy),
-                                        (PoolRole.DECODE, decode_policy))]
+            pools = [
+                WorkerPool(
+                    role, make_policy(name, role), PrefixIndex(block_size, _PREFIX_INDEX_BLOCKS)
+                )
+                for role, name in (
+                    (PoolRole.PREFILL, prefill_policy),
+                    (PoolRole.DECODE, decode_policy),
+                )
+            ]
         except ValueError as exc:
             raise SimConfigError(f"--policy: {exc}") from None
         self.registry = WorkerRegistry(*pools)
         self.local_prefill_threshold = local_prefill_threshold
         self.block_size = block_size
         self.needs_token_ids = local_prefill_threshold > 0 or "prefix_aware" in (
-            prefill_policy, decode_policy)
+            prefill_policy,
+            decode_policy,
+        )
         self._sim_workers: dict[str, SimWorker] = {}
         for role, workers in ((PoolRole.PREFILL, prefill), (PoolRole.DECODE, decode)):
             for worker in workers:
@@ -61,12 +75,16 @@ class SimRouter:
 
     def route(self, prompt_token_ids: list[int]) -> Route:
         """Choose the decode worker, and a prefill worker unless the prompt stays local."""
-        prompt = (PromptInfo.from_token_ids(prompt_token_ids, self.block_size)
-                  if self.needs_token_ids else PromptInfo(len(prompt_token_ids)))
+        prompt = (
+            PromptInfo.from_token_ids(prompt_token_ids, self.block_size)
+            if self.needs_token_ids
+            else PromptInfo(len(prompt_token_ids))
+        )
         registry = self.registry
         selection = registry.decode.select(prompt)
-        route = Route(self._sim_workers[selection.worker.worker_id],
-                      registry.decode.acquire(selection.worker))
+        route = Route(
+            self._sim_workers[selection.worker.worker_id], registry.decode.acquire(selection.worker)
+        )
         num_uncached = prompt.num_tokens - selection.num_cached_tokens
         if not registry.prefill.workers or num_uncached < self.local_prefill_threshold:
             return route
@@ -79,5 +97,4 @@ class SimRouter:
         """Refresh every worker's scraped gauges (what its /metrics would say now)."""
         for entry in self.registry.all_workers():
             stats = self._sim_workers[entry.worker_id].scheduler.get_stats()
-            entry.scraped = ScrapedLoad(stats.num_running, stats.num_waiting,
-                                        stats.kv_cache_usage)
+            entry.scraped = ScrapedLoad(stats.num_running, stats.num_waiting, stats.kv_cache_usage)

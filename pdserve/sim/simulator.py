@@ -81,9 +81,10 @@ class Simulation:
     def __init__(self, config: SimConfig, requests: Sequence[SimRequestSpec]) -> None:
         self.config = config
         self.specs = list(requests)
-        self.records = {s.request_id: RequestRecord(i, s.kind, s.prompt_len, s.output_len,
-                                                    s.arrival_time)
-                        for i, s in enumerate(self.specs)}
+        self.records = {
+            s.request_id: RequestRecord(i, s.kind, s.prompt_len, s.output_len, s.arrival_time)
+            for i, s in enumerate(self.specs)
+        }
         if len(self.records) != len(self.specs):
             raise ValueError("request ids must be unique")
         self._index = {s.request_id: i for i, s in enumerate(self.specs)}
@@ -103,19 +104,28 @@ class Simulation:
         self.prefill = self._build_pool("prefill", config.prefill_pool)
         self.main = self._build_pool("decode" if config.prefill_pool else "main", config.pool)
         self.router = SimRouter(
-            self.prefill.workers if self.prefill else [], self.main.workers,
-            prefill_policy=config.prefill_policy, decode_policy=config.decode_policy,
+            self.prefill.workers if self.prefill else [],
+            self.main.workers,
+            prefill_policy=config.prefill_policy,
+            decode_policy=config.decode_policy,
             local_prefill_threshold=config.local_prefill_threshold,
-            block_size=config.block_size)
+            block_size=config.block_size,
+        )
 
     # ---- setup -------------------------------------------------------------------------
     def _build_pool(self, name: str, pool: PoolConfig | None) -> Pool | None:
         if pool is None:
             return None
         cfg = self.config
-        cost = CostModel(cfg.model, cfg.hardware, pool.tp, dtype=cfg.dtype,
-                         kv_dtype=cfg.kv_dtype, efficiency=cfg.resolved_efficiency,
-                         inter_node_link=cfg.network)
+        cost = CostModel(
+            cfg.model,
+            cfg.hardware,
+            pool.tp,
+            dtype=cfg.dtype,
+            kv_dtype=cfg.kv_dtype,
+            efficiency=cfg.resolved_efficiency,
+            inter_node_link=cfg.network,
+        )
         sched = pool.scheduler_config
         num_blocks = self._num_kv_blocks(cost, sched)
         cache = CacheConfig(cfg.block_size, num_blocks, cfg.enable_prefix_caching)
@@ -137,8 +147,9 @@ class Simulation:
         if cfg.kv_cache_memory_gb is not None:
             num_bytes = cfg.kv_cache_memory_gb * 2**30
             return max(int(num_bytes // (cost.kv_bytes_per_token * cfg.block_size)), 1)
-        tokens = cost.kv_capacity_tokens(sched.max_num_batched_tokens, sched.max_num_seqs,
-                                         cfg.memory_utilization)
+        tokens = cost.kv_capacity_tokens(
+            sched.max_num_batched_tokens, sched.max_num_seqs, cfg.memory_utilization
+        )
         return max(tokens // cfg.block_size, 1)
 
     # ---- event loop --------------------------------------------------------------------
@@ -218,8 +229,9 @@ class Simulation:
         num_tokens = min(spec.prompt_len + spec.output_len, max_model_len)
         for pool in (self.prefill, self.main):
             if pool is not None and -(-num_tokens // self.config.block_size) > pool.num_kv_blocks:
-                return (f"{num_tokens} tokens exceed a worker's KV cache "
-                        f"({pool.num_kv_blocks} blocks)")
+                return (
+                    f"{num_tokens} tokens exceed a worker's KV cache ({pool.num_kv_blocks} blocks)"
+                )
         return None
 
     def _prompt_token_ids(self, spec: SimRequestSpec) -> list[int]:
@@ -232,11 +244,21 @@ class Simulation:
             ids += [_FILL_TOKEN_ID] * (num_own - 1)
         return ids
 
-    def _request(self, spec: SimRequestSpec, token_ids: list[int], max_tokens: int,
-                 kv_transfer_params: dict | None = None) -> Request:
+    def _request(
+        self,
+        spec: SimRequestSpec,
+        token_ids: list[int],
+        max_tokens: int,
+        kv_transfer_params: dict | None = None,
+    ) -> Request:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        return Request(spec.request_id, token_ids, params, arrival_time=self.now,
-                       kv_transfer_params=kv_transfer_params)
+        return Request(
+            spec.request_id,
+            token_ids,
+            params,
+            arrival_time=self.now,
+            kv_transfer_params=kv_transfer_params,
+        )
 
     # ---- workers -----------------------------------------------------------------------
     def _submit(self, worker: SimWorker, request: Request) -> None:
@@ -298,8 +320,7 @@ class Simulation:
         request = self._request(spec, leg.prompt_token_ids, spec.output_len, params)
         self._submit(route.decode, request)
 
-    def _start_kv_transfer(self, destination: SimWorker, request: Request,
-                           num_tokens: int) -> None:
+    def _start_kv_transfer(self, destination: SimWorker, request: Request, num_tokens: int) -> None:
         """The decode worker allocated blocks for `num_tokens` remote tokens: pull them."""
         record = self.records[request.request_id]
         source = request.kv_transfer_params["source"]
@@ -310,8 +331,9 @@ class Simulation:
         link, channels = self._path(source, destination)
         num_devices = min(source.cost_model.tp, destination.cost_model.tp)
         cap = link.transfer_bandwidth(num_devices) * cost.efficiency.network
-        flight = _KVFlight(record, request.request_id, source, destination, self.now,
-                           link.latency_s)
+        flight = _KVFlight(
+            record, request.request_id, source, destination, self.now, link.latency_s
+        )
         self._network.start(self.now, Transfer(num_bytes, channels, cap, flight))
         self._watch_network()
 
@@ -329,8 +351,10 @@ class Simulation:
             link = NETWORKS[self.config.hardware.intra_node_link]
             return link, (self._channel(link, "intra", src.node),)
         link = self.config.network
-        return link, (self._channel(link, "egress", src.node),
-                      self._channel(link, "ingress", dst.node))
+        return link, (
+            self._channel(link, "egress", src.node),
+            self._channel(link, "ingress", dst.node),
+        )
 
     def _channel(self, link: Interconnect, kind: str, node: int) -> Channel:
         key = (kind, node)

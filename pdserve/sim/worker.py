@@ -47,9 +47,16 @@ class SimWorker:
     with the engine thread; finished KV transfers are applied there too.
     """
 
-    def __init__(self, worker_id: str, cost_model: CostModel, scheduler_config: SchedulerConfig,
-                 cache_config: CacheConfig, node: int,
-                 connector: SimKVConnector | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        cost_model: CostModel,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        node: int,
+        connector: SimKVConnector | None = None,
+        seed: int = 0,
+    ) -> None:
         self.worker_id = worker_id
         self.cost_model = cost_model
         # Step-time jitter draws: one stream per worker, reproducible per seed.
@@ -76,8 +83,10 @@ class SimWorker:
         output = self.scheduler.schedule()
         if output.is_empty:
             return None
-        batch = [SeqWork(s.num_new_tokens, s.request.num_computed_tokens, s.is_sampling)
-                 for s in output.scheduled]
+        batch = [
+            SeqWork(s.num_new_tokens, s.request.num_computed_tokens, s.is_sampling)
+            for s in output.scheduled
+        ]
         # Whether a request samples depends on its progress before the step: note it now.
         self._sampling = [s.request for s in output.scheduled if s.is_sampling]
         cost = self.cost_model.step_cost(batch)

@@ -39,11 +39,12 @@ class SimRequestSpec:
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1:
-            raise SimConfigError(f"request {self.request_id}: prompt and output lengths must "
-                                 f"be >= 1, got {self.prompt_len} and {self.output_len}")
+            raise SimConfigError(
+                f"request {self.request_id}: prompt and output lengths must "
+                f"be >= 1, got {self.prompt_len} and {self.output_len}"
+            )
         if not 0 <= self.prefix_len <= self.prompt_len:
-            raise SimConfigError(f"request {self.request_id}: prefix_len must be within the "
-                                 "prompt")
+            raise SimConfigError(f"request {self.request_id}: prefix_len must be within the prompt")
 
 
 class LengthOnlySynthesizer:
@@ -51,8 +52,10 @@ class LengthOnlySynthesizer:
 
     @property
     def tokenizer(self):
-        raise SimConfigError("this trace holds literal prompt text; the simulator needs "
-                             "prompt_len per request (pdserve bench convert-trace writes it)")
+        raise SimConfigError(
+            "this trace holds literal prompt text; the simulator needs "
+            "prompt_len per request (pdserve bench convert-trace writes it)"
+        )
 
     def num_tokens(self, text: str) -> int:
         return 0
@@ -61,20 +64,28 @@ class LengthOnlySynthesizer:
         return ""
 
 
-def plan_requests(workload: Workload, *, seed: int, request_rate: float | None,
-                  burstiness: float = 1.0,
-                  max_model_len: int | None = None) -> list[SimRequestSpec]:
+def plan_requests(
+    workload: Workload,
+    *,
+    seed: int,
+    request_rate: float | None,
+    burstiness: float = 1.0,
+    max_model_len: int | None = None,
+) -> list[SimRequestSpec]:
     """The workload's requests and arrivals for `seed`, as the benchmark would send them."""
     try:
-        requests = workload.build(LengthOnlySynthesizer(), seeded_rng(seed, CONTENT_STREAM),
-                                  max_model_len)
+        requests = workload.build(
+            LengthOnlySynthesizer(), seeded_rng(seed, CONTENT_STREAM), max_model_len
+        )
         plan = WorkloadPlan(workload, tuple(requests), seed, max_model_len)
         times = plan.arrivals(request_rate, burstiness)
     except BenchError as exc:
         raise SimConfigError(str(exc)) from None
     prefix_len = workload.prefix_len if isinstance(workload, PrefixRepetitionWorkload) else 0
-    return [_spec(i, float(t), r.prompt_len, r.output_len, r.kind, prefix_len)
-            for i, (r, t) in enumerate(zip(requests, times, strict=True))]
+    return [
+        _spec(i, float(t), r.prompt_len, r.output_len, r.kind, prefix_len)
+        for i, (r, t) in enumerate(zip(requests, times, strict=True))
+    ]
 
 
 def specs_from_bench_result(path: str | Path) -> tuple[list[SimRequestSpec], dict]:
@@ -88,20 +99,32 @@ def specs_from_bench_result(path: str | Path) -> tuple[list[SimRequestSpec], dic
         records = run["records"]
         config = run.get("config", {})
         prefix_len = int(config.get("workload", {}).get("prefix_len") or 0)
-        specs = [_spec(r["index"], r["arrival_time"], r["prompt_len"], r["output_len"],
-                       r.get("kind", "default"), prefix_len) for r in records]
+        specs = [
+            _spec(
+                r["index"],
+                r["arrival_time"],
+                r["prompt_len"],
+                r["output_len"],
+                r.get("kind", "default"),
+                prefix_len,
+            )
+            for r in records
+        ]
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise SimConfigError(f"--workload-from: {path} is not a pdserve bench result "
-                             f"({exc})") from None
+        raise SimConfigError(
+            f"--workload-from: {path} is not a pdserve bench result ({exc})"
+        ) from None
     return specs, config
 
 
-def _spec(index: int, arrival: float, prompt_len: int, output_len: int, kind: str,
-          prefix_len: int) -> SimRequestSpec:
+def _spec(
+    index: int, arrival: float, prompt_len: int, output_len: int, kind: str, prefix_len: int
+) -> SimRequestSpec:
     # prefix-repetition labels each request "prefix-<i>" with the shared prefix it uses.
     group = None
     if kind.startswith("prefix-") and kind.removeprefix("prefix-").isdigit():
         group = int(kind.removeprefix("prefix-"))
     shared = min(prefix_len, prompt_len - 1) if group is not None else 0
-    return SimRequestSpec(str(index), arrival, int(prompt_len), int(output_len), group,
-                          shared, kind)
+    return SimRequestSpec(
+        str(index), arrival, int(prompt_len), int(output_len), group, shared, kind
+    )

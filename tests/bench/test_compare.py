@@ -106,8 +106,11 @@ def test_compare_runs_every_mode_and_writes_all_artefacts(
     for name in ("colocated", "chunked", "disagg", "other"):
         row = saved[f"again/{name}"]
         assert (row.completed, row.itl_p99, row.goodput, row.is_interference) == (
-            rows[name]["completed"], rows[name]["itl_p99"], rows[name]["goodput"],
-            rows[name]["is_interference"])
+            rows[name]["completed"],
+            rows[name]["itl_p99"],
+            rows[name]["goodput"],
+            rows[name]["is_interference"],
+        )
         assert f"again/{name}" in again
 
 

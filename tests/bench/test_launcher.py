@@ -89,10 +89,20 @@ def test_command_template_placeholders():
 
 
 def test_one_modes_own_args_come_last():
-    config = LaunchConfig(command=("x", "{mode}"), extra_args=("--budget", "512"),
-                          mode_args={"chunked": ("--budget", "256", "--log={mode}.jsonl")})
-    assert config.argv("chunked", 1) == ["x", "chunked", "--budget", "512", "--budget", "256",
-                                         "--log=chunked.jsonl"]
+    config = LaunchConfig(
+        command=("x", "{mode}"),
+        extra_args=("--budget", "512"),
+        mode_args={"chunked": ("--budget", "256", "--log={mode}.jsonl")},
+    )
+    assert config.argv("chunked", 1) == [
+        "x",
+        "chunked",
+        "--budget",
+        "512",
+        "--budget",
+        "256",
+        "--log=chunked.jsonl",
+    ]
     assert config.argv("disagg", 1) == ["x", "disagg", "--budget", "512"]
     with pytest.raises(BenchError, match="--server-cmd is empty"):
         LaunchConfig(command=())

@@ -10,8 +10,9 @@ from pdserve.core.scheduler import Scheduler
 EOS = 2
 
 
-def make_request(request_id: str, num_prompt: int, max_tokens: int = 4, first_token: int = 100,
-                 **params) -> Request:
+def make_request(
+    request_id: str, num_prompt: int, max_tokens: int = 4, first_token: int = 100, **params
+) -> Request:
     prompt = [first_token + i for i in range(num_prompt)]
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)
     return Request(request_id, prompt, sampling, eos_token_ids=frozenset({EOS}))
@@ -29,8 +30,9 @@ def fake_token(request: Request) -> int:
 
 def step(scheduler: Scheduler):
     output = scheduler.schedule()
-    sampled = {s.request.request_id: fake_token(s.request) for s in output.scheduled
-               if s.is_sampling}
+    sampled = {
+        s.request.request_id: fake_token(s.request) for s in output.scheduled if s.is_sampling
+    }
     finished = scheduler.update_from_output(output, sampled)
     return output, finished
 

@@ -100,8 +100,9 @@ def test_hash_collision_is_verified_not_trusted():
 
 def test_chained_hash_depends_on_parent():
     tokens = [1, 2, 3, 4]
-    assert chained_block_hash(None, tokens) != chained_block_hash(chained_block_hash(None, [9]),
-                                                                  tokens)
+    assert chained_block_hash(None, tokens) != chained_block_hash(
+        chained_block_hash(None, [9]), tokens
+    )
     assert chained_block_hash(None, tokens) == chained_block_hash(None, list(tokens))
 
 

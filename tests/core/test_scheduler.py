@@ -50,8 +50,9 @@ def test_max_num_seqs_caps_running_batch():
 
 
 def test_long_prefill_threshold_caps_one_chunk():
-    scheduler = make_scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=5,
-                               max_num_partial_prefills=2)
+    scheduler = make_scheduler(
+        max_num_batched_tokens=32, long_prefill_token_threshold=5, max_num_partial_prefills=2
+    )
     scheduler.add_request(make_request("a", 20))
     scheduler.add_request(make_request("b", 20, first_token=300))
     output, _ = step(scheduler)
@@ -104,8 +105,9 @@ def test_abort_frees_blocks_at_any_time():
 
 def test_preemption_recomputes_and_never_deadlocks():
     # 6 blocks of 4 tokens = 24 slots; three requests of 10 + 8 tokens cannot all fit.
-    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=16,
-                               enable_prefix_caching=False)
+    scheduler = make_scheduler(
+        num_blocks=6, block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False
+    )
     for i, name in enumerate("abc"):
         scheduler.add_request(make_request(name, 10, max_tokens=8, first_token=100 * (i + 1)))
     outputs = run_to_completion(scheduler)
@@ -118,8 +120,7 @@ def test_preemption_recomputes_and_never_deadlocks():
 
 def test_preempted_output_matches_unpreempted_run():
     def tokens(num_blocks):
-        scheduler = make_scheduler(num_blocks=num_blocks, block_size=4,
-                                   max_num_batched_tokens=16)
+        scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16)
         for i, name in enumerate("abc"):
             scheduler.add_request(make_request(name, 10, max_tokens=8, first_token=100 * i))
         outputs = run_to_completion(scheduler)

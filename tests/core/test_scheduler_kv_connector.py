@@ -37,8 +37,9 @@ class ScriptedConnector(KVConnectorScheduler):
 
 
 def _scheduler(connector, num_blocks=32):
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=64), CacheConfig(4, num_blocks),
-                     connector)
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64), CacheConfig(4, num_blocks), connector
+    )
 
 
 def _remote_request(connector, name="r", num_prompt=10):

@@ -36,5 +36,7 @@ def make_llm(loaded_fp32):
 @pytest.fixture(scope="session")
 def chat_token_ids(loaded_fp32):
     tokenizer = loaded_fp32.tokenizer
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]))
-            for p in CHAT_PROMPTS]
+    return [
+        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]))
+        for p in CHAT_PROMPTS
+    ]

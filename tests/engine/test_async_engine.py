@@ -29,8 +29,9 @@ LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 @pytest.fixture
 def make_engine(loaded_fp32):
     def build(**kwargs) -> LLMEngine:
-        config = engine_config_from_kwargs(dtype="float32", device="cpu",
-                                           num_kv_blocks=NUM_KV_BLOCKS, **kwargs)
+        config = engine_config_from_kwargs(
+            dtype="float32", device="cpu", num_kv_blocks=NUM_KV_BLOCKS, **kwargs
+        )
         return LLMEngine(config, loaded=loaded_fp32)
 
     return build
@@ -50,8 +51,12 @@ def run_async(engine: LLMEngine, body, **kwargs):
     return asyncio.run(main())
 
 
-async def collect(async_engine: AsyncLLMEngine, request_id: str, prompt: list[int],
-                  params: SamplingParams = GREEDY):
+async def collect(
+    async_engine: AsyncLLMEngine,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams = GREEDY,
+):
     outputs = [out async for out in async_engine.generate(request_id, prompt, params)]
     tokens = [t for out in outputs for t in out.new_token_ids]
     return tokens, "".join(out.new_text for out in outputs), outputs[-1]
@@ -79,8 +84,9 @@ def test_outputs_match_the_synchronous_engine(make_engine, chat_token_ids):
     expected = [sync_generate(make_engine(), p) for p in chat_token_ids[:3]]
 
     async def body(async_engine):
-        results = await asyncio.gather(*(collect(async_engine, f"r{i}", p)
-                                         for i, p in enumerate(chat_token_ids[:3])))
+        results = await asyncio.gather(
+            *(collect(async_engine, f"r{i}", p) for i, p in enumerate(chat_token_ids[:3]))
+        )
         return results
 
     results = run_async(make_engine(), body)
@@ -98,7 +104,8 @@ def test_closing_the_iterator_aborts_within_one_step(make_engine, chat_token_ids
         steps_at_close = async_engine.stats.num_steps
         await generator.aclose()
         stats = await wait_for_stats(
-            async_engine, lambda s: s.num_running == 0 and s.num_free_blocks == NUM_KV_BLOCKS)
+            async_engine, lambda s: s.num_running == 0 and s.num_free_blocks == NUM_KV_BLOCKS
+        )
         # The abort lands between steps: at most the step already running completes.
         assert stats.num_steps - steps_at_close <= 1
         # The id is free again and the engine keeps serving.
@@ -119,8 +126,9 @@ def test_cancelled_consumer_aborts(make_engine, chat_token_ids):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await wait_for_stats(async_engine, lambda s: s.num_running == 0
-                             and s.num_free_blocks == NUM_KV_BLOCKS)
+        await wait_for_stats(
+            async_engine, lambda s: s.num_running == 0 and s.num_free_blocks == NUM_KV_BLOCKS
+        )
 
     run_async(make_engine(), body)
 
@@ -204,16 +212,19 @@ def test_admission_control_bounds_the_waiting_queue(make_engine, chat_token_ids)
 
 
 def test_kv_transfer_params_reach_the_engine_and_come_back(loaded_fp32, chat_token_ids):
-    kv = KVTransferConfig(transport="shm", kv_role="kv_producer", kv_lease_timeout=10.0,
-                          kv_transfer_timeout=2.0)
-    config = engine_config_from_kwargs(dtype="float32", device="cpu",
-                                       num_kv_blocks=NUM_KV_BLOCKS, kv_transfer=kv)
+    kv = KVTransferConfig(
+        transport="shm", kv_role="kv_producer", kv_lease_timeout=10.0, kv_transfer_timeout=2.0
+    )
+    config = engine_config_from_kwargs(
+        dtype="float32", device="cpu", num_kv_blocks=NUM_KV_BLOCKS, kv_transfer=kv
+    )
     prefill = LLMEngine(config, loaded=loaded_fp32)
     one_token = SamplingParams(max_tokens=1, temperature=0.0)
 
     async def body(async_engine):
-        stream = await async_engine.add_request("kv", chat_token_ids[0], one_token,
-                                                kv_transfer_params={"do_remote_decode": True})
+        stream = await async_engine.add_request(
+            "kv", chat_token_ids[0], one_token, kv_transfer_params={"do_remote_decode": True}
+        )
         outputs = [o async for o in stream]
         stream.close()
         return outputs
@@ -227,8 +238,9 @@ def test_kv_transfer_params_reach_the_engine_and_come_back(loaded_fp32, chat_tok
 def test_kv_transfer_params_rejected_by_a_plain_engine(make_engine):
     async def body(async_engine):
         with pytest.raises(InvalidParameterError) as info:
-            await async_engine.add_request("kv", [1, 2, 3], GREEDY,
-                                           kv_transfer_params={"do_remote_decode": True})
+            await async_engine.add_request(
+                "kv", [1, 2, 3], GREEDY, kv_transfer_params={"do_remote_decode": True}
+            )
         assert info.value.param == "kv_transfer_params"
 
     run_async(make_engine(), body)

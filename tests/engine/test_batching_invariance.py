@@ -17,8 +17,12 @@ def reference(make_llm, chat_token_ids):
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_chunked_prefill_matches_whole(make_llm, chat_token_ids, reference, chunk):
-    llm = make_llm(mode="chunked", max_num_batched_tokens=max(chunk, 8),
-                   long_prefill_token_threshold=chunk, enable_prefix_caching=False)
+    llm = make_llm(
+        mode="chunked",
+        max_num_batched_tokens=max(chunk, 8),
+        long_prefill_token_threshold=chunk,
+        enable_prefix_caching=False,
+    )
     results = llm.generate(chat_token_ids[:2], PARAMS, use_tqdm=False)
     assert [r.token_ids for r in results] == reference[:2]
 
@@ -42,8 +46,13 @@ def test_prefix_cache_hit_matches_and_skips_work(make_llm, chat_token_ids, refer
 
 def test_preemption_completes_all_with_same_output(make_llm, chat_token_ids, reference):
     # 14 blocks of 16 tokens cannot hold four ~50-token prompts plus 24 outputs each at once.
-    llm = make_llm(mode="chunked", num_kv_blocks=14, max_num_batched_tokens=128,
-                   max_num_partial_prefills=4, enable_prefix_caching=False)
+    llm = make_llm(
+        mode="chunked",
+        num_kv_blocks=14,
+        max_num_batched_tokens=128,
+        max_num_partial_prefills=4,
+        enable_prefix_caching=False,
+    )
     results = llm.generate(chat_token_ids, PARAMS, use_tqdm=False)
     assert [r.token_ids for r in results] == reference
     assert llm.engine.scheduler.num_preemptions > 0

@@ -2,8 +2,13 @@ import pytest
 
 from pdserve.engine.detokenizer import Detokenizer
 
-TEXTS = ["Hello, world!", "héllo wörld — naïve café", "数学 和 世界", "party 🎉🎉 time 👩‍👩‍👧",
-         "numbers 1234567 and 3.14159"]
+TEXTS = [
+    "Hello, world!",
+    "héllo wörld — naïve café",
+    "数学 和 世界",
+    "party 🎉🎉 time 👩‍👩‍👧",
+    "numbers 1234567 and 3.14159",
+]
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,21 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def _engine(loaded, role=None, transport="tcp", policy="recompute", **kwargs):
-    kv = KVTransferConfig(transport=transport, kv_role=role, kv_lease_timeout=10.0,
-                          kv_transfer_timeout=2.0) if role else None
-    config = engine_config_from_kwargs(dtype="float32", device="cpu", num_kv_blocks=64,
-                                       kv_transfer=kv, kv_failure_policy=policy, **kwargs)
+    kv = (
+        KVTransferConfig(
+            transport=transport, kv_role=role, kv_lease_timeout=10.0, kv_transfer_timeout=2.0
+        )
+        if role
+        else None
+    )
+    config = engine_config_from_kwargs(
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=64,
+        kv_transfer=kv,
+        kv_failure_policy=policy,
+        **kwargs,
+    )
     return LLMEngine(config, loaded=loaded)
 
 
@@ -37,8 +48,13 @@ def _tokens(outputs):
 
 
 def _prefill_leg(prefill, request_id, prompt):
-    outputs = _run(prefill, request_id, prompt, SamplingParams(max_tokens=1, temperature=0),
-                   {"do_remote_decode": True})
+    outputs = _run(
+        prefill,
+        request_id,
+        prompt,
+        SamplingParams(max_tokens=1, temperature=0),
+        {"do_remote_decode": True},
+    )
     params = outputs[-1].kv_transfer_params
     assert params["do_remote_prefill"] and params["first_token_id"] == _tokens(outputs)[0]
     return params
@@ -51,8 +67,9 @@ def reference(loaded_fp32, chat_token_ids):
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_decode_from_transferred_kv_matches_local(loaded_fp32, chat_token_ids, reference,
-                                                   transport):
+def test_decode_from_transferred_kv_matches_local(
+    loaded_fp32, chat_token_ids, reference, transport
+):
     prefill = _engine(loaded_fp32, "kv_producer", transport)
     decode = _engine(loaded_fp32, "kv_consumer", transport)
     for i, prompt in enumerate(chat_token_ids[:2]):
@@ -71,8 +88,9 @@ def test_decode_from_transferred_kv_matches_local(loaded_fp32, chat_token_ids, r
         engine.shutdown()
 
 
-@pytest.mark.parametrize(("policy", "reason"), [("recompute", FinishReason.LENGTH),
-                                                ("fail", FinishReason.ERROR)])
+@pytest.mark.parametrize(
+    ("policy", "reason"), [("recompute", FinishReason.LENGTH), ("fail", FinishReason.ERROR)]
+)
 def test_transfer_that_never_arrives(loaded_fp32, chat_token_ids, reference, policy, reason):
     prefill = _engine(loaded_fp32, "kv_producer", "tcp")
     decode = _engine(loaded_fp32, "kv_consumer", "tcp", policy=policy)
@@ -99,5 +117,4 @@ def test_mismatched_layout_is_refused(loaded_fp32, chat_token_ids):
 
 def test_plain_engine_refuses_kv_params(loaded_fp32, chat_token_ids):
     with pytest.raises(InvalidParameterError, match="--role"):
-        _engine(loaded_fp32).add_request("x", chat_token_ids[0], PARAMS,
-                                         {"do_remote_decode": True})
+        _engine(loaded_fp32).add_request("x", chat_token_ids[0], PARAMS, {"do_remote_decode": True})

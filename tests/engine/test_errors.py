@@ -50,15 +50,22 @@ def test_engine_survives_a_rejected_request(llm):
     assert len(result[0].token_ids) >= 1
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--model", "/nonexistent/model.gguf", "hello"], "model.gguf"),
-    (["--max-tokens", "0", "hello"], "max_tokens"),
-    (["--temperature", "-2", "hello"], "temperature"),
-    (["  "], "prompt"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/nonexistent/model.gguf", "hello"], "model.gguf"),
+        (["--max-tokens", "0", "hello"], "max_tokens"),
+        (["--temperature", "-2", "hello"], "temperature"),
+        (["  "], "prompt"),
+    ],
+)
 def test_cli_errors_are_one_clear_line(args, message):
-    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", *args],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "generate", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -26,6 +26,10 @@ def test_greedy_tokens_equal_transformers(hf_model, make_llm, chat_token_ids):
     for prompt, result in zip(chat_token_ids, ours, strict=True):
         with torch.inference_mode():
             generated = hf_model.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=NUM_NEW_TOKENS, min_new_tokens=NUM_NEW_TOKENS, do_sample=False)
-        assert result.token_ids == generated[0, len(prompt):].tolist()
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=NUM_NEW_TOKENS,
+                min_new_tokens=NUM_NEW_TOKENS,
+                do_sample=False,
+            )
+        assert result.token_ids == generated[0, len(prompt) :].tolist()

@@ -11,17 +11,19 @@ from pdserve.engine.llm_engine import LLMEngine
 
 def test_every_eos_id_of_the_model_stops_generation(loaded_fp32, chat_token_ids):
     """Models such as Llama-3 instruct end turns with one of several EOS ids."""
+
     def generate(loaded):
         engine = LLMEngine(engine_config_from_kwargs(dtype="float32", device="cpu"), loaded)
         return LLM(engine=engine).generate(
-            [chat_token_ids[0]], SamplingParams(max_tokens=6), use_tqdm=False)[0]
+            [chat_token_ids[0]], SamplingParams(max_tokens=6), use_tqdm=False
+        )[0]
 
     plain = generate(loaded_fp32)
     assert len(plain.token_ids) == 6 and plain.finish_reason is FinishReason.LENGTH
     # Declare the model's third greedy token an EOS id, beside its own.
     config = dataclasses.replace(
-        loaded_fp32.config, eos_token_ids=(*loaded_fp32.config.eos_token_ids,
-                                           plain.token_ids[2]))
+        loaded_fp32.config, eos_token_ids=(*loaded_fp32.config.eos_token_ids, plain.token_ids[2])
+    )
     stopped = generate(dataclasses.replace(loaded_fp32, config=config))
     assert stopped.token_ids == plain.token_ids[:3]
     assert stopped.finish_reason is FinishReason.STOP

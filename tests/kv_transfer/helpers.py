@@ -16,8 +16,15 @@ NUM_BLOCKS = 64
 
 
 def tiny_layout(dtype: str = "float32", **overrides) -> KVLayout:
-    fields = {"model_id": "tiny-llama", "num_layers": 4, "num_kv_heads": 2, "head_dim": 8,
-              "block_size": 4, "dtype": dtype, **overrides}
+    fields = {
+        "model_id": "tiny-llama",
+        "num_layers": 4,
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "block_size": 4,
+        "dtype": dtype,
+        **overrides,
+    }
     return KVLayout(**fields)
 
 
@@ -48,11 +55,15 @@ def run_sender(conn, specs: list[SenderSpec]) -> None:
     transports = {}
     for spec in specs:
         layout = tiny_layout(spec.dtype)
-        config = KVTransferConfig(transport=spec.transport, kv_role="kv_producer",
-                                  kv_lease_timeout=spec.lease_timeout)
+        config = KVTransferConfig(
+            transport=spec.transport, kv_role="kv_producer", kv_lease_timeout=spec.lease_timeout
+        )
         transport = create_kv_transport(
-            config, layout, NUM_BLOCKS,
-            free_blocks=lambda rid, ids, key=spec.key: freed[key].append((rid, ids)))
+            config,
+            layout,
+            NUM_BLOCKS,
+            free_blocks=lambda rid, ids, key=spec.key: freed[key].append((rid, ids)),
+        )
         transport.kv_cache.copy_(reference_cache(layout))
         transports[spec.key] = transport
     conn.send("ready")
@@ -68,8 +79,12 @@ def run_sender(conn, specs: list[SenderSpec]) -> None:
             conn.send(freed[key][:])
             freed[key].clear()
         elif command == "stats":
-            conn.send({"num_rejected_frames": transport.server.num_rejected_frames,
-                       "num_held_blocks": transport.leases.num_held_blocks})
+            conn.send(
+                {
+                    "num_rejected_frames": transport.server.num_rejected_frames,
+                    "num_held_blocks": transport.leases.num_held_blocks,
+                }
+            )
     for transport in transports.values():
         transport.close()
     conn.send("stopped")

@@ -48,8 +48,8 @@ def test_copy_and_staged_paths_match_advanced_indexing(contiguous):
     layer = torch.empty(1, 2, len(src_ids), *LAYOUT.block_shape, dtype=src.dtype)
     gather, scatter = StagedBlocks(src_ids), StagedBlocks(dst_ids)
     for index in range(LAYOUT.num_layers):
-        gather.gather(src[index:index + 1], layer)
-        scatter.scatter(staged[index:index + 1], layer)
+        gather.gather(src[index : index + 1], layer)
+        scatter.scatter(staged[index : index + 1], layer)
     assert torch.equal(bits(staged), bits(expected))
 
 

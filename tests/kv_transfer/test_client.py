@@ -47,29 +47,50 @@ class ScriptedServer:
 
 
 def _hello(**overrides) -> bytes:
-    meta = {"protocol_version": 1, "engine_id": "e1", "layout": LAYOUT.to_dict(),
-            "num_blocks": NUM_BLOCKS, **overrides}
+    meta = {
+        "protocol_version": 1,
+        "engine_id": "e1",
+        "layout": LAYOUT.to_dict(),
+        "num_blocks": NUM_BLOCKS,
+        **overrides,
+    }
     return encode_frame(MessageType.REPLY, meta)
 
 
 def _params(port: int) -> KVTransferParams:
-    return KVTransferParams(do_remote_prefill=True, remote_engine_id="e1",
-                            remote_request_id="r", remote_host="127.0.0.1", remote_port=port,
-                            remote_block_ids=(1, 2), remote_num_tokens=8, transport="tcp",
-                            layout_hash=LAYOUT.layout_hash())
+    return KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id="e1",
+        remote_request_id="r",
+        remote_host="127.0.0.1",
+        remote_port=port,
+        remote_block_ids=(1, 2),
+        remote_num_tokens=8,
+        transport="tcp",
+        layout_hash=LAYOUT.layout_hash(),
+    )
 
 
-@pytest.mark.parametrize(("reply", "error", "phrase"), [
-    (b"HTTP/1.1 200 OK\r\n\r\n!", FrameError, "bad magic"),
-    (HEADER.pack(MAGIC, 1, int(MessageType.REPLY), 2**31, 0), FrameError, "over the"),
-    (HEADER.pack(MAGIC, 1, int(MessageType.REPLY), 50, 0) + b"{}", FrameError, "mid-frame"),
-    (HEADER.pack(MAGIC, 1, int(MessageType.REPLY), 2, 10**12) + b"{}", FrameError,
-     "payload length"),
-    (HEADER.pack(MAGIC, 7, int(MessageType.REPLY), 2, 0) + b"{}", KVIncompatibleError,
-     "version 7"),
-    (encode_frame(MessageType.DATA, {}), FrameError, "expected REPLY"),
-    (b"", KVTransferError, "closed the connection"),
-])
+@pytest.mark.parametrize(
+    ("reply", "error", "phrase"),
+    [
+        (b"HTTP/1.1 200 OK\r\n\r\n!", FrameError, "bad magic"),
+        (HEADER.pack(MAGIC, 1, int(MessageType.REPLY), 2**31, 0), FrameError, "over the"),
+        (HEADER.pack(MAGIC, 1, int(MessageType.REPLY), 50, 0) + b"{}", FrameError, "mid-frame"),
+        (
+            HEADER.pack(MAGIC, 1, int(MessageType.REPLY), 2, 10**12) + b"{}",
+            FrameError,
+            "payload length",
+        ),
+        (
+            HEADER.pack(MAGIC, 7, int(MessageType.REPLY), 2, 0) + b"{}",
+            KVIncompatibleError,
+            "version 7",
+        ),
+        (encode_frame(MessageType.DATA, {}), FrameError, "expected REPLY"),
+        (b"", KVTransferError, "closed the connection"),
+    ],
+)
 def test_bad_replies_raise_cleanly(reply, error, phrase):
     server = ScriptedServer([reply])
     client = KVClient("127.0.0.1", server.port, timeout=5)
@@ -83,10 +104,13 @@ def _consumer():
     return create_kv_transport(KVTransferConfig(kv_role="kv_consumer"), LAYOUT, NUM_BLOCKS)
 
 
-@pytest.mark.parametrize(("data_meta", "phrase"), [
-    ({"dtype": "float16", "shape": [4, 2, 2, 4, 2, 8]}, "expected"),
-    ({"dtype": "float32", "shape": [4, 2, 3, 4, 2, 8]}, "expected"),
-])
+@pytest.mark.parametrize(
+    ("data_meta", "phrase"),
+    [
+        ({"dtype": "float16", "shape": [4, 2, 2, 4, 2, 8]}, "expected"),
+        ({"dtype": "float32", "shape": [4, 2, 3, 4, 2, 8]}, "expected"),
+    ],
+)
 def test_data_frame_of_wrong_dtype_or_shape_is_refused(data_meta, phrase):
     nbytes = LAYOUT.nbytes(2)
     data = encode_frame(MessageType.DATA, data_meta, payload_len=nbytes) + bytes(nbytes)
@@ -101,8 +125,9 @@ def test_data_frame_of_wrong_dtype_or_shape_is_refused(data_meta, phrase):
 
 def test_short_payload_is_refused():
     nbytes = LAYOUT.nbytes(2)
-    data = encode_frame(MessageType.DATA, {"dtype": "float32", "shape": [4, 2, 2, 4, 2, 8]},
-                        payload_len=nbytes) + bytes(nbytes // 2)
+    data = encode_frame(
+        MessageType.DATA, {"dtype": "float32", "shape": [4, 2, 2, 4, 2, 8]}, payload_len=nbytes
+    ) + bytes(nbytes // 2)
     server = ScriptedServer([_hello(), data])
     consumer = _consumer()
     with pytest.raises(FrameError, match="mid-frame"):

@@ -27,8 +27,11 @@ class Worker:
     def __init__(self, transport: str, role: str) -> None:
         config = KVTransferConfig(transport=transport, kv_role=role)
         self.connector = KVConnector(config, LAYOUT, NUM_BLOCKS)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64),
-                                   CacheConfig(LAYOUT.block_size, NUM_BLOCKS), self.connector)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_batched_tokens=64),
+            CacheConfig(LAYOUT.block_size, NUM_BLOCKS),
+            self.connector,
+        )
         self.kv_cache = self.connector.transport.kv_cache
         self.num_computed_per_step: list[int] = []
 
@@ -39,8 +42,11 @@ class Worker:
         for scheduled in output.scheduled:
             _write_kv(self.kv_cache, scheduled.request, scheduled.num_new_tokens)
         self.num_computed_per_step.append(output.num_batched_tokens)
-        sampled = {s.request.request_id: FIRST_TOKEN + s.request.num_output_tokens
-                   for s in output.scheduled if s.is_sampling}
+        sampled = {
+            s.request.request_id: FIRST_TOKEN + s.request.num_output_tokens
+            for s in output.scheduled
+            if s.is_sampling
+        }
         return self.scheduler.update_from_output(output, sampled)
 
     def run_until(self, done, timeout: float = 30.0) -> None:
@@ -55,27 +61,32 @@ class Worker:
 
 def _kv_value(token_id: int, position: int) -> torch.Tensor:
     pattern = torch.arange(LAYOUT.num_layers * 2 * LAYOUT.num_kv_heads * LAYOUT.head_dim)
-    return (pattern.view(LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-            + 1000.0 * token_id + position)
+    return (
+        pattern.view(LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+        + 1000.0 * token_id
+        + position
+    )
 
 
 def _write_kv(kv_cache: torch.Tensor, request: Request, num_new: int) -> None:
     tokens = request.all_token_ids
     for position in range(request.num_computed_tokens, request.num_computed_tokens + num_new):
         block = request.block_table[position // LAYOUT.block_size]
-        kv_cache[:, :, block, position % LAYOUT.block_size] = _kv_value(tokens[position],
-                                                                         position)
+        kv_cache[:, :, block, position % LAYOUT.block_size] = _kv_value(tokens[position], position)
 
 
 def _prompt_kv(worker: Worker, request: Request, num_tokens: int) -> torch.Tensor:
-    slots = [(request.block_table[p // LAYOUT.block_size], p % LAYOUT.block_size)
-             for p in range(num_tokens)]
+    slots = [
+        (request.block_table[p // LAYOUT.block_size], p % LAYOUT.block_size)
+        for p in range(num_tokens)
+    ]
     return torch.stack([worker.kv_cache[:, :, b, o] for b, o in slots])
 
 
 def _request(request_id: str, max_tokens: int, **kwargs) -> Request:
-    return Request(request_id, list(PROMPT), SamplingParams(max_tokens=max_tokens,
-                                                            ignore_eos=True), **kwargs)
+    return Request(
+        request_id, list(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kwargs
+    )
 
 
 def _prefill_leg(prefill: Worker, request_id: str = "p") -> Request:
@@ -113,8 +124,10 @@ def test_decode_continues_from_remote_kv_and_nothing_leaks(workers):
     decode.step()
     assert received.status is RequestStatus.WAITING_FOR_REMOTE_KV
     decode.run_until(lambda: received.num_computed_tokens >= len(PROMPT))
-    assert torch.equal(bits(_prompt_kv(decode, received, len(PROMPT))),
-                       bits(_prompt_kv(prefill, sent, len(PROMPT))))
+    assert torch.equal(
+        bits(_prompt_kv(decode, received, len(PROMPT))),
+        bits(_prompt_kv(prefill, sent, len(PROMPT))),
+    )
     decode.run_until(lambda: received.is_finished)
     assert received.output_token_ids == [FIRST_TOKEN, FIRST_TOKEN + 1, FIRST_TOKEN + 2]
     # The decode worker never ran the prompt: one token per step.
@@ -150,8 +163,10 @@ def test_local_prefix_hit_fetches_only_the_rest(workers):
     received = _decode_leg(decode, sent)
     decode.run_until(lambda: received.num_computed_tokens >= len(PROMPT))
     assert decode.connector.pop_transfer_result("d").stats.num_bytes == LAYOUT.nbytes(1)
-    assert torch.equal(bits(_prompt_kv(decode, received, len(PROMPT))),
-                       bits(_prompt_kv(prefill, sent, len(PROMPT))))
+    assert torch.equal(
+        bits(_prompt_kv(decode, received, len(PROMPT))),
+        bits(_prompt_kv(prefill, sent, len(PROMPT))),
+    )
     decode.run_until(lambda: received.is_finished)
     prefill.run_until(lambda: not prefill.scheduler.held)
     assert prefill.scheduler.block_manager.num_free_blocks == NUM_BLOCKS

@@ -38,10 +38,10 @@ class Pair:
 
     def __init__(self, transport: str, **producer_config) -> None:
         self.freed: list[tuple[str, list[int]]] = []
-        producer = KVTransferConfig(transport=transport, kv_role="kv_producer",
-                                    **producer_config)
-        self.producer = create_kv_transport(producer, LAYOUT, NUM_BLOCKS,
-                                            free_blocks=lambda r, b: self.freed.append((r, b)))
+        producer = KVTransferConfig(transport=transport, kv_role="kv_producer", **producer_config)
+        self.producer = create_kv_transport(
+            producer, LAYOUT, NUM_BLOCKS, free_blocks=lambda r, b: self.freed.append((r, b))
+        )
         self.producer.kv_cache.copy_(reference_cache(LAYOUT))
         consumer = KVTransferConfig(transport=transport, kv_role="kv_consumer")
         self.consumer = create_kv_transport(consumer, LAYOUT, NUM_BLOCKS)
@@ -113,8 +113,10 @@ def test_background_receiver_reports_success_and_failure(pair):
     assert outcome["local-good"].is_ok and outcome["local-good"].stats.num_bytes > 0
     assert isinstance(outcome["local-bad"].error, KVLeaseError)
     assert receiver.num_pending == 0
-    assert torch.equal(bits(pair.consumer.kv_cache[:, :, [0, 1, 2]]),
-                       bits(reference_cache(LAYOUT)[:, :, [7, 8, 9]]))
+    assert torch.equal(
+        bits(pair.consumer.kv_cache[:, :, [0, 1, 2]]),
+        bits(reference_cache(LAYOUT)[:, :, [7, 8, 9]]),
+    )
     assert sorted(pair.producer.collect()) == ["bad", "good"]
 
 
@@ -141,10 +143,15 @@ def test_shm_copy_that_outlives_its_lease_is_refused(monkeypatch):
     now = [0.0]
     freed = []
     leases = LeaseManager(lambda r, b: freed.append(r), lease_timeout=5, clock=lambda: now[0])
-    producer = ShmTransport(SharedKVCache.create(LAYOUT, NUM_BLOCKS), LAYOUT,
-                            KVTransferConfig(transport="shm", kv_role="kv_producer"), leases)
-    consumer = create_kv_transport(KVTransferConfig(transport="shm", kv_role="kv_consumer"),
-                                   LAYOUT, NUM_BLOCKS)
+    producer = ShmTransport(
+        SharedKVCache.create(LAYOUT, NUM_BLOCKS),
+        LAYOUT,
+        KVTransferConfig(transport="shm", kv_role="kv_producer"),
+        leases,
+    )
+    consumer = create_kv_transport(
+        KVTransferConfig(transport="shm", kv_role="kv_consumer"), LAYOUT, NUM_BLOCKS
+    )
     real_copy = shm_module.copy_blocks
 
     def slow_copy(*args):
@@ -190,14 +197,20 @@ def _dead_pid() -> int:
     return child.pid
 
 
-
 def test_an_owner_exiting_without_close_unlinks_its_segment():
-    code = ("import json, sys\nfrom pdserve.kv_transfer.protocol import KVLayout\n"
-            "from pdserve.kv_transfer.shm_segment import SharedKVCache\n"
-            "layout = KVLayout(**json.loads(sys.argv[1]))\n"
-            "print(SharedKVCache.create(layout, 2).name, flush=True)\n")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(LAYOUT.to_dict())],
-                         capture_output=True, text=True, check=True, timeout=120)
+    code = (
+        "import json, sys\nfrom pdserve.kv_transfer.protocol import KVLayout\n"
+        "from pdserve.kv_transfer.shm_segment import SharedKVCache\n"
+        "layout = KVLayout(**json.loads(sys.argv[1]))\n"
+        "print(SharedKVCache.create(layout, 2).name, flush=True)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(LAYOUT.to_dict())],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     name = out.stdout.strip()
     assert name.startswith("pdserve-kv-")
     assert not (SHM_DIR / name).exists()

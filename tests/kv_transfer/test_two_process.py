@@ -52,14 +52,14 @@ def _consumer(transport: str, dtype: str, **layout_overrides):
 
 
 def _expose(sender, key: str, request_id: str, block_ids=REMOTE_IDS, num_tokens=NUM_TOKENS):
-    return KVTransferParams.from_dict(sender.call("expose", key, request_id, block_ids,
-                                                  num_tokens))
+    return KVTransferParams.from_dict(sender.call("expose", key, request_id, block_ids, num_tokens))
 
 
 def _assert_blocks_equal(local_cache, local_ids, dtype, remote_ids=REMOTE_IDS):
     expected = reference_cache(tiny_layout(dtype))
-    assert torch.equal(bits(local_cache[:, :, list(local_ids)]),
-                       bits(expected[:, :, list(remote_ids)]))
+    assert torch.equal(
+        bits(local_cache[:, :, list(local_ids)]), bits(expected[:, :, list(remote_ids)])
+    )
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
@@ -143,11 +143,14 @@ def _wait_until_refused(consumer, params) -> None:
         consumer.fetch(params, units)
 
 
-@pytest.mark.parametrize(("overrides", "phrase"), [
-    ({"model_id": "other-model"}, "model differs"),
-    ({"dtype": "bfloat16"}, "dtype differs"),
-    ({"block_size": 8}, "block layout differs (block_size local 8 remote 4)"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "phrase"),
+    [
+        ({"model_id": "other-model"}, "model differs"),
+        ({"dtype": "bfloat16"}, "dtype differs"),
+        ({"block_size": 8}, "block layout differs (block_size local 8 remote 4)"),
+    ],
+)
 def test_mismatched_workers_are_refused_by_name(sender, overrides, phrase):
     dtype = overrides.pop("dtype", "float32")
     consumer = _consumer("tcp", dtype, **overrides)
@@ -157,8 +160,7 @@ def test_mismatched_workers_are_refused_by_name(sender, overrides, phrase):
             consumer.receive(params, LOCAL_IDS)
         assert phrase in str(info.value)
         # The refused transfer still released the lease.
-        assert [rid for rid, _ in sender.call("collect", "tcp-float32")] == [
-            f"mismatch-{phrase}"]
+        assert [rid for rid, _ in sender.call("collect", "tcp-float32")] == [f"mismatch-{phrase}"]
     finally:
         consumer.close()
 
@@ -178,12 +180,16 @@ HOSTILE_FRAMES = {
     "JSON array": _header(meta_len=2) + b"[]",
     "deeply nested JSON": _header(meta_len=200_000) + b"[" * 100_000 + b"]" * 100_000,
     "response type as request": _header(msg_type=MessageType.DATA, meta_len=2) + b"{}",
-    "block_ids not a list": encode_frame(MessageType.FETCH, {
-        "request_id": "x", "layer_start": 0, "layer_end": 1, "block_ids": "1,2"}),
-    "layer out of range": encode_frame(MessageType.FETCH, {
-        "request_id": "x", "layer_start": 0, "layer_end": 999, "block_ids": [1]}),
-    "block id too large": encode_frame(MessageType.FETCH, {
-        "request_id": "x", "layer_start": 0, "layer_end": 1, "block_ids": [2**70]}),
+    "block_ids not a list": encode_frame(
+        MessageType.FETCH, {"request_id": "x", "layer_start": 0, "layer_end": 1, "block_ids": "1,2"}
+    ),
+    "layer out of range": encode_frame(
+        MessageType.FETCH, {"request_id": "x", "layer_start": 0, "layer_end": 999, "block_ids": [1]}
+    ),
+    "block id too large": encode_frame(
+        MessageType.FETCH,
+        {"request_id": "x", "layer_start": 0, "layer_end": 1, "block_ids": [2**70]},
+    ),
     "request_id not a string": encode_frame(MessageType.RELEASE, {"request_id": 7}),
 }
 
@@ -202,10 +208,10 @@ def _send_raw(port: int, data: bytes) -> bytes:
 def _parse_frames(data: bytes) -> list[tuple[int, dict]]:
     frames = []
     while data:
-        magic, _, msg_type, meta_len, payload_len = HEADER.unpack(data[:HEADER.size])
+        magic, _, msg_type, meta_len, payload_len = HEADER.unpack(data[: HEADER.size])
         assert magic == MAGIC and payload_len == 0
-        frames.append((msg_type, json.loads(data[HEADER.size:HEADER.size + meta_len])))
-        data = data[HEADER.size + meta_len:]
+        frames.append((msg_type, json.loads(data[HEADER.size : HEADER.size + meta_len])))
+        data = data[HEADER.size + meta_len :]
     return frames
 
 
@@ -248,10 +254,13 @@ def test_foreign_protocol_version_on_the_wire_is_refused(sender):
 def test_fetch_of_blocks_outside_the_lease_keeps_connection(sender):
     """A semantic refusal is not a malformed frame: ERROR, and the connection stays usable."""
     port = _expose(sender, "tcp-float32", "lease-scope").remote_port
-    fetch = encode_frame(MessageType.FETCH, {"request_id": "lease-scope", "layer_start": 0,
-                                             "layer_end": 1, "block_ids": [63]})
+    fetch = encode_frame(
+        MessageType.FETCH,
+        {"request_id": "lease-scope", "layer_start": 0, "layer_end": 1, "block_ids": [63]},
+    )
     [(first_type, first), (second_type, second)] = _parse_frames(
-        _send_raw(port, fetch + encode_frame(MessageType.HELLO, {})))
+        _send_raw(port, fetch + encode_frame(MessageType.HELLO, {}))
+    )
     assert first_type == MessageType.ERROR
     assert first["code"] == "lease" and "not leased" in first["error"]
     assert second_type == MessageType.REPLY and second["engine_id"]
@@ -261,8 +270,9 @@ def test_fetch_of_blocks_outside_the_lease_keeps_connection(sender):
 def test_killed_prefill_worker_fails_the_transfer_cleanly():
     """kill -9 of the sender after the hand-off: the receiver gets a KVTransferError (the
     decode side then recomputes or fails the request) and drops its connection and mapping."""
-    process = SenderProcess([SenderSpec("shm", "shm", "float32"),
-                             SenderSpec("tcp", "tcp", "float32")])
+    process = SenderProcess(
+        [SenderSpec("shm", "shm", "float32"), SenderSpec("tcp", "tcp", "float32")]
+    )
     consumers = {t: _consumer(t, "float32") for t in ("shm", "tcp")}
     try:
         for transport, consumer in consumers.items():

@@ -33,8 +33,7 @@ def smollm_fp32(smollm_hf_dir: Path) -> LoadedModel:
 def hf_smollm(smollm_hf_dir: Path):
     """transformers' LlamaForCausalLM on the exported folder (float32, eval)."""
     transformers = pytest.importorskip("transformers")
-    return transformers.LlamaForCausalLM.from_pretrained(smollm_hf_dir,
-                                                          dtype=torch.float32).eval()
+    return transformers.LlamaForCausalLM.from_pretrained(smollm_hf_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

@@ -17,8 +17,13 @@ from pdserve.model.llama import LlamaForCausalLM
 TINY_VOCAB_SIZE = 260  # 256 byte tokens + 4 specials
 
 
-def tiny_hf_model(arch: str = "llama", *, tie_word_embeddings: bool = False,
-                  rope_scaling: dict | None = None, seed: int = 0):
+def tiny_hf_model(
+    arch: str = "llama",
+    *,
+    tie_word_embeddings: bool = False,
+    rope_scaling: dict | None = None,
+    seed: int = 0,
+):
     """A random-weight transformers model (eager attention, float32) of a tiny config with
     GQA (4 query heads on 2 KV heads)."""
     import transformers
@@ -28,12 +33,23 @@ def tiny_hf_model(arch: str = "llama", *, tie_word_embeddings: bool = False,
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     }[arch]
     kwargs = {"rope_scaling": rope_scaling, "rope_theta": 500000.0} if rope_scaling else {}
-    config = config_cls(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=96,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-5,
-                        tie_word_embeddings=tie_word_embeddings, initializer_range=0.1,
-                        bos_token_id=256, eos_token_id=257, attn_implementation="eager",
-                        **kwargs)
+    config = config_cls(
+        vocab_size=TINY_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=0.1,
+        bos_token_id=256,
+        eos_token_id=257,
+        attn_implementation="eager",
+        **kwargs,
+    )
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():  # random norm weights, so a mix-up of norms cannot go unnoticed
@@ -44,22 +60,30 @@ def tiny_hf_model(arch: str = "llama", *, tie_word_embeddings: bool = False,
 
 
 def model_config_of(hf_model) -> ModelConfig:
-    return ModelConfig.from_hf_config({**hf_model.config.to_dict(),
-                                       "architectures": [type(hf_model).__name__]})
+    return ModelConfig.from_hf_config(
+        {**hf_model.config.to_dict(), "architectures": [type(hf_model).__name__]}
+    )
 
 
-def pdserve_from_hf(hf_model, dtype: torch.dtype = torch.float32,
-                    use_cpu_kernels: bool = True) -> LlamaForCausalLM:
+def pdserve_from_hf(
+    hf_model, dtype: torch.dtype = torch.float32, use_cpu_kernels: bool = True
+) -> LlamaForCausalLM:
     """pdserve's model holding the same weights, with CPU linears packed."""
-    model = LlamaForCausalLM(model_config_of(hf_model), dtype, "cpu",
-                             use_cpu_kernels=use_cpu_kernels)
+    model = LlamaForCausalLM(
+        model_config_of(hf_model), dtype, "cpu", use_cpu_kernels=use_cpu_kernels
+    )
     model.load_weights(hf_model.state_dict())
     model.pack()
     return model
 
 
-def paged_greedy(model: LlamaForCausalLM, prompt_ids: list[int], max_new_tokens: int,
-                 chunk_size: int | None = None, block_size: int = 16) -> list[int]:
+def paged_greedy(
+    model: LlamaForCausalLM,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    chunk_size: int | None = None,
+    block_size: int = 16,
+) -> list[int]:
     """Greedy tokens generated one decode step at a time through a paged KV cache whose
     blocks are deliberately out of order; the prompt is prefilled in chunks of `chunk_size`."""
     total = len(prompt_ids) + max_new_tokens
@@ -72,12 +96,16 @@ def paged_greedy(model: LlamaForCausalLM, prompt_ids: list[int], max_new_tokens:
     while len(tokens) < total:
         num_new = min(chunk_size, len(tokens) - num_computed)
         meta = AttentionMetadata.build([(block_table, num_computed, num_new)], block_size, "cpu")
-        hidden = model(torch.tensor(tokens[num_computed:num_computed + num_new]),
-                       torch.arange(num_computed, num_computed + num_new), cache, meta)
+        hidden = model(
+            torch.tensor(tokens[num_computed : num_computed + num_new]),
+            torch.arange(num_computed, num_computed + num_new),
+            cache,
+            meta,
+        )
         num_computed += num_new
         if num_computed == len(tokens):
             tokens.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
-    return tokens[len(prompt_ids):]
+    return tokens[len(prompt_ids) :]
 
 
 def write_tiny_tokenizer(folder: Path) -> None:
@@ -88,12 +116,21 @@ def write_tiny_tokenizer(folder: Path) -> None:
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t in ("<s>", "</s>", "<|user|>", "<|assistant|>")])
+    backend.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t in ("<s>", "</s>", "<|user|>", "<|assistant|>")
+        ]
+    )
     folder.mkdir(parents=True, exist_ok=True)
     backend.save(str(folder / "tokenizer.json"))
-    template = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
-                "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>"
-                "{% endif %}")
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": template}))
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+        "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>"
+        "{% endif %}"
+    )
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": template}
+        )
+    )

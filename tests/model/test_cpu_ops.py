@@ -28,18 +28,21 @@ def _tables(lengths, block_size, num_blocks, generator):
 @pytest.mark.parametrize(("dtype", "atol"), DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), HEADS)
 @pytest.mark.parametrize("block_size", [16, 8, 32])
-def test_paged_decode_matches_torch_path(dtype, atol, num_heads, num_kv_heads, head_dim,
-                                         block_size):
+def test_paged_decode_matches_torch_path(
+    dtype, atol, num_heads, num_kv_heads, head_dim, block_size
+):
     generator = torch.Generator().manual_seed(0)
     num_blocks = 1280 // block_size
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim,
-                        generator=generator).to(dtype)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(
+        dtype
+    )
     lengths = [1, 16, 17, 300, 45, 33]
     tables = _tables(lengths, block_size, num_blocks, generator)
-    meta = AttentionMetadata.build([(t, n - 1, 1) for t, n in zip(tables, lengths, strict=True)],
-                                   block_size, "cpu")
+    meta = AttentionMetadata.build(
+        [(t, n - 1, 1) for t, n in zip(tables, lengths, strict=True)], block_size, "cpu"
+    )
     q = torch.randn(len(lengths), num_heads, head_dim, generator=generator).to(dtype)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     expected = TorchAttentionBackend(scale)._decode(q, cache, meta.decode, None)
     got = ops.paged_decode(q, cache, meta.decode.block_tables, meta.decode.seq_lens, scale)
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
@@ -59,8 +62,9 @@ def test_add_rms_norm(dtype, atol, hidden):
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=atol)
     out, stream = ops.add_rms_norm(x, None, weight, 1e-5)
     assert stream is x
-    torch.testing.assert_close(out.float(), F.rms_norm(x.float(), (hidden,), weight.float(),
-                                                       1e-5), atol=atol, rtol=atol)
+    torch.testing.assert_close(
+        out.float(), F.rms_norm(x.float(), (hidden,), weight.float(), 1e-5), atol=atol, rtol=atol
+    )
 
 
 @pytest.mark.parametrize(("dtype", "atol"), DTYPES)
@@ -71,22 +75,23 @@ def test_rotary_in_place(dtype, atol, head_dim):
     qkv = torch.randn(num_tokens, num_heads * head_dim, generator=generator).to(dtype)
     angles = torch.rand(num_tokens, head_dim // 2, generator=generator) * 10
     x = qkv.view(num_tokens, num_heads, head_dim).float()
-    x1, x2 = x[..., :head_dim // 2], x[..., head_dim // 2:]
+    x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2 :]
     cos, sin = angles.cos()[:, None], angles.sin()[:, None]
     expected = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     expected[:, num_rotated:] = x[:, num_rotated:]
     ops.rotary_(qkv, num_rotated, head_dim, angles.cos(), angles.sin())
-    torch.testing.assert_close(qkv.view(num_tokens, num_heads, head_dim).float(), expected,
-                               atol=atol, rtol=atol)
+    torch.testing.assert_close(
+        qkv.view(num_tokens, num_heads, head_dim).float(), expected, atol=atol, rtol=atol
+    )
 
 
 @pytest.mark.parametrize(("dtype", "atol"), DTYPES)
 def test_silu_mul(dtype, atol):
-    gate_up = (torch.randn(3, 2 * 200, generator=torch.Generator().manual_seed(3)) * 4
-               ).to(dtype)
+    gate_up = (torch.randn(3, 2 * 200, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)
-    torch.testing.assert_close(ops.silu_mul(gate_up).float(), F.silu(gate) * up, atol=atol,
-                               rtol=atol)
+    torch.testing.assert_close(
+        ops.silu_mul(gate_up).float(), F.silu(gate) * up, atol=atol, rtol=atol
+    )
 
 
 @pytest.mark.skipif(ops is None or ops._linear is None, reason="no AVX-512 BF16 dot products")

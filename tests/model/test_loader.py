@@ -40,8 +40,9 @@ def _logits(loaded, ids: list[int]) -> torch.Tensor:
 
 
 def _assert_matches_hf(loaded, hf_model) -> None:
-    ids = loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Hello there, model!"}]))
+    ids = loaded.tokenizer.encode(
+        loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there, model!"}])
+    )
     with torch.no_grad():
         expected = hf_model(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(_logits(loaded, ids), expected, atol=2e-4, rtol=1e-4)
@@ -60,13 +61,16 @@ def test_sharded_safetensors_with_index(tiny_folder, tiny_model):
     weights = load_file(tiny_folder / "model.safetensors")
     (tiny_folder / "model.safetensors").unlink()
     names = sorted(weights)
-    shards = {"model-00001-of-00002.safetensors": names[::2],
-              "model-00002-of-00002.safetensors": names[1::2]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
     for file, shard_names in shards.items():
         save_file({n: weights[n] for n in shard_names}, tiny_folder / file)
     weight_map = {n: file for file, shard_names in shards.items() for n in shard_names}
-    (tiny_folder / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": weight_map}))
+    (tiny_folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     loaded = load_model(str(tiny_folder), dtype="float32", device="cpu")
     _assert_matches_hf(loaded, tiny_model)
 
@@ -99,24 +103,45 @@ def _replace_tensor(folder: Path, name: str, tensor: torch.Tensor | None) -> Non
 LAYER0 = "model.layers.0.self_attn."
 
 
-@pytest.mark.parametrize(("damage", "file", "message"), [
-    (lambda f: (f / "config.json").unlink(), "config.json", "missing"),
-    (lambda f: (f / "config.json").write_text("{"), "config.json", "cannot read JSON"),
-    (lambda f: _rewrite_config(f, architectures=["BertModel"]), "config.json",
-     "unsupported architecture 'BertModel'"),
-    (lambda f: _rewrite_config(f, num_attention_heads=3), "config.json",
-     "multiple of num_key_value_heads"),
-    (lambda f: _truncate(f / "model.safetensors", 100), "model.safetensors",
-     "corrupt or truncated safetensors"),
-    (lambda f: (f / "model.safetensors").unlink(), "", "no \\*.safetensors weights"),
-    (lambda f: _replace_tensor(f, LAYER0 + "k_proj.weight", torch.zeros(16, 64)),
-     "model.safetensors", r"k_proj.weight has shape \[16, 64\], but the config needs \[32, 64\]"),
-    (lambda f: _replace_tensor(f, LAYER0 + "q_proj.bias", None), "",
-     "missing tensor model.layers.0.self_attn.q_proj.bias"),
-    (lambda f: _replace_tensor(f, LAYER0 + "v_proj.weight", torch.full((32, 64), torch.nan)),
-     "model.safetensors", "contains NaN or infinite values"),
-    (lambda f: (f / "tokenizer.json").unlink(), "tokenizer.json", "missing"),
-])
+@pytest.mark.parametrize(
+    ("damage", "file", "message"),
+    [
+        (lambda f: (f / "config.json").unlink(), "config.json", "missing"),
+        (lambda f: (f / "config.json").write_text("{"), "config.json", "cannot read JSON"),
+        (
+            lambda f: _rewrite_config(f, architectures=["BertModel"]),
+            "config.json",
+            "unsupported architecture 'BertModel'",
+        ),
+        (
+            lambda f: _rewrite_config(f, num_attention_heads=3),
+            "config.json",
+            "multiple of num_key_value_heads",
+        ),
+        (
+            lambda f: _truncate(f / "model.safetensors", 100),
+            "model.safetensors",
+            "corrupt or truncated safetensors",
+        ),
+        (lambda f: (f / "model.safetensors").unlink(), "", "no \\*.safetensors weights"),
+        (
+            lambda f: _replace_tensor(f, LAYER0 + "k_proj.weight", torch.zeros(16, 64)),
+            "model.safetensors",
+            r"k_proj.weight has shape \[16, 64\], but the config needs \[32, 64\]",
+        ),
+        (
+            lambda f: _replace_tensor(f, LAYER0 + "q_proj.bias", None),
+            "",
+            "missing tensor model.layers.0.self_attn.q_proj.bias",
+        ),
+        (
+            lambda f: _replace_tensor(f, LAYER0 + "v_proj.weight", torch.full((32, 64), torch.nan)),
+            "model.safetensors",
+            "contains NaN or infinite values",
+        ),
+        (lambda f: (f / "tokenizer.json").unlink(), "tokenizer.json", "missing"),
+    ],
+)
 def test_broken_folders_name_the_file(tiny_folder, damage, file, message):
     damage(tiny_folder)
     with pytest.raises(ModelLoadError, match=message) as error:
@@ -126,8 +151,16 @@ def test_broken_folders_name_the_file(tiny_folder, damage, file, message):
 
 def test_shard_listed_in_index_but_absent(tiny_folder):
     (tiny_folder / "model.safetensors").rename(tiny_folder / "shard-1.safetensors")
-    (tiny_folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "model.norm.weight": "shard-1.safetensors", "lm_head.weight": "shard-2.safetensors"}}))
+    (tiny_folder / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    "model.norm.weight": "shard-1.safetensors",
+                    "lm_head.weight": "shard-2.safetensors",
+                }
+            }
+        )
+    )
     with pytest.raises(ModelLoadError, match=r"shard-2\.safetensors: missing \(listed in"):
         load_model(str(tiny_folder), dtype="float32", device="cpu")
 

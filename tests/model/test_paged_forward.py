@@ -10,8 +10,13 @@ from pdserve.model.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from tests.model.helpers import TINY_VOCAB_SIZE, pdserve_from_hf, tiny_hf_model
 
 BLOCK_SIZE = 16
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 def _schedule(lengths: dict[str, int], chunk_sizes: dict[str, int]) -> list[dict[str, int]]:
@@ -19,16 +24,22 @@ def _schedule(lengths: dict[str, int], chunk_sizes: dict[str, int]) -> list[dict
     done = dict.fromkeys(lengths, 0)
     steps = []
     while any(done[s] < lengths[s] for s in lengths):
-        step = {s: min(chunk_sizes[s], lengths[s] - done[s]) for s in lengths
-                if done[s] < lengths[s]}
+        step = {
+            s: min(chunk_sizes[s], lengths[s] - done[s]) for s in lengths if done[s] < lengths[s]
+        }
         for s, n in step.items():
             done[s] += n
         steps.append(step)
     return steps
 
 
-def _run_paged(model, tokens: dict[str, torch.Tensor], steps: list[dict[str, int]],
-               block_tables: dict[str, list[int]], num_blocks: int) -> dict[str, torch.Tensor]:
+def _run_paged(
+    model,
+    tokens: dict[str, torch.Tensor],
+    steps: list[dict[str, int]],
+    block_tables: dict[str, list[int]],
+    num_blocks: int,
+) -> dict[str, torch.Tensor]:
     """Logits of every token of every sequence, computed step by step in flat batches."""
     cache = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, model.dtype, "cpu")
     done = dict.fromkeys(tokens, 0)
@@ -36,7 +47,7 @@ def _run_paged(model, tokens: dict[str, torch.Tensor], steps: list[dict[str, int
     for step in steps:
         ids, positions, seqs = [], [], []
         for s, n in step.items():
-            ids.append(tokens[s][done[s]:done[s] + n])
+            ids.append(tokens[s][done[s] : done[s] + n])
             positions.append(torch.arange(done[s], done[s] + n))
             seqs.append((block_tables[s], done[s], n))
         meta = AttentionMetadata.build(seqs, BLOCK_SIZE, "cpu")
@@ -44,18 +55,21 @@ def _run_paged(model, tokens: dict[str, torch.Tensor], steps: list[dict[str, int
         step_logits = model.compute_logits(hidden)
         start = 0
         for s, n in step.items():
-            logits[s].append(step_logits[start:start + n])
+            logits[s].append(step_logits[start : start + n])
             start += n
             done[s] += n
     return {s: torch.cat(chunks) for s, chunks in logits.items()}
 
 
-@pytest.mark.parametrize(("arch", "tie", "rope_scaling", "use_cpu_kernels"), [
-    ("llama", True, None, True),
-    ("llama", True, None, False),  # plain torch ops instead of the CPU kernels
-    ("qwen2", False, None, True),  # QKV bias, untied head
-    ("llama", False, LLAMA3_SCALING, True),
-])
+@pytest.mark.parametrize(
+    ("arch", "tie", "rope_scaling", "use_cpu_kernels"),
+    [
+        ("llama", True, None, True),
+        ("llama", True, None, False),  # plain torch ops instead of the CPU kernels
+        ("qwen2", False, None, True),  # QKV bias, untied head
+        ("llama", False, LLAMA3_SCALING, True),
+    ],
+)
 def test_mixed_flat_batches_match_dense_forward(arch, tie, rope_scaling, use_cpu_kernels):
     hf_model = tiny_hf_model(arch, tie_word_embeddings=tie, rope_scaling=rope_scaling)
     model = pdserve_from_hf(hf_model, use_cpu_kernels=use_cpu_kernels)
@@ -63,8 +77,9 @@ def test_mixed_flat_batches_match_dense_forward(arch, tie, rope_scaling, use_cpu
     lengths = {"long": 200, "sevens": 40, "ones": 12, "whole": 90, "short": 3}
     # A chunk of 1 decodes; "ones" sits between prefills, so decode rows are not contiguous.
     chunk_sizes = {"long": 64, "sevens": 7, "ones": 1, "whole": 90, "short": 1}
-    tokens = {s: torch.randint(0, TINY_VOCAB_SIZE, (n,), generator=generator)
-              for s, n in lengths.items()}
+    tokens = {
+        s: torch.randint(0, TINY_VOCAB_SIZE, (n,), generator=generator) for s, n in lengths.items()
+    }
     # Shuffled, interleaved physical blocks; block 0 is left unused.
     needed = {s: -(-n // BLOCK_SIZE) for s, n in lengths.items()}
     physical = (torch.randperm(sum(needed.values()), generator=generator) + 1).tolist()
@@ -92,8 +107,9 @@ def test_all_decode_batch_with_unequal_contexts_matches_dense(use_cpu_kernels):
     paged = _run_paged(model, tokens, steps, block_tables, num_blocks=8)
     with torch.no_grad():
         for s, ids in tokens.items():
-            torch.testing.assert_close(paged[s], hf_model(ids[None]).logits[0], atol=2e-4,
-                                       rtol=1e-4)
+            torch.testing.assert_close(
+                paged[s], hf_model(ids[None]).logits[0], atol=2e-4, rtol=1e-4
+            )
 
 
 def test_bfloat16_forward_tracks_float32():
@@ -115,13 +131,22 @@ def test_cpu_kernels_track_torch_ops_in_bfloat16():
     norms, rotary, decode attention) against plain torch ops on the same weights."""
     hf_model = tiny_hf_model("qwen2", seed=7)
     generator = torch.Generator().manual_seed(5)
-    tokens = {s: torch.randint(0, TINY_VOCAB_SIZE, (n,), generator=generator)
-              for s, n in {"a": 30, "b": 21, "c": 9}.items()}
+    tokens = {
+        s: torch.randint(0, TINY_VOCAB_SIZE, (n,), generator=generator)
+        for s, n in {"a": 30, "b": 21, "c": 9}.items()
+    }
     block_tables = {"a": [1, 2], "b": [3, 4], "c": [5]}
     steps = [{"a": 27, "b": 18, "c": 6}] + [dict.fromkeys(tokens, 1)] * 3
-    logits = [_run_paged(pdserve_from_hf(hf_model, torch.bfloat16, use_cpu_kernels=kernels),
-                         tokens, steps, block_tables, num_blocks=6)
-              for kernels in (True, False)]
+    logits = [
+        _run_paged(
+            pdserve_from_hf(hf_model, torch.bfloat16, use_cpu_kernels=kernels),
+            tokens,
+            steps,
+            block_tables,
+            num_blocks=6,
+        )
+        for kernels in (True, False)
+    ]
     for s in tokens:
         scale = logits[1][s].abs().max()
         assert (logits[0][s] - logits[1][s]).abs().max() < 0.03 * scale, s

@@ -37,9 +37,13 @@ def _hf_greedy(hf_model, ids: list[int], num_new_tokens: int) -> list[int]:
     """transformers' greedy generation (its own dense KV cache)."""
     input_ids = torch.tensor([ids])
     with torch.no_grad():
-        out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                max_new_tokens=num_new_tokens, do_sample=False)
-    return out[0, len(ids):].tolist()
+        out = hf_model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=num_new_tokens,
+            do_sample=False,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("text", PROMPTS)
@@ -47,8 +51,7 @@ def test_prompt_logits_match_transformers(smollm_fp32, hf_smollm, text):
     ids = _prompt_ids(smollm_fp32, text)
     with torch.no_grad():
         expected = hf_smollm(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_prefill_logits(smollm_fp32, ids), expected, atol=1e-3,
-                               rtol=1e-4)
+    torch.testing.assert_close(_prefill_logits(smollm_fp32, ids), expected, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("text", PROMPTS)
@@ -89,8 +92,9 @@ def test_bfloat16_decode_steps_track_float32(smollm_bf16, smollm_fp32):
     steps = []
     for position in range(start, len(ids)):
         meta = AttentionMetadata.build([(table, position, 1)], 16, "cpu")
-        hidden = model(torch.tensor(ids[position:position + 1]), torch.tensor([position]),
-                       cache, meta)
+        hidden = model(
+            torch.tensor(ids[position : position + 1]), torch.tensor([position]), cache, meta
+        )
         steps.append(model.compute_logits(hidden))
     steps = torch.cat(steps)
     assert (steps.argmax(-1) == whole.argmax(-1)).all()

@@ -25,8 +25,12 @@ TEXTS = [
 ]
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 👋"},
-     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi 👋"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "2+2?"},
+    ],
 ]
 
 
@@ -65,14 +69,17 @@ def test_gguf_vocabulary_splits_digits_and_marks_control_tokens(smollm_tokenizer
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(smollm_tokenizer, hf_tokenizer, messages,
-                                            add_generation_prompt):
+def test_chat_template_matches_transformers(
+    smollm_tokenizer, hf_tokenizer, messages, add_generation_prompt
+):
     ours = smollm_tokenizer.apply_chat_template(messages, add_generation_prompt)
-    theirs = hf_tokenizer.apply_chat_template(messages, tokenize=False,
-                                              add_generation_prompt=add_generation_prompt)
+    theirs = hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     assert ours == theirs
     assert smollm_tokenizer.encode(ours) == hf_tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, return_dict=False)
+        messages, add_generation_prompt=add_generation_prompt, return_dict=False
+    )
 
 
 def test_hf_folder_tokenizer_equals_gguf_tokenizer(smollm_tokenizer, tmp_path):
@@ -94,10 +101,13 @@ def test_template_variables_and_raise_exception(tmp_path: Path):
     assert tokenizer.eos_token_id == tokenizer.encode("</s>")[0]
     (tmp_path / "chat_template.jinja").write_text(
         "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
-        "{{ messages | tojson }}")
+        "{{ messages | tojson }}"
+    )
     tokenizer = Tokenizer.from_hf_folder(tmp_path)
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "é"}]) == \
-        '[{"role": "user", "content": "é"}]'
+    assert (
+        tokenizer.apply_chat_template([{"role": "user", "content": "é"}])
+        == '[{"role": "user", "content": "é"}]'
+    )
     with pytest.raises(ChatTemplateError, match="user first"):
         tokenizer.apply_chat_template([{"role": "system", "content": "x"}])
 
@@ -105,7 +115,8 @@ def test_template_variables_and_raise_exception(tmp_path: Path):
 def test_template_cannot_escape_the_sandbox(tmp_path: Path):
     write_tiny_tokenizer(tmp_path)
     (tmp_path / "chat_template.jinja").write_text(
-        "{{ messages.__class__.__mro__[1].__subclasses__() }}")
+        "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    )
     with pytest.raises(ChatTemplateError):
         Tokenizer.from_hf_folder(tmp_path).apply_chat_template([])
 

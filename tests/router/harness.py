@@ -29,8 +29,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "",
-               interval_s: float = 0.02) -> None:
+def wait_until(
+    predicate: Callable[[], bool], timeout: float = 10.0, what: str = "", interval_s: float = 0.02
+) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -49,12 +50,20 @@ class StubWorker:
         self.role = role
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "tests.router.stub_worker", "--role", role,
-                   "--port", str(self.port)]
+        command = [
+            sys.executable,
+            "-m",
+            "tests.router.stub_worker",
+            "--role",
+            role,
+            "--port",
+            str(self.port),
+        ]
         if fail_status is not None:
             command += ["--fail-status", str(fail_status)]
-        self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
 
     def wait_healthy(self, timeout: float = 30.0) -> StubWorker:
         def is_up() -> bool:
@@ -76,8 +85,9 @@ class StubWorker:
         return [e["event"] for e in self.log() if marker in json.dumps(e["body"])]
 
     def bodies(self, marker: str, event: str = "received") -> list[dict[str, Any]]:
-        return [e["body"] for e in self.log()
-                if e["event"] == event and marker in json.dumps(e["body"])]
+        return [
+            e["body"] for e in self.log() if e["event"] == event and marker in json.dumps(e["body"])
+        ]
 
     def release(self, tag: str) -> None:
         httpx.post(f"{self.url}/stub/release/{tag}", trust_env=False)
@@ -119,10 +129,12 @@ class RouterThread:
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._socket.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning",
-                                                     access_log=False))
-        self._thread = threading.Thread(target=self._server.run,
-                                        kwargs={"sockets": [self._socket]}, daemon=True)
+        self._server = uvicorn.Server(
+            uvicorn.Config(self.app, log_level="warning", access_log=False)
+        )
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True
+        )
 
     def __enter__(self) -> RouterThread:
         self._thread.start()
@@ -142,15 +154,18 @@ class RouterThread:
 def router_config(prefill: list[StubWorker], decode: list[StubWorker], **kwargs) -> RouterConfig:
     kwargs.setdefault("health_interval_s", 0.2)
     kwargs.setdefault("health_timeout_s", 2.0)
-    return RouterConfig(prefill_urls=tuple(s.url for s in prefill),
-                        decode_urls=tuple(s.url for s in decode), **kwargs)
+    return RouterConfig(
+        prefill_urls=tuple(s.url for s in prefill),
+        decode_urls=tuple(s.url for s in decode),
+        **kwargs,
+    )
 
 
 def iter_sse(response: httpx.Response) -> Iterator[Any]:
     """The JSON payloads of a streamed response's events as they come, then "[DONE]"."""
     for line in response.iter_lines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             yield data if data == "[DONE]" else json.loads(data)
 
 
@@ -170,22 +185,28 @@ def stream_text(events: list[Any]) -> str:
 class ManagedProcess:
     """A server process (any argv) with its output in a log file; `wait_healthy` polls a URL."""
 
-    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None
-                 ) -> None:
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.argv = argv
         self.log_path = log_path
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
-                argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})})
+                argv,
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})},
+            )
 
-    def wait_healthy(self, url: str, timeout: float = 600.0, runner: Callable[[str], bool]
-                     | None = None) -> None:
+    def wait_healthy(
+        self, url: str, timeout: float = 600.0, runner: Callable[[str], bool] | None = None
+    ) -> None:
         """Poll `url` until it answers 200 (through `runner` when given, e.g. in a netns)."""
+
         def is_up() -> bool:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.argv[:6]} exited {self.process.returncode}:\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.argv[:6]} exited {self.process.returncode}:\n{self.log_tail()}"
+                )
             if runner is not None:
                 return runner(url)
             try:

@@ -28,29 +28,42 @@ class TwoHosts:
 
     def is_http_ok(self, ns: str, url: str) -> bool:
         """Whether GET `url` from inside `ns` answers 200."""
-        probe = ("import httpx, sys\ntry:\n  r = httpx.get(sys.argv[1], trust_env=False)\n"
-                 "except httpx.HTTPError:\n  sys.exit(1)\nsys.exit(r.status_code != 200)")
-        return subprocess.run(self.command(ns, [sys.executable, "-c", probe, url]),
-                              capture_output=True).returncode == 0
+        probe = (
+            "import httpx, sys\ntry:\n  r = httpx.get(sys.argv[1], trust_env=False)\n"
+            "except httpx.HTTPError:\n  sys.exit(1)\nsys.exit(r.status_code != 200)"
+        )
+        return (
+            subprocess.run(
+                self.command(ns, [sys.executable, "-c", probe, url]), capture_output=True
+            ).returncode
+            == 0
+        )
 
     def post_json(self, ns: str, url: str, body: dict) -> dict:
         """POST `body` from inside `ns`: {"status", "body", "timing"} (the x-pdserve-timing
         header, parsed)."""
-        code = ("import httpx, json, sys\n"
-                "r = httpx.post(sys.argv[1], json=json.loads(sys.argv[2]), trust_env=False, "
-                "timeout=600)\n"
-                "print(json.dumps({'status': r.status_code, 'body': r.json(), "
-                "'timing': json.loads(r.headers.get('x-pdserve-timing', 'null'))}))")
-        out = subprocess.run(self.command(ns, [sys.executable, "-c", code, url,
-                                               json.dumps(body)]),
-                             capture_output=True, text=True, check=True, timeout=900)
+        code = (
+            "import httpx, json, sys\n"
+            "r = httpx.post(sys.argv[1], json=json.loads(sys.argv[2]), trust_env=False, "
+            "timeout=600)\n"
+            "print(json.dumps({'status': r.status_code, 'body': r.json(), "
+            "'timing': json.loads(r.headers.get('x-pdserve-timing', 'null'))}))"
+        )
+        out = subprocess.run(
+            self.command(ns, [sys.executable, "-c", code, url, json.dumps(body)]),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=900,
+        )
         return json.loads(out.stdout)
 
     def rx_bytes_b(self) -> int:
         """Bytes host B has received over the veth."""
         path = f"/sys/class/net/{self.veth_b}/statistics/rx_bytes"
-        out = subprocess.run(self.command(self.ns_b, ["cat", path]), capture_output=True,
-                             text=True, check=True)
+        out = subprocess.run(
+            self.command(self.ns_b, ["cat", path]), capture_output=True, text=True, check=True
+        )
         return int(out.stdout)
 
 
@@ -71,20 +84,28 @@ def netns_unavailable_reason() -> str | None:
 @contextmanager
 def two_hosts() -> Iterator[TwoHosts]:
     tag = str(os.getpid())[-6:]
-    hosts = TwoHosts(f"pda{tag}", f"pdb{tag}", f"{SUBNET_PREFIX}.1", f"{SUBNET_PREFIX}.2",
-                     f"vb{tag}")
+    hosts = TwoHosts(
+        f"pda{tag}", f"pdb{tag}", f"{SUBNET_PREFIX}.1", f"{SUBNET_PREFIX}.2", f"vb{tag}"
+    )
     veth_a = f"va{tag}"
     try:
         for argv in (
-                ["ip", "netns", "add", hosts.ns_a], ["ip", "netns", "add", hosts.ns_b],
-                ["ip", "link", "add", veth_a, "type", "veth", "peer", "name", hosts.veth_b],
-                ["ip", "link", "set", veth_a, "netns", hosts.ns_a],
-                ["ip", "link", "set", hosts.veth_b, "netns", hosts.ns_b]):
+            ["ip", "netns", "add", hosts.ns_a],
+            ["ip", "netns", "add", hosts.ns_b],
+            ["ip", "link", "add", veth_a, "type", "veth", "peer", "name", hosts.veth_b],
+            ["ip", "link", "set", veth_a, "netns", hosts.ns_a],
+            ["ip", "link", "set", hosts.veth_b, "netns", hosts.ns_b],
+        ):
             subprocess.run(argv, check=True, capture_output=True)
-        for ns, dev, addr in ((hosts.ns_a, veth_a, hosts.addr_a),
-                              (hosts.ns_b, hosts.veth_b, hosts.addr_b)):
-            for argv in (["ip", "addr", "add", f"{addr}/24", "dev", dev],
-                         ["ip", "link", "set", dev, "up"], ["ip", "link", "set", "lo", "up"]):
+        for ns, dev, addr in (
+            (hosts.ns_a, veth_a, hosts.addr_a),
+            (hosts.ns_b, hosts.veth_b, hosts.addr_b),
+        ):
+            for argv in (
+                ["ip", "addr", "add", f"{addr}/24", "dev", dev],
+                ["ip", "link", "set", dev, "up"],
+                ["ip", "link", "set", "lo", "up"],
+            ):
                 subprocess.run(hosts.command(ns, argv), check=True, capture_output=True)
         yield hosts
     finally:

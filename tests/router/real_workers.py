@@ -28,8 +28,15 @@ def serve_argv(*flags: str) -> list[str]:
 class Server:
     """One `pdserve serve` process (a worker, a colocated server or a disagg launcher)."""
 
-    def __init__(self, log_dir: Path, name: str, *flags: str, wrap: list[str] | None = None,
-                 host: str = "127.0.0.1", port: int | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        name: str,
+        *flags: str,
+        wrap: list[str] | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+    ) -> None:
         self.name = name
         self.port = port if port is not None else free_port()
         self.url = f"http://{host}:{self.port}"
@@ -48,9 +55,17 @@ class Disagg(Server):
     """`pdserve serve --mode disagg` (router + 1 prefill + 1 decode worker, pinned)."""
 
     def __init__(self, log_dir: Path, name: str, *flags: str) -> None:
-        super().__init__(log_dir, name, "--mode", "disagg", "--worker-log-dir",
-                         str(log_dir / f"{name}-workers"), "--health-check-interval", "0.5",
-                         *flags)
+        super().__init__(
+            log_dir,
+            name,
+            "--mode",
+            "disagg",
+            "--worker-log-dir",
+            str(log_dir / f"{name}-workers"),
+            "--health-check-interval",
+            "0.5",
+            *flags,
+        )
 
     def workers(self) -> dict[str, dict[str, Any]]:
         listing = httpx.get(f"{self.url}/workers", trust_env=False).json()["workers"]
@@ -85,8 +100,7 @@ class Reference:
         with self._lock:
             if key not in self._answers:
                 with http() as client:
-                    response = client.post(f"{self.server.url}{endpoint}", json=body,
-                                           timeout=600)
+                    response = client.post(f"{self.server.url}{endpoint}", json=body, timeout=600)
                 assert response.status_code == 200, response.text
                 self._answers[key] = answer_text(response.json())
             return self._answers[key]
@@ -117,8 +131,11 @@ def assert_no_blocks_held(urls: list[str], timeout_s: float = 60.0) -> None:
     """Every worker's pool returns to all-free (leases are freed on their engine's next step,
     or when --kv-lease-timeout passes)."""
     for url in urls:
-        wait_until(lambda u=url: num_held_blocks(u) == 0, timeout_s,
-                   f"{url} to hold no KV blocks (holds {num_held_blocks(url)})")
+        wait_until(
+            lambda u=url: num_held_blocks(u) == 0,
+            timeout_s,
+            f"{url} to hold no KV blocks (holds {num_held_blocks(url)})",
+        )
 
 
 def _children(pid: int) -> list[int]:

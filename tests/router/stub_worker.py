@@ -30,14 +30,20 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 KV_BYTES_PER_TOKEN = 64
 
 
-def build_stub(role: str, port: int, fail_status: int | None, host: str = "127.0.0.1"
-               ) -> FastAPI:
+def build_stub(role: str, port: int, fail_status: int | None, host: str = "127.0.0.1") -> FastAPI:
     app = FastAPI()
     state: dict[str, Any] = {"healthy": True, "running": 0, "log": [], "holds": {}}
 
     def log(event: str, body: dict[str, Any], request: Request, **extra) -> None:
-        state["log"].append({"event": event, "body": body, "port": port,
-                             "request_id": request.headers.get("x-request-id"), **extra})
+        state["log"].append(
+            {
+                "event": event,
+                "body": body,
+                "port": port,
+                "request_id": request.headers.get("x-request-id"),
+                **extra,
+            }
+        )
 
     def hold_event(tag: str) -> asyncio.Event:
         return state["holds"].setdefault(tag, asyncio.Event())
@@ -77,7 +83,8 @@ def build_stub(role: str, port: int, fail_status: int | None, host: str = "127.0
             "# TYPE pdserve:num_requests_running gauge\n"
             f'pdserve:num_requests_running{{model_name="stub"}} {state["running"]}\n'
             f'pdserve:num_requests_waiting{{model_name="stub"}} 0\n'
-            f'pdserve:kv_cache_usage_perc{{model_name="stub"}} 0.25\n')
+            f'pdserve:kv_cache_usage_perc{{model_name="stub"}} 0.25\n'
+        )
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -86,8 +93,10 @@ def build_stub(role: str, port: int, fail_status: int | None, host: str = "127.0
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         body = await request.json()
-        text = body.get("prompt") or "".join(
-            f"<{m['role']}>{m['content']}" for m in body["messages"]) + "<assistant>"
+        text = (
+            body.get("prompt")
+            or "".join(f"<{m['role']}>{m['content']}" for m in body["messages"]) + "<assistant>"
+        )
         tokens = [ord(c) for c in text]
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": 4096})
 
@@ -97,10 +106,17 @@ def build_stub(role: str, port: int, fail_status: int | None, host: str = "127.0
         if fail_status is not None:
             return JSONResponse({"error": {"message": "stub failure"}}, status_code=fail_status)
         if body.get("temperature", 0) > 2:
-            return JSONResponse({"error": {"message": "temperature must be <= 2",
-                                           "type": "invalid_request_error",
-                                           "param": "temperature", "code": None}},
-                                status_code=400)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "temperature must be <= 2",
+                        "type": "invalid_request_error",
+                        "param": "temperature",
+                        "code": None,
+                    }
+                },
+                status_code=400,
+            )
         if role == "prefill":
             return await prefill(request, body)
         return await decode(request, body, endpoint)
@@ -111,35 +127,64 @@ def build_stub(role: str, port: int, fail_status: int | None, host: str = "127.0
             log("disconnected", body, request)
             return Response(status_code=499)
         num_tokens = len(_prompt_text(body))
-        params = {"do_remote_prefill": True, "remote_engine_id": f"stub-{port}",
-                  "remote_request_id": request.headers.get("x-request-id"),
-                  "remote_host": host, "remote_port": port,
-                  "remote_block_ids": list(range(1, num_tokens // 16 + 2)),
-                  "remote_num_tokens": num_tokens, "transport": "tcp",
-                  "layout_hash": "stub-layout", "protocol_version": 1}
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": f"stub-{port}",
+            "remote_request_id": request.headers.get("x-request-id"),
+            "remote_host": host,
+            "remote_port": port,
+            "remote_block_ids": list(range(1, num_tokens // 16 + 2)),
+            "remote_num_tokens": num_tokens,
+            "transport": "tcp",
+            "layout_hash": "stub-layout",
+            "protocol_version": 1,
+        }
         log("prefilled", body, request)
-        return JSONResponse({"id": "cmpl-prefill", "object": "text_completion",
-                             "choices": [{"index": 0, "text": "t0", "finish_reason": "length"}],
-                             "usage": {"prompt_tokens": num_tokens, "completion_tokens": 1,
-                                       "total_tokens": num_tokens + 1},
-                             "kv_transfer_params": params})
+        return JSONResponse(
+            {
+                "id": "cmpl-prefill",
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": "t0", "finish_reason": "length"}],
+                "usage": {
+                    "prompt_tokens": num_tokens,
+                    "completion_tokens": 1,
+                    "total_tokens": num_tokens + 1,
+                },
+                "kv_transfer_params": params,
+            }
+        )
 
     async def decode(request: Request, body: dict[str, Any], endpoint: str) -> Response:
         is_chat = endpoint.endswith("chat/completions")
         texts = [f"t{i} " for i in range(body.get("max_tokens", 4))]
         kv = body.get("kv_transfer_params") or {}
-        timing = {**(body.get("router_timing") or {}),
-                  "kv_transfer_bytes": kv.get("remote_num_tokens", 0) * KV_BYTES_PER_TOKEN,
-                  "kv_transfer_ms": 1.5 if kv else 0.0, "first_decode_step_ms": 2.5}
-        usage = {"prompt_tokens": len(_prompt_text(body)), "completion_tokens": len(texts),
-                 "total_tokens": len(_prompt_text(body)) + len(texts)}
+        timing = {
+            **(body.get("router_timing") or {}),
+            "kv_transfer_bytes": kv.get("remote_num_tokens", 0) * KV_BYTES_PER_TOKEN,
+            "kv_transfer_ms": 1.5 if kv else 0.0,
+            "first_decode_step_ms": 2.5,
+        }
+        usage = {
+            "prompt_tokens": len(_prompt_text(body)),
+            "completion_tokens": len(texts),
+            "total_tokens": len(_prompt_text(body)) + len(texts),
+        }
         if not body.get("stream"):
             log("completed", body, request)
-            choice = ({"message": {"role": "assistant", "content": "".join(texts)}} if is_chat
-                      else {"text": "".join(texts)})
-            return JSONResponse({"id": "cmpl-1", "object": "text_completion",
-                                 "choices": [{"index": 0, "finish_reason": "length", **choice}],
-                                 "usage": usage, "pdserve_timing": timing})
+            choice = (
+                {"message": {"role": "assistant", "content": "".join(texts)}}
+                if is_chat
+                else {"text": "".join(texts)}
+            )
+            return JSONResponse(
+                {
+                    "id": "cmpl-1",
+                    "object": "text_completion",
+                    "choices": [{"index": 0, "finish_reason": "length", **choice}],
+                    "usage": usage,
+                    "pdserve_timing": timing,
+                }
+            )
 
         async def events():
             state["running"] += 1
@@ -152,8 +197,9 @@ def build_stub(role: str, port: int, fail_status: int | None, host: str = "127.0
                         log("disconnected", body, request)
                         return
                 if (body.get("stream_options") or {}).get("include_usage"):
-                    yield _sse({"id": "cmpl-1", "choices": [], "usage": usage,
-                                "pdserve_timing": timing})
+                    yield _sse(
+                        {"id": "cmpl-1", "choices": [], "usage": usage, "pdserve_timing": timing}
+                    )
                 yield b"data: [DONE]\n\n"
                 log("completed", body, request)
             except asyncio.CancelledError:
@@ -198,8 +244,13 @@ def main() -> None:
     parser.add_argument("--fail-status", type=int, default=None)
     args = parser.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    uvicorn.run(build_stub(args.role, args.port, args.fail_status, args.host), host=args.host,
-                port=args.port, log_level="warning", access_log=False)
+    uvicorn.run(
+        build_stub(args.role, args.port, args.fail_status, args.host),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+    )
 
 
 if __name__ == "__main__":

@@ -61,9 +61,29 @@ THRESHOLD = 64
 BLOCK_SIZE = 16
 MAX_TOKENS = 12
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",
-         "wizards", "quietly", "judge", "boxing", "matches", "near", "an", "old", "river",
-         "bank")
+WORDS = (
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+    "quietly",
+    "judge",
+    "boxing",
+    "matches",
+    "near",
+    "an",
+    "old",
+    "river",
+    "bank",
+)
 NETNS_UNAVAILABLE = netns_unavailable_reason()
 
 
@@ -88,9 +108,12 @@ class Case:
 
 
 CASES = [
-    Case("short_chat", CHAT,
-         {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
-         "local"),
+    Case(
+        "short_chat",
+        CHAT,
+        {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
+        "local",
+    ),
     Case("long", COMPLETIONS, {"prompt": LONG}, "remote", stream=True),
     # Same prefix, a few new tokens: the decode worker has the rest cached -> local.
     Case("long_short_suffix", COMPLETIONS, {"prompt": LONG + " and then"}, "local"),
@@ -118,11 +141,13 @@ class TwoHostsDeployment:
 
     def wait_healthy(self) -> None:
         """Polled from inside host B (the prefill worker's address is reachable there)."""
+
         def runner(url: str) -> bool:
             return self.hosts.is_http_ok(self.hosts.ns_b, url)
 
-        for process, url in zip(self.processes, (self.prefill_url, self.decode_url,
-                                                 self.router_url), strict=True):
+        for process, url in zip(
+            self.processes, (self.prefill_url, self.decode_url, self.router_url), strict=True
+        ):
             process.wait_healthy(f"{url}/health", 900, runner=runner)
 
 
@@ -138,14 +163,26 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
             processes.append(server.process)
             return server
 
-        routing = ("--local-prefill-threshold", str(THRESHOLD), "--decode-policy",
-                   "prefix_aware")
+        routing = ("--local-prefill-threshold", str(THRESHOLD), "--decode-policy", "prefix_aware")
         ref = started(Server(logs, "ref", "--mode", "colocated", "--num-threads", "1"))
         shm = started(Disagg(logs, "shm", "--kv-transport", "shm", *routing))
-        tcp = started(Disagg(logs, "tcp", "--kv-transport", "tcp", *routing,
-                             "--kv-failure-policy", "fail"))
-        b8 = started(Server(logs, "b8", "--role", "decode", "--kv-transport", "tcp",
-                            "--num-threads", "1", "--block-size", "8"))
+        tcp = started(
+            Disagg(logs, "tcp", "--kv-transport", "tcp", *routing, "--kv-failure-policy", "fail")
+        )
+        b8 = started(
+            Server(
+                logs,
+                "b8",
+                "--role",
+                "decode",
+                "--kv-transport",
+                "tcp",
+                "--num-threads",
+                "1",
+                "--block-size",
+                "8",
+            )
+        )
         deployment = None
         if hosts is not None:
             deployment = _start_two_hosts(hosts, logs)
@@ -172,19 +209,59 @@ def _start_two_hosts(hosts: TwoHosts, logs) -> TwoHostsDeployment:
 
     def worker(ns: str, role: str, addr: str) -> ManagedProcess:
         # The KV server binds (and advertises) the namespace's veth address.
-        return ManagedProcess(hosts.command(ns, serve_argv(
-            "--role", role, "--host", addr, "--port", "8100", "--kv-transport", "tcp",
-            "--kv-host", addr, "--num-threads", "1")), logs / f"netns-{role}.log")
+        return ManagedProcess(
+            hosts.command(
+                ns,
+                serve_argv(
+                    "--role",
+                    role,
+                    "--host",
+                    addr,
+                    "--port",
+                    "8100",
+                    "--kv-transport",
+                    "tcp",
+                    "--kv-host",
+                    addr,
+                    "--num-threads",
+                    "1",
+                ),
+            ),
+            logs / f"netns-{role}.log",
+        )
 
-    router = ManagedProcess(hosts.command(hosts.ns_b, [
-        sys.executable, "-m", "pdserve.cli", "router", "--prefill", prefill_url, "--decode",
-        decode_url, "--port", "8000"]), logs / "netns-router.log")
-    return TwoHostsDeployment(hosts, [worker(hosts.ns_a, "prefill", hosts.addr_a),
-                                      worker(hosts.ns_b, "decode", hosts.addr_b), router],
-                              prefill_url, decode_url)
+    router = ManagedProcess(
+        hosts.command(
+            hosts.ns_b,
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "router",
+                "--prefill",
+                prefill_url,
+                "--decode",
+                decode_url,
+                "--port",
+                "8000",
+            ],
+        ),
+        logs / "netns-router.log",
+    )
+    return TwoHostsDeployment(
+        hosts,
+        [
+            worker(hosts.ns_a, "prefill", hosts.addr_a),
+            worker(hosts.ns_b, "decode", hosts.addr_b),
+            router,
+        ],
+        prefill_url,
+        decode_url,
+    )
 
 
 # ---- greedy equality ------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_greedy_disagg_equals_colocated(transport, cluster):
@@ -196,12 +273,15 @@ def test_greedy_disagg_equals_colocated(transport, cluster):
             if case.stream:
                 text, report = _stream(client, f"{disagg.url}{case.endpoint}", case.body)
             else:
-                response = client.post(f"{disagg.url}{case.endpoint}", json=greedy(case.body),
-                                       timeout=600)
+                response = client.post(
+                    f"{disagg.url}{case.endpoint}", json=greedy(case.body), timeout=600
+                )
                 assert response.status_code == 200, response.text
                 text = answer_text(response.json())
-                report = {**json.loads(response.headers["x-pdserve-timing"]),
-                          "usage": response.json()["usage"]}
+                report = {
+                    **json.loads(response.headers["x-pdserve-timing"]),
+                    "usage": response.json()["usage"],
+                }
             assert (case.name, report["route"], text) == (case.name, case.route, expected)
             reports[case.name] = report
     _check_transfers(reports)
@@ -220,8 +300,11 @@ def _stream(client: httpx.Client, url: str, body: dict) -> tuple[str, dict]:
         events = read_sse(response)
     usage_chunk = events[-2]
     assert events[-1] == "[DONE]" and usage_chunk["choices"] == []
-    return stream_text(events), {**usage_chunk["pdserve_timing"], "route": header["route"],
-                                 "usage": usage_chunk["usage"]}
+    return stream_text(events), {
+        **usage_chunk["pdserve_timing"],
+        "route": header["route"],
+        "usage": usage_chunk["usage"],
+    }
 
 
 def _check_transfers(reports: dict[str, dict]) -> None:
@@ -230,11 +313,15 @@ def _check_transfers(reports: dict[str, dict]) -> None:
     long, suffix = reports["long"], reports["long_long_suffix"]
     assert long["usage"].get("prompt_tokens_details") is None  # nothing cached: all fetched
     bytes_per_block = long["kv_transfer_bytes"] / math.ceil(
-        long["usage"]["prompt_tokens"] / BLOCK_SIZE)
+        long["usage"]["prompt_tokens"] / BLOCK_SIZE
+    )
     assert bytes_per_block == int(bytes_per_block) > 0
     cached = suffix["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached == reports["long_short_suffix"]["usage"]["prompt_tokens_details"][
-        "cached_tokens"] >= 25 * BLOCK_SIZE  # LONG's blocks, on the decode side
+    assert (
+        cached
+        == reports["long_short_suffix"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        >= 25 * BLOCK_SIZE
+    )  # LONG's blocks, on the decode side
     num_fetched = math.ceil(suffix["usage"]["prompt_tokens"] / BLOCK_SIZE) - cached // BLOCK_SIZE
     assert suffix["kv_transfer_bytes"] == num_fetched * bytes_per_block
     for report in (long, suffix):
@@ -247,10 +334,15 @@ def _check_transfers(reports: dict[str, dict]) -> None:
 
 # ---- a transfer that never arrives, mismatched workers, garbage on the KV port -------------
 
+
 def _prefill_leg(url: str, prompt: str) -> dict:
     """A prefill leg sent straight to a prefill worker: its KV params (blocks now leased)."""
-    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0,
-            "kv_transfer_params": {"do_remote_decode": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     response = httpx.post(f"{url}{COMPLETIONS}", json=body, trust_env=False, timeout=600)
     assert response.status_code == 200, response.text
     return response.json()["kv_transfer_params"]
@@ -269,8 +361,10 @@ def test_transfer_that_never_arrives_recompute_completes_fail_errors(cluster):
     prompt = text_of(300, 2)
     expected = cluster.ref.answer(COMPLETIONS, greedy({"prompt": prompt}))
     shm_prefill, shm_decode, tcp_prefill, tcp_decode = (
-        disagg.worker_url(worker) for disagg in (cluster.shm, cluster.tcp)
-        for worker in ("prefill-0", "decode-0"))
+        disagg.worker_url(worker)
+        for disagg in (cluster.shm, cluster.tcp)
+        for worker in ("prefill-0", "decode-0")
+    )
     params = {"shm": _prefill_leg(shm_prefill, prompt), "tcp": _prefill_leg(tcp_prefill, prompt)}
     # The KV server named in the params is gone: nothing ever arrives.
     lost = {name: {**p, "remote_port": _dead_port()} for name, p in params.items()}
@@ -284,9 +378,13 @@ def test_transfer_that_never_arrives_recompute_completes_fail_errors(cluster):
 
     failed = _decode_leg(tcp_decode, prompt, lost["tcp"])  # --kv-failure-policy fail
     assert failed.status_code == 500 and "KV transfer failed" in failed.json()["error"]["message"]
-    with httpx.stream("POST", f"{tcp_decode}{COMPLETIONS}", trust_env=False, timeout=600,
-                      json=greedy({"prompt": prompt}, kv_transfer_params=lost["tcp"],
-                                  stream=True)) as response:
+    with httpx.stream(
+        "POST",
+        f"{tcp_decode}{COMPLETIONS}",
+        trust_env=False,
+        timeout=600,
+        json=greedy({"prompt": prompt}, kv_transfer_params=lost["tcp"], stream=True),
+    ) as response:
         events = read_sse(response)
     assert events[-1] == "[DONE]" and "KV transfer failed" in events[-2]["error"]["message"]
 
@@ -319,7 +417,8 @@ def test_mismatched_workers_are_refused_with_a_clear_error(cluster):
     other_transport = _decode_leg(shm_decode, prompt, params)
     assert other_transport.status_code == 200
     assert answer_text(other_transport.json()) == cluster.ref.answer(
-        COMPLETIONS, greedy({"prompt": prompt}))
+        COMPLETIONS, greedy({"prompt": prompt})
+    )
     assert "transport" in other_transport.json()["pdserve_timing"]["kv_transfer_error"]
     assert_no_blocks_held([prefill_url, decode_url, shm_decode, cluster.b8.url])
 
@@ -329,12 +428,17 @@ def test_a_refused_decode_leg_frees_the_prefill_workers_lease_at_once(cluster):
     refusal, and the router releases the lease instead of leaving it to --kv-lease-timeout
     (30 s here)."""
     prefill_url = cluster.tcp.worker_url("prefill-0")
-    config = RouterConfig(prefill_urls=(prefill_url,), decode_urls=(cluster.b8.url,),
-                          health_interval_s=0.5)
+    config = RouterConfig(
+        prefill_urls=(prefill_url,), decode_urls=(cluster.b8.url,), health_interval_s=0.5
+    )
     with RouterThread(config) as router:
         wait_until(lambda: all(w["state"] == "healthy" for w in router.workers().values()), 30)
-        response = httpx.post(f"{router.url}{COMPLETIONS}", trust_env=False, timeout=600,
-                              json=greedy({"prompt": text_of(200, 5)}))
+        response = httpx.post(
+            f"{router.url}{COMPLETIONS}",
+            trust_env=False,
+            timeout=600,
+            json=greedy({"prompt": text_of(200, 5)}),
+        )
         assert response.status_code == 400 and "layout" in response.json()["error"]["message"]
         assert_no_blocks_held([prefill_url, cluster.b8.url], timeout_s=10)
 
@@ -368,16 +472,22 @@ def test_garbage_frames_on_the_kv_port_are_refused_and_the_worker_serves_on(clus
     # The lease survived it all: the real hand-off completes, through the router too.
     decode_url = cluster.tcp.worker_url("decode-0")
     delivered = _decode_leg(decode_url, prompt, params)
-    assert answer_text(delivered.json()) == cluster.ref.answer(COMPLETIONS,
-                                                               greedy({"prompt": prompt}))
-    routed = httpx.post(f"{cluster.tcp.url}{COMPLETIONS}", json=greedy({"prompt": prompt + "!"}),
-                        trust_env=False, timeout=600)
+    assert answer_text(delivered.json()) == cluster.ref.answer(
+        COMPLETIONS, greedy({"prompt": prompt})
+    )
+    routed = httpx.post(
+        f"{cluster.tcp.url}{COMPLETIONS}",
+        json=greedy({"prompt": prompt + "!"}),
+        trust_env=False,
+        timeout=600,
+    )
     assert routed.status_code == 200, routed.text
     assert cluster.tcp.workers()["prefill-0"]["state"] == "healthy"
     assert_no_blocks_held([prefill_url, decode_url])
 
 
 # ---- clients and workers that go away ---------------------------------------------------------
+
 
 def test_client_leaving_mid_prefill_leaves_no_blocks(cluster):
     disagg = cluster.shm
@@ -387,23 +497,32 @@ def test_client_leaving_mid_prefill_leaves_no_blocks(cluster):
     with pytest.raises(httpx.ReadTimeout), httpx.Client(trust_env=False, timeout=1.0) as client:
         client.post(f"{disagg.url}{COMPLETIONS}", json=body)
     wait_until(lambda: all(w["num_inflight"] == 0 for w in disagg.workers().values()), 60)
-    wait_until(lambda: _num_aborted(prefill_url) == aborted_before + 1, 60,
-               "the prefill worker to abort the leg")
+    wait_until(
+        lambda: _num_aborted(prefill_url) == aborted_before + 1,
+        60,
+        "the prefill worker to abort the leg",
+    )
     assert_no_blocks_held(disagg.healthy_worker_urls())
 
 
 def _num_aborted(url: str) -> float:
     text = httpx.get(f"{url}/metrics", trust_env=False).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pdserve:request_success_total")
-               and 'finished_reason="abort"' in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdserve:request_success_total") and 'finished_reason="abort"' in line
+    )
 
 
 def test_decode_worker_killed_its_stream_errors_the_other_completes(cluster):
     # Two decode workers behind an in-process router, no prefill pool: all prefill locally.
     victim = cluster.tcp.worker_url("decode-0")
-    config = RouterConfig(prefill_urls=(), decode_urls=(victim, cluster.b8.url),
-                          decode_policy="round_robin", health_interval_s=0.5)
+    config = RouterConfig(
+        prefill_urls=(),
+        decode_urls=(victim, cluster.b8.url),
+        decode_policy="round_robin",
+        health_interval_s=0.5,
+    )
     results: dict[str, list] = {name: [] for name in ("a", "b")}
     streaming = {name: threading.Event() for name in results}
 
@@ -411,10 +530,19 @@ def test_decode_worker_killed_its_stream_errors_the_other_completes(cluster):
         wait_until(lambda: all(w["state"] == "healthy" for w in router.workers().values()), 30)
 
         def stream(name: str) -> None:
-            body = {"prompt": f"Story {name}:", "max_tokens": 200, "ignore_eos": True,
-                    "temperature": 0, "stream": True}
-            with http() as client, client.stream("POST", f"{router.url}{COMPLETIONS}",
-                                                 json=body, timeout=600) as response:
+            body = {
+                "prompt": f"Story {name}:",
+                "max_tokens": 200,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+            }
+            with (
+                http() as client,
+                client.stream(
+                    "POST", f"{router.url}{COMPLETIONS}", json=body, timeout=600
+                ) as response,
+            ):
                 for event in iter_sse(response):
                     results[name].append(event)
                     streaming[name].set()
@@ -443,10 +571,12 @@ def test_prefill_worker_killed_under_load_requests_still_complete(cluster):
 
     def send(index: int) -> None:
         with http() as client:
-            response = client.post(f"{disagg.url}{COMPLETIONS}",
-                                   json=greedy({"prompt": prompts[index]}), timeout=600)
-        answers[index] = (answer_text(response.json()) if response.status_code == 200
-                          else response.text)
+            response = client.post(
+                f"{disagg.url}{COMPLETIONS}", json=greedy({"prompt": prompts[index]}), timeout=600
+            )
+        answers[index] = (
+            answer_text(response.json()) if response.status_code == 200 else response.text
+        )
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
@@ -461,6 +591,7 @@ def test_prefill_worker_killed_under_load_requests_still_complete(cluster):
 
 
 # ---- two hosts ----------------------------------------------------------------------------------
+
 
 @pytest.mark.skipif(NETNS_UNAVAILABLE is not None, reason=str(NETNS_UNAVAILABLE))
 def test_kv_cache_crosses_a_veth_between_two_hosts(cluster):

@@ -52,14 +52,47 @@ def serve_like_parser() -> argparse.ArgumentParser:
 
 def test_workers_get_engine_and_server_flags_but_not_the_launchers():
     parser = serve_like_parser()
-    args = parser.parse_args([
-        "--mode", "disagg", "--port", "9000", "--api-key", "k", "--model", "m.gguf",
-        "--max-num-seqs", "8", "--no-prefix-caching", "--served-model-name", "a", "b",
-        "--kv-transport", "tcp", "--prefill-workers", "2", "--policy", "prefix_aware",
-        "--local-prefill-threshold", "64", "--num-threads", "4"])
+    args = parser.parse_args(
+        [
+            "--mode",
+            "disagg",
+            "--port",
+            "9000",
+            "--api-key",
+            "k",
+            "--model",
+            "m.gguf",
+            "--max-num-seqs",
+            "8",
+            "--no-prefix-caching",
+            "--served-model-name",
+            "a",
+            "b",
+            "--kv-transport",
+            "tcp",
+            "--prefill-workers",
+            "2",
+            "--policy",
+            "prefix_aware",
+            "--local-prefill-threshold",
+            "64",
+            "--num-threads",
+            "4",
+        ]
+    )
     flags = worker_flags(args, parser)
-    assert flags == ["--served-model-name", "a", "b", "--model", "m.gguf", "--max-num-seqs", "8",
-                     "--no-prefix-caching", "--kv-transport", "tcp"]
+    assert flags == [
+        "--served-model-name",
+        "a",
+        "b",
+        "--model",
+        "m.gguf",
+        "--max-num-seqs",
+        "8",
+        "--no-prefix-caching",
+        "--kv-transport",
+        "tcp",
+    ]
 
 
 def test_an_existing_flag_is_not_added_twice():
@@ -71,11 +104,25 @@ def test_an_existing_flag_is_not_added_twice():
 
 def test_plan_pins_prefill_then_decode_workers(tmp_path):
     parser = serve_like_parser()
-    args = parser.parse_args(["--mode", "disagg", "--worker-log-dir", str(tmp_path),
-                              "--worker-base-port", "9100", "--seed", "3"])
+    args = parser.parse_args(
+        [
+            "--mode",
+            "disagg",
+            "--worker-log-dir",
+            str(tmp_path),
+            "--worker-base-port",
+            "9100",
+            "--seed",
+            "3",
+        ]
+    )
     prefill, decode = plan_workers(args, parser)
     assert (prefill.name, prefill.port, decode.name, decode.port) == (
-        "prefill-0", 9100, "decode-0", 9101)
+        "prefill-0",
+        9100,
+        "decode-0",
+        9101,
+    )
     assert prefill.command[2:7] == ("pdserve.cli", "serve", "--role", "prefill", "--host")
     assert decode.command[decode.command.index("--num-threads") + 1] == str(len(decode.cores))
     assert decode.command[-2:] == ("--seed", "3")
@@ -86,9 +133,18 @@ def test_plan_pins_prefill_then_decode_workers(tmp_path):
 
 def test_role_worker_args_reach_only_that_role_and_win_over_worker_args(tmp_path):
     parser = serve_like_parser()
-    args = parser.parse_args(["--mode", "disagg", "--worker-log-dir", str(tmp_path),
-                              "--worker-args", "--max-num-batched-tokens 512 --max-num-seqs 4",
-                              "--decode-worker-args", "--max-num-batched-tokens 128"])
+    args = parser.parse_args(
+        [
+            "--mode",
+            "disagg",
+            "--worker-log-dir",
+            str(tmp_path),
+            "--worker-args",
+            "--max-num-batched-tokens 512 --max-num-seqs 4",
+            "--decode-worker-args",
+            "--max-num-batched-tokens 128",
+        ]
+    )
     prefill, decode = plan_workers(args, parser)
     parsed = {w.role: serve_like_parser().parse_args(w.command[4:]) for w in (prefill, decode)}
     assert parsed["prefill"].max_num_batched_tokens == 512
@@ -98,17 +154,31 @@ def test_role_worker_args_reach_only_that_role_and_win_over_worker_args(tmp_path
 
 def test_each_worker_logs_its_steps_to_its_own_file(tmp_path):
     parser = serve_like_parser()
-    args = parser.parse_args(["--mode", "disagg", "--worker-log-dir", str(tmp_path),
-                              "--step-log", str(tmp_path / "steps.jsonl")])
+    args = parser.parse_args(
+        [
+            "--mode",
+            "disagg",
+            "--worker-log-dir",
+            str(tmp_path),
+            "--step-log",
+            str(tmp_path / "steps.jsonl"),
+        ]
+    )
     logs = [w.command[w.command.index("--step-log") + 1] for w in plan_workers(args, parser)]
-    assert logs == [str(tmp_path / "steps.prefill-0.jsonl"),
-                    str(tmp_path / "steps.decode-0.jsonl")]
+    assert logs == [str(tmp_path / "steps.prefill-0.jsonl"), str(tmp_path / "steps.decode-0.jsonl")]
 
 
 def stub_spec(tmp_path, name: str, cores: tuple[int, ...]) -> WorkerSpec:
     port = free_port()
-    command = (sys.executable, "-m", "tests.router.stub_worker", "--role", "decode",
-               "--port", str(port))
+    command = (
+        sys.executable,
+        "-m",
+        "tests.router.stub_worker",
+        "--role",
+        "decode",
+        "--port",
+        str(port),
+    )
     return WorkerSpec(name, "decode", port, cores, command, tmp_path / f"{name}.log")
 
 
@@ -132,9 +202,14 @@ def test_worker_group_pins_waits_for_health_and_stops(tmp_path, monkeypatch):
 
 
 def test_a_worker_dying_at_startup_is_reported_with_its_log_tail(tmp_path):
-    dying = WorkerSpec("prefill-0", "prefill", free_port(), (0,),
-                       (sys.executable, "-c", "print('cannot load model x'); raise SystemExit(3)"),
-                       tmp_path / "prefill-0.log")
+    dying = WorkerSpec(
+        "prefill-0",
+        "prefill",
+        free_port(),
+        (0,),
+        (sys.executable, "-c", "print('cannot load model x'); raise SystemExit(3)"),
+        tmp_path / "prefill-0.log",
+    )
     group = WorkerGroup([dying])
     group.start()
     with pytest.raises(WorkerStartupError, match=r"(?s)exited with code 3.*cannot load model x"):
@@ -153,8 +228,9 @@ def test_launch_disagg_exits_1_when_a_worker_cannot_start(tmp_path):
             "--worker-args=--no-such-flag", "--startup-timeout", "120"])
         sys.exit(launch_disagg(args))
     """)
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True,
-                            text=True, timeout=180)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=180
+    )
     assert result.returncode == 1, result.stderr
     assert "exited with code 2 during startup" in result.stderr
     assert "--no-such-flag" in result.stderr
@@ -185,16 +261,24 @@ def test_launch_disagg_serves_through_stub_workers_and_stops_them_on_sigterm(tmp
         args = serve_like_parser().parse_args(["--mode", "disagg", "--port", "{router_port}"])
         sys.exit(launcher.launch_disagg(args))
     """)
-    launcher_process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True, env={**os.environ,
-                                                        "PYTHONPATH": str(REPO_ROOT)})
+    launcher_process = subprocess.Popen(
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
     router = f"http://127.0.0.1:{router_port}"
     try:
         wait_until(lambda: _is_up(router) or launcher_process.poll() is not None, 120)
         assert launcher_process.poll() is None, launcher_process.stderr.read()
-        response = httpx.post(f"{router}/v1/completions", trust_env=False, timeout=30,
-                              json={"prompt": "hi", "max_tokens": 2})
+        response = httpx.post(
+            f"{router}/v1/completions",
+            trust_env=False,
+            timeout=30,
+            json={"prompt": "hi", "max_tokens": 2},
+        )
         assert response.status_code == 200
         assert json.loads(response.headers["x-pdserve-timing"])["route"] == "remote"
     finally:

@@ -14,5 +14,6 @@ def test_router_and_its_tokenizer_do_not_import_torch():
         "body = {'messages': [{'role': 'user', 'content': 'Hi'}]}\n"
         "ids = asyncio.run(tokenizer.token_ids('/v1/chat/completions', body))\n"
         "assert len(ids) > 5, ids\n"
-        "sys.exit(3 if 'torch' in sys.modules else 0)\n")
+        "sys.exit(3 if 'torch' in sys.modules else 0)\n"
+    )
     assert subprocess.run([sys.executable, "-c", code], timeout=300).returncode == 0

@@ -16,13 +16,15 @@ from pdserve.router.tokenizer import LocalTokenizer
 
 
 def test_load_scrape_sums_label_sets_and_ignores_look_alikes():
-    text = "\n".join([
-        "# HELP pdserve:num_requests_running Running requests",
-        'pdserve:num_requests_running{model_name="a"} 2.0',
-        'pdserve:num_requests_running{model_name="b, c"} 1.0 1700000000',
-        "pdserve:num_requests_running_total 99",
-        "pdserve:kv_cache_usage_perc 0.5",
-    ])
+    text = "\n".join(
+        [
+            "# HELP pdserve:num_requests_running Running requests",
+            'pdserve:num_requests_running{model_name="a"} 2.0',
+            'pdserve:num_requests_running{model_name="b, c"} 1.0 1700000000',
+            "pdserve:num_requests_running_total 99",
+            "pdserve:kv_cache_usage_perc 0.5",
+        ]
+    )
     load = parse_worker_load(text)
     assert (load.num_running, load.num_waiting, load.kv_cache_usage) == (3, None, 0.5)
 
@@ -46,22 +48,40 @@ def test_sse_events_are_reassembled_across_chunks_bytes_unchanged():
 
 
 def test_a_partial_trailing_event_is_dropped():
-    assert collect([b"data: {}\n\ndata: {\"trunc"]) == [b"data: {}\n\n"]
+    assert collect([b'data: {}\n\ndata: {"trunc']) == [b"data: {}\n\n"]
 
 
 def test_prefill_leg_is_one_token_no_stream_and_asks_for_remote_decode():
-    body = {"prompt": "x", "max_tokens": 50, "max_completion_tokens": 50, "min_tokens": 5,
-            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
-            "kv_transfer_params": {"forged": True}, "router_timing": {"forged": 1}}
+    body = {
+        "prompt": "x",
+        "max_tokens": 50,
+        "max_completion_tokens": 50,
+        "min_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+        "kv_transfer_params": {"forged": True},
+        "router_timing": {"forged": 1},
+    }
     leg = prefill_leg_body(body)
-    assert leg == {"prompt": "x", "max_tokens": 1, "stream": False, "temperature": 0,
-                   "kv_transfer_params": {"do_remote_decode": True}}
+    assert leg == {
+        "prompt": "x",
+        "max_tokens": 1,
+        "stream": False,
+        "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     assert body["max_tokens"] == 50  # the client's body is untouched
 
 
 def test_decode_leg_is_the_original_request_plus_params_and_timing():
-    body = {"prompt": "x", "max_tokens": 50, "stream": True, "stream_options": {"foo": 1},
-            "kv_transfer_params": {"forged": True}}
+    body = {
+        "prompt": "x",
+        "max_tokens": 50,
+        "stream": True,
+        "stream_options": {"foo": 1},
+        "kv_transfer_params": {"forged": True},
+    }
     params = {"do_remote_prefill": True, "remote_block_ids": [3]}
     leg = decode_leg_body(body, params, {"prefill_ms": 2.0}, force_usage=True)
     assert leg["kv_transfer_params"] == params and leg["router_timing"] == {"prefill_ms": 2.0}
@@ -76,10 +96,14 @@ def test_prompt_token_ids_given_literally_and_tokenize_bodies():
     assert literal_token_ids({"prompt": [[4, 5]]}) == [4, 5]
     assert literal_token_ids({"prompt": "text"}) is None
     assert tokenize_request_body("/v1/completions", {"prompt": ["hi"], "model": "m"}) == {
-        "prompt": "hi", "model": "m"}
+        "prompt": "hi",
+        "model": "m",
+    }
     chat = {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False}
     assert tokenize_request_body("/v1/chat/completions", chat) == {
-        "messages": chat["messages"], "add_generation_prompt": False}
+        "messages": chat["messages"],
+        "add_generation_prompt": False,
+    }
     assert tokenize_request_body("/v1/completions", {"prompt": ["a", "b"]}) is None
 
 
@@ -91,13 +115,16 @@ def test_prompt_info_hashes_full_blocks_or_estimates_length():
 
 
 def test_local_tokenizer_renders_chat_like_the_server(tmp_path):
-    vocab = {w: i for i, w in enumerate(["[UNK]", "<s>", "hello", "world", "user", "system",
-                                         "bot"])}
+    vocab = {
+        w: i for i, w in enumerate(["[UNK]", "<s>", "hello", "world", "user", "system", "bot"])
+    }
     backend = BackendTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.save(str(tmp_path / "tokenizer.json"))
-    template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
-                "{% if add_generation_prompt %}bot {% endif %}")
+    template = (
+        "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}bot {% endif %}"
+    )
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     tokenizer = LocalTokenizer.load(str(tmp_path))
 
@@ -105,6 +132,8 @@ def test_local_tokenizer_renders_chat_like_the_server(tmp_path):
         return asyncio.run(tokenizer.token_ids(endpoint, body))
 
     assert ids("/v1/completions", {"prompt": "hello world"}) == [2, 3]
-    messages = [{"role": "developer", "content": "hello"},
-                {"role": "user", "content": [{"type": "text", "text": "world"}]}]
+    messages = [
+        {"role": "developer", "content": "hello"},
+        {"role": "user", "content": [{"type": "text", "text": "world"}]},
+    ]
     assert ids("/v1/chat/completions", {"messages": messages}) == [5, 2, 4, 3, 6]

@@ -20,9 +20,11 @@ def test_round_robin_cycles_over_the_candidates():
 
 def test_least_loaded_decode_counts_sequences_then_kv_usage():
     policy = LeastLoaded(DECODE)
-    loads = [WorkerLoad(num_running=3),
-             WorkerLoad(num_running=1, num_waiting=1, kv_cache_usage=0.3),
-             WorkerLoad(num_running=2, kv_cache_usage=0.1)]
+    loads = [
+        WorkerLoad(num_running=3),
+        WorkerLoad(num_running=1, num_waiting=1, kv_cache_usage=0.3),
+        WorkerLoad(num_running=2, kv_cache_usage=0.1),
+    ]
     assert policy.select(loads, 10) == 2  # 2 sequences each; lower KV usage wins
     loads[1] = WorkerLoad(num_running=1)
     assert policy.select(loads, 10) == 1
@@ -30,8 +32,10 @@ def test_least_loaded_decode_counts_sequences_then_kv_usage():
 
 def test_least_loaded_prefill_counts_pending_prompt_tokens_not_sequences():
     policy = LeastLoaded(PREFILL)
-    loads = [WorkerLoad(num_running=5, num_pending_prefill_tokens=100),
-             WorkerLoad(num_running=1, num_pending_prefill_tokens=3000)]
+    loads = [
+        WorkerLoad(num_running=5, num_pending_prefill_tokens=100),
+        WorkerLoad(num_running=1, num_pending_prefill_tokens=3000),
+    ]
     assert policy.select(loads, 10) == 0
 
 
@@ -41,8 +45,11 @@ def test_least_loaded_ties_go_to_lowest_index():
 
 def test_prefix_aware_prefers_longest_cached_prefix():
     policy = PrefixAware(DECODE)
-    loads = [WorkerLoad(num_cached_tokens=16), WorkerLoad(num_running=1, num_cached_tokens=64),
-             WorkerLoad()]
+    loads = [
+        WorkerLoad(num_cached_tokens=16),
+        WorkerLoad(num_running=1, num_cached_tokens=64),
+        WorkerLoad(),
+    ]
     assert policy.select(loads, 100) == 1
 
 
@@ -73,8 +80,10 @@ def test_prefix_aware_prefill_weighs_imbalance_in_prompt_sized_units():
 
 def test_prefix_aware_ties_between_matches_go_to_the_less_loaded():
     policy = PrefixAware(DECODE)
-    loads = [WorkerLoad(num_running=2, num_cached_tokens=32),
-             WorkerLoad(num_running=1, num_cached_tokens=32)]
+    loads = [
+        WorkerLoad(num_running=2, num_cached_tokens=32),
+        WorkerLoad(num_running=1, num_cached_tokens=32),
+    ]
     assert policy.select(loads, 100) == 1
 
 

@@ -33,9 +33,15 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def stubs():
     # "*_doomed" stubs are killed by the test that uses them.
-    workers = start_stubs(("prefill", None), ("prefill", None), ("prefill", 500),
-                          ("decode", None), ("decode", None), ("prefill", None),
-                          ("decode", None))
+    workers = start_stubs(
+        ("prefill", None),
+        ("prefill", None),
+        ("prefill", 500),
+        ("decode", None),
+        ("decode", None),
+        ("prefill", None),
+        ("decode", None),
+    )
     names = ("p0", "p1", "pfail", "d0", "d1", "p_doomed", "d_doomed")
     yield dict(zip(names, workers, strict=True))
     for worker in workers:
@@ -62,8 +68,9 @@ def test_streaming_hand_off_passes_both_legs_fields(stubs):
     assert prefill_leg["max_tokens"] == 1 and prefill_leg["stream"] is False
     assert prefill_leg["kv_transfer_params"] == {"do_remote_decode": True}
     assert "min_tokens" not in prefill_leg and "router_timing" not in prefill_leg
-    prefill_answer = next(e for e in p0.log() if e["event"] == "prefilled"
-                          and tag in e["body"]["prompt"])
+    prefill_answer = next(
+        e for e in p0.log() if e["event"] == "prefilled" and tag in e["body"]["prompt"]
+    )
     decode_leg = d0.bodies(tag)[0]
     assert decode_leg["max_tokens"] == 3 and decode_leg["stream"] is True
     assert decode_leg["min_tokens"] == 2
@@ -79,8 +86,13 @@ def test_streaming_hand_off_passes_both_legs_fields(stubs):
 
 def test_streaming_usage_chunk_carries_the_timing_breakdown(stubs):
     with RouterThread(router_config([stubs["p0"]], [stubs["d0"]])) as router, http() as client:
-        body = {"model": "stub", "messages": [{"role": "user", "content": marker()}],
-                "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": "stub",
+            "messages": [{"role": "user", "content": marker()}],
+            "max_tokens": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with client.stream("POST", f"{router.url}/v1/chat/completions", json=body) as response:
             header = json.loads(response.headers["x-pdserve-timing"])
             events = read_sse(response)
@@ -101,14 +113,18 @@ def test_non_streaming_answer_has_timing_header_and_metrics_move(stubs):
     timing = json.loads(response.headers["x-pdserve-timing"])
     assert timing["route"] == "remote" and timing["decode_worker"] == "decode-0"
     assert timing["kv_transfer_ms"] == 1.5 and timing["e2e_ms"] >= timing["prefill_ms"] > 0
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(metrics_text)
-               for s in family.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics_text)
+        for s in family.samples
+    }
     assert samples[("pdserve:router_prefill_leg_seconds_count", ())] == 1
     assert samples[("pdserve:router_kv_transfer_bytes_count", ())] == 1
     assert samples[("pdserve:router_requests_total", (("route", "remote"),))] == 1
-    up = ("pdserve:router_worker_up",
-          (("role", "decode"), ("url", stubs["d0"].url), ("worker", "decode-0")))
+    up = (
+        "pdserve:router_worker_up",
+        (("role", "decode"), ("url", stubs["d0"].url), ("worker", "decode-0")),
+    )
     assert samples[up] == 1
 
 
@@ -117,6 +133,7 @@ def test_local_prefill_threshold_skips_the_prefill_worker_for_short_uncached_pro
     long_prompt = marker() + "x" * 100  # stub tokenizer: one token per character
     config = router_config([p0], [d0], local_prefill_threshold=50, decode_policy="prefix_aware")
     with RouterThread(config) as router, http() as client:
+
         def route(prompt: str) -> str:
             response = client.post(f"{router.url}/v1/completions", json=completion(prompt))
             assert response.status_code == 200
@@ -159,8 +176,7 @@ def test_client_error_on_the_prefill_leg_is_relayed_not_retried(stubs):
     p0, p1, d0 = stubs["p0"], stubs["p1"], stubs["d0"]
     tag = marker()
     with RouterThread(router_config([p0, p1], [d0])) as router, http() as client:
-        response = client.post(f"{router.url}/v1/completions",
-                               json=completion(tag, temperature=5))
+        response = client.post(f"{router.url}/v1/completions", json=completion(tag, temperature=5))
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "temperature"
     assert len(p0.bodies(tag)) + len(p1.bodies(tag)) == 1 and d0.bodies(tag) == []
@@ -169,8 +185,9 @@ def test_client_error_on_the_prefill_leg_is_relayed_not_retried(stubs):
 def test_prefill_worker_killed_under_the_router_is_retried_then_left_out(stubs):
     doomed, alive, decode = stubs["p_doomed"], stubs["p1"], stubs["d0"]
     # Health checks too rare to notice the kill: the request itself must.
-    config = router_config([doomed, alive], [decode], prefill_policy="round_robin",
-                           health_interval_s=60.0)
+    config = router_config(
+        [doomed, alive], [decode], prefill_policy="round_robin", health_interval_s=60.0
+    )
     with RouterThread(config) as router, http() as client:
         doomed.kill()
         tag = marker()
@@ -186,10 +203,13 @@ def test_decode_worker_death_ends_its_stream_with_an_error_others_complete(stubs
     config = router_config([], [d0, d1], decode_policy="round_robin", health_interval_s=60.0)
     results: dict[str, list] = {}
     with RouterThread(config) as router:
+
         def stream(name: str) -> None:
             body = completion(f"{name} {marker()}", stream=True, stub_decode_hold=name)
-            with http() as client, client.stream(
-                    "POST", f"{router.url}/v1/completions", json=body) as response:
+            with (
+                http() as client,
+                client.stream("POST", f"{router.url}/v1/completions", json=body) as response,
+            ):
                 results[name] = read_sse(response)
 
         threads = {n: threading.Thread(target=stream, args=(n,)) for n in ("a", "b")}
@@ -212,9 +232,14 @@ def test_client_disconnect_mid_stream_closes_the_decode_leg(stubs):
     d0 = stubs["d0"]
     tag = marker()
     with RouterThread(router_config([stubs["p0"]], [d0])) as router:
-        with http() as client, client.stream(
-                "POST", f"{router.url}/v1/completions",
-                json=completion(tag, stream=True, stub_decode_hold=tag)) as response:
+        with (
+            http() as client,
+            client.stream(
+                "POST",
+                f"{router.url}/v1/completions",
+                json=completion(tag, stream=True, stub_decode_hold=tag),
+            ) as response,
+        ):
             next(response.iter_lines())  # the first token arrived; now leave
         wait_until(lambda: "disconnected" in d0.events_for(tag), 10, "decode leg closed")
         wait_until(lambda: router.workers()["decode-0"]["num_inflight"] == 0, 10)
@@ -225,10 +250,11 @@ def test_client_disconnect_mid_prefill_closes_the_prefill_leg(stubs):
     p0, d0 = stubs["p0"], stubs["d0"]
     tag = marker()
     with RouterThread(router_config([p0], [d0])) as router:
-        with pytest.raises(httpx.ReadTimeout), httpx.Client(trust_env=False,
-                                                            timeout=1.0) as client:
-            client.post(f"{router.url}/v1/completions",
-                        json=completion(tag, stream=True, stub_prefill_hold=tag))
+        with pytest.raises(httpx.ReadTimeout), httpx.Client(trust_env=False, timeout=1.0) as client:
+            client.post(
+                f"{router.url}/v1/completions",
+                json=completion(tag, stream=True, stub_prefill_hold=tag),
+            )
         wait_until(lambda: "disconnected" in p0.events_for(tag), 10, "prefill leg closed")
         wait_until(lambda: all(w["num_inflight"] == 0 for w in router.workers().values()), 10)
     assert d0.bodies(tag) == []  # no decode leg for a client that left
@@ -243,8 +269,10 @@ def test_circuit_breaker_takes_a_failing_worker_out_and_back(stubs):
             wait_until(lambda: router.workers()["decode-0"]["state"] == "unhealthy", 10)
             tag = marker()
             for _ in range(3):
-                assert client.post(f"{router.url}/v1/completions",
-                                   json=completion(tag)).status_code == 200
+                assert (
+                    client.post(f"{router.url}/v1/completions", json=completion(tag)).status_code
+                    == 200
+                )
             assert d0.bodies(tag) == [] and len(d1.bodies(tag)) == 3
         finally:
             d0.set_health(True)
@@ -259,8 +287,9 @@ def test_no_healthy_decode_worker_is_a_503(stubs):
     nobody = RouterConfig(prefill_urls=(), decode_urls=(f"http://127.0.0.1:{free_port()}",))
     with RouterThread(nobody) as router, http() as client:
         response = client.post(f"{router.url}/v1/completions", json=completion("x"))
-        assert response.status_code == 503 and "decode worker" in response.json()["error"][
-            "message"]
+        assert (
+            response.status_code == 503 and "decode worker" in response.json()["error"]["message"]
+        )
         assert client.get(f"{router.url}/health").status_code == 503
 
 
@@ -268,8 +297,9 @@ def test_bad_bodies_get_openai_style_400s(stubs):
     with RouterThread(router_config([], [stubs["d0"]])) as router, http() as client:
         url = f"{router.url}/v1/completions"
         not_json = client.post(url, content=b"{nope", headers={"content-type": "application/json"})
-        assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"][
-            "message"]
+        assert (
+            not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
+        )
         bad_stream = client.post(url, json={"prompt": "x", "stream": "yes"})
         assert bad_stream.status_code == 400 and bad_stream.json()["error"]["param"] == "stream"
         assert client.post(url, json=[1, 2]).status_code == 400
@@ -280,17 +310,22 @@ def test_workers_api_adds_drains_and_removes_behind_the_api_key(stubs):
     auth = {"Authorization": "Bearer sekrit"}
     with RouterThread(router_config([], [d0], api_key="sekrit")) as router, http() as client:
         assert client.get(f"{router.url}/workers").status_code == 401
-        assert client.post(f"{router.url}/v1/completions",
-                           json=completion("x")).status_code == 401
+        assert client.post(f"{router.url}/v1/completions", json=completion("x")).status_code == 401
         assert client.get(f"{router.url}/health").status_code == 200  # open, like a worker
 
-        added = client.post(f"{router.url}/workers", headers=auth,
-                            json={"url": d1.url, "role": "decode"})
+        added = client.post(
+            f"{router.url}/workers", headers=auth, json={"url": d1.url, "role": "decode"}
+        )
         assert added.status_code == 201 and added.json()["state"] == "healthy"
-        assert client.post(f"{router.url}/workers", headers=auth,
-                           json={"url": d1.url, "role": "decode"}).status_code == 409
-        bad_role = client.post(f"{router.url}/workers", headers=auth,
-                               json={"url": d1.url, "role": "both"})
+        assert (
+            client.post(
+                f"{router.url}/workers", headers=auth, json={"url": d1.url, "role": "decode"}
+            ).status_code
+            == 409
+        )
+        bad_role = client.post(
+            f"{router.url}/workers", headers=auth, json={"url": d1.url, "role": "both"}
+        )
         assert bad_role.status_code == 400 and bad_role.json()["error"]["param"] == "role"
 
         # Drain decode-0 while it holds a stream: it takes nothing new, then disappears.
@@ -314,8 +349,10 @@ def test_workers_api_adds_drains_and_removes_behind_the_api_key(stubs):
 
 def _hold_stream(url: str, auth: dict[str, str], tag: str) -> None:
     body = completion(tag, stream=True, stub_decode_hold=tag)
-    with http() as client, client.stream("POST", f"{url}/v1/completions", json=body,
-                                         headers=auth) as response:
+    with (
+        http() as client,
+        client.stream("POST", f"{url}/v1/completions", json=body, headers=auth) as response,
+    ):
         assert stream_text(read_sse(response)) == "t0 t1 t2 "
 
 
@@ -335,28 +372,71 @@ def test_hand_off_across_two_network_namespaces(tmp_path):
     """The two-host plumbing of the real-worker test, with stubs: prefill on host A, decode
     and the router on host B, the client on B; every leg crosses the veth or B's loopback."""
     with two_hosts() as hosts:
+
         def on(ns: str, name: str, argv: list[str]) -> ManagedProcess:
-            return ManagedProcess(hosts.command(ns, [sys.executable, *argv]),
-                                  tmp_path / f"{name}.log")
+            return ManagedProcess(
+                hosts.command(ns, [sys.executable, *argv]), tmp_path / f"{name}.log"
+            )
 
         def healthy_in_b(url: str) -> bool:
             return hosts.is_http_ok(hosts.ns_b, url)
 
         prefill_url, decode_url = f"http://{hosts.addr_a}:8100", f"http://{hosts.addr_b}:8200"
         processes = [
-            on(hosts.ns_a, "prefill", ["-m", "tests.router.stub_worker", "--role", "prefill",
-                                       "--host", hosts.addr_a, "--port", "8100"]),
-            on(hosts.ns_b, "decode", ["-m", "tests.router.stub_worker", "--role", "decode",
-                                      "--host", hosts.addr_b, "--port", "8200"]),
-            on(hosts.ns_b, "router", ["-m", "pdserve.cli", "router", "--prefill", prefill_url,
-                                      "--decode", decode_url, "--port", "8000",
-                                      "--health-check-interval", "0.5"])]
+            on(
+                hosts.ns_a,
+                "prefill",
+                [
+                    "-m",
+                    "tests.router.stub_worker",
+                    "--role",
+                    "prefill",
+                    "--host",
+                    hosts.addr_a,
+                    "--port",
+                    "8100",
+                ],
+            ),
+            on(
+                hosts.ns_b,
+                "decode",
+                [
+                    "-m",
+                    "tests.router.stub_worker",
+                    "--role",
+                    "decode",
+                    "--host",
+                    hosts.addr_b,
+                    "--port",
+                    "8200",
+                ],
+            ),
+            on(
+                hosts.ns_b,
+                "router",
+                [
+                    "-m",
+                    "pdserve.cli",
+                    "router",
+                    "--prefill",
+                    prefill_url,
+                    "--decode",
+                    decode_url,
+                    "--port",
+                    "8000",
+                    "--health-check-interval",
+                    "0.5",
+                ],
+            ),
+        ]
         try:
-            for process, url in zip(processes, (prefill_url, decode_url, "http://127.0.0.1:8000"),
-                                    strict=True):
+            for process, url in zip(
+                processes, (prefill_url, decode_url, "http://127.0.0.1:8000"), strict=True
+            ):
                 process.wait_healthy(f"{url}/health", 60, runner=healthy_in_b)
-            result = hosts.post_json(hosts.ns_b, "http://127.0.0.1:8000/v1/completions",
-                                     completion("across hosts"))
+            result = hosts.post_json(
+                hosts.ns_b, "http://127.0.0.1:8000/v1/completions", completion("across hosts")
+            )
         finally:
             for process in processes:
                 process.stop()
@@ -364,11 +444,11 @@ def test_hand_off_across_two_network_namespaces(tmp_path):
     assert result["timing"]["route"] == "remote"
 
 
-
 def test_decode_worker_refusal_is_relayed_with_its_status(stubs):
     with RouterThread(router_config([], [stubs["d0"]])) as router, http() as client:
-        response = client.post(f"{router.url}/v1/completions",
-                               json=completion(marker(), temperature=5, stream=True))
+        response = client.post(
+            f"{router.url}/v1/completions", json=completion(marker(), temperature=5, stream=True)
+        )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "temperature"
     assert response.headers["x-request-id"].startswith("rtr-")

@@ -45,17 +45,18 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def client(self, **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none",
-                             max_retries=0, **kwargs)
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0, **kwargs
+        )
 
     def async_client(self, **kwargs) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none",
-                                  max_retries=0, **kwargs)
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0, **kwargs
+        )
 
     def post(self, path: str, body=None, **kwargs) -> httpx.Response:
         headers = {**self.headers, **kwargs.pop("headers", {})}
-        return httpx.post(f"{self.url}{path}", json=body, headers=headers, timeout=120,
-                          **kwargs)
+        return httpx.post(f"{self.url}{path}", json=body, headers=headers, timeout=120, **kwargs)
 
     def metrics(self) -> dict[str, float]:
         """Samples as {"name{label=value,...}": value} (labels sorted, model_name dropped)."""
@@ -63,8 +64,9 @@ class ServerProcess:
         samples = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
-                                  if k != "model_name")
+                labels = ",".join(
+                    f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name"
+                )
                 samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
         return samples
 
@@ -86,15 +88,33 @@ def free_port() -> int:
 def start_server(log_dir: Path, *args: str, api_key: str | None = None) -> ServerProcess:
     """Start `pdserve serve` and wait until /health answers 200."""
     port = free_port()
-    command = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", "serve",
-               "--port", str(port), "--device", "cpu", "--dtype", "float32",
-               "--num-kv-blocks", str(NUM_KV_BLOCKS), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "--log-level",
+        "INFO",
+        "serve",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        str(NUM_KV_BLOCKS),
+        *args,
+    ]
     if api_key:
         command += ["--api-key", api_key]
     log_path = log_dir / f"server-{port}.log"
     with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path, api_key)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -113,10 +133,17 @@ def start_server(log_dir: Path, *args: str, api_key: str | None = None) -> Serve
 def write_tiny_model(out_dir: Path) -> Path:
     """A 2-layer, 64-wide Llama with random weights and SmolLM2's tokenizer and template."""
     gguf = GGUFModelFile(default_model_path())
-    config = dataclasses.replace(gguf.config, hidden_size=64, intermediate_size=128,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=16,
-                                 max_position_embeddings=1024, tie_word_embeddings=True)
+    config = dataclasses.replace(
+        gguf.config,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
     generator = torch.Generator().manual_seed(0)
     weights = {}
     for name, shape in hf_weight_shapes(config).items():
@@ -139,8 +166,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smol_server(tmp_path_factory):
     """The default model, chunked prefill, API key required."""
-    server = start_server(tmp_path_factory.mktemp("smol"), "--max-num-seqs", "16",
-                          api_key=API_KEY)
+    server = start_server(tmp_path_factory.mktemp("smol"), "--max-num-seqs", "16", api_key=API_KEY)
     yield server
     server.stop()
 
@@ -148,7 +174,15 @@ def smol_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_server(tmp_path_factory, tiny_model_dir):
     """The tiny random model, no API key, short context."""
-    server = start_server(tmp_path_factory.mktemp("tiny"), "--model", str(tiny_model_dir),
-                          "--max-model-len", "256", "--served-model-name", "tiny", "tiny-alias")
+    server = start_server(
+        tmp_path_factory.mktemp("tiny"),
+        "--model",
+        str(tiny_model_dir),
+        "--max-model-len",
+        "256",
+        "--served-model-name",
+        "tiny",
+        "tiny-alias",
+    )
     yield server
     server.stop()

@@ -53,8 +53,10 @@ CHAT_CASES = [
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[0].content[0].type"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages[0].content[0].type",
+    ),
     ({"messages": [{"role": "user", "content": LONG_TEXT}]}, "messages"),
     ({"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": USER, "max_completion_tokens": 1000}, "max_completion_tokens"),
@@ -86,8 +88,11 @@ def test_bad_chat_request(tiny_server, body, param):
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("content", [b"{", b"[]", b'"x"', b"null", b"\xff\xfe", b""])
 def test_malformed_body(tiny_server, endpoint, content):
-    response = httpx.post(f"{tiny_server.url}{endpoint}", content=content,
-                          headers={"Content-Type": "application/json"})
+    response = httpx.post(
+        f"{tiny_server.url}{endpoint}",
+        content=content,
+        headers={"Content-Type": "application/json"},
+    )
     assert_error(response, 400, None)
 
 
@@ -95,15 +100,20 @@ def test_unknown_model_is_404_and_aliases_work(tiny_server):
     response = tiny_server.post("/v1/completions", {"prompt": "hi", "model": "gpt-4"})
     assert_error(response, 404, "model")
     assert response.json()["error"]["code"] == "model_not_found"
-    ok = tiny_server.post("/v1/completions", {"prompt": "hi", "model": "tiny-alias",
-                                              "max_tokens": 2})
+    ok = tiny_server.post(
+        "/v1/completions", {"prompt": "hi", "model": "tiny-alias", "max_tokens": 2}
+    )
     assert ok.status_code == 200 and ok.json()["model"] == "tiny-alias"
 
 
 def test_body_over_the_limit_is_413(tiny_server):
     body = b'{"prompt": "' + b"a" * (5 * 2**20) + b'"}'
-    response = httpx.post(f"{tiny_server.url}/v1/completions", content=body,
-                          headers={"Content-Type": "application/json"}, timeout=60)
+    response = httpx.post(
+        f"{tiny_server.url}/v1/completions",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
     assert_error(response, 413, None)
 
     def chunks():  # no Content-Length: the limit is enforced while reading
@@ -112,8 +122,12 @@ def test_body_over_the_limit_is_413(tiny_server):
             yield b"a" * 2**20
         yield b'"}'
 
-    response = httpx.post(f"{tiny_server.url}/v1/completions", content=chunks(),
-                          headers={"Content-Type": "application/json"}, timeout=60)
+    response = httpx.post(
+        f"{tiny_server.url}/v1/completions",
+        content=chunks(),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
     assert_error(response, 413, None)
 
 
@@ -130,15 +144,27 @@ def test_bad_input_leaves_no_state_behind(tiny_server):
     assert metrics["pdserve:num_requests_waiting"] == 0
     assert metrics["pdserve:kv_cache_free_blocks"] == metrics["pdserve:kv_cache_total_blocks"]
     assert metrics["pdserve:request_errors_total{type=invalid_request_error}"] >= len(
-        COMPLETION_CASES)
+        COMPLETION_CASES
+    )
     assert httpx.get(f"{tiny_server.url}/health").status_code == 200
 
 
-@pytest.mark.parametrize("extra", [
-    {"temperature": 5e-324}, {"temperature": 1e-30}, {"top_p": 1e-300}, {"top_k": 1},
-    {"top_k": 10**9}, {"seed": -(2**63)}, {"seed": 2**63 - 1}, {"temperature": 2.0},
-    {"stop": ["x"] * 16}, {"stop_token_ids": [0, 49151]}, {"min_tokens": 4},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"temperature": 5e-324},
+        {"temperature": 1e-30},
+        {"top_p": 1e-300},
+        {"top_k": 1},
+        {"top_k": 10**9},
+        {"seed": -(2**63)},
+        {"seed": 2**63 - 1},
+        {"temperature": 2.0},
+        {"stop": ["x"] * 16},
+        {"stop_token_ids": [0, 49151]},
+        {"min_tokens": 4},
+    ],
+)
 def test_extreme_but_valid_sampling_params_generate(tiny_server, extra):
     response = tiny_server.post("/v1/completions", {"prompt": "hi", "max_tokens": 4, **extra})
     assert response.status_code == 200, response.text

@@ -16,18 +16,31 @@ from hypothesis import strategies as st
 
 pytestmark = pytest.mark.slow
 
-ENDPOINTS = {"/v1/completions": "CompletionRequest",
-             "/v1/chat/completions": "ChatCompletionRequest"}
-JSON_SCALARS = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
-                | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20))
-ANY_JSON = st.recursive(JSON_SCALARS, lambda inner: st.lists(inner, max_size=4)
-                        | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8)
+ENDPOINTS = {
+    "/v1/completions": "CompletionRequest",
+    "/v1/chat/completions": "ChatCompletionRequest",
+}
+JSON_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)
+)
+ANY_JSON = st.recursive(
+    JSON_SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=8,
+)
 
 # Where the schema alone allows values the server must refuse (an empty prompt, a
 # context-sized max_tokens), valid bodies draw from these instead.
 _TEXT = st.text(min_size=1, max_size=30)
-_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
-                                  "content": _TEXT})
+_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant"]), "content": _TEXT}
+)
 VALID_OVERRIDES = {
     "model": st.sampled_from(["tiny", "tiny-alias"]),
     "prompt": _TEXT | st.lists(st.integers(0, 49151), min_size=1, max_size=20),
@@ -47,8 +60,9 @@ class SchemaStrategies:
     def __init__(self, schema: dict) -> None:
         self._components = schema["components"]["schemas"]
 
-    def body(self, name: str, overrides: dict[str, st.SearchStrategy],
-             broken: bool) -> st.SearchStrategy:
+    def body(
+        self, name: str, overrides: dict[str, st.SearchStrategy], broken: bool
+    ) -> st.SearchStrategy:
         """Bodies of component `name`: required fields always, optional ones a third of the
         time, all drawn inside the schema; with `broken`, one or two fields (perhaps
         required ones) are then replaced by out-of-bounds values or arbitrary JSON."""
@@ -62,8 +76,9 @@ class SchemaStrategies:
             keys = [k for k in properties if k in required or draw(st.integers(0, 2)) == 0]
             body = {key: draw(valid[key]) for key in keys}
             if broken:
-                for key in draw(st.lists(st.sampled_from(sorted(properties)), min_size=1,
-                                         max_size=2)):
+                for key in draw(
+                    st.lists(st.sampled_from(sorted(properties)), min_size=1, max_size=2)
+                ):
                     body[key] = draw(wrong[key])
             return body
 
@@ -73,8 +88,7 @@ class SchemaStrategies:
         if depth > 4:
             return JSON_SCALARS
         if "$ref" in schema:
-            return self._object(self._components[schema["$ref"].rsplit("/", 1)[1]], valid,
-                                depth)
+            return self._object(self._components[schema["$ref"].rsplit("/", 1)[1]], valid, depth)
         if "anyOf" in schema:
             return st.one_of([self.value(s, valid, depth + 1) for s in schema["anyOf"]])
         if "const" in schema or "enum" in schema:
@@ -90,8 +104,11 @@ class SchemaStrategies:
         if kind == "null":
             return st.none()
         if kind == "array":
-            return st.lists(self.value(schema.get("items", {}), valid, depth + 1),
-                            min_size=schema.get("minItems", 0) if valid else 0, max_size=3)
+            return st.lists(
+                self.value(schema.get("items", {}), valid, depth + 1),
+                min_size=schema.get("minItems", 0) if valid else 0,
+                max_size=3,
+            )
         if kind == "object":
             return self._object(schema, valid, depth)
         return ANY_JSON
@@ -102,9 +119,10 @@ class SchemaStrategies:
             return st.dictionaries(st.text(max_size=8), JSON_SCALARS, max_size=3)
         fields = {k: self.value(v, valid, depth + 1) for k, v in properties.items()}
         required = set(schema.get("required", ()))
-        return st.fixed_dictionaries({k: v for k, v in fields.items() if k in required},
-                                     optional={k: v for k, v in fields.items()
-                                               if k not in required})
+        return st.fixed_dictionaries(
+            {k: v for k, v in fields.items() if k in required},
+            optional={k: v for k, v in fields.items() if k not in required},
+        )
 
     @staticmethod
     def _number(schema: dict, valid: bool, integer: bool) -> st.SearchStrategy:
@@ -152,8 +170,13 @@ def fuzz(server, strategy, endpoint: str, max_examples: int) -> list[int]:
     statuses = []
     with httpx.Client(base_url=server.url, timeout=60) as client:
 
-        @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @settings(
+            max_examples=max_examples,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
         @given(body=strategy)
         def run(body):
             response = client.post(endpoint, json=body)
@@ -185,10 +208,17 @@ def test_fuzzed_broken_bodies_are_refused_cleanly(tiny_server, schema_strategies
 
 
 @given(raw=st.binary(max_size=200) | ANY_JSON.map(lambda v: json.dumps(v).encode()))
-@settings(max_examples=80, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=80,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 def test_fuzzed_raw_bytes_never_5xx(tiny_server, raw):
     for endpoint in ENDPOINTS:
-        response = httpx.post(f"{tiny_server.url}{endpoint}", content=raw,
-                              headers={"Content-Type": "application/json"})
+        response = httpx.post(
+            f"{tiny_server.url}{endpoint}",
+            content=raw,
+            headers={"Content-Type": "application/json"},
+        )
         assert response.status_code < 500, (raw, response.text)

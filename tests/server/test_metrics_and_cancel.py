@@ -15,13 +15,20 @@ pytestmark = pytest.mark.slow
 DASHBOARD = Path(__file__).parents[2] / "grafana" / "pdserve-dashboard.json"
 
 REQUIRED_FAMILIES = [
-    "pdserve:time_to_first_token_seconds", "pdserve:inter_token_latency_seconds",
-    "pdserve:request_time_per_output_token_seconds", "pdserve:e2e_request_latency_seconds",
-    "pdserve:request_queue_time_seconds", "pdserve:request_prefill_time_seconds",
-    "pdserve:engine_step_time_seconds", "pdserve:num_requests_running",
-    "pdserve:num_requests_waiting", "pdserve:kv_cache_usage_perc",
-    "pdserve:kv_cache_free_blocks", "pdserve:prefix_cache_hit_rate",
-    "pdserve:prompt_tokens_total", "pdserve:generation_tokens_total",
+    "pdserve:time_to_first_token_seconds",
+    "pdserve:inter_token_latency_seconds",
+    "pdserve:request_time_per_output_token_seconds",
+    "pdserve:e2e_request_latency_seconds",
+    "pdserve:request_queue_time_seconds",
+    "pdserve:request_prefill_time_seconds",
+    "pdserve:engine_step_time_seconds",
+    "pdserve:num_requests_running",
+    "pdserve:num_requests_waiting",
+    "pdserve:kv_cache_usage_perc",
+    "pdserve:kv_cache_free_blocks",
+    "pdserve:prefix_cache_hit_rate",
+    "pdserve:prompt_tokens_total",
+    "pdserve:generation_tokens_total",
     "pdserve:num_preemptions_total",
 ]
 
@@ -73,11 +80,16 @@ def test_prefix_cache_hit_rate_rises_on_a_repeated_prompt(tiny_server):
 def test_disconnect_mid_stream_frees_blocks(tiny_server):
     before = tiny_server.metrics()
     total = before["pdserve:kv_cache_total_blocks"]
-    body = {"prompt": "tell me a very long story", "max_tokens": 200, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "prompt": "tell me a very long story",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
     num_chunks = 0
-    with httpx.stream("POST", f"{tiny_server.url}/v1/completions", json=body,
-                      timeout=60) as response:
+    with httpx.stream(
+        "POST", f"{tiny_server.url}/v1/completions", json=body, timeout=60
+    ) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: {"):
@@ -88,12 +100,15 @@ def test_disconnect_mid_stream_frees_blocks(tiny_server):
                     assert tiny_server.metrics()["pdserve:kv_cache_free_blocks"] < total
                     break
     # ... and the connection closes here, mid-stream.
-    after = wait_for_metrics(tiny_server, lambda m: m["pdserve:num_requests_running"] == 0
-                             and m["pdserve:kv_cache_free_blocks"] == total)
+    after = wait_for_metrics(
+        tiny_server,
+        lambda m: (
+            m["pdserve:num_requests_running"] == 0 and m["pdserve:kv_cache_free_blocks"] == total
+        ),
+    )
     aborted = "pdserve:request_success_total{finished_reason=abort}"
     assert after.get(aborted, 0) == before.get(aborted, 0) + 1
-    generated = (after["pdserve:generation_tokens_total"]
-                 - before["pdserve:generation_tokens_total"])
+    generated = after["pdserve:generation_tokens_total"] - before["pdserve:generation_tokens_total"]
     assert 3 <= generated < 200
 
 
@@ -103,14 +118,20 @@ def test_disconnect_during_non_streaming_request_aborts_it(smol_server):
     body = {"prompt": "another long story", "max_tokens": 200, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         # 200 tokens of the real model take seconds: the client gives up long before.
-        httpx.post(f"{smol_server.url}/v1/completions", json=body,
-                   headers=smol_server.headers, timeout=0.5)
-    after = wait_for_metrics(smol_server, lambda m: m["pdserve:num_requests_running"] == 0
-                             and m["pdserve:kv_cache_free_blocks"] == total)
+        httpx.post(
+            f"{smol_server.url}/v1/completions", json=body, headers=smol_server.headers, timeout=0.5
+        )
+    after = wait_for_metrics(
+        smol_server,
+        lambda m: (
+            m["pdserve:num_requests_running"] == 0 and m["pdserve:kv_cache_free_blocks"] == total
+        ),
+    )
     aborted = "pdserve:request_success_total{finished_reason=abort}"
     assert after.get(aborted, 0) == before.get(aborted, 0) + 1
-    assert after["pdserve:generation_tokens_total"] - before[
-        "pdserve:generation_tokens_total"] < 200
+    assert (
+        after["pdserve:generation_tokens_total"] - before["pdserve:generation_tokens_total"] < 200
+    )
 
 
 def test_health_and_models(tiny_server):
@@ -121,8 +142,10 @@ def test_health_and_models(tiny_server):
 
 
 def test_chat_default_max_tokens_fills_the_context(tiny_server):
-    response = tiny_server.post("/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "go on forever"}], "ignore_eos": True})
+    response = tiny_server.post(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "go on forever"}], "ignore_eos": True},
+    )
     usage = response.json()["usage"]
     assert response.json()["choices"][0]["finish_reason"] == "length"
     assert usage["total_tokens"] == 256
@@ -130,8 +153,7 @@ def test_chat_default_max_tokens_fills_the_context(tiny_server):
 
 def test_grafana_dashboard_queries_only_exported_metrics(tiny_server):
     dashboard = json.loads(DASHBOARD.read_text())
-    exprs = [target["expr"] for panel in dashboard["panels"]
-             for target in panel.get("targets", [])]
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
     assert len(exprs) >= 20
     referenced = {name for expr in exprs for name in re.findall(r"pdserve:[a-z0-9_]+", expr)}
     exported = {key.split("{")[0] for key in tiny_server.metrics()}

@@ -39,11 +39,15 @@ def test_models_lists_the_served_model(smol_server):
 
 def test_chat_stream_equals_non_stream_at_temperature_0(smol_server):
     client, model = smol_server.client(), model_name(smol_server)
-    full = client.chat.completions.create(model=model, messages=CHAT, max_tokens=40,
-                                          temperature=0)
-    chunks = client.chat.completions.create(model=model, messages=CHAT, max_tokens=40,
-                                            temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    full = client.chat.completions.create(model=model, messages=CHAT, max_tokens=40, temperature=0)
+    chunks = client.chat.completions.create(
+        model=model,
+        messages=CHAT,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, finish_reason, usage, num_chunks = stream_text(chunks, chat=True)
     message = full.choices[0].message
     assert message.role == "assistant" and message.content
@@ -59,15 +63,25 @@ def test_chat_stream_equals_non_stream_at_temperature_0(smol_server):
 
 def test_completion_stream_equals_non_stream_and_usage_is_exact(smol_server):
     client, model = smol_server.client(), model_name(smol_server)
-    tokenized = client.completions.create(model=model, prompt=PROMPT, max_tokens=1,
-                                          temperature=0)
+    tokenized = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0)
     num_prompt_tokens = tokenized.usage.prompt_tokens
-    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0,
-                                     logprobs=0, extra_body={"ignore_eos": True})
-    chunks = client.completions.create(model=model, prompt=PROMPT, max_tokens=24,
-                                       temperature=0, stream=True,
-                                       stream_options={"include_usage": True},
-                                       extra_body={"ignore_eos": True})
+    full = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     text, finish_reason, usage, _ = stream_text(chunks, chat=False)
     choice = full.choices[0]
     assert text == choice.text
@@ -81,30 +95,32 @@ def test_completion_stream_equals_non_stream_and_usage_is_exact(smol_server):
 def test_token_id_prompt_counts_exactly(smol_server):
     client, model = smol_server.client(), model_name(smol_server)
     prompt_ids = [504, 3458, 1429, 314, 3096, 314]
-    out = client.completions.create(model=model, prompt=prompt_ids, max_tokens=3,
-                                    temperature=0, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=model, prompt=prompt_ids, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.usage.prompt_tokens == len(prompt_ids)
     assert out.usage.completion_tokens == 3
 
 
 def test_stop_string_ends_output_with_finish_reason_stop(smol_server):
     client, model = smol_server.client(), model_name(smol_server)
-    full = client.chat.completions.create(model=model, messages=CHAT, max_tokens=40,
-                                          temperature=0)
+    full = client.chat.completions.create(model=model, messages=CHAT, max_tokens=40, temperature=0)
     content = full.choices[0].message.content
     stop = content.split()[2]  # a word in the middle of the greedy answer
-    stopped = client.chat.completions.create(model=model, messages=CHAT, max_tokens=40,
-                                             temperature=0, stop=[stop])
+    stopped = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=40, temperature=0, stop=[stop]
+    )
     choice = stopped.choices[0]
     assert choice.finish_reason == "stop"
-    assert choice.message.content == content[:content.index(stop)]
+    assert choice.message.content == content[: content.index(stop)]
     assert stopped.usage.completion_tokens < full.usage.completion_tokens
 
 
 def test_chat_logprobs(smol_server):
     client, model = smol_server.client(), model_name(smol_server)
-    out = client.chat.completions.create(model=model, messages=CHAT, max_tokens=6,
-                                         temperature=0, logprobs=True, top_logprobs=3)
+    out = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     entries = out.choices[0].logprobs.content
     assert len(entries) == out.usage.completion_tokens
     for entry in entries:
@@ -116,16 +132,19 @@ def test_chat_logprobs(smol_server):
 
 def test_max_tokens_and_min_tokens(smol_server):
     client, model = smol_server.client(), model_name(smol_server)
-    out = client.chat.completions.create(model=model, messages=CHAT, max_completion_tokens=2,
-                                         temperature=0)
+    out = client.chat.completions.create(
+        model=model, messages=CHAT, max_completion_tokens=2, temperature=0
+    )
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 2
     short = [{"role": "user", "content": "Reply with the single word: hello"}]
-    free = client.chat.completions.create(model=model, messages=short, max_tokens=64,
-                                          temperature=0)
-    forced = client.chat.completions.create(model=model, messages=short, max_tokens=64,
-                                            temperature=0,
-                                            extra_body={"min_tokens": free.usage.completion_tokens
-                                                        + 5})
+    free = client.chat.completions.create(model=model, messages=short, max_tokens=64, temperature=0)
+    forced = client.chat.completions.create(
+        model=model,
+        messages=short,
+        max_tokens=64,
+        temperature=0,
+        extra_body={"min_tokens": free.usage.completion_tokens + 5},
+    )
     assert free.choices[0].finish_reason == "stop"
     assert forced.usage.completion_tokens >= free.usage.completion_tokens + 5
 
@@ -134,9 +153,19 @@ def test_seeded_sampling_is_reproducible(smol_server):
     client, model = smol_server.client(), model_name(smol_server)
 
     def sample():
-        return client.chat.completions.create(
-            model=model, messages=CHAT, max_tokens=12, temperature=1.0, top_p=0.9, seed=1234,
-            extra_body={"top_k": 40}).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model=model,
+                messages=CHAT,
+                max_tokens=12,
+                temperature=1.0,
+                top_p=0.9,
+                seed=1234,
+                extra_body={"top_k": 40},
+            )
+            .choices[0]
+            .message.content
+        )
 
     assert sample() == sample()
 
@@ -144,19 +173,25 @@ def test_seeded_sampling_is_reproducible(smol_server):
 def test_sixteen_concurrent_clients(smol_server):
     client, model = smol_server.client(), model_name(smol_server)
     questions = ["Name a fruit.", "Name a color.", "What is 2+2?", "Name a planet."]
-    expected = [client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": q}], max_tokens=16,
-        temperature=0).choices[0].message.content for q in questions]
+    expected = [
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": q}], max_tokens=16, temperature=0
+        )
+        .choices[0]
+        .message.content
+        for q in questions
+    ]
 
     async def one(async_client, i):
         messages = [{"role": "user", "content": questions[i % 4]}]
         if i % 2:
             chunks = await async_client.chat.completions.create(
-                model=model, messages=messages, max_tokens=16, temperature=0, stream=True)
-            return "".join([c.choices[0].delta.content or "" async for c in chunks
-                            if c.choices])
-        out = await async_client.chat.completions.create(model=model, messages=messages,
-                                                         max_tokens=16, temperature=0)
+                model=model, messages=messages, max_tokens=16, temperature=0, stream=True
+            )
+            return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+        out = await async_client.chat.completions.create(
+            model=model, messages=messages, max_tokens=16, temperature=0
+        )
         return out.choices[0].message.content
 
     async def main():
@@ -171,8 +206,9 @@ def test_api_key_is_enforced(smol_server):
     bad = openai.OpenAI(base_url=f"{smol_server.url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    response = smol_server.post("/v1/chat/completions", {"messages": CHAT},
-                                headers={"Authorization": ""})
+    response = smol_server.post(
+        "/v1/chat/completions", {"messages": CHAT}, headers={"Authorization": ""}
+    )
     assert response.status_code == 401
     assert response.json()["error"]["type"] == "authentication_error"
     # Health and metrics stay open for probes and scrapers.

@@ -11,8 +11,13 @@ from tests.server.conftest import start_server
 
 pytestmark = pytest.mark.slow
 
-LONG = {"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True}}
+LONG = {
+    "prompt": "Once upon a time",
+    "max_tokens": 1000,
+    "ignore_eos": True,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
 
 
 def events(response: httpx.Response):
@@ -23,11 +28,14 @@ def events(response: httpx.Response):
 
 def test_overload_then_graceful_shutdown(tmp_path):
     # One running sequence and one waiting slot: the third request has nowhere to go.
-    server = start_server(tmp_path, "--max-num-seqs", "1", "--max-queue", "1",
-                          "--shutdown-grace", "0")
+    server = start_server(
+        tmp_path, "--max-num-seqs", "1", "--max-queue", "1", "--shutdown-grace", "0"
+    )
     try:
-        with httpx.Client(base_url=server.url, timeout=60) as client, \
-                client.stream("POST", "/v1/completions", json=LONG) as running:
+        with (
+            httpx.Client(base_url=server.url, timeout=60) as client,
+            client.stream("POST", "/v1/completions", json=LONG) as running,
+        ):
             running_events = events(running)
             first = json.loads(next(running_events))
             assert first["choices"][0]["text"] is not None

@@ -20,16 +20,26 @@ from pdserve.router.tokenizer import LocalTokenizer
 from pdserve.server.app import create_app
 from pdserve.server.settings import ServerSettings
 
-MESSAGES = [{"role": "developer", "content": "Be brief."},
-            {"role": "user", "content": [{"type": "text", "text": "Name a "},
-                                         {"type": "text", "text": "colour."}]}]
+MESSAGES = [
+    {"role": "developer", "content": "Be brief."},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}],
+    },
+]
 GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir):
-    engine = LLMEngine.from_args(model=str(tiny_model_dir), dtype="float32", device="cpu",
-                                 num_kv_blocks=64, max_model_len=256, num_threads=1)
+    engine = LLMEngine.from_args(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=64,
+        max_model_len=256,
+        num_threads=1,
+    )
     app = create_app(engine, ServerSettings(served_model_names=("tiny",)))
     with TestClient(app) as test_client:
         yield test_client
@@ -55,8 +65,9 @@ def test_tokenize_prompt_gives_the_completion_ids(client, tiny_model_dir):
     by_text, by_ids = _completion(client, prompt), _completion(client, ids)
     assert by_text["usage"]["prompt_tokens"] == len(ids)
     assert by_text["choices"][0]["text"] == by_ids["choices"][0]["text"]
-    router_ids = asyncio.run(LocalTokenizer.load(str(tiny_model_dir)).token_ids(
-        "/v1/completions", {"prompt": prompt}))
+    router_ids = asyncio.run(
+        LocalTokenizer.load(str(tiny_model_dir)).token_ids("/v1/completions", {"prompt": prompt})
+    )
     assert router_ids == ids
 
 
@@ -67,10 +78,13 @@ def test_tokenize_messages_gives_the_chat_ids(client, tiny_model_dir, add_genera
     chat = client.post("/v1/chat/completions", json={**body, **GREEDY})
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["prompt_tokens"] == len(ids)
-    assert chat.json()["choices"][0]["message"]["content"] == \
-        _completion(client, ids)["choices"][0]["text"]
-    router_ids = asyncio.run(LocalTokenizer.load(str(tiny_model_dir)).token_ids(
-        "/v1/chat/completions", body))
+    assert (
+        chat.json()["choices"][0]["message"]["content"]
+        == _completion(client, ids)["choices"][0]["text"]
+    )
+    router_ids = asyncio.run(
+        LocalTokenizer.load(str(tiny_model_dir)).token_ids("/v1/chat/completions", body)
+    )
     assert router_ids == ids
 
 
@@ -78,13 +92,16 @@ def test_tokenize_prompt_longer_than_the_context_is_counted(client):
     assert len(_tokens(client, {"prompt": "word " * 400})) > 256
 
 
-@pytest.mark.parametrize(("body", "status", "param"), [
-    ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": "hi", "model": "other"}, 404, "model"),
-    ({"messages": []}, 400, "messages"),
-    ({}, 400, "prompt"),
-    ({"prompt": "hi", "messages": MESSAGES}, 400, "prompt"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": "hi", "model": "other"}, 404, "model"),
+        ({"messages": []}, 400, "messages"),
+        ({}, 400, "prompt"),
+        ({"prompt": "hi", "messages": MESSAGES}, 400, "prompt"),
+    ],
+)
 def test_tokenize_bad_input_is_a_clear_error(client, body, status, param):
     response = client.post("/tokenize", json=body)
     assert response.status_code == status
@@ -112,11 +129,19 @@ def test_pdserve_timing_in_a_routed_plain_answer(client):
 
 
 def test_pdserve_timing_in_a_routed_streams_usage_chunk(client):
-    body = {"messages": MESSAGES, **GREEDY, "stream": True,
-            "stream_options": {"include_usage": True}, "router_timing": ROUTER_TIMING}
+    body = {
+        "messages": MESSAGES,
+        **GREEDY,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "router_timing": ROUTER_TIMING,
+    }
     with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        events = [json.loads(line[len("data: "):]) for line in response.iter_lines()
-                  if line.startswith("data: {")]
+        events = [
+            json.loads(line[len("data: ") :])
+            for line in response.iter_lines()
+            if line.startswith("data: {")
+        ]
     assert [e for e in events if "pdserve_timing" in e] == [events[-1]]
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 8
     _check_timing(events[-1]["pdserve_timing"])

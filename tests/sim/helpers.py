@@ -11,9 +11,17 @@ MODEL = MODELS["Llama-3.1-8B"]
 H100 = get_hardware("H100-SXM")
 
 
-def make_config(mode: Mode = Mode.CHUNKED, *, num_workers: int = 1, tp: int = 1,
-                num_prefill: int = 1, budget: int = 512, max_num_seqs: int = 64,
-                model=MODEL, **kwargs) -> SimConfig:
+def make_config(
+    mode: Mode = Mode.CHUNKED,
+    *,
+    num_workers: int = 1,
+    tp: int = 1,
+    num_prefill: int = 1,
+    budget: int = 512,
+    max_num_seqs: int = 64,
+    model=MODEL,
+    **kwargs,
+) -> SimConfig:
     sched = scheduler_config_for(mode, budget, max_num_seqs, 8192)
     prefill = PoolConfig(num_prefill, tp, sched) if mode is Mode.DISAGG else None
     return SimConfig(model, H100, mode, PoolConfig(num_workers, tp, sched), prefill, **kwargs)
@@ -35,12 +43,14 @@ def azure_trace(num_prompts: int, request_rate: float | None) -> list[SimRequest
         pytest.skip(f"the shared Azure trace {default_trace_path()} is not beside the checkout")
 
     options = WorkloadOptions(trace_window=TraceWindow(num_prompts=num_prompts))
-    return plan_requests(make_workload("trace", options, None), seed=0,
-                         request_rate=request_rate, max_model_len=8192)
+    return plan_requests(
+        make_workload("trace", options, None), seed=0, request_rate=request_rate, max_model_len=8192
+    )
 
 
-def poisson_specs(num: int, rate: float, seed: int = 0, prompt=(64, 2048),
-                  output=(16, 128)) -> list[SimRequestSpec]:
+def poisson_specs(
+    num: int, rate: float, seed: int = 0, prompt=(64, 2048), output=(16, 128)
+) -> list[SimRequestSpec]:
     import random
 
     rng = random.Random(seed)
@@ -51,8 +61,9 @@ def poisson_specs(num: int, rate: float, seed: int = 0, prompt=(64, 2048),
     return specs
 
 
-def streams_plus_long_prompt(num_streams: int = 4, long_len: int = 6000,
-                             at: float = 0.5) -> list[SimRequestSpec]:
+def streams_plus_long_prompt(
+    num_streams: int = 4, long_len: int = 6000, at: float = 0.5
+) -> list[SimRequestSpec]:
     """Short streams decoding for a while, and one long prompt arriving among them."""
     specs = [SimRequestSpec(f"s{i}", 0.0, 32, 400) for i in range(num_streams)]
     return [*specs, SimRequestSpec("long", at, long_len, 8)]

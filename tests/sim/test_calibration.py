@@ -12,8 +12,14 @@ from pdserve.sim.model_spec import MODELS
 
 CPU = get_hardware("cpu-local")
 SMOL = MODELS["SmolLM2-135M"]
-TRUTH = Efficiency(linear_compute=0.21, attention_compute=0.04, memory=0.55, network=1.0,
-                   step_overhead_s=0.006, per_seq_overhead_s=0.0004)
+TRUTH = Efficiency(
+    linear_compute=0.21,
+    attention_compute=0.04,
+    memory=0.55,
+    network=1.0,
+    step_overhead_s=0.006,
+    per_seq_overhead_s=0.0004,
+)
 
 
 def _batches():
@@ -44,8 +50,9 @@ def test_curve_follows_a_kernel_switch_the_roofline_cannot():
         num_rows, cost = sum(q.num_new_tokens for q in batch), roofline.step_cost(batch)
         return cost.total_s + (0.6 * cost.linear_s if 4 <= num_rows <= 8 else 0.0)
 
-    batches = _batches() + [(SeqWork(1, c, True),) * b for b in range(1, 13)
-                            for c in (100, 400, 900)]
+    batches = _batches() + [
+        (SeqWork(1, c, True),) * b for b in range(1, 13) for c in (100, 400, 900)
+    ]
     samples = [StepSample(b, measured(b)) for b in batches]
     fit = fit_efficiency(CostModel(SMOL, CPU), samples)
     assert fit.efficiency.linear_curve
@@ -56,8 +63,10 @@ def test_curve_follows_a_kernel_switch_the_roofline_cannot():
 
 def test_fit_tolerates_noise():
     truth = CostModel(SMOL, CPU, efficiency=TRUTH)
-    noisy = [StepSample(b, truth.step_time(b) * (1.05 if i % 2 else 0.95))
-             for i, b in enumerate(_batches())]
+    noisy = [
+        StepSample(b, truth.step_time(b) * (1.05 if i % 2 else 0.95))
+        for i, b in enumerate(_batches())
+    ]
     fit = fit_efficiency(CostModel(SMOL, CPU), noisy)
     assert fit.mean_abs_rel_error < 0.08
 
@@ -67,9 +76,16 @@ def test_samples_round_trip_and_engine_bench_format(tmp_path):
     path = tmp_path / "steps.jsonl"
     save_samples(samples, path)
     assert load_samples(path) == samples
-    bench = {"runs": [{"dtype": "bfloat16", "weight_bytes": 1,
-                       "prefill": {"512": {"pdserve_tokens_per_s": 1024.0}},
-                       "decode": {"8": {"pdserve_step_ms": 30.0}}}]}
+    bench = {
+        "runs": [
+            {
+                "dtype": "bfloat16",
+                "weight_bytes": 1,
+                "prefill": {"512": {"pdserve_tokens_per_s": 1024.0}},
+                "decode": {"8": {"pdserve_step_ms": 30.0}},
+            }
+        ]
+    }
     (tmp_path / "engine.json").write_text(json.dumps(bench))
     prefill, decode = load_samples(tmp_path / "engine.json")
     assert prefill == StepSample((SeqWork(512, 0, True),), 0.5)
@@ -106,8 +122,9 @@ def test_disturbed_steps_are_set_aside():
 def test_jitter_records_the_spread_of_measured_around_modelled_steps():
     truth = CostModel(SMOL, CPU, efficiency=TRUTH)
     batches = _batches() * 3
-    noisy = [StepSample(b, truth.step_time(b) * (1.0, 0.9, 1.1)[i % 3])
-             for i, b in enumerate(batches)]
+    noisy = [
+        StepSample(b, truth.step_time(b) * (1.0, 0.9, 1.1)[i % 3]) for i, b in enumerate(batches)
+    ]
     jitter = fit_efficiency(CostModel(SMOL, CPU), noisy).efficiency.step_jitter
     assert len(jitter) == 101
     assert jitter[0] == pytest.approx(0.9, abs=0.03) and jitter[-1] == pytest.approx(1.1, abs=0.03)

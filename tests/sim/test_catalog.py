@@ -8,31 +8,44 @@ from pdserve.sim.model_spec import MODELS, load_model_spec
 from pdserve.sim.network import get_network
 
 
-@pytest.mark.parametrize(("name", "kv_bytes"), [
-    ("Llama-3-70B", 80 * 8 * 128 * 2 * 2),  # 327,680
-    ("Llama-3.1-8B", 32 * 8 * 128 * 2 * 2),  # 131,072
-    ("Qwen2.5-7B", 28 * 4 * 128 * 2 * 2),  # 57,344
-    ("SmolLM2-135M", 30 * 3 * 64 * 2 * 2),  # 23,040
-])
+@pytest.mark.parametrize(
+    ("name", "kv_bytes"),
+    [
+        ("Llama-3-70B", 80 * 8 * 128 * 2 * 2),  # 327,680
+        ("Llama-3.1-8B", 32 * 8 * 128 * 2 * 2),  # 131,072
+        ("Qwen2.5-7B", 28 * 4 * 128 * 2 * 2),  # 57,344
+        ("SmolLM2-135M", 30 * 3 * 64 * 2 * 2),  # 23,040
+    ],
+)
 def test_kv_bytes_per_token(name, kv_bytes):
     assert MODELS[name].kv_bytes_per_token("bf16") == kv_bytes
     assert MODELS[name].kv_bytes_per_token("fp8") == kv_bytes // 2
 
 
-@pytest.mark.parametrize(("name", "num_params"), [
-    # Hand sums of embedding, per-layer q/k/v/o + gate/up/down + 2 norms, final norm, head.
-    ("Llama-3-70B", 70_553_706_496),
-    ("Llama-3.1-8B", 8_030_261_248),
-    ("SmolLM2-135M", 134_515_008),  # tied embeddings: no separate LM head
-])
+@pytest.mark.parametrize(
+    ("name", "num_params"),
+    [
+        # Hand sums of embedding, per-layer q/k/v/o + gate/up/down + 2 norms, final norm, head.
+        ("Llama-3-70B", 70_553_706_496),
+        ("Llama-3.1-8B", 8_030_261_248),
+        ("SmolLM2-135M", 134_515_008),  # tied embeddings: no separate LM head
+    ],
+)
 def test_num_params(name, num_params):
     assert MODELS[name].num_params == num_params
 
 
 def test_hf_config_json_loads(tmp_path):
-    config = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
-              "tie_word_embeddings": True, "max_position_embeddings": 512}
+    config = {
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 100,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 512,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     spec = load_model_spec(str(tmp_path))
     assert spec.head_dim == 16

@@ -7,18 +7,48 @@ from pdserve.sim.efficiency import Efficiency
 from pdserve.sim.hardware import get_hardware
 from pdserve.sim.model_spec import MODELS
 
-WORKLOAD = ["--workload", "random", "--num-prompts", "12", "--input-len", "300",
-            "--output-len", "20", "--request-rate", "2"]
+WORKLOAD = [
+    "--workload",
+    "random",
+    "--num-prompts",
+    "12",
+    "--input-len",
+    "300",
+    "--output-len",
+    "20",
+    "--request-rate",
+    "2",
+]
 
 
 def test_simulate_writes_the_benchmarks_json(tmp_path, capsys):
     out = tmp_path / "sim.json"
-    code = main(["simulate", "--mode", "chunked", *WORKLOAD, "--goodput", "ttft:2000",
-                 "--save-result", str(out), "--report", str(tmp_path / "report")])
+    code = main(
+        [
+            "simulate",
+            "--mode",
+            "chunked",
+            *WORKLOAD,
+            "--goodput",
+            "ttft:2000",
+            "--save-result",
+            str(out),
+            "--report",
+            str(tmp_path / "report"),
+        ]
+    )
     assert code == 0
     data = json.loads(out.read_text())
-    for key in ("completed", "request_goodput", "mean_ttft_ms", "p99_ttft_ms",
-                "median_itl_ms", "p99_itl_ms", "mean_tpot_ms", "mean_e2el_ms"):
+    for key in (
+        "completed",
+        "request_goodput",
+        "mean_ttft_ms",
+        "p99_ttft_ms",
+        "median_itl_ms",
+        "p99_itl_ms",
+        "mean_tpot_ms",
+        "mean_e2el_ms",
+    ):
         assert key in data
     assert data["completed"] == 12
     assert data["pdserve"]["simulation"]["layout"] == "chunked 1×TP1 budget 512"
@@ -50,8 +80,11 @@ def test_decode_workers_get_their_own_budget(capsys):
 
 
 def test_calibrate_from_step_file(tmp_path, capsys):
-    truth = CostModel(MODELS["SmolLM2-135M"], get_hardware("cpu-local"),
-                      efficiency=Efficiency(0.3, 0.05, 0.6, 1.0, 0.004, 0.0002))
+    truth = CostModel(
+        MODELS["SmolLM2-135M"],
+        get_hardware("cpu-local"),
+        efficiency=Efficiency(0.3, 0.05, 0.6, 1.0, 0.004, 0.0002),
+    )
     batches = [(SeqWork(n, 0, True),) for n in (64, 256, 1024)]
     batches += [(SeqWork(1, 400, True),) * b for b in (1, 8, 32)]
     steps = tmp_path / "steps.jsonl"
@@ -66,9 +99,21 @@ def test_calibrate_from_step_file(tmp_path, capsys):
 
 
 def test_small_plan_search(tmp_path, capsys):
-    code = main(["plan", "--gpus", "2", "--slo", "ttft:3000,tpot:200", *WORKLOAD,
-                 "--report", str(tmp_path), "--save-result", str(tmp_path / "plan.json"),
-                 "--quiet"])
+    code = main(
+        [
+            "plan",
+            "--gpus",
+            "2",
+            "--slo",
+            "ttft:3000,tpot:200",
+            *WORKLOAD,
+            "--report",
+            str(tmp_path),
+            "--save-result",
+            str(tmp_path / "plan.json"),
+            "--quiet",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "Recommended:" in out and "binding SLO" in out
@@ -78,14 +123,14 @@ def test_small_plan_search(tmp_path, capsys):
     modes = {row["layout"].split()[0] for row in ranking}
     assert modes == {"colocated", "chunked", "disagg"}
     # The best disagg layout with a local-prefill threshold is tried with smaller decode budgets.
-    assert any("local < " in row["layout"] and "decode budget 256" in row["layout"]
-               for row in ranking)
+    assert any(
+        "local < " in row["layout"] and "decode budget 256" in row["layout"] for row in ranking
+    )
 
 
 def test_workload_from_a_saved_run_replays_it(tmp_path):
     first, again = tmp_path / "first.json", tmp_path / "again.json"
-    assert main(["simulate", *WORKLOAD, "--max-concurrency", "3", "--save-result",
-                 str(first)]) == 0
+    assert main(["simulate", *WORKLOAD, "--max-concurrency", "3", "--save-result", str(first)]) == 0
     assert main(["simulate", "--workload-from", str(first), "--save-result", str(again)]) == 0
     a, b = json.loads(first.read_text()), json.loads(again.read_text())
     assert a["max_concurrency"] == b["max_concurrency"] == 3

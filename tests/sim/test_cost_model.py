@@ -11,8 +11,14 @@ from pdserve.sim.model_spec import MODELS
 from pdserve.sim.network import get_network
 
 # Peak everything, no overhead: times are pure physics and easy to compute by hand.
-IDEAL = Efficiency(linear_compute=1, attention_compute=1, memory=1, network=1,
-                   step_overhead_s=0, per_seq_overhead_s=0)
+IDEAL = Efficiency(
+    linear_compute=1,
+    attention_compute=1,
+    memory=1,
+    network=1,
+    step_overhead_s=0,
+    per_seq_overhead_s=0,
+)
 H100 = get_hardware("H100-SXM")
 LLAMA_8B = MODELS["Llama-3.1-8B"]
 LLAMA_70B = MODELS["Llama-3-70B"]
@@ -115,9 +121,14 @@ def test_measured_linear_curve_replaces_the_roofline():
     assert prefill == pytest.approx(32 * 218_103_808 * 8e-11 + 128256 * 4096 * 1e-11)
 
 
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("linear_compute", 0.0, r"\(0, 1\]"), ("memory", 1.5, r"\(0, 1\]"),
-    ("step_overhead_s", -1e-3, ">= 0")])
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("linear_compute", 0.0, r"\(0, 1\]"),
+        ("memory", 1.5, r"\(0, 1\]"),
+        ("step_overhead_s", -1e-3, ">= 0"),
+    ],
+)
 def test_efficiency_factors_are_validated(field, value, message):
     with pytest.raises(SimConfigError, match=message):
         Efficiency(**{field: value})

@@ -89,8 +89,9 @@ def test_colocated_stalls_streams_chunked_bounds_the_stall():
     prefill_s = simulate(config, [specs[-1]]).records[0].ttft
 
     def worst_stream_gap(result):
-        return max(max(r.itls) for r in result.records if r.kind == "default"
-                   and r.prompt_len == 32)
+        return max(
+            max(r.itls) for r in result.records if r.kind == "default" and r.prompt_len == 32
+        )
 
     # Colocated: one stream gap swallows the whole 6,000-token prefill.
     assert worst_stream_gap(colocated) >= 0.9 * prefill_s
@@ -139,8 +140,9 @@ def test_concurrent_transfers_share_the_link():
     # with one 25 GbE NIC: two equal transfers at once each take twice as long as one alone.
     config = make_config(Mode.DISAGG, tp=8, num_prefill=2, network=get_network("eth-25"))
     one = simulate(config, [SimRequestSpec("a", 0.0, 4000, 2)]).records[0]
-    pair = simulate(config, [SimRequestSpec("a", 0.0, 4000, 2),
-                             SimRequestSpec("b", 0.0, 4000, 2)]).records
+    pair = simulate(
+        config, [SimRequestSpec("a", 0.0, 4000, 2), SimRequestSpec("b", 0.0, 4000, 2)]
+    ).records
     alone = one.server_extra["kv_transfer_ms"]
     shared = [r.server_extra["kv_transfer_ms"] for r in pair]
     assert alone == pytest.approx(3999 * 131_072 / (25e9 / 8 * 0.9) * 1000, rel=0.01)

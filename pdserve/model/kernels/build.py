@@ -26,12 +26,20 @@ def load_library(source: Path) -> ctypes.CDLL | None:
     """The compiled `source`, built if needed; None (with a warning) if it cannot be."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.warning("no C compiler found; using the slower torch path instead of %s",
-                       source.name)
+        logger.warning(
+            "no C compiler found; using the slower torch path instead of %s", source.name
+        )
         return None
-    key = hashlib.sha256(b"\0".join([
-        source.read_bytes(), " ".join(CFLAGS).encode(), compiler.encode(),
-        " ".join(sorted(read_cpu_flags())).encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                source.read_bytes(),
+                " ".join(CFLAGS).encode(),
+                compiler.encode(),
+                " ".join(sorted(read_cpu_flags())).encode(),
+            ]
+        )
+    ).hexdigest()[:16]
     try:
         library = _cache_dir() / f"{source.stem}-{key}.so"
     except OSError as e:
@@ -57,8 +65,12 @@ def _compile(compiler: str, source: Path, library: Path) -> bool:
         return True
     except (OSError, subprocess.SubprocessError) as e:
         stderr = getattr(e, "stderr", b"") or b""
-        logger.warning("compiling %s failed (%s %s); using the slower torch path", source.name,
-                       e, stderr.decode(errors="replace")[-500:])
+        logger.warning(
+            "compiling %s failed (%s %s); using the slower torch path",
+            source.name,
+            e,
+            stderr.decode(errors="replace")[-500:],
+        )
         return False
     finally:
         Path(partial).unlink(missing_ok=True)
@@ -66,8 +78,10 @@ def _compile(compiler: str, source: Path, library: Path) -> bool:
 
 def _cache_dir() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    for candidate in (base / "pdserve" / "kernels",
-                      Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}"):
+    for candidate in (
+        base / "pdserve" / "kernels",
+        Path(tempfile.gettempdir()) / f"pdserve-kernels-{os.getuid()}",
+    ):
         try:
             candidate.mkdir(parents=True, exist_ok=True)
             if os.access(candidate, os.W_OK):
