@@ -22,7 +22,7 @@ import torch
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.args import engine_config_from_kwargs
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.model.kv_cache import kv_bytes_per_token
+from pdserve.model.attention import kv_bytes_per_token
 from pdserve.model.loader import load_model
 
 PREFILL_LENGTHS = (512, 3000)

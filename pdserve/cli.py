@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     from pdserve.core.sampling_params import InvalidParameterError
-    from pdserve.model.errors import ModelLoadError
+    from pdserve.model.config import ModelLoadError
 
     try:
         return args.run(args)

@@ -64,7 +64,7 @@ def load_tokenizer(spec: str | Path | None = None) -> TokenizerLike:
 def _load_model_tokenizer(model: str | None) -> TokenizerLike:
     # Lazy: pdserve.model pulls in torch, which the benchmark needs for nothing else.
     try:
-        from pdserve.model.errors import ModelLoadError
+        from pdserve.model.config import ModelLoadError
         from pdserve.model.loader import open_checkpoint, resolve_model_path
     except ImportError as exc:
         raise BenchError(

@@ -23,7 +23,7 @@ from pdserve.engine.sampler import SampledToken
 from pdserve.engine.step_log import StepLog, StepRecord, step_batch
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.protocol import KVLayout, KVTransferParams
-from pdserve.model.kv_cache import kv_bytes_per_token
+from pdserve.model.attention import kv_bytes_per_token
 from pdserve.model.loader import LoadedModel, load_model
 
 if TYPE_CHECKING:

@@ -6,8 +6,7 @@ import torch
 
 from pdserve.core.scheduler import SchedulerOutput
 from pdserve.engine.sampler import SampledToken, Sampler
-from pdserve.model.attention import AttentionMetadata
-from pdserve.model.kv_cache import allocate_kv_cache
+from pdserve.model.attention import AttentionMetadata, allocate_kv_cache
 from pdserve.model.loader import LoadedModel
 
 

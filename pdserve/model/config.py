@@ -7,12 +7,33 @@ Every supported architecture runs through the same forward pass: they differ onl
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from pdserve.model.errors import ModelLoadError
+
+class ModelLoadError(Exception):
+    """The one error model loading raises: the message names the file and the problem.
+
+    Front ends print it as is, without a traceback.
+    """
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; `ModelLoadError` naming the file if unreadable or not one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot read JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
+
 
 # Hugging Face `architectures[0]` values we run, and whether their attention has a QKV bias
 # unless config.json says otherwise.

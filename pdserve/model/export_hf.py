@@ -15,7 +15,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from pdserve.model.errors import ModelLoadError
+from pdserve.model.config import ModelLoadError
 from pdserve.model.gguf_file import GGUFModelFile
 from pdserve.model.loader import DTYPES, default_model_path, read_weights
 

@@ -14,8 +14,7 @@ import numpy as np
 import torch
 from gguf.quants import dequantize
 
-from pdserve.model.config import ModelConfig
-from pdserve.model.errors import ModelLoadError
+from pdserve.model.config import ModelConfig, ModelLoadError
 from pdserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -8,9 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pdserve.model.config import ModelConfig
-from pdserve.model.errors import ModelLoadError
-from pdserve.model.json_file import read_json_object
+from pdserve.model.config import ModelConfig, ModelLoadError, read_json_object
 from pdserve.model.tokenizer import Tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"

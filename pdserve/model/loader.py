@@ -17,9 +17,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pdserve.model.config import ModelConfig
+from pdserve.model.config import ModelConfig, ModelLoadError
 from pdserve.model.cpu_runtime import read_cpu_flags, tune_cpu_allocator
-from pdserve.model.errors import ModelLoadError
 from pdserve.model.gguf_file import GGUFModelFile
 from pdserve.model.hf_folder import HFModelFolder
 from pdserve.model.llama import LlamaForCausalLM, hf_weight_shapes

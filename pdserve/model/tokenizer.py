@@ -16,8 +16,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from pdserve.model.chat_template import ChatTemplate, ChatTemplateError
-from pdserve.model.errors import ModelLoadError
-from pdserve.model.json_file import read_json_object
+from pdserve.model.config import ModelLoadError, read_json_object
 
 SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
 # GGUF `tokenizer.ggml.token_type` of control tokens (<|im_start|>, <|eot_id|>, ...).

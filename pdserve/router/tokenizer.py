@@ -47,7 +47,7 @@ class LocalTokenizer:
     def load(cls, model: str | None) -> LocalTokenizer:
         """From a .gguf file, a Hugging Face folder, or None/"default" (the default model).
         Raises ValueError naming the path when it cannot be used."""
-        from pdserve.model.errors import ModelLoadError
+        from pdserve.model.config import ModelLoadError
         from pdserve.model.tokenizer import Tokenizer
 
         path = _model_path(model)

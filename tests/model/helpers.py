@@ -9,9 +9,8 @@ import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from pdserve.model.attention import AttentionMetadata
+from pdserve.model.attention import AttentionMetadata, allocate_kv_cache
 from pdserve.model.config import ModelConfig
-from pdserve.model.kv_cache import allocate_kv_cache
 from pdserve.model.llama import LlamaForCausalLM
 
 TINY_VOCAB_SIZE = 260  # 256 byte tokens + 4 specials

@@ -10,10 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pdserve.model.attention import AttentionMetadata
+from pdserve.model.attention import AttentionMetadata, allocate_kv_cache
+from pdserve.model.config import ModelLoadError
 from pdserve.model.cpu_runtime import read_cpu_flags
-from pdserve.model.errors import ModelLoadError
-from pdserve.model.kv_cache import allocate_kv_cache
 from pdserve.model.loader import default_model_path, load_model, resolve_device, resolve_dtype
 from tests.model.helpers import tiny_hf_model, write_tiny_tokenizer
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.model.attention import AttentionMetadata
-from pdserve.model.kv_cache import allocate_kv_cache, kv_bytes_per_token
+from pdserve.model.attention import AttentionMetadata, allocate_kv_cache, kv_bytes_per_token
 from tests.model.helpers import TINY_VOCAB_SIZE, pdserve_from_hf, tiny_hf_model
 
 BLOCK_SIZE = 16

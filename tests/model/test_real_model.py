@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.model.attention import AttentionMetadata
-from pdserve.model.kv_cache import allocate_kv_cache
+from pdserve.model.attention import AttentionMetadata, allocate_kv_cache
 from pdserve.model.loader import load_model
 from tests.model.helpers import paged_greedy
 

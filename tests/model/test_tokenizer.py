@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.model.chat_template import ChatTemplateError
-from pdserve.model.errors import ModelLoadError
+from pdserve.model.config import ModelLoadError
 from pdserve.model.tokenizer import Tokenizer
 from tests.model.helpers import write_tiny_tokenizer
 
