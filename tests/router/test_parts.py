@@ -8,11 +8,11 @@ import json
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, pre_tokenizers
 
-from pdserve.router.legs import decode_leg_body, prefill_leg_body, wants_usage
-from pdserve.router.load_scrape import parse_worker_load
-from pdserve.router.prompt import PromptInfo, literal_token_ids, tokenize_request_body
-from pdserve.router.sse import is_done_event, iter_sse_events
-from pdserve.router.tokenizer import LocalTokenizer
+from pdserve.router.handoff import decode_leg_body, prefill_leg_body, wants_usage
+from pdserve.router.health import parse_worker_load
+from pdserve.router.prefix_index import PromptInfo
+from pdserve.router.relay import is_done_event, iter_sse_events
+from pdserve.router.tokenizer import LocalTokenizer, literal_token_ids, tokenize_request_body
 
 
 def test_load_scrape_sums_label_sets_and_ignores_look_alikes():

@@ -1,18 +1,19 @@
-"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
+"""The one error envelope of both apps: `{"error": {"message", "type", "param", "code"}}`.
 
 Every failure a client can cause maps to a 4xx naming the offending field; handlers never let
-an exception escape as a bare 500.
+an exception escape as a bare 500. The server and the router answer the same bad request with
+the same body.
 """
 
 from __future__ import annotations
 
 import enum
-import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
@@ -23,9 +24,12 @@ class ErrorType(enum.Enum):
     AUTHENTICATION = ("authentication_error", 401)
     NOT_FOUND = ("not_found_error", 404)
     METHOD_NOT_ALLOWED = ("method_not_allowed", 405)
+    CONFLICT = ("conflict_error", 409)
     REQUEST_TOO_LARGE = ("request_too_large", 413)
     RATE_LIMIT = ("rate_limit_exceeded", 429)
     INTERNAL = ("internal_error", 500)
+    # The router's worker failed in a way the client cannot fix.
+    BAD_GATEWAY = ("upstream_error", 502)
     UNAVAILABLE = ("service_unavailable", 503)
 
     @property
@@ -77,9 +81,24 @@ class APIError(Exception):
             self.body(), status_code=self.error_type.status_code, headers=self.headers
         )
 
-    def sse_event(self) -> str:
-        """The error as a server-sent event, for failures after a stream has started."""
-        return f"data: {json.dumps(self.body())}\n\n"
+
+class _ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """The envelope, for the OpenAPI schema."""
+
+    error: _ErrorDetail
+
+
+# `responses=` of a route: its error answers in the OpenAPI schema.
+ERROR_RESPONSES = {status: {"model": ErrorBody} for status in (400, 401, 404, 413, 429, 503)}
+
+OnError = Callable[[APIError, str], None]
 
 
 def invalid(param: str | None, message: str) -> APIError:
@@ -129,7 +148,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return invalid(param, f"{param}: {message}")
 
 
-def install_handlers(app, on_error) -> None:
+def install_handlers(app, on_error: OnError) -> None:
     """Route every exception class a request can raise to an OpenAI error response.
 
     `on_error(error, path)` is called for each error response (metrics, logging)."""
