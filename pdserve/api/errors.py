@@ -96,7 +96,7 @@ class ErrorBody(BaseModel):
 
 
 # `responses=` of a route: its error answers in the OpenAPI schema.
-ERROR_RESPONSES = {status: {"model": ErrorBody} for status in (400, 401, 404, 413, 429, 503)}
+ERROR_RESPONSES = {t.status_code: {"model": ErrorBody} for t in ErrorType}
 
 OnError = Callable[[APIError, str], None]
 
@@ -105,7 +105,7 @@ def invalid(param: str | None, message: str) -> APIError:
     return APIError(ErrorType.INVALID_REQUEST, message, param)
 
 
-def param_from_loc(loc: Sequence[str | int]) -> str | None:
+def _param_from_loc(loc: Sequence[str | int]) -> str | None:
     """pydantic's error location to OpenAI's param spelling: ("body", "messages", 0, "role")
     becomes "messages[0].role"."""
     param = ""
@@ -128,7 +128,7 @@ def _is_type_tag(part: str) -> bool:
     return part in {"str", "int", "float", "bool", "list", "dict"} or "[" in part
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
+def _validation_error(exc: RequestValidationError) -> APIError:
     """The most specific pydantic error about the first bad field, phrased for a client.
 
     A union field reports one error per member; the deepest location (e.g. inside the list
@@ -141,7 +141,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     first = max(same_field, key=lambda e: len(_field_parts(e.get("loc", ()))))
     if first.get("type") == "json_invalid":
         return invalid(None, f"request body is not valid JSON: {first.get('msg')}")
-    param = param_from_loc(first.get("loc", ()))
+    param = _param_from_loc(first.get("loc", ()))
     message = first.get("msg", "invalid value")
     if param is None:
         return invalid(None, f"request body: {message}")
@@ -161,7 +161,7 @@ def install_handlers(app, on_error: OnError) -> None:
         return respond(request, exc)
 
     async def request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return respond(request, validation_error(exc))
+        return respond(request, _validation_error(exc))
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error_type = ErrorType.from_status(exc.status_code)

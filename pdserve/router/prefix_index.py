@@ -39,12 +39,10 @@ class PromptInfo:
     num_tokens: int
     # Empty when the token ids are unknown (then nothing is believed cached anywhere).
     block_hashes: tuple[BlockHash, ...] = ()
-    # Whether `num_tokens` is exact (tokenized) rather than estimated from the text length.
-    is_exact: bool = False
 
     @classmethod
     def from_token_ids(cls, token_ids: Sequence[int], block_size: int) -> PromptInfo:
-        return cls(len(token_ids), tuple(prompt_block_hashes(token_ids, block_size)), True)
+        return cls(len(token_ids), tuple(prompt_block_hashes(token_ids, block_size)))
 
     @classmethod
     def estimate(cls, body: dict[str, Any]) -> PromptInfo:

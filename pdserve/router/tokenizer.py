@@ -3,9 +3,11 @@
 - `LocalTokenizer` (``--tokenizer MODEL``): `pdserve.model.tokenizer.Tokenizer` built from the
   model's GGUF metadata or Hugging Face folder, torch-free; it renders chat prompts with the
   model's template as the server does, so the ids match what the workers' block managers hash.
-- `RemoteTokenizer` (default): a worker's ``POST /tokenize`` (vLLM's shape).
+- `RemoteTokenizer` (default): a worker's ``POST /tokenize`` (vLLM's shape,
+  `tokenize_request_body`).
 
-Any failure yields None and routing falls back to a length estimate.
+A completions prompt given as token ids needs neither (`literal_token_ids`). Any failure yields
+None and routing falls back to a length estimate.
 """
 
 from __future__ import annotations

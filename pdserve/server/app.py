@@ -149,6 +149,5 @@ async def _generate(
         prepared,
         responses,
         stream=bool(body.stream),
-        endpoint=renderer.endpoint,
         arrival_time=arrival_time,
     )

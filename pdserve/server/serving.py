@@ -64,12 +64,11 @@ async def serve(
     responses: Responses,
     *,
     stream: bool,
-    endpoint: str,
     arrival_time: float,
 ) -> Response:
     """Admit the request (errors become 4xx/503 before any byte is sent) and answer it."""
     engine_stream = await _admit(state.engine, responses.request_id, prepared, arrival_time)
-    tracker = RequestTracker(responses.request_id, endpoint, state.metrics, arrival_time)
+    tracker = RequestTracker(responses.request_id, responses.endpoint, state.metrics, arrival_time)
     headers = {"X-Request-Id": responses.request_id}
     if stream:
 

@@ -109,7 +109,7 @@ def test_prompt_token_ids_given_literally_and_tokenize_bodies():
 
 def test_prompt_info_hashes_full_blocks_or_estimates_length():
     info = PromptInfo.from_token_ids(list(range(40)), block_size=16)
-    assert (info.num_tokens, len(info.block_hashes), info.is_exact) == (40, 2, True)
+    assert (info.num_tokens, len(info.block_hashes)) == (40, 2)
     guess = PromptInfo.estimate({"prompt": "x" * 400})
     assert guess.block_hashes == () and 90 <= guess.num_tokens <= 110
 
