@@ -13,11 +13,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.router.config import RouterConfig
 from pdserve.server.app import create_app
 from pdserve.server.settings import ServerSettings
 from tests.router.harness import AppThread, RouterThread
+from tests.server.conftest import tiny_engine
 
 API_KEY = "front-door-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -85,18 +85,10 @@ def urls(tiny_model_dir):
     """(server URL, router URL): the same key and body limit on both."""
 
     def server(api_key: str | None) -> AppThread:
-        engine = LLMEngine.from_args(
-            model=str(tiny_model_dir),
-            dtype="float32",
-            device="cpu",
-            num_kv_blocks=64,
-            max_model_len=256,
-            num_threads=1,
-        )
         settings = ServerSettings(
             served_model_names=("tiny",), api_key=api_key, max_body_bytes=MAX_BODY_BYTES
         )
-        return AppThread(create_app(engine, settings))
+        return AppThread(create_app(tiny_engine(tiny_model_dir), settings))
 
     with server(API_KEY) as direct, server(None) as worker:
         config = RouterConfig(
