@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 
 class ErrorType(enum.Enum):
@@ -153,6 +154,17 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return invalid(param, f"{param}: {message}")
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (Starlette's 405 names only the first
+    route's, e.g. GET of GET /workers when POST /workers exists too)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
+
+
 def install_handlers(app, on_error: OnError) -> None:
     """Route every exception class a request can raise to an OpenAI error response.
 
@@ -170,7 +182,10 @@ def install_handlers(app, on_error: OnError) -> None:
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error_type = ErrorType.from_status(exc.status_code)
-        return respond(request, APIError(error_type, str(exc.detail), headers=exc.headers))
+        headers = exc.headers
+        if error_type is ErrorType.METHOD_NOT_ALLOWED:
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+        return respond(request, APIError(error_type, str(exc.detail), headers=headers))
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         return respond(

@@ -71,6 +71,10 @@ FalseOnly = Annotated[
     bool, AfterValidator(_false), WithJsonSchema({"type": "boolean", "const": False})
 ]
 MaxTokens = _int(ge=1, le=MAX_TOKENS_LIMIT)
+# Published as OpenAPI's int64 rather than as bounds past 2**53, which tools read as floats.
+Seed = Annotated[
+    _int(ge=SEED_MIN, le=SEED_MAX), WithJsonSchema({"type": "integer", "format": "int64"})
+]
 NumLogprobs = _int(ge=0, le=MAX_LOGPROBS)
 TokenId = _int(ge=0)
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -121,7 +125,7 @@ class _GenerationRequest(_Body):
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="default 1")
     top_k: _int(ge=-1) | None = Field(None, description="-1, 0 or null disable top-k")
-    seed: _int(ge=SEED_MIN, le=SEED_MAX) | None = None
+    seed: Seed | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
         None, description="ids below the model's vocabulary size"
