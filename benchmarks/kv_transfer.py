@@ -110,9 +110,7 @@ def sender_main(conn, threads: int, sender: Sender) -> None:
             config = KVTransferConfig(
                 transport=transport, kv_role="kv_producer", kv_host=sender.host
             )
-            producer = create_kv_transport(
-                config, case.layout, cache_blocks(case), free_blocks=lambda rid, ids: None
-            )
+            producer = create_kv_transport(config, case.layout, cache_blocks(case))
             producer.kv_cache.normal_()
             producers[index, transport] = producer
     conn.send("ready")

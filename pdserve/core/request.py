@@ -48,8 +48,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    # Free-form per-request data carried for KV connectors (vLLM's kv_transfer_params).
-    kv_transfer_params: dict | None = None
+    # Set by the scheduler when the request finishes: the `kv_transfer_params` its KV
+    # connector hands to the next leg (a prefill leg's: where its leased blocks wait).
+    kv_hand_off: dict | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

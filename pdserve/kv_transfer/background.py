@@ -42,7 +42,6 @@ class BackgroundReceiver:
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="kv-recv")
         self._lock = threading.Lock()
         self._finished: list[FinishedTransfer] = []
-        self._num_pending = 0
 
     def submit(
         self,
@@ -52,8 +51,6 @@ class BackgroundReceiver:
         skip_blocks: int = 0,
     ) -> None:
         """Start fetching `params`' blocks into `local_block_ids` (see `KVTransport.receive`)."""
-        with self._lock:
-            self._num_pending += 1
         future = self._pool.submit(
             self._transport.receive, params, tuple(local_block_ids), skip_blocks=skip_blocks
         )
@@ -69,11 +66,6 @@ class BackgroundReceiver:
         with self._lock:
             finished, self._finished = self._finished, []
             return finished
-
-    @property
-    def num_pending(self) -> int:
-        with self._lock:
-            return self._num_pending
 
     def close(self) -> None:
         """Wait for running transfers (bounded by the transfer timeout) and stop the pool."""
@@ -92,5 +84,4 @@ class BackgroundReceiver:
             error = future.exception()
         stats = future.result() if error is None else None
         with self._lock:
-            self._num_pending -= 1
             self._finished.append(FinishedTransfer(request_id, stats, error))

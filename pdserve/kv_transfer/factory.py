@@ -6,7 +6,7 @@ import torch
 
 from pdserve.kv_transfer.blocks import TORCH_DTYPES
 from pdserve.kv_transfer.config import KVTransferConfig
-from pdserve.kv_transfer.lease import FreeBlocksFn, LeaseManager
+from pdserve.kv_transfer.lease import LeaseManager
 from pdserve.kv_transfer.protocol import KVLayout
 from pdserve.kv_transfer.shm import ShmTransport
 from pdserve.kv_transfer.shm_segment import SharedKVCache
@@ -14,24 +14,13 @@ from pdserve.kv_transfer.tcp import TcpTransport
 from pdserve.kv_transfer.transport import KVTransport
 
 
-def create_kv_transport(
-    config: KVTransferConfig,
-    layout: KVLayout,
-    num_blocks: int,
-    *,
-    free_blocks: FreeBlocksFn | None = None,
-) -> KVTransport:
+def create_kv_transport(config: KVTransferConfig, layout: KVLayout, num_blocks: int) -> KVTransport:
     """Allocate the engine's KV cache (CPU memory) and the transport that moves it.
 
     The engine must use `transport.kv_cache` as its KV cache tensor (for a shm producer it
-    lives in shared memory). A producer needs `free_blocks(request_id, block_ids)`, called
-    from `transport.collect()` when a lease ends.
+    lives in shared memory).
     """
-    leases = None
-    if config.is_producer:
-        if free_blocks is None:
-            raise ValueError("a kv_producer needs free_blocks to return leased blocks")
-        leases = LeaseManager(free_blocks, config.kv_lease_timeout)
+    leases = LeaseManager(config.kv_lease_timeout) if config.is_producer else None
     if config.transport == "tcp":
         # zero_() rather than torch.zeros: writing every page now means no transfer ever pays
         # for first-touch page faults (torch.zeros may hand back lazily-zeroed pages).

@@ -4,7 +4,7 @@ Sender (prefill worker, `kv_producer`)::
 
     params = transport.expose(request_id, block_ids, num_tokens)   # lease + hand-off params
     ...                                                             # router carries params
-    transport.collect()        # on the engine thread, each step: frees released/expired leases
+    freed = transport.collect()    # engine thread, each step: request ids whose leases ended
 
 Receiver (decode worker, `kv_consumer`)::
 
@@ -63,10 +63,6 @@ class TransferStats:
     num_units: int
     seconds: float
 
-    @property
-    def gbytes_per_second(self) -> float:
-        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
 
 @dataclass
 class RemoteEngine:
@@ -87,8 +83,7 @@ class KVTransport(ABC):
 
     `kv_cache` is the engine's cache tensor,
     ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``. A producer needs a
-    `LeaseManager` (its `free_blocks` callback returns blocks to the engine) and starts a
-    background `KVServer`.
+    `LeaseManager` and starts a background `KVServer`.
     """
 
     name: ClassVar[str]
@@ -162,7 +157,7 @@ class KVTransport(ABC):
             )
         for block_id in block_ids:
             check_int(block_id, "block_ids[]", max_value=self.num_blocks - 1)
-        self.leases.grant(request_id, block_ids, num_tokens)
+        self.leases.grant(request_id, block_ids)
         return KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.engine_id,
@@ -178,7 +173,8 @@ class KVTransport(ABC):
         )
 
     def collect(self) -> list[str]:
-        """Free released and expired leases through the engine's callback (engine thread)."""
+        """End released and expired leases (engine thread); returns their request ids, whose
+        blocks the engine may now reuse."""
         return self.leases.collect() if self.leases is not None else []
 
     # ---- receiver (decode worker) ----

@@ -51,19 +51,13 @@ class SenderSpec:
 def run_sender(conn, specs: list[SenderSpec]) -> None:
     """Child process: one producer transport per spec, serving until told to stop."""
     torch.set_num_threads(1)
-    freed: dict[str, list] = {spec.key: [] for spec in specs}
     transports = {}
     for spec in specs:
         layout = tiny_layout(spec.dtype)
         config = KVTransferConfig(
             transport=spec.transport, kv_role="kv_producer", kv_lease_timeout=spec.lease_timeout
         )
-        transport = create_kv_transport(
-            config,
-            layout,
-            NUM_BLOCKS,
-            free_blocks=lambda rid, ids, key=spec.key: freed[key].append((rid, ids)),
-        )
+        transport = create_kv_transport(config, layout, NUM_BLOCKS)
         transport.kv_cache.copy_(reference_cache(layout))
         transports[spec.key] = transport
     conn.send("ready")
@@ -75,16 +69,9 @@ def run_sender(conn, specs: list[SenderSpec]) -> None:
         if command == "expose":
             conn.send(transport.expose(*args).to_dict())
         elif command == "collect":
-            transport.collect()
-            conn.send(freed[key][:])
-            freed[key].clear()
-        elif command == "stats":
-            conn.send(
-                {
-                    "num_rejected_frames": transport.server.num_rejected_frames,
-                    "num_held_blocks": transport.leases.num_held_blocks,
-                }
-            )
+            conn.send(transport.collect())
+        elif command == "num_held_blocks":
+            conn.send(transport.leases.num_held_blocks)
     for transport in transports.values():
         transport.close()
     conn.send("stopped")
