@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pdserve.kv_transfer import KVLayout, KVTransferConfig, KVTransferParams, plan_units
-from pdserve.kv_transfer.factory import create_kv_transport
+from pdserve.kv_transfer.connector import create_kv_transport
 
 
 @dataclass(frozen=True)

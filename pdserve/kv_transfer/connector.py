@@ -6,8 +6,10 @@ a prefill worker (`kv_producer`) a request that arrived with ``{"do_remote_decod
 and finished by length (the router's ``max_tokens=1`` leg) keeps its blocks under a lease, and
 `request_finished` returns the hand-off (`KVTransferParams.to_dict()`) for its final output.
 On a decode worker (`kv_consumer`) a request with ``do_remote_prefill`` waits in
-`WAITING_FOR_REMOTE_KV` while a background thread fetches the blocks it does not already
-have in its prefix cache.
+`WAITING_FOR_REMOTE_KV` while a `BackgroundReceiver` fetches the blocks it does not already
+have in its prefix cache; the engine keeps stepping other requests and polls for results.
+Writes go only to the submitted blocks, which the engine does not touch until the transfer
+is polled.
 
 Threading: every method runs on the engine thread; transfers run on the receiver's pool and
 the lease server's threads, and reach the scheduler only through `get_finished()`.
@@ -16,20 +18,103 @@ the lease server's threads, and reach the scheduler only through `get_finished()
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from pdserve.core.kv_connector import KVConnectorScheduler, KVTransferEvents
 from pdserve.core.request import FinishReason, Request
 from pdserve.core.sampling_params import InvalidParameterError
-from pdserve.kv_transfer.background import BackgroundReceiver, FinishedTransfer
+from pdserve.kv_transfer.blocks import TORCH_DTYPES
 from pdserve.kv_transfer.config import KVTransferConfig
-from pdserve.kv_transfer.errors import KVTransferError
-from pdserve.kv_transfer.factory import create_kv_transport
-from pdserve.kv_transfer.protocol import KVLayout, KVTransferParams
-from pdserve.kv_transfer.transport import KVTransport
+from pdserve.kv_transfer.lease import LeaseManager
+from pdserve.kv_transfer.protocol import KVLayout, KVTransferError, KVTransferParams
+from pdserve.kv_transfer.shm import SharedKVCache, ShmTransport
+from pdserve.kv_transfer.transport import KVTransport, TcpTransport, TransferStats
 
 logger = logging.getLogger(__name__)
+
+
+def create_kv_transport(config: KVTransferConfig, layout: KVLayout, num_blocks: int) -> KVTransport:
+    """Allocate the engine's KV cache (CPU memory) and the transport that moves it.
+
+    The engine must use `transport.kv_cache` as its KV cache tensor (for a shm producer it
+    lives in shared memory).
+    """
+    leases = LeaseManager(config.kv_lease_timeout) if config.is_producer else None
+    if config.transport == "tcp":
+        # zero_() rather than torch.zeros: writing every page now means no transfer ever pays
+        # for first-touch page faults (torch.zeros may hand back lazily-zeroed pages).
+        cache = torch.empty(
+            layout.cache_shape(num_blocks), dtype=TORCH_DTYPES[layout.dtype]
+        ).zero_()
+        return TcpTransport(cache, layout, config, leases)
+    return ShmTransport(SharedKVCache.create(layout, num_blocks), layout, config, leases)
+
+
+@dataclass(frozen=True)
+class FinishedTransfer:
+    """Outcome of one submitted transfer: `stats` on success, else `error`."""
+
+    request_id: str
+    stats: TransferStats | None
+    error: BaseException | None
+
+    @property
+    def is_ok(self) -> bool:
+        return self.error is None
+
+
+class BackgroundReceiver:
+    """A small thread pool around `KVTransport.receive`."""
+
+    def __init__(self, transport: KVTransport) -> None:
+        self._transport = transport
+        # One transfer at a time, in submission order: they share one link anyway.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-recv")
+        self._lock = threading.Lock()
+        self._finished: list[FinishedTransfer] = []
+
+    def submit(
+        self,
+        request_id: str,
+        params: KVTransferParams,
+        local_block_ids: Sequence[int],
+        skip_blocks: int = 0,
+    ) -> None:
+        """Start fetching `params`' blocks into `local_block_ids` (see `KVTransport.receive`)."""
+        future = self._pool.submit(
+            self._transport.receive, params, tuple(local_block_ids), skip_blocks=skip_blocks
+        )
+        future.add_done_callback(lambda f: self._done(request_id, f))
+
+    def submit_release(self, params: KVTransferParams) -> None:
+        """Release a lease without fetching (the data is not needed), off the engine thread.
+        A failure is only logged: the sender's lease timeout frees the blocks anyway."""
+        self._pool.submit(self._transport.release_quietly, params)
+
+    def poll(self) -> list[FinishedTransfer]:
+        """Transfers finished since the last poll."""
+        with self._lock:
+            finished, self._finished = self._finished, []
+            return finished
+
+    def close(self) -> None:
+        """Wait for running transfers (bounded by the transfer timeout) and stop the pool."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _done(self, request_id: str, future: Future) -> None:
+        if future.cancelled():
+            error: BaseException | None = RuntimeError("KV transfer cancelled at shutdown")
+        else:
+            error = future.exception()
+        stats = future.result() if error is None else None
+        with self._lock:
+            self._finished.append(FinishedTransfer(request_id, stats, error))
 
 
 def add_kv_request(

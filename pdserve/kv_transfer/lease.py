@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from pdserve.kv_transfer.errors import KVLeaseError
+from pdserve.kv_transfer.protocol import KVLeaseError
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
 from pdserve.engine.args import engine_config_from_kwargs
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.config import KVTransferConfig
-from pdserve.kv_transfer.protocol import KVTransferParams
+from tests.kv_transfer.helpers import count_parses
 
 pytestmark = pytest.mark.slow
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -67,19 +67,6 @@ def reference(loaded_fp32, chat_token_ids):
     return [_tokens(_run(engine, str(i), p, PARAMS)) for i, p in enumerate(chat_token_ids[:2])]
 
 
-def _count_parses(monkeypatch) -> list:
-    """Every `KVTransferParams.from_dict` call from now on, by its input."""
-    parse = KVTransferParams.from_dict.__func__
-    parsed = []
-
-    def counting_parse(cls, data, *args):
-        parsed.append(data)
-        return parse(cls, data, *args)
-
-    monkeypatch.setattr(KVTransferParams, "from_dict", classmethod(counting_parse))
-    return parsed
-
-
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_decode_from_transferred_kv_matches_local(
     loaded_fp32, chat_token_ids, reference, transport, monkeypatch
@@ -89,7 +76,7 @@ def test_decode_from_transferred_kv_matches_local(
     for i, prompt in enumerate(chat_token_ids[:2]):
         params = _prefill_leg(prefill, f"p{i}", prompt)
         with monkeypatch.context() as patch:
-            parsed = _count_parses(patch)
+            parsed = count_parses(patch)
             outputs = _run(decode, f"d{i}", prompt, PARAMS, params)
         assert parsed == [params]  # once, at admission
         assert _tokens(outputs) == reference[i]

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kv_transfer import KVLayout, KVTransferConfig
+from pdserve.kv_transfer import KVLayout, KVTransferConfig, KVTransferParams
 from pdserve.kv_transfer.blocks import TORCH_DTYPES
-from pdserve.kv_transfer.factory import create_kv_transport
+from pdserve.kv_transfer.connector import create_kv_transport
 
 NUM_BLOCKS = 64
 
@@ -33,6 +33,19 @@ def reference_cache(layout: KVLayout, num_blocks: int = NUM_BLOCKS, seed: int = 
     generator = torch.Generator().manual_seed(seed)
     values = torch.randn(layout.cache_shape(num_blocks), generator=generator)
     return values.to(TORCH_DTYPES[layout.dtype])
+
+
+def count_parses(monkeypatch) -> list:
+    """Every `KVTransferParams.from_dict` call from now on, by its input."""
+    parse = KVTransferParams.from_dict.__func__
+    parsed = []
+
+    def counting_parse(cls, data, *args):
+        parsed.append(data)
+        return parse(cls, data, *args)
+
+    monkeypatch.setattr(KVTransferParams, "from_dict", classmethod(counting_parse))
+    return parsed
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
 from pdserve.core.scheduler import Scheduler
 from pdserve.kv_transfer import KVLeaseError, KVTransferConfig, KVTransferParams
 from pdserve.kv_transfer.connector import KVConnector, add_kv_request
-from tests.kv_transfer.helpers import bits, tiny_layout
+from tests.kv_transfer.helpers import bits, count_parses, tiny_layout
 
 LAYOUT = tiny_layout()
 NUM_BLOCKS = 32
@@ -281,14 +281,7 @@ def test_request_finished_returns_the_hand_off_and_leaves_the_request_alone(work
 def test_a_decode_leg_is_parsed_once(workers, monkeypatch):
     prefill, decode = workers
     sent = _prefill_leg(prefill)
-    parse = KVTransferParams.from_dict.__func__
-    parsed = []
-
-    def counting_parse(cls, data, *args):
-        parsed.append(data)
-        return parse(cls, data, *args)
-
-    monkeypatch.setattr(KVTransferParams, "from_dict", classmethod(counting_parse))
+    parsed = count_parses(monkeypatch)
     received = _decode_leg(decode, sent)
     decode.run_until(lambda: received.is_finished)
     assert parsed == [sent.kv_hand_off]

@@ -24,10 +24,8 @@ from pdserve.kv_transfer import (
     plan_units,
 )
 from pdserve.kv_transfer import shm as shm_module
-from pdserve.kv_transfer.background import BackgroundReceiver
-from pdserve.kv_transfer.factory import create_kv_transport
-from pdserve.kv_transfer.shm import ShmTransport
-from pdserve.kv_transfer.shm_segment import SHM_DIR, SharedKVCache, remove_stale_segments
+from pdserve.kv_transfer.connector import BackgroundReceiver, create_kv_transport
+from pdserve.kv_transfer.shm import SHM_DIR, SharedKVCache, ShmTransport, remove_stale_segments
 from tests.kv_transfer.helpers import NUM_BLOCKS, bits, reference_cache, tiny_layout
 
 LAYOUT = tiny_layout("bfloat16")
@@ -196,7 +194,7 @@ def _dead_pid() -> int:
 def test_an_owner_exiting_without_close_unlinks_its_segment():
     code = (
         "import json, sys\nfrom pdserve.kv_transfer.protocol import KVLayout\n"
-        "from pdserve.kv_transfer.shm_segment import SharedKVCache\n"
+        "from pdserve.kv_transfer.shm import SharedKVCache\n"
         "layout = KVLayout(**json.loads(sys.argv[1]))\n"
         "print(SharedKVCache.create(layout, 2).name, flush=True)\n"
     )

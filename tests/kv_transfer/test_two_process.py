@@ -18,8 +18,8 @@ from pdserve.kv_transfer import (
     KVTransferParams,
     plan_units,
 )
-from pdserve.kv_transfer.factory import create_kv_transport
-from pdserve.kv_transfer.shm_segment import remove_stale_segments
+from pdserve.kv_transfer.connector import create_kv_transport
+from pdserve.kv_transfer.shm import remove_stale_segments
 from pdserve.kv_transfer.wire import HEADER, MAGIC, MessageType, encode_frame
 from tests.kv_transfer.helpers import (
     NUM_BLOCKS,
