@@ -19,7 +19,7 @@ from functools import partial
 
 from pdserve.bench.records import RequestRecord
 from pdserve.core.config import CacheConfig
-from pdserve.core.request import Request
+from pdserve.core.request import Request, RequestMetrics
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.sim.config import PoolConfig, SimConfig
 from pdserve.sim.connector import SimKVConnector
@@ -246,7 +246,12 @@ class Simulation:
 
     def _request(self, spec: SimRequestSpec, token_ids: list[int], max_tokens: int) -> Request:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        return Request(spec.request_id, token_ids, params, arrival_time=self.now)
+        return Request(
+            spec.request_id,
+            token_ids,
+            params,
+            metrics=RequestMetrics(arrival_time=self.now),
+        )
 
     # ---- workers -----------------------------------------------------------------------
     def _submit(self, worker: SimWorker, request: Request) -> None:
