@@ -16,6 +16,14 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 
 from pdserve.api.errors import ErrorBody, ErrorType
+from pdserve.api.protocol import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionResponse,
+)
 
 _ERROR_NOTES = {
     ErrorType.INVALID_REQUEST: "invalid request: `error.param` names the field",
@@ -33,6 +41,19 @@ _ERROR_HEADERS = {
     ErrorType.RATE_LIMIT: {"Retry-After": "whole seconds"},
 }
 _SECURITY_SCHEME = "bearer"
+# A generation endpoint's answer and its stream's events.
+_GENERATION_ANSWERS = {
+    COMPLETIONS: (CompletionResponse, CompletionChunk),
+    CHAT_COMPLETIONS: (ChatCompletionResponse, ChatCompletionChunk),
+}
+# What a generation request meets at a server besides a bad body: an unknown model, a full
+# queue, a failed request, a stopped engine. The router relays all four.
+GENERATION_ERRORS = (
+    ErrorType.NOT_FOUND,
+    ErrorType.RATE_LIMIT,
+    ErrorType.INTERNAL,
+    ErrorType.UNAVAILABLE,
+)
 _REF = "#/components/schemas/"
 
 
@@ -51,7 +72,14 @@ def json_answer(model: type[BaseModel], description: str) -> dict[str, Any]:
     return {"model": model, "description": description}
 
 
-def generation_answer(model: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
+def generation_route(path: str, *errors: ErrorType) -> dict[str, Any]:
+    """``app.post(**generation_route(path, ...))``: a generation endpoint, its answer (JSON
+    or streamed) and `errors` documented."""
+    ok = _generation_answer(*_GENERATION_ANSWERS[path])
+    return {"path": path, "response_model": None, "responses": answers({200: ok}, *errors)}
+
+
+def _generation_answer(model: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
     """200 of a generation endpoint: one JSON body, or (``stream: true``) server-sent events:
     `chunk`s, an error envelope if the request fails after its stream began, then ``[DONE]``.
     In Open API 3.1 an event stream's schema describes one event."""

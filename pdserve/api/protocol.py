@@ -36,6 +36,9 @@ from pydantic_core import PydanticCustomError
 
 from pdserve.core.sampling_params import MAX_TOKENS_LIMIT
 
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+
 MAX_LOGPROBS = 20
 # OpenAI allows any integer seed; torch generators take 64 bits.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1

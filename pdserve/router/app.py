@@ -21,14 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.api.asgi import install_front_door
 from pdserve.api.errors import APIError, ErrorType, invalid
-from pdserve.api.openapi import answers, generation_answer, json_answer
+from pdserve.api.openapi import GENERATION_ERRORS, answers, generation_route, json_answer
 from pdserve.api.protocol import (
-    ChatCompletionChunk,
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChunk,
     CompletionRequest,
-    CompletionResponse,
     ModelList,
 )
 from pdserve.router.config import RouterConfig, normalize_worker_url
@@ -37,23 +35,12 @@ from pdserve.router.pool import DuplicateWorkerError
 from pdserve.router.runtime import RouterRuntime
 from pdserve.router.tokenizer import PromptTokenizer
 
-COMPLETIONS = "/v1/completions"
-CHAT_COMPLETIONS = "/v1/chat/completions"
-
-
 # What `normalize_worker_url` takes: http(s)://host[:port][/], a port in 0-65535.
 _PORT = r"0*(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
 WORKER_URL_PATTERN = rf"^https?://[A-Za-z0-9.-]+(?::(?:{_PORT})?)?/?$"
 
-# A generation request's answers besides a bad body: the worker's (an unknown model, a full
-# queue, a failed request, relayed), no decode worker could take it, none is healthy.
-_GENERATION_ERRORS = (
-    ErrorType.NOT_FOUND,
-    ErrorType.RATE_LIMIT,
-    ErrorType.INTERNAL,
-    ErrorType.BAD_GATEWAY,
-    ErrorType.UNAVAILABLE,
-)
+# Besides the worker's answers, relayed: no decode worker could take the request.
+_GENERATION_ERRORS = (*GENERATION_ERRORS, ErrorType.BAD_GATEWAY)
 
 
 class WorkerToAdd(BaseModel):
@@ -129,24 +116,11 @@ def build_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None) ->
 def _add_openai_routes(app: FastAPI, runtime: RouterRuntime) -> None:
     # `_body` makes FastAPI check the body with the worker's own model (same 400s); the
     # dispatcher relays the client's JSON itself (unknown fields too), which Starlette keeps.
-    @app.post(
-        COMPLETIONS,
-        response_model=None,
-        responses=answers(
-            {200: generation_answer(CompletionResponse, CompletionChunk)}, *_GENERATION_ERRORS
-        ),
-    )
+    @app.post(**generation_route(COMPLETIONS, *_GENERATION_ERRORS))
     async def completions(_body: CompletionRequest, request: Request) -> Response:
         return await runtime.dispatcher.handle(request, COMPLETIONS, await request.json())
 
-    @app.post(
-        CHAT_COMPLETIONS,
-        response_model=None,
-        responses=answers(
-            {200: generation_answer(ChatCompletionResponse, ChatCompletionChunk)},
-            *_GENERATION_ERRORS,
-        ),
-    )
+    @app.post(**generation_route(CHAT_COMPLETIONS, *_GENERATION_ERRORS))
     async def chat_completions(_body: ChatCompletionRequest, request: Request) -> Response:
         return await runtime.dispatcher.handle(request, CHAT_COMPLETIONS, await request.json())
 

@@ -21,14 +21,12 @@ from pydantic import BaseModel
 
 from pdserve.api.asgi import install_front_door
 from pdserve.api.errors import APIError, ErrorType
-from pdserve.api.openapi import answers, generation_answer, json_answer
+from pdserve.api.openapi import GENERATION_ERRORS, answers, generation_route, json_answer
 from pdserve.api.protocol import (
-    ChatCompletionChunk,
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChunk,
     CompletionRequest,
-    CompletionResponse,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -47,15 +45,6 @@ from pdserve.server.serving import ServerState, new_request_id, serve
 from pdserve.server.settings import ServerSettings
 
 logger = logging.getLogger("pdserve.server.access")
-
-# What a generation request can meet besides a bad body: an unknown model, a full queue, a
-# failed request, a stopped engine.
-_GENERATION_ERRORS = (
-    ErrorType.NOT_FOUND,
-    ErrorType.RATE_LIMIT,
-    ErrorType.INTERNAL,
-    ErrorType.UNAVAILABLE,
-)
 
 
 class Health(BaseModel):
@@ -110,24 +99,11 @@ def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post(
-        "/v1/completions",
-        response_model=None,
-        responses=answers(
-            {200: generation_answer(CompletionResponse, CompletionChunk)}, *_GENERATION_ERRORS
-        ),
-    )
+    @app.post(**generation_route(COMPLETIONS, *GENERATION_ERRORS))
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
         return await _generate(http_request, state, body, prepare_completion, CompletionResponses)
 
-    @app.post(
-        "/v1/chat/completions",
-        response_model=None,
-        responses=answers(
-            {200: generation_answer(ChatCompletionResponse, ChatCompletionChunk)},
-            *_GENERATION_ERRORS,
-        ),
-    )
+    @app.post(**generation_route(CHAT_COMPLETIONS, *GENERATION_ERRORS))
     async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
         return await _generate(http_request, state, body, prepare_chat, ChatResponses)
 
