@@ -5,8 +5,9 @@ Validation and the published OpenAPI document come from these models: every rule
 break whatever model is served is a constraint here (a length, a range, a required-one-of, a
 field that needs another), so a body the document allows is one the server accepts, and the
 router, validating with the same models, answers a bad body with the server's own 400. What
-depends on the served model (its name, context window, vocabulary) is checked by
-`pdserve.server.inputs` and stated in the field descriptions.
+JSON Schema cannot state is in the field descriptions: what depends on the served model (its
+name, context window, vocabulary; `pdserve.server.inputs` checks it) and min_tokens <=
+max_tokens (`SamplingParams`).
 
 Field names and meanings follow the OpenAI API plus vLLM's extensions (`top_k`, `ignore_eos`,
 `min_tokens`, `stop_token_ids`). Types are strict so a wrong-typed field is a 400 naming it
