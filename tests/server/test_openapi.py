@@ -163,6 +163,9 @@ def test_schemathesis_finds_nothing_on_the_disaggregated_router(tmp_path, tiny_m
         str(MAX_MODEL_LEN),
         "--api-key",
         API_KEY,
+        # POST /workers health-checks the generated URLs at once; an unresolvable host waits.
+        "--health-check-timeout",
+        "1",
     )
     try:
         router.wait_healthy()
