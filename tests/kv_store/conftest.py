@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,11 +12,18 @@ import pytest
 import redis
 
 from pdserve.core.block_manager import extend_block_hashes
-from pdserve.kv_store import BlockRef, KVStore, KVStoreConfig, LayoutFingerprint, block_refs
+from pdserve.kv_store import (
+    BlockRef,
+    KVStore,
+    KVStoreConfig,
+    LayoutFingerprint,
+    block_refs,
+)
+from pdserve.kv_store.redis_server import RedisServer as PlainRedisServer
+from pdserve.kv_store.redis_server import find_redis_server
 from pdserve.kv_store.store import cache_bytes
-from tests.router.harness import free_port, wait_until
 
-REDIS_SERVER = shutil.which("redis-server")
+REDIS_SERVER = find_redis_server()
 TINY = LayoutFingerprint(
     model_id="tiny-test-model",
     dtype="float32",
@@ -33,61 +37,22 @@ TINY = LayoutFingerprint(
 NUM_CACHE_BLOCKS = 64
 
 
-class RedisServer:
-    """`redis-server` on 127.0.0.1:`port`, no persistence: a restart comes back empty."""
+class RedisServer(PlainRedisServer):
+    """The server, with plain redis-py clients to plant values and read server stats."""
 
     def __init__(self, work_dir: Path, *extra_args: str) -> None:
-        self.port = free_port()
-        self.work_dir = work_dir
-        self.extra_args = extra_args
-        self.process: subprocess.Popen | None = None
         self._clients: list[redis.Redis] = []
-        self.start()
+        super().__init__(work_dir, *extra_args)
 
     def client(self, **options) -> redis.Redis:
-        """A plain redis-py client, to plant values and read server stats."""
         client = redis.Redis(port=self.port, **options)
         self._clients.append(client)
         return client
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        command = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1"]
-        command += ["--save", "", "--appendonly", "no", "--dir", str(self.work_dir)]
-        command += ["--enable-debug-command", "local"]  # DEBUG SLEEP: a slow server
-        log = open(self.work_dir / f"redis-{self.port}.log", "ab")  # noqa: SIM115
-        self.process = subprocess.Popen([*command, *self.extra_args], stdout=log, stderr=log)
-        log.close()
-        wait_until(self._is_up, timeout=10.0, what="redis-server to answer PING")
-
-    def kill(self) -> None:
-        """SIGKILL: the server vanishes mid-whatever, as in a crash."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(10)
-
     def stop(self) -> None:
         for client in self._clients:
             client.close()
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def _is_up(self) -> bool:
-        if self.process.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {self.process.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(64).startswith((b"+PONG", b"-NOAUTH"))
-        except OSError:
-            return False
+        super().stop()
 
 
 @pytest.fixture
