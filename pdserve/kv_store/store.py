@@ -36,8 +36,10 @@ from pdserve.kv_store.writer import PendingWrite, WriteBehind
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-# Bytes one fetch round trip asks for at most (a long prompt is read in several).
-MAX_FETCH_BYTES = 64 << 20
+# Bytes one fetch round trip asks for at most. A long prompt is read in several: each reply
+# is checked and copied while it is still in the CPU's cache, and the client's reply buffer
+# stays small (one 46 MB MGET reads at half the speed of 2 MB ones here).
+MAX_FETCH_BYTES = 2 << 20
 
 
 def cache_bytes(cache: np.ndarray) -> np.ndarray:
