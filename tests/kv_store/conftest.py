@@ -35,6 +35,7 @@ TINY = LayoutFingerprint(
     head_dim=8,
 )
 NUM_CACHE_BLOCKS = 64
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class RedisServer(PlainRedisServer):

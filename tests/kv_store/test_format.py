@@ -16,8 +16,7 @@ from pdserve.kv_store import BlockRef, ErrorKind, KVStoreConfig
 from pdserve.kv_store.codec import HEADER, decode_block, encode_block
 from pdserve.kv_store.errors import ValueRejected
 from pdserve.kv_store.keys import KeyScheme
-from tests.kv_store.conftest import TINY
-from tests.router.harness import REPO_ROOT
+from tests.kv_store.conftest import REPO_ROOT, TINY
 
 BLOCK = BlockRef(0x1234_5678_9ABC_DEF0, 0x0FED_CBA9_8765_4321, (1, 2, 3, 4))
 PAYLOAD = bytes(range(256)) * 4  # TINY.payload_nbytes

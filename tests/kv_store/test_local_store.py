@@ -12,8 +12,7 @@ import numpy as np
 
 from pdserve.kv_store import ErrorKind
 from pdserve.kv_store.local_backend import segment_path
-from tests.kv_store.conftest import TINY, blocks_equal, empty_cache, make_sequence
-from tests.router.harness import REPO_ROOT
+from tests.kv_store.conftest import REPO_ROOT, TINY, blocks_equal, empty_cache, make_sequence
 
 _WRITER = """
 import sys
