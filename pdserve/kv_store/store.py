@@ -203,7 +203,9 @@ class KVStore:
             result = operation(*args)
         except StoreUnavailable as exc:
             self.metrics.count_error(exc.kind)
-            if exc.kind is not ErrorKind.FULL:
+            # Only an unreachable or slow store is skipped for a while; one that answers
+            # with an error (out of memory under noeviction, full) still serves reads.
+            if exc.kind in (ErrorKind.CONNECTION, ErrorKind.TIMEOUT):
                 delay = self._backoff.fail()
                 if delay is not None:
                     logger.warning(

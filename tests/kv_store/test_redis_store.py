@@ -239,3 +239,21 @@ def test_password_urls_work_and_a_wrong_password_is_a_miss(tmp_path, make_store,
         assert "wrong" not in caplog.text and "s3cret" not in caplog.text
     finally:
         server.stop()
+
+
+def test_a_full_server_refuses_writes_but_still_serves_reads(tmp_path, make_store):
+    server = RedisServer(tmp_path, "--maxmemory-policy", "noeviction")
+    try:
+        store = make_store(server.url)
+        seq = make_sequence(2)
+        _write_all(store, seq)
+        server.client().config_set("maxmemory", 1)  # full: every write is refused (OOM)
+        more = make_sequence(3, seed=5)
+        assert store.write(more.blocks, more.cache_bytes, more.block_ids) == 3
+        assert store.flush()
+        assert _errors(store, ErrorKind.SERVER) >= 1  # once per write batch
+        assert store.metrics.value("pdserve:kv_store_dropped_writes_total") == 3
+        assert store.is_available  # a server that answers is not backed off
+        assert _fetch(store, seq)[0] == 2
+    finally:
+        server.stop()
