@@ -19,6 +19,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from pdserve.kv_transfer.protocol import DTYPE_ITEMSIZE, KVLayout
 
@@ -26,6 +27,37 @@ from pdserve.kv_transfer.protocol import DTYPE_ITEMSIZE, KVLayout
 # values then live under other keys and are never read.
 VALUE_FORMAT_VERSION = 1
 KEY_PREFIX = "pdserve:kv:"
+# model_identity reads this many evenly spread samples of each weight file, of this size.
+_NUM_SAMPLES = 64
+_SAMPLE_BYTES = 64 << 10
+_WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt", ".pth")
+
+
+def model_identity(name: str, path: Path) -> str:
+    """`name` and a digest of the checkpoint at `path` (a file, or a folder's config and
+    weight files): two checkpoints that share a name but not weights (a fine-tune) get
+    different identities, so their blocks never mix.
+
+    Reads each weight file's size and 64 evenly spread 64 KB samples (4 MB, not the whole
+    file: startup stays fast on large models); two checkpoints equal in all of those but
+    different elsewhere would need separate `--kv-store-namespace`s.
+    """
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(
+            p for p in path.iterdir() if p.name == "config.json" or p.suffix in _WEIGHT_SUFFIXES
+        )
+    )
+    digest = hashlib.blake2b(digest_size=8)
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}:".encode())
+        with open(file, "rb") as f:
+            for i in range(_NUM_SAMPLES):
+                f.seek(max(size - _SAMPLE_BYTES, 0) * i // (_NUM_SAMPLES - 1))
+                digest.update(f.read(_SAMPLE_BYTES))
+    return f"{name}@{digest.hexdigest()}"
 
 
 @dataclass(frozen=True)

@@ -151,3 +151,23 @@ def test_passwords_never_reach_messages():
 def test_local_urls():
     assert KVStoreConfig("local").local_dir in ("/dev/shm", __import__("tempfile").gettempdir())
     assert KVStoreConfig("local:/var/cache/pdserve").local_dir == "/var/cache/pdserve"
+
+
+def test_model_identity_follows_the_weights_not_the_path(tmp_path):
+    from pdserve.kv_store.keys import model_identity
+
+    weights = bytes(range(256)) * 40_000  # 10 MB
+    for folder in ("a", "b", "tuned"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text('{"hidden_size": 8}')
+    (tmp_path / "a" / "model.safetensors").write_bytes(weights)
+    (tmp_path / "b" / "model.safetensors").write_bytes(weights)
+    tuned = bytearray(weights)
+    tuned[5_000_000 : 5_000_000 + 200_000] = b"\x07" * 200_000  # a fine-tuned stretch
+    (tmp_path / "tuned" / "model.safetensors").write_bytes(tuned)
+    ids = {d: model_identity("m", tmp_path / d) for d in ("a", "b", "tuned")}
+    assert ids["a"] == ids["b"]  # the same checkpoint copied elsewhere shares blocks
+    assert ids["tuned"] != ids["a"]
+    assert model_identity("other-name", tmp_path / "a") != ids["a"]
+    (tmp_path / "single.gguf").write_bytes(weights)
+    assert model_identity("m", tmp_path / "single.gguf").startswith("m@")
