@@ -1,0 +1,198 @@
+"""`KVStoreConnector`: the shared store as a KV connector (`core.kv_connector`).
+
+Read path, at admission, after the local prefix cache: `get_num_new_matched_tokens` looks up
+the request's next blocks (one round trip, remembered per request so the scheduler's
+repeated asks cost nothing and get the same answer) and claims them when fetching beats
+recomputing (`FetchPolicy`); `update_state_after_alloc` starts reading them into the
+request's freshly allocated blocks on a background thread while the request waits in
+`WAITING_FOR_REMOTE_KV`; `get_finished` reports it received (with `num_external_tokens`
+cut to the blocks that arrived intact when a value was missing or rejected, the rest is
+computed) or failed (nothing arrived: it is computed whole). The store is an accelerator:
+`recompute_on_failure` is always True.
+
+Write path: `save_computed_blocks`, after each step, copies the prompt's newly computed full
+blocks (not those found in the local prefix cache or read from the store) into the store's
+write-behind queue.
+
+Threading: every method runs on the engine thread; fetches run on one background thread and
+write only into the blocks they were given, which the scheduler does not touch until
+`get_finished` reports them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.core.block_manager import extend_block_hashes
+from pdserve.core.kv_connector import KVConnectorScheduler, KVTransferEvents
+from pdserve.core.request import Request
+from pdserve.kv_store.keys import BlockRef, block_refs
+from pdserve.kv_store.store import KVStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoreFetch:
+    """One request's read from the store: what was asked, what arrived, how long it took."""
+
+    num_blocks: int  # claimed at lookup
+    num_read: int  # arrived intact (the leading run)
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A remembered lookup: blocks `[start, start + len(blocks))` are in the store."""
+
+    start: int
+    blocks: list[BlockRef]
+    is_worth_fetching: bool
+
+
+class KVStoreConnector(KVConnectorScheduler):
+    """See the module docstring. `cache` is the engine's KV cache as bytes
+    (`store.cache_bytes`): fetched blocks are written into it, saved blocks read from it."""
+
+    def __init__(self, store: KVStore, cache: np.ndarray) -> None:
+        self.store = store
+        self.cache = cache
+        self.block_size = store.block_size
+        self._found: dict[str, _Found] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-store-fetch")
+        self._lock = threading.Lock()
+        self._done: list[tuple[str, StoreFetch]] = []
+        self._fetching: dict[str, Request] = {}
+        self._abandoned: set[str] = set()
+        # Per running request: its prompt's full blocks before this index are in the store,
+        # the local prefix cache, or the write queue.
+        self._num_saved: dict[str, int] = {}
+        self._results: dict[str, StoreFetch] = {}
+        # Requests whose read failed outright: computed here from now on.
+        self._failed: set[str] = set()
+
+    @property
+    def recompute_on_failure(self) -> bool:
+        return True
+
+    # ---- read path ---------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        start = num_computed_tokens // self.block_size
+        # Leave at least one token to compute, so the request can sample.
+        stop = (request.num_tokens - 1) // self.block_size
+        if (
+            request.num_computed_tokens  # its KV arrived already: nothing more to look up
+            or request.request_id in self._failed
+            or stop <= start
+        ):
+            return 0
+        found = self._found.get(request.request_id)
+        if found is None or found.start != start:
+            found = self._lookup(request, start, stop)
+            self._found[request.request_id] = found
+        return len(found.blocks) * self.block_size if found.is_worth_fetching else 0
+
+    def _lookup(self, request: Request, start: int, stop: int) -> _Found:
+        hashes = self._hashes(request)
+        blocks = block_refs(hashes, request.all_token_ids, self.block_size, start, stop)
+        num_found = self.store.lookup(blocks)
+        return _Found(
+            start, blocks[:num_found], num_found > 0 and self.store.should_fetch(num_found)
+        )
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        request_id = request.request_id
+        found = self._found.pop(request_id, None)
+        if num_external_tokens == 0:
+            # Computed here from its current position on: save what it computes.
+            self._num_saved[request_id] = request.num_computed_tokens // self.block_size
+            return
+        num_blocks = num_external_tokens // self.block_size
+        block_ids = request.block_table[found.start : found.start + num_blocks]
+        blocks = found.blocks[:num_blocks]
+        self._fetching[request_id] = request
+        future = self._pool.submit(self._fetch, blocks, block_ids)
+        future.add_done_callback(lambda f: self._fetched(request_id, num_blocks, f))
+
+    def _fetch(self, blocks: list[BlockRef], block_ids: list[int]) -> tuple[int, float]:
+        start = time.perf_counter()
+        num_read = self.store.fetch(blocks, self.cache, block_ids)
+        return num_read, time.perf_counter() - start
+
+    def _fetched(self, request_id: str, num_blocks: int, future: Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            if not future.cancelled():  # KVStore.fetch turns store failures into misses
+                logger.error("KV store fetch crashed", exc_info=future.exception())
+            result = StoreFetch(num_blocks, 0, 0.0)
+        else:
+            num_read, seconds = future.result()
+            result = StoreFetch(num_blocks, num_read, seconds)
+        with self._lock:
+            self._done.append((request_id, result))
+
+    def get_finished(self) -> KVTransferEvents:
+        events = KVTransferEvents()
+        with self._lock:
+            done, self._done = self._done, []
+        for request_id, result in done:
+            request = self._fetching.pop(request_id)
+            if request_id in self._abandoned:
+                self._abandoned.discard(request_id)
+                events.finished_recving.add(request_id)  # frees its held blocks
+                continue
+            self._results[request_id] = result
+            if result.num_read == 0:
+                self._failed.add(request_id)
+                events.failed_recving.add(request_id)
+                continue
+            # Only the leading run that arrived intact counts; the rest is computed.
+            request.num_external_tokens = result.num_read * self.block_size
+            events.finished_recving.add(request_id)
+        return events
+
+    def pop_fetch_result(self, request_id: str) -> StoreFetch | None:
+        """How the request's store read went, once; for its timing breakdown."""
+        return self._results.pop(request_id, None)
+
+    def request_finished(self, request: Request) -> tuple[bool, dict | None]:
+        request_id = request.request_id
+        self._found.pop(request_id, None)
+        self._num_saved.pop(request_id, None)
+        self._results.pop(request_id, None)
+        self._failed.discard(request_id)
+        if request_id in self._fetching:
+            self._abandoned.add(request_id)
+            return True, None  # the fetch still writes into its blocks
+        return False, None
+
+    # ---- write path --------------------------------------------------------------------
+    def save_computed_blocks(self, request: Request) -> int:
+        """Queue the prompt's full blocks computed since the last call; returns how many."""
+        num_saved = self._num_saved.get(request.request_id)
+        if num_saved is None:
+            return 0
+        num_full = min(request.num_computed_tokens, request.num_prompt_tokens) // self.block_size
+        if num_full <= num_saved:
+            return 0
+        self._num_saved[request.request_id] = num_full
+        blocks = block_refs(
+            self._hashes(request), request.all_token_ids, self.block_size, num_saved, num_full
+        )
+        return self.store.write(blocks, self.cache, request.block_table[num_saved:num_full])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.store.close()
+
+    def _hashes(self, request: Request) -> list[int]:
+        """`request.block_hashes` over all its full blocks (the block manager extends them
+        only when prefix caching is on; the chain is the same either way)."""
+        if len(request.block_hashes) < request.num_tokens // self.block_size:
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        return request.block_hashes
