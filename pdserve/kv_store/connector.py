@@ -5,10 +5,10 @@ the request's next blocks (one round trip, remembered per request so the schedul
 repeated asks cost nothing and get the same answer) and claims them when fetching beats
 recomputing (`FetchPolicy`); `update_state_after_alloc` starts reading them into the
 request's freshly allocated blocks on a background thread while the request waits in
-`WAITING_FOR_REMOTE_KV`; `get_finished` reports it received (with `num_external_tokens`
-cut to the blocks that arrived intact when a value was missing or rejected, the rest is
-computed) or failed (nothing arrived: it is computed whole). The store is an accelerator:
-`recompute_on_failure` is always True.
+`WAITING_FOR_REMOTE_KV`; `get_finished` reports it received, with `num_external_tokens`
+cut to the leading run of blocks that arrived intact: a missing or rejected value (or an
+unreachable store) means the rest, or all of it, is computed in the blocks the request
+already holds. A store read never fails a request (`failed_recving` stays empty).
 
 Write path: `save_computed_blocks`, after each step, copies the prompt's newly computed full
 blocks (not those found in the local prefix cache or read from the store) into the store's
@@ -74,7 +74,7 @@ class KVStoreConnector(KVConnectorScheduler):
         # the local prefix cache, or the write queue.
         self._num_saved: dict[str, int] = {}
         self._results: dict[str, StoreFetch] = {}
-        # Requests whose read failed outright: computed here from now on.
+        # Requests whose read brought nothing: computed here from now on.
         self._failed: set[str] = set()
 
     @property
@@ -148,10 +148,9 @@ class KVStoreConnector(KVConnectorScheduler):
                 continue
             self._results[request_id] = result
             if result.num_read == 0:
-                self._failed.add(request_id)
-                events.failed_recving.add(request_id)
-                continue
-            # Only the leading run that arrived intact counts; the rest is computed.
+                self._failed.add(request_id)  # not tried again
+            # Only the leading run that arrived intact counts; the request computes the
+            # rest in the blocks it holds (all of them if nothing arrived).
             request.num_external_tokens = result.num_read * self.block_size
             events.finished_recving.add(request_id)
         return events
