@@ -74,8 +74,9 @@ class KVStoreConnector(KVConnectorScheduler):
         # the local prefix cache, or the write queue.
         self._num_saved: dict[str, int] = {}
         self._results: dict[str, StoreFetch] = {}
-        # Requests whose read brought nothing: computed here from now on.
-        self._failed: set[str] = set()
+        # Requests whose read is over (whatever it brought), until their admission to compute
+        # the rest: they are not looked up again meanwhile.
+        self._settled: set[str] = set()
 
     @property
     def recompute_on_failure(self) -> bool:
@@ -86,11 +87,7 @@ class KVStoreConnector(KVConnectorScheduler):
         start = num_computed_tokens // self.block_size
         # Leave at least one token to compute, so the request can sample.
         stop = (request.num_tokens - 1) // self.block_size
-        if (
-            request.num_computed_tokens  # its KV arrived already: nothing more to look up
-            or request.request_id in self._failed
-            or stop <= start
-        ):
+        if request.request_id in self._settled or stop <= start:
             return 0
         found = self._found.get(request.request_id)
         if found is None or found.start != start:
@@ -110,7 +107,9 @@ class KVStoreConnector(KVConnectorScheduler):
         request_id = request.request_id
         found = self._found.pop(request_id, None)
         if num_external_tokens == 0:
-            # Computed here from its current position on: save what it computes.
+            # Computed here from its current position on: save what it computes. (After a
+            # preemption it may read the store again.)
+            self._settled.discard(request_id)
             self._num_saved[request_id] = request.num_computed_tokens // self.block_size
             return
         num_blocks = num_external_tokens // self.block_size
@@ -147,8 +146,7 @@ class KVStoreConnector(KVConnectorScheduler):
                 events.finished_recving.add(request_id)  # frees its held blocks
                 continue
             self._results[request_id] = result
-            if result.num_read == 0:
-                self._failed.add(request_id)  # not tried again
+            self._settled.add(request_id)
             # Only the leading run that arrived intact counts; the request computes the
             # rest in the blocks it holds (all of them if nothing arrived).
             request.num_external_tokens = result.num_read * self.block_size
@@ -164,7 +162,7 @@ class KVStoreConnector(KVConnectorScheduler):
         self._found.pop(request_id, None)
         self._num_saved.pop(request_id, None)
         self._results.pop(request_id, None)
-        self._failed.discard(request_id)
+        self._settled.discard(request_id)
         if request_id in self._fetching:
             self._abandoned.add(request_id)
             return True, None  # the fetch still writes into its blocks
