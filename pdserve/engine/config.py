@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.core.config import SchedulerConfig
+from pdserve.kv_store.config import KVStoreConfig
 from pdserve.kv_transfer.config import KVTransferConfig
 
 DEFAULT_KV_CACHE_MEMORY_GB = 1.0
@@ -35,6 +36,8 @@ class EngineConfig:
     # Disaggregated serving: how this worker sends or receives KV (None: it does neither).
     kv_transfer: KVTransferConfig | None = None
     kv_failure_policy: str = "recompute"
+    # The shared KV store every role reads and writes (None: none).
+    kv_store: KVStoreConfig | None = None
     # Append every step's batch and wall time here as JSONL (see `engine.step_log`).
     step_log: str | None = None
 

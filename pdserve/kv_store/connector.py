@@ -159,6 +159,7 @@ class KVStoreConnector(KVConnectorScheduler):
 
     def request_finished(self, request: Request) -> tuple[bool, dict | None]:
         request_id = request.request_id
+        self.save_computed_blocks(request)  # its blocks are still allocated
         self._found.pop(request_id, None)
         self._num_saved.pop(request_id, None)
         self._results.pop(request_id, None)
