@@ -6,6 +6,7 @@ import argparse
 
 from pdserve.core.config import SchedulerConfig, SchedulingPolicy
 from pdserve.engine.config import DTYPES, KV_FAILURE_POLICIES, EngineConfig
+from pdserve.kv_store.config import KVStoreConfig
 from pdserve.kv_transfer.config import KVRole, KVTransferConfig
 from pdserve.kv_transfer.protocol import TRANSPORT_NAMES
 
@@ -55,6 +56,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "time): calibration data for `pdserve simulate calibrate --steps`",
     )
     add_kv_transfer_args(parser)
+    add_kv_store_args(parser)
+
+
+def add_kv_store_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("shared KV store")
+    group.add_argument(
+        "--kv-store",
+        default=None,
+        metavar="URL",
+        help="share computed KV blocks with every worker using the same store: 'local' "
+        "(shared memory on this host), 'local:DIR', or redis://[user:password@]host:port/db "
+        "(rediss:// for TLS); off when not given",
+    )
+    group.add_argument(
+        "--kv-store-max-gb",
+        type=float,
+        default=KVStoreConfig.max_gb,
+        help="capacity of the local store (a Redis server's is its maxmemory)",
+    )
+    group.add_argument(
+        "--kv-store-namespace",
+        default=KVStoreConfig.namespace,
+        help="salts every key: workers in different namespaces never share blocks",
+    )
 
 
 def add_kv_transfer_args(parser: argparse.ArgumentParser) -> None:
@@ -116,7 +141,16 @@ def engine_config_from_args(args: argparse.Namespace, mode: str) -> EngineConfig
         num_threads=args.num_threads,
         kv_transfer=kv_transfer_config(args),
         kv_failure_policy=args.kv_failure_policy,
+        kv_store=kv_store_config(args),
         step_log=args.step_log,
+    )
+
+
+def kv_store_config(args: argparse.Namespace) -> KVStoreConfig | None:
+    if args.kv_store is None:
+        return None
+    return KVStoreConfig(
+        args.kv_store, max_gb=args.kv_store_max_gb, namespace=args.kv_store_namespace
     )
 
 

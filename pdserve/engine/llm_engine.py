@@ -327,7 +327,9 @@ class LLMEngine:
             finish_reason=request.finish_reason if is_finished else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
+            # Not computed here: found in the local prefix cache or read from the KV store.
+            num_cached_tokens=request.num_cached_tokens
+            + (tracked.store_fetch.num_hit_tokens if tracked.store_fetch else 0),
             metrics=metrics,
             logprobs=[token.logprob] if token is not None and token.logprob else None,
             kv_transfer_params=request.kv_hand_off,
