@@ -10,9 +10,11 @@ cut to the leading run of blocks that arrived intact: a missing or rejected valu
 unreachable store) means the rest, or all of it, is computed in the blocks the request
 already holds. A store read never fails a request (`failed_recving` stays empty).
 
-Write path: `save_computed_blocks`, after each step, copies the prompt's newly computed full
-blocks (not those found in the local prefix cache or read from the store) into the store's
-write-behind queue.
+Write path: `save_computed_blocks`, after each step and as a request ends, copies the
+prompt's newly full blocks into the store's write-behind queue, skipping those known to be in
+the store (read from it, found by a lookup or written before). Blocks served by the local
+prefix cache are written too unless known, so a store that came back empty after an outage
+is refilled by the prefixes every worker still holds.
 
 Threading: every method runs on the engine thread; fetches run on one background thread and
 write only into the blocks they were given, which the scheduler does not touch until
@@ -24,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -36,6 +39,8 @@ from pdserve.kv_store.keys import BlockRef, block_refs
 from pdserve.kv_store.store import KVStore
 
 logger = logging.getLogger(__name__)
+# Block hashes remembered as stored: 64k blocks are a million tokens at block size 16.
+MAX_KNOWN_BLOCKS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,10 @@ class KVStoreConnector(KVConnectorScheduler):
         # Per running request: its prompt's full blocks before this index are in the store,
         # the local prefix cache, or the write queue.
         self._num_saved: dict[str, int] = {}
+        # Block hashes known to be in the store (found, or queued for writing), most recent
+        # last; forgotten when the store's epoch changes (an outage, lost writes).
+        self._known: OrderedDict[int, None] = OrderedDict()
+        self._known_epoch = 0
         self._results: dict[str, StoreFetch] = {}
         # Requests whose read is over (whatever it brought), until their admission to compute
         # the rest: they are not looked up again meanwhile.
@@ -99,6 +108,7 @@ class KVStoreConnector(KVConnectorScheduler):
         hashes = self._hashes(request)
         blocks = block_refs(hashes, request.all_token_ids, self.block_size, start, stop)
         num_found = self.store.lookup(blocks)
+        self._remember(b.block_hash for b in blocks[:num_found])
         return _Found(
             start, blocks[:num_found], num_found > 0 and self.store.should_fetch(num_found)
         )
@@ -110,7 +120,7 @@ class KVStoreConnector(KVConnectorScheduler):
             # Computed here from its current position on: save what it computes. (After a
             # preemption it may read the store again.)
             self._settled.discard(request_id)
-            self._num_saved[request_id] = request.num_computed_tokens // self.block_size
+            self._num_saved[request_id] = 0
             return
         num_blocks = num_external_tokens // self.block_size
         block_ids = request.block_table[found.start : found.start + num_blocks]
@@ -171,7 +181,8 @@ class KVStoreConnector(KVConnectorScheduler):
 
     # ---- write path --------------------------------------------------------------------
     def save_computed_blocks(self, request: Request) -> int:
-        """Queue the prompt's full blocks computed since the last call; returns how many."""
+        """Queue the prompt's full blocks completed since the last call that the store is not
+        known to hold; returns how many were queued."""
         num_saved = self._num_saved.get(request.request_id)
         if num_saved is None:
             return 0
@@ -179,10 +190,30 @@ class KVStoreConnector(KVConnectorScheduler):
         if num_full <= num_saved:
             return 0
         self._num_saved[request.request_id] = num_full
-        blocks = block_refs(
+        if self.store.epoch != self._known_epoch:
+            self._known.clear()
+            self._known_epoch = self.store.epoch
+        refs = block_refs(
             self._hashes(request), request.all_token_ids, self.block_size, num_saved, num_full
         )
-        return self.store.write(blocks, self.cache, request.block_table[num_saved:num_full])
+        todo = [
+            (ref, block_id)
+            for ref, block_id in zip(refs, request.block_table[num_saved:num_full], strict=True)
+            if ref.block_hash not in self._known
+        ]
+        if not todo:
+            return 0
+        num_queued = self.store.write([r for r, _ in todo], self.cache, [b for _, b in todo])
+        if num_queued == len(todo):  # partly dropped: unknown which, so none is remembered
+            self._remember(r.block_hash for r, _ in todo)
+        return num_queued
+
+    def _remember(self, block_hashes) -> None:
+        for block_hash in block_hashes:
+            self._known[block_hash] = None
+            self._known.move_to_end(block_hash)
+        while len(self._known) > MAX_KNOWN_BLOCKS:
+            self._known.popitem(last=False)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -72,6 +72,9 @@ class KVStore:
         self.backend = backend or create_backend(config, self.keys.salt, self.value_nbytes)
         self._writer = WriteBehind(self._write_batch, int(config.write_queue_mb * 2**20))
         self._max_fetch_blocks = max(MAX_FETCH_BYTES // self.value_nbytes, 1)
+        # Changes whenever blocks given to `write` may be missing from the store: an outage
+        # began (it may come back empty) or queued writes were lost.
+        self.epoch = 0
 
     @property
     def is_available(self) -> bool:
@@ -183,6 +186,7 @@ class KVStore:
         present = self._call(self.backend.exists_many, [w.key for w in batch])
         if present is None:
             self.metrics.dropped_writes.inc(len(batch))
+            self.epoch += 1
             return
         missing = [w for w, is_present in zip(batch, present, strict=True) if not is_present]
         if not missing:
@@ -190,6 +194,7 @@ class KVStore:
         items = [(w.key, seal(w.value)) for w in missing]
         if self._call(self.backend.put_many, items, ok=True) is None:
             self.metrics.dropped_writes.inc(len(missing))
+            self.epoch += 1
             return
         self.metrics.written_bytes.inc(sum(len(w.value) for w in missing))
 
@@ -208,6 +213,7 @@ class KVStore:
             if exc.kind in (ErrorKind.CONNECTION, ErrorKind.TIMEOUT):
                 delay = self._backoff.fail()
                 if delay is not None:
+                    self.epoch += 1
                     logger.warning(
                         "KV store unavailable (%s: %s); recomputing, retrying in %.1f s",
                         exc.kind.value,
