@@ -28,7 +28,7 @@ class Worker:
         config = KVTransferConfig(transport=transport, kv_role=role)
         self.connector = KVConnector(config, LAYOUT, NUM_BLOCKS)
         self.scheduler = Scheduler(
-            SchedulerConfig(max_num_batched_tokens=64),
+            SchedulerConfig(max_num_batched_tokens=64, max_model_len=8192),
             CacheConfig(LAYOUT.block_size, NUM_BLOCKS),
             self.connector,
         )
