@@ -52,9 +52,8 @@ def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
     """Build the app over a (not yet started) synchronous `LLMEngine`; the engine thread
     starts with the app's lifespan and stops with it."""
     metrics = ServerMetrics(settings.served_model_names[0], stats=lambda: engine.stats)
-    engine = AsyncLLMEngine(
-        llm_engine, max_queue=settings.max_queue, step_observer=metrics.step_time.observe
-    )
+    llm_engine.step_observers.append(lambda record: metrics.step_time.observe(record.step_s))
+    engine = AsyncLLMEngine(llm_engine, max_queue=settings.max_queue)
     model = ModelInfo(
         settings.served_model_names,
         llm_engine.tokenizer,
