@@ -23,6 +23,8 @@ KV_FAILURE_POLICIES = ("recompute", "fail")
 # Flat names that differ from their field's: the command line's `--mode` and `--num-kv-blocks`.
 _ALIASES = {"mode": "scheduling", "num_kv_blocks": "num_blocks"}
 _BRANCHES = {"scheduler": SchedulerConfig, "cache": CacheConfig}
+# Which branch holds each of their fields (leaf names are unique across the tree).
+_BRANCH_OF = {f.name: name for name, cls in _BRANCHES.items() for f in dataclasses.fields(cls)}
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,3 @@ class EngineConfig:
         # An unknown name is left to EngineConfig's own TypeError.
         built = {name: _BRANCHES[name](**values) for name, values in branches.items()}
         return cls(**built, **top)
-
-
-# Which branch of the tree holds each leaf field (their names are unique across the tree).
-_BRANCH_OF = {
-    f.name: branch for branch, config in _BRANCHES.items() for f in dataclasses.fields(config)
-}
