@@ -35,7 +35,7 @@ class Worker:
         self.cache = cache_bytes(empty_cache())
         self.connector = KVStoreConnector(make_store(url, **store_config), self.cache)
         self.scheduler = Scheduler(
-            SchedulerConfig(max_num_batched_tokens=1024),
+            SchedulerConfig(max_num_batched_tokens=1024, max_model_len=NUM_CACHE_BLOCKS * BLOCK),
             CacheConfig(BLOCK, NUM_CACHE_BLOCKS),
             self.connector,
         )

@@ -3,12 +3,10 @@ prompt's suffix, and its greedy output equals an engine's without the store."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.engine.args import engine_config_from_kwargs
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_store import KVStoreConfig
 from pdserve.model.loader import load_model
@@ -23,8 +21,10 @@ def loaded():
 
 
 def _engine(loaded, kv_store: KVStoreConfig | None) -> LLMEngine:
-    config = engine_config_from_kwargs(dtype="float32", device="cpu", num_kv_blocks=96)
-    return LLMEngine(dataclasses.replace(config, kv_store=kv_store), loaded=loaded)
+    config = EngineConfig.from_kwargs(
+        dtype="float32", device="cpu", num_kv_blocks=96, kv_store=kv_store
+    )
+    return LLMEngine(config, loaded=loaded)
 
 
 def _run(engine: LLMEngine, prompt: list[int]):
