@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.router.harness import wait_until
-from tests.server.conftest import NUM_KV_BLOCKS, start_server
+from tests.server.conftest import NUM_KV_BLOCKS, ServerProcess, free_port, start_server
 
 pytestmark = pytest.mark.slow
 BLOCK_SIZE = 16
@@ -188,3 +188,30 @@ def test_local_store_is_shared_by_two_processes(tmp_path, tokenizer, prefix, ref
     finally:
         first.stop()
         second.stop()
+
+
+def test_disaggregated_prefill_writes_and_the_decode_worker_reads(
+    tmp_path, redis_server, tokenizer, prefix, reference
+):
+    base = free_port()  # prefill worker on base, decode worker on base + 1
+    deployment = start_server(
+        tmp_path, "--mode", "disagg", "--kv-store", redis_server.url,
+        "--worker-base-port", str(base),
+    )  # fmt: skip
+    try:
+        prefill = ServerProcess(None, f"http://127.0.0.1:{base}", tmp_path, None)
+        decode = ServerProcess(None, f"http://127.0.0.1:{base + 1}", tmp_path, None)
+        # The prefill worker computes a prompt and writes its blocks...
+        _complete(prefill, _question(tokenizer, prefix, "Do you rent bikes?"))
+        wait_until(lambda: _metric(prefill, "pdserve:kv_store_written_bytes_total") > 0)
+        # ...which the decode worker, prefilling a short-suffixed prompt itself, reads.
+        prompt = _question(tokenizer, prefix, "What does a service cost?")
+        answer = _complete(decode, prompt)
+        assert answer["pdserve_timing"]["kv_store_hit_tokens"] >= len(prefix) // 16 * 16
+        assert _tokens(answer) == _tokens(_complete(reference, prompt))
+        # Through the router (prefill leg, KV transfer, decode leg) the output is unchanged.
+        routed = _question(tokenizer, prefix, "Can I pay by card?")
+        assert _tokens(_complete(deployment, routed)) == _tokens(_complete(reference, routed))
+        _assert_no_leaks(prefill, decode)
+    finally:
+        deployment.stop()
