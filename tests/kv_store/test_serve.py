@@ -4,7 +4,10 @@ killed, restarted or corrupted store costs only recomputation. No test leaks a K
 
 from __future__ import annotations
 
+import json
+import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,6 +16,7 @@ from tests.router.harness import wait_until
 from tests.server.conftest import NUM_KV_BLOCKS, ServerProcess, free_port, start_server
 
 pytestmark = pytest.mark.slow
+DASHBOARD = Path(__file__).parents[2] / "grafana" / "pdserve-dashboard.json"
 BLOCK_SIZE = 16
 PREFIX_TEXT = (
     "You are the support assistant of a company that sells bicycles, spare parts and repairs. "
@@ -76,6 +80,16 @@ def _assert_no_leaks(*servers) -> None:
         )
 
 
+def _assert_dashboard_shows_store_metrics(server) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    shown = {n for e in exprs for n in re.findall(r"pdserve:kv_store_[a-z0-9_]+", e)}
+    exported = {k.split("{")[0] for k in server.metrics() if k.startswith("pdserve:kv_store_")}
+    assert shown <= exported, shown - exported
+    families = {re.sub(r"_(bucket|sum|count|total|created)$", "", n) for n in exported}
+    assert families <= {re.sub(r"_(bucket|sum|count|total)$", "", n) for n in shown}
+
+
 def _serve(tmp_path, url: str, *args: str):
     return start_server(tmp_path, "--kv-store", url, *args)
 
@@ -96,6 +110,7 @@ def test_two_servers_share_a_prefix_through_redis(
         assert timing["kv_store_hit_tokens"] >= num_full_blocks and timing["kv_store_fetch_ms"] > 0
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= num_full_blocks
         assert _tokens(answer) == _tokens(_complete(reference, prompt))
+        _assert_dashboard_shows_store_metrics(second)
         _assert_no_leaks(first, second)
         # A restarted server starts with an empty cache but finds the prefix in the store.
         first.stop()
