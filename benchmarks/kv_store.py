@@ -1,6 +1,15 @@
-"""KV store read bandwidth: pdserve's read path against raw GETs of the same bytes.
+"""The shared KV store: serving with and without it, and its read path against raw GETs.
 
-A loopback `redis-server` (started here, or `--redis-url`) holds a 2,000-token prefix of
+Serving (issue 12's workload): two chunked servers on this host, round-robin, 64 requests
+over 8 system prompts of 2,000 tokens, each with its own 32-token question (request k uses
+prompt (k // 2) % 8 on server k % 2, so each prompt's first visit to the second server
+follows its first on the first), once with both servers on one Redis store and once without.
+Per run: TTFT p50/p99 (non-streaming, max_tokens 1), prompt tokens computed (prompt minus
+cached, which counts store hits) and the store's hit rate. Targets: the second server's first
+hits at <= 0.2x the TTFT of the same requests cold (the no-store run), and the store run's
+prompt tokens computed <= 0.55x the no-store run's.
+
+Read path: a loopback `redis-server` (started here, or `--redis-url`) holds a 2,000-token prefix of
 SmolLM2-135M's KV in bfloat16 (125 blocks of 16 tokens, 369 KB each). Timed, each the median
 of `--repeats` runs:
 
@@ -16,18 +25,18 @@ of `--repeats` runs:
 Target: the read path at >= 50% of raw GET bandwidth. On 2 vCPUs redis-server and this
 process share the machine; run it alone.
 
-    .venv/bin/python benchmarks/kv_store.py [--num-blocks 125] [--repeats 15] [--json FILE]
-        [--redis-url redis://HOST:PORT/DB]
-
-The serving half of issue 12's benchmark (two chunked servers sharing a store vs not, TTFT
-and prefill tokens computed) joins once the store is wired into the engine.
+    .venv/bin/python benchmarks/kv_store.py [--part all|serving|read] [--json FILE]
+        [--num-blocks 125] [--repeats 15] [--redis-url redis://HOST:PORT/DB]
+        [--server-args '--dtype bfloat16']
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -36,9 +45,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import numpy as np
 import redis
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
 
+from pdserve.bench.launcher import LaunchConfig, launch_server
 from pdserve.core.block_manager import extend_block_hashes
 from pdserve.kv_store import KVStore, KVStoreConfig, LayoutFingerprint, block_refs, cache_bytes
 from pdserve.kv_store.redis_server import RedisServer
@@ -83,26 +96,159 @@ def redis_benchmark_gbps(port: int, value: bytes, num_requests: int) -> float | 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("all", "serving", "read"), default="all")
     parser.add_argument("--num-blocks", type=int, default=125)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--redis-url", help="an existing server (default: start one here)")
+    parser.add_argument("--server-args", default="", help="extra `pdserve serve` flags")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
 
+    figures: dict = {}
     with tempfile.TemporaryDirectory(prefix="pdserve-kvstore-bench-") as work_dir:
         server = None if args.redis_url else RedisServer(Path(work_dir))
         url = args.redis_url or server.url
         try:
-            figures = measure(url, args.num_blocks, args.repeats, work_dir)
+            if args.part in ("all", "serving"):
+                figures["serving"] = measure_serving(url, Path(work_dir), args.server_args)
+                print_serving(figures["serving"])
+            if args.part in ("all", "read"):
+                figures["read"] = measure(url, args.num_blocks, args.repeats, work_dir)
+                print_report(figures["read"])
         finally:
             if server is not None:
                 server.stop()
-    print_report(figures)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
-    return 0 if figures["read_path_vs_redis_py_get"] >= TARGET_RATIO else 1
+    return 0 if all(part["meets_targets"] for part in figures.values()) else 1
 
 
+# ---- serving ---------------------------------------------------------------------------
+NUM_PROMPTS, PROMPT_LEN, QUESTION_LEN, NUM_REQUESTS = 8, 2000, 32, 64
+SERVING_TTFT_TARGET, SERVING_COMPUTE_TARGET = 0.2, 0.55
+
+
+def serving_workload() -> list[tuple[int, int, list[int]]]:
+    """(server index, system prompt index, token ids) per request, in order."""
+    rng = np.random.default_rng(12)
+    # Ordinary vocabulary ids (SmolLM2's special tokens sit below 20).
+    prompts = [rng.integers(1000, 40_000, PROMPT_LEN).tolist() for _ in range(NUM_PROMPTS)]
+    requests = []
+    for k in range(NUM_REQUESTS):
+        p = (k // 2) % NUM_PROMPTS
+        requests.append((k % 2, p, prompts[p] + rng.integers(1000, 40_000, QUESTION_LEN).tolist()))
+    return requests
+
+
+def run_serving(servers: list[str], requests) -> list[dict]:
+    results = []
+    with httpx.Client(timeout=600, trust_env=False) as client:
+        model = client.get(f"{servers[0]}/v1/models").json()["data"][0]["id"]
+        for server, prompt_index, prompt in tqdm(requests, desc="requests", leave=False):
+            body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+            start = time.perf_counter()
+            response = client.post(f"{servers[server]}/v1/completions", json=body)
+            ttft = time.perf_counter() - start
+            response.raise_for_status()
+            usage = response.json()["usage"]
+            cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+            results.append(
+                {
+                    "server": server,
+                    "prompt": prompt_index,
+                    "ttft_s": ttft,
+                    "computed": usage["prompt_tokens"] - cached,
+                }
+            )
+    return results
+
+
+def store_counters(servers: list[str]) -> dict[str, float]:
+    totals = {"lookup": 0.0, "hit": 0.0}
+    for url in servers:
+        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+            for sample in family.samples:
+                for key in totals:
+                    if sample.name == f"pdserve:kv_store_{key}_tokens_total":
+                        totals[key] += sample.value
+    return totals
+
+
+def measure_serving(url: str, work_dir: Path, server_args: str) -> dict:
+    requests = serving_workload()
+    runs = {}
+    for run, store_args in (("no_store", ()), ("store", ("--kv-store", url))):
+        namespace = ("--kv-store-namespace", f"bench-{time.time_ns()}") if store_args else ()
+        extra = ("--device", "cpu", "--num-threads", "1", *store_args, *namespace)
+        extra += tuple(shlex.split(server_args))
+        with contextlib.ExitStack() as stack:
+            servers = [
+                stack.enter_context(
+                    launch_server(
+                        LaunchConfig(extra_args=extra, log_dir=work_dir / f"{run}-{i}"), "chunked"
+                    )
+                ).base_url
+                for i in range(2)
+            ]
+            # Warm each server (first-step allocations) on a prompt unlike the workload's.
+            run_serving(servers, [(i, -1, [1000 + i] * 64) for i in range(2)])
+            results = run_serving(servers, requests)
+            runs[run] = {"results": results, **store_counters(servers)}
+    return serving_figures(runs)
+
+
+def serving_figures(runs: dict) -> dict:
+    def ttfts(results, keep=lambda r: True):
+        return [r["ttft_s"] for r in results if keep(r)]
+
+    # Request k = 2p + 1 is prompt p's first visit to the second server.
+    firsts = {2 * p + 1 for p in range(NUM_PROMPTS)}
+    figures = {"num_requests": NUM_REQUESTS, "prompt_tokens": PROMPT_LEN + QUESTION_LEN}
+    for run, data in runs.items():
+        results = data["results"]
+        all_ttft = ttfts(results)
+        figures[run] = {
+            "ttft_p50_s": statistics.median(all_ttft),
+            "ttft_p99_s": float(np.percentile(all_ttft, 99)),
+            "second_server_first_ttft_p50_s": statistics.median(
+                [results[k]["ttft_s"] for k in sorted(firsts)]
+            ),
+            "prompt_tokens_computed": sum(r["computed"] for r in results),
+            "store_hit_rate": data["hit"] / data["lookup"] if data["lookup"] else None,
+        }
+    store, cold = figures["store"], figures["no_store"]
+    figures["first_hit_ttft_vs_cold"] = (
+        store["second_server_first_ttft_p50_s"] / cold["second_server_first_ttft_p50_s"]
+    )
+    figures["computed_vs_no_store"] = (
+        store["prompt_tokens_computed"] / cold["prompt_tokens_computed"]
+    )
+    figures["meets_targets"] = (
+        figures["first_hit_ttft_vs_cold"] <= SERVING_TTFT_TARGET
+        and figures["computed_vs_no_store"] <= SERVING_COMPUTE_TARGET
+    )
+    return figures
+
+
+def print_serving(figures: dict) -> None:
+    print(f"serving: {figures['num_requests']} requests of {figures['prompt_tokens']} tokens")
+    for run in ("no_store", "store"):
+        f = figures[run]
+        rate = "-" if f["store_hit_rate"] is None else f"{f['store_hit_rate']:.2f}"
+        print(
+            f"  {run:<9} TTFT p50 {f['ttft_p50_s'] * 1e3:7.1f} ms  p99 "
+            f"{f['ttft_p99_s'] * 1e3:7.1f} ms  second server's first visit p50 "
+            f"{f['second_server_first_ttft_p50_s'] * 1e3:7.1f} ms  prompt tokens computed "
+            f"{f['prompt_tokens_computed']:,}  store hit rate {rate}"
+        )
+    print(
+        f"  first hit / cold TTFT: {figures['first_hit_ttft_vs_cold']:.2f} "
+        f"(target <= {SERVING_TTFT_TARGET}); computed store / no store: "
+        f"{figures['computed_vs_no_store']:.2f} (target <= {SERVING_COMPUTE_TARGET})"
+    )
+
+
+# ---- read path -------------------------------------------------------------------------
 def measure(url: str, num_blocks: int, repeats: int, work_dir: str) -> dict:
     rng = np.random.default_rng(0)
     size = SMOLLM2.block_size
@@ -158,6 +304,7 @@ def measure(url: str, num_blocks: int, repeats: int, work_dir: str) -> dict:
             gbps["read_path"] / benchmark_gbps if benchmark_gbps else None
         ),
     }
+    figures["meets_targets"] = figures["read_path_vs_redis_py_get"] >= TARGET_RATIO
     return figures
 
 
