@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -101,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--redis-url", help="an existing server (default: start one here)")
     parser.add_argument("--server-args", default="", help="extra `pdserve serve` flags")
+    parser.add_argument("--num-prompts", type=int, default=8, help="system prompts")
+    parser.add_argument("--prompt-len", type=int, default=2000, help="tokens per system prompt")
+    parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
 
@@ -110,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         url = args.redis_url or server.url
         try:
             if args.part in ("all", "serving"):
-                figures["serving"] = measure_serving(url, Path(work_dir), args.server_args)
+                workload = Workload(args.num_prompts, args.prompt_len, args.num_requests)
+                figures["serving"] = measure_serving(
+                    url, Path(work_dir), args.server_args, workload
+                )
                 print_serving(figures["serving"])
             if args.part in ("all", "read"):
                 figures["read"] = measure(url, args.num_blocks, args.repeats, work_dir)
@@ -124,20 +131,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---- serving ---------------------------------------------------------------------------
-NUM_PROMPTS, PROMPT_LEN, QUESTION_LEN, NUM_REQUESTS = 8, 2000, 32, 64
+QUESTION_LEN = 32
 SERVING_TTFT_TARGET, SERVING_COMPUTE_TARGET = 0.2, 0.55
 
 
-def serving_workload() -> list[tuple[int, int, list[int]]]:
-    """(server index, system prompt index, token ids) per request, in order."""
-    rng = np.random.default_rng(12)
-    # Ordinary vocabulary ids (SmolLM2's special tokens sit below 20).
-    prompts = [rng.integers(1000, 40_000, PROMPT_LEN).tolist() for _ in range(NUM_PROMPTS)]
-    requests = []
-    for k in range(NUM_REQUESTS):
-        p = (k // 2) % NUM_PROMPTS
-        requests.append((k % 2, p, prompts[p] + rng.integers(1000, 40_000, QUESTION_LEN).tolist()))
-    return requests
+@dataclass(frozen=True)
+class Workload:
+    num_prompts: int
+    prompt_len: int
+    num_requests: int
+
+    def requests(self) -> list[tuple[int, int, list[int]]]:
+        """(server index, system prompt index, token ids) per request, in order."""
+        rng = np.random.default_rng(12)
+        # Ordinary vocabulary ids (SmolLM2's special tokens sit below 20).
+        prompts = [
+            rng.integers(1000, 40_000, self.prompt_len).tolist() for _ in range(self.num_prompts)
+        ]
+        requests = []
+        for k in range(self.num_requests):
+            p = (k // 2) % self.num_prompts
+            question = rng.integers(1000, 40_000, QUESTION_LEN).tolist()
+            requests.append((k % 2, p, prompts[p] + question))
+        return requests
 
 
 def run_serving(servers: list[str], requests) -> list[dict]:
@@ -174,8 +190,8 @@ def store_counters(servers: list[str]) -> dict[str, float]:
     return totals
 
 
-def measure_serving(url: str, work_dir: Path, server_args: str) -> dict:
-    requests = serving_workload()
+def measure_serving(url: str, work_dir: Path, server_args: str, workload: Workload) -> dict:
+    requests = workload.requests()
     runs = {}
     for run, store_args in (("no_store", ()), ("store", ("--kv-store", url))):
         namespace = ("--kv-store-namespace", f"bench-{time.time_ns()}") if store_args else ()
@@ -194,16 +210,19 @@ def measure_serving(url: str, work_dir: Path, server_args: str) -> dict:
             run_serving(servers, [(i, -1, [1000 + i] * 64) for i in range(2)])
             results = run_serving(servers, requests)
             runs[run] = {"results": results, **store_counters(servers)}
-    return serving_figures(runs)
+    return serving_figures(runs, workload)
 
 
-def serving_figures(runs: dict) -> dict:
+def serving_figures(runs: dict, workload: Workload) -> dict:
     def ttfts(results, keep=lambda r: True):
         return [r["ttft_s"] for r in results if keep(r)]
 
     # Request k = 2p + 1 is prompt p's first visit to the second server.
-    firsts = {2 * p + 1 for p in range(NUM_PROMPTS)}
-    figures = {"num_requests": NUM_REQUESTS, "prompt_tokens": PROMPT_LEN + QUESTION_LEN}
+    firsts = {2 * p + 1 for p in range(workload.num_prompts)}
+    figures = {
+        "num_requests": workload.num_requests,
+        "prompt_tokens": workload.prompt_len + QUESTION_LEN,
+    }
     for run, data in runs.items():
         results = data["results"]
         all_ttft = ttfts(results)
