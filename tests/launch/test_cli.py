@@ -184,3 +184,14 @@ def test_each_worker_gets_every_flag_the_user_gave_it(tmp_path):
         assert parsed.num_threads == len(worker.cores)
         launchers = {"--mode", "--api-key", "--policy", "--local-prefill-threshold"}
         assert not launchers & set(worker.command)
+
+
+def test_a_shared_kv_store_tells_the_router_so():
+    from pdserve.router.cli import router_config_from_args
+
+    def config(*argv: str):
+        return router_config_from_args(serve_parser().parse_args(list(argv)), [], ["http://d"])
+
+    assert not config("--mode", "disagg").shared_kv_store
+    assert config("--mode", "disagg", "--kv-store", "redis://cache:6379").shared_kv_store
+    assert config("--mode", "disagg", "--shared-kv-store").shared_kv_store
