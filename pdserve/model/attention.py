@@ -7,8 +7,10 @@ tokens computed in earlier steps.
 
 `AttentionBackend` is the seam for faster kernels: it receives the step's new K/V and the
 cache and returns the attention output. `TorchAttentionBackend` serves CPU and CUDA: torch
-SDPA runs prefill chunks; decodes run in a native kernel that reads K/V in place through the
-block tables on CPUs with AVX-512, else as batched matmuls over K/V gathered from the cache.
+SDPA runs prefill chunks; on CPU decodes run in a native kernel (every ISA) that reads K/V in
+place through the block tables, elsewhere as batched matmuls over K/V gathered from the cache.
+The cache may hold a narrower dtype than the model's (`--kv-cache-dtype bfloat16`): new K/V
+are rounded once on write and read back in the model dtype.
 """
 
 from __future__ import annotations
@@ -265,14 +267,15 @@ class TorchAttentionBackend(AttentionBackend):
                 f"block id {meta.max_block_id} is outside the KV cache ({kv_layer.shape[1]} blocks)"
             )
         slots = kv_layer.view(2, -1, k.shape[1], head_dim)  # [2, num_slots, kv_heads, D]
-        slots[0].index_copy_(0, meta.slot_mapping, k)
-        slots[1].index_copy_(0, meta.slot_mapping, v)
+        slots[0].index_copy_(0, meta.slot_mapping, k.to(kv_layer.dtype))
+        slots[1].index_copy_(0, meta.slot_mapping, v.to(kv_layer.dtype))
         decode = meta.decode
         kernel = (
             self.cpu_ops
             if self.cpu_ops is not None
             and q.device.type == "cpu"
             and self.cpu_ops.supports(q.dtype)
+            and self.cpu_ops.supports(kv_layer.dtype)
             and head_dim % 16 == 0
             else None
         )
@@ -303,6 +306,7 @@ class TorchAttentionBackend(AttentionBackend):
             kv_layer.view(-1, head_dim)
             .index_select(0, rows)
             .view(2, num_seqs * num_kv_heads, -1, head_dim)
+            .to(q.dtype)
         )
         q = q.reshape(num_seqs * num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = torch.add(bias, torch.bmm(q, kv[0].transpose(1, 2)), alpha=self.scale)
@@ -321,7 +325,7 @@ class TorchAttentionBackend(AttentionBackend):
         if chunk.num_computed_tokens:  # attend to the cached context too: gather it
             slots, mask = chunk.context_slots_and_mask
             context = kv_layer.view(2, -1, k.shape[1], k.shape[2]).index_select(1, slots)
-            k, v = context[0], context[1]
+            k, v = context[0].to(q.dtype), context[1].to(q.dtype)
         # SDPA wants [batch, heads, tokens, head_dim]; transposed views, no copies.
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],

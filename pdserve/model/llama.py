@@ -18,6 +18,7 @@ from pdserve.model.attention import AttentionBackend, AttentionMetadata, TorchAt
 from pdserve.model.config import ModelConfig
 from pdserve.model.kernels.cpu_ops import CpuOps, load_cpu_ops
 from pdserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from pdserve.model.quant import Quantization, QuantizedWeight
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -69,7 +70,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM. Weights are created empty; fill them with `load_weights`.
 
-    Call `pack()` after loading (the loader does) to switch CPU linears to oneDNN kernels.
+    Call `pack()` after loading (the loader does) to put the linears in their kernels' layout.
     """
 
     def __init__(
@@ -79,18 +80,25 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str,
         attention: AttentionBackend | None = None,
         use_cpu_kernels: bool = True,
+        cpu_isa: str | None = None,
+        quantization: Quantization = Quantization.NONE,
     ) -> None:
-        """`use_cpu_kernels`: on CPU, run norms, rotary, SiLU and decode attention in the
-        fused native kernels where they can be built (else plain torch ops)."""
+        """`use_cpu_kernels`: on CPU, run linears, norms, rotary, SiLU and decode attention
+        in the fused native kernels where they can be built (else plain torch ops), compiled
+        for `cpu_isa` (default: `PDSERVE_CPU_ISA`, else the best variant this CPU runs).
+        `quantization`: how `pack()` stores the linear weights (GGUF blocks come from
+        `load_weights`)."""
         super().__init__()
         device = torch.device(device)
         self.config = config
         self.dtype = dtype
-        ops = (
-            load_cpu_ops()
+        self.quantization = quantization
+        self.cpu_ops = (
+            load_cpu_ops(cpu_isa)
             if (use_cpu_kernels and device.type == "cpu" and CpuOps.supports(dtype))
             else None
         )
+        ops = self.cpu_ops
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
             requires_grad=False,
@@ -131,22 +139,34 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def pack(self) -> None:
-        """Reorder every linear weight for the fastest kernel on this device (CPU: oneDNN)."""
+        """Put every linear weight in the fastest layout for this device (see `Linear`)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack()
+                module.pack(self.quantization)
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of weights a decode step reads: every linear in its stored format, plus the
+        norms (one embedding row per token is negligible)."""
+        linears = sum(m.weight_nbytes for m in self.modules() if isinstance(m, Linear))
+        norms = sum(
+            m.weight.numel() * m.weight.element_size()
+            for m in self.modules()
+            if isinstance(m, RMSNorm)
+        )
+        return linears + norms
 
     @torch.inference_mode()
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Mapping[str, torch.Tensor | QuantizedWeight]) -> None:
         """Copy Hugging Face-named tensors (see `hf_weight_shapes`) into the fused layout.
+        Linear weights may be `QuantizedWeight`s (GGUF blocks, kept as they are).
 
         Shapes must already be checked; `lm_head.weight` may be absent when tied.
         """
-        self.embed_tokens.copy_(weights["model.embed_tokens.weight"])
+        embed = weights["model.embed_tokens.weight"]
+        self.embed_tokens.copy_(_dense(embed))
         self.norm.weight.copy_(weights["model.norm.weight"])
-        self.lm_head.weight.copy_(
-            weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-        )
+        self.lm_head.load(weights.get("lm_head.weight", embed))
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn, mlp = prefix + "self_attn.", prefix + "mlp."
@@ -154,18 +174,29 @@ class LlamaForCausalLM(nn.Module):
             layer.post_attention_layernorm.weight.copy_(
                 weights[prefix + "post_attention_layernorm.weight"]
             )
-            layer.qkv_proj.weight.copy_(
-                torch.cat([weights[f"{attn}{p}_proj.weight"] for p in "qkv"])
-            )
+            layer.qkv_proj.load(_fused([weights[f"{attn}{p}_proj.weight"] for p in "qkv"]))
             if layer.qkv_proj.bias is not None:
                 layer.qkv_proj.bias.copy_(
                     torch.cat([weights[f"{attn}{p}_proj.bias"] for p in "qkv"])
                 )
-            layer.o_proj.weight.copy_(weights[attn + "o_proj.weight"])
-            layer.gate_up_proj.weight.copy_(
-                torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])
+            layer.o_proj.load(weights[attn + "o_proj.weight"])
+            layer.gate_up_proj.load(
+                _fused([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])
             )
-            layer.down_proj.weight.copy_(weights[mlp + "down_proj.weight"])
+            layer.down_proj.load(weights[mlp + "down_proj.weight"])
+
+
+def _dense(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+
+
+def _fused(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
+    """The parts' rows stacked: as blocks when all are blocks of one type, else as floats."""
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        fused = QuantizedWeight.concat(parts)
+        if fused is not None:
+            return fused
+    return torch.cat([_dense(p) for p in parts])
 
 
 def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

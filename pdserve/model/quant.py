@@ -1,0 +1,182 @@
+"""Weight quantization: GGUF blocks kept as they are, and int8 with per-output-channel scales.
+
+`QuantizedWeight` is a [rows, cols] matrix in one of the formats the CPU kernels multiply
+without dequantizing (`cpu_ops.c`, W_*): GGUF's Q8_0, Q4_0 and Q4_1 (blocks of 32 values along
+a row, each with an fp16 scale and, for Q4_1, an fp16 minimum) and INT8 (one float scale per
+row, computed at load: scale = max |w| / 127). It converts to the kernels' packed layout
+(`pack`) and back to floats (`dequantize`: the reference, and the fallback where the kernels
+do not run, e.g. on CUDA).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.model.kernels.cpu_ops import PackedWeight, WeightFormat
+
+BLOCK = 32  # values per quantization block, along the input dimension
+
+
+class Quantization(enum.Enum):
+    """`--quantization`: how linear weights are stored."""
+
+    NONE = "none"  # the model dtype
+    INT8 = "int8"  # int8, one scale per output channel, from any checkpoint
+    GGUF = "gguf"  # a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks
+
+
+class QuantType(enum.Enum):
+    """Stored block formats: (GGUF block bytes, kernel format)."""
+
+    Q8_0 = (34, WeightFormat.Q8_0)
+    Q4_0 = (18, WeightFormat.Q4_0)
+    Q4_1 = (20, WeightFormat.Q4_1)
+    INT8 = (None, WeightFormat.INT8)
+
+    @property
+    def block_bytes(self) -> int | None:
+        return self.value[0]
+
+    @property
+    def kernel_format(self) -> int:
+        return self.value[1]
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A [rows, cols] weight in `qtype`. GGUF types: `data` uint8 [rows, cols / 32 *
+    block_bytes] (the file's bytes, rows in Hugging Face order); INT8: `data` int8 [rows, cols]
+    and `scales` float32 [rows]."""
+
+    qtype: QuantType
+    data: np.ndarray
+    shape: tuple[int, int]
+    scales: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        rows, cols = self.shape
+        if cols % BLOCK:
+            raise ValueError(f"quantized weights need a multiple of {BLOCK} columns, got {cols}")
+        width = cols if self.qtype is QuantType.INT8 else cols // BLOCK * self.qtype.block_bytes
+        if self.data.shape != (rows, width):
+            raise ValueError(f"{self.qtype.name} data {self.data.shape} != {(rows, width)}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+    @staticmethod
+    def concat(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+        """The rows of `parts` stacked (a fused projection); None unless they share one type
+        and column count."""
+        first = parts[0]
+        if any(p.qtype is not first.qtype or p.shape[1] != first.shape[1] for p in parts):
+            return None
+        scales = None if first.scales is None else np.concatenate([p.scales for p in parts])
+        rows = sum(p.shape[0] for p in parts)
+        data = np.concatenate([p.data for p in parts])
+        return QuantizedWeight(first.qtype, data, (rows, first.shape[1]), scales)
+
+    def permute_rows(self, order: np.ndarray) -> QuantizedWeight:
+        scales = None if self.scales is None else self.scales[order]
+        return QuantizedWeight(self.qtype, self.data[order], self.shape, scales)
+
+    # ---- values -----------------------------------------------------------------------
+    def _fields(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(integers [rows, cols] as stored, scales [rows, blocks], mins [rows, blocks] or
+        None) of a GGUF type."""
+        rows, cols = self.shape
+        blocks = self.data.reshape(rows, cols // BLOCK, self.qtype.block_bytes)
+        scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if self.qtype is QuantType.Q8_0:
+            return blocks[..., 2:].view(np.int8).reshape(rows, cols), scales, None
+        header = 4 if self.qtype is QuantType.Q4_1 else 2
+        packed = blocks[..., header:]  # byte j: value j (low nibble), value j + 16 (high)
+        values = np.concatenate((packed & 0x0F, packed >> 4), axis=-1).reshape(rows, cols)
+        mins = None
+        if self.qtype is QuantType.Q4_1:
+            mins = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        return values, scales, mins
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols]: what the stored values mean."""
+        rows, cols = self.shape
+        if self.qtype is QuantType.INT8:
+            return torch.from_numpy(self.data.astype(np.float32) * self.scales[:, None])
+        values, scales, mins = self._fields()
+        if self.qtype is QuantType.Q4_0:
+            values = values.astype(np.int16) - 8
+        out = values.reshape(rows, cols // BLOCK, BLOCK) * scales[..., None]
+        if mins is not None:
+            out = out + mins[..., None]
+        return torch.from_numpy(out.reshape(rows, cols).astype(np.float32))
+
+    # ---- the kernels' layout ----------------------------------------------------------
+    def pack(self) -> PackedWeight:
+        """The layout `cpu_ops.c` streams: per group of 16 rows (zero-padded) and block of 32
+        inputs, the group's scales (and mins) then its integers in quads of 4 inputs."""
+        rows, cols = self.shape
+        groups, nb = -(-rows // 16), cols // BLOCK
+        if self.qtype is QuantType.INT8:
+            values, scales, mins = self.data, None, None
+        else:
+            values, scales, mins = self._fields()
+        values = _pad_rows(values, groups * 16)
+        if self.qtype in (QuantType.Q8_0, QuantType.INT8):
+            # Stored + 128; quad bytes [16 rows][4 inputs].
+            biased = (values.astype(np.int16) + 128).astype(np.uint8)
+            ints = biased.reshape(groups, 16, nb, 8, 4).transpose(0, 2, 3, 1, 4)
+            ints = ints.reshape(groups, nb, 512)
+        else:
+            # A quad's byte j: row j / 4 (low nibble) and row 8 + j / 4 (high), input j % 4.
+            nibbles = values.reshape(groups, 2, 8, nb, 8, 4).transpose(0, 3, 4, 1, 2, 5)
+            ints = (nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)).reshape(groups, nb, 256)
+        if self.qtype is QuantType.INT8:
+            header = _pad_rows(self.scales[:, None], groups * 16).reshape(groups, 16)
+            body = np.ascontiguousarray(ints).reshape(groups, -1)
+            packed = np.concatenate((header.astype(np.float32).view(np.uint8), body), axis=1)
+        else:
+            fields = [scales] if mins is None else [scales, mins]
+            headers = [
+                np.ascontiguousarray(
+                    _pad_rows(f, groups * 16).reshape(groups, 16, nb).transpose(0, 2, 1)
+                )
+                .astype(np.float16)
+                .view(np.uint8)
+                for f in fields
+            ]
+            packed = np.concatenate((*headers, ints), axis=2).reshape(groups, -1)
+        data = torch.from_numpy(np.ascontiguousarray(packed))
+        return PackedWeight(self.qtype.kernel_format, data, rows, cols)
+
+
+def _pad_rows(values: np.ndarray, rows: int) -> np.ndarray:
+    if values.shape[0] == rows:
+        return values
+    padded = np.zeros((rows, *values.shape[1:]), dtype=values.dtype)
+    padded[: values.shape[0]] = values
+    return padded
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    """Symmetric int8 per output row: scale = max |w| / 127, q = round(w / scale)."""
+    w = weight.detach().float().cpu()
+    scales = w.abs().amax(dim=1) / 127.0
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(w / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight(QuantType.INT8, q.numpy(), tuple(w.shape), scales.numpy())
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the kernels do to x [rows, cols] before the integer dot products: per block of 32,
+    q = round(x * 127 / amax), then x' = q * amax / 127 (the reference for tests)."""
+    rows, cols = x.shape
+    blocks = x.float().reshape(rows, cols // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inverse)
+    return (q * (amax / 127.0)).reshape(rows, cols)
