@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.core.config import CacheConfig
-from pdserve.core.request import FinishReason, Request
+from pdserve.core.request import FinishReason, Request, RequestMetrics
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
-from pdserve.core.scheduler import Scheduler
+from pdserve.core.scheduler import EngineStats, Scheduler
 from pdserve.engine.config import DEFAULT_KV_CACHE_MEMORY_GB, EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import KVTransferOutcome, RequestMetrics, RequestOutput
+from pdserve.engine.outputs import KVTransferOutcome, RequestOutput
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.step_log import StepLog, StepRecord, step_batch
 from pdserve.kv_transfer.errors import KVTransferError
@@ -34,26 +34,12 @@ logger = logging.getLogger(__name__)
 KV_POLL_INTERVAL_S = 0.001
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-    num_steps: int
-    last_step_time: float | None
-
-
 @dataclass
 class _Tracked:
     """Engine-side state of one live request, beside the scheduler's `Request`."""
 
     request: Request
     detokenizer: Detokenizer
-    metrics: RequestMetrics
     # A disaggregated prefill leg: its final output says where its KV blocks wait.
     is_prefill_leg: bool = False
     # How this request's KV arrived from a prefill worker (decode legs only).
@@ -179,16 +165,14 @@ class LLMEngine:
             list(prompt_token_ids),
             params,
             eos_token_ids=self._eos_token_ids,
+            metrics=RequestMetrics() if arrival_time is None else RequestMetrics(arrival_time),
             output_token_ids=first_tokens,
             kv_transfer_params=kv_transfer_params,
         )
-        if arrival_time is not None:
-            request.arrival_time = arrival_time
         self.scheduler.add_request(request)
         self._tracked[request_id] = _Tracked(
             request,
             Detokenizer(self.tokenizer, params.stop),
-            RequestMetrics(request.arrival_time),
             is_prefill_leg=bool(kv_transfer_params and kv_transfer_params.get("do_remote_decode")),
         )
 
@@ -239,9 +223,12 @@ class LLMEngine:
             )
         return [params.first_token_id]
 
-    def abort_request(self, request_id: str) -> None:
-        if self.scheduler.abort_request(request_id) is not None:
-            self._release(request_id)
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now; returns its final output (None if it is not in flight)."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None or self.scheduler.abort_request(request_id) is None:
+            return None
+        return self._output_for(tracked, None, time.monotonic(), is_finished=True)
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, or KV blocks still moving (so `step()` keeps polling them)."""
@@ -257,28 +244,25 @@ class LLMEngine:
                 time.sleep(KV_POLL_INTERVAL_S)  # only transfers in flight: don't spin
             return outputs
         batch = step_batch(scheduler_output) if self.step_observers else ()
-        prefilling = [
-            s.request.request_id for s in scheduler_output.scheduled if s.request.is_prefilling
-        ]
-        start = time.monotonic()
+        prefilling = [s.request for s in scheduler_output.scheduled if s.request.is_prefilling]
         sampled = self.runner.execute(scheduler_output)
         finished = self.scheduler.update_from_output(
             scheduler_output, {rid: s.token_id for rid, s in sampled.items()}
         )
-        self._last_step_time = time.monotonic() - start
+        # The one step timer: metrics, stats and step records all read this figure.
+        self._last_step_time = time.perf_counter() - step_start
         self._num_steps += 1
-        for request_id in prefilling:
-            self._tracked[request_id].metrics.prefill_time += self._last_step_time
+        for request in prefilling:
+            request.metrics.prefill_time += self._last_step_time
         finished_ids = {r.request_id for r in finished}
         now = time.monotonic()
         outputs += [
             self._output_for(self._tracked[rid], token, now, rid in finished_ids)
             for rid, token in sampled.items()
         ]
-        if self.step_observers:
-            record = StepRecord(batch, time.perf_counter() - step_start)
-            for observe in self.step_observers:
-                observe(record)
+        record = StepRecord(batch, self._last_step_time)
+        for observe in self.step_observers:
+            observe(record)
         return outputs
 
     def _update_kv_transfers(self) -> list[RequestOutput]:
@@ -310,11 +294,10 @@ class LLMEngine:
         self, tracked: _Tracked, token: SampledToken | None, now: float, is_finished: bool
     ) -> RequestOutput:
         """The output for one new token (None: the request ends without one)."""
-        request, metrics = tracked.request, tracked.metrics
+        request, metrics = tracked.request, tracked.request.metrics
         if token is not None:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
-            metrics.last_token_time = now
             tracked.detokenizer.add_tokens([token.token_id])
         if tracked.detokenizer.is_stopped and not is_finished:
             self.scheduler.finish_request(request.request_id, FinishReason.STOP)
@@ -322,7 +305,6 @@ class LLMEngine:
         if is_finished:
             metrics.finished_time = now
             self._release(request.request_id)
-        metrics.first_scheduled_time = request.first_scheduled_time
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=[token.token_id] if token is not None else [],
@@ -353,16 +335,8 @@ class LLMEngine:
 
     # ---- introspection -----------------------------------------------------------------
     def get_stats(self) -> EngineStats:
-        stats = self.scheduler.get_stats()
-        manager = self.scheduler.block_manager
-        return EngineStats(
-            stats.num_running,
-            stats.num_waiting,
-            stats.kv_cache_usage,
-            manager.num_free_blocks,
-            manager.num_blocks,
-            stats.prefix_cache_hit_rate,
-            stats.num_preemptions,
-            self._num_steps,
-            self._last_step_time,
+        return dataclasses.replace(
+            self.scheduler.get_stats(),
+            num_steps=self._num_steps,
+            last_step_time=self._last_step_time,
         )

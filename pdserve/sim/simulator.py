@@ -19,7 +19,7 @@ from functools import partial
 
 from pdserve.bench.records import RequestRecord
 from pdserve.core.config import CacheConfig
-from pdserve.core.request import Request
+from pdserve.core.request import Request, RequestMetrics
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.sim.config import PoolConfig, SimConfig
 from pdserve.sim.connector import SimKVConnector, decode_leg_params, prefill_leg_params
@@ -256,7 +256,7 @@ class Simulation:
             spec.request_id,
             token_ids,
             params,
-            arrival_time=self.now,
+            metrics=RequestMetrics(arrival_time=self.now),
             kv_transfer_params=kv_transfer_params,
         )
 
