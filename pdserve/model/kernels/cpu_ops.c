@@ -279,16 +279,19 @@ void paged_decode(int qdt, int kvdt, const void* q, const void* k_cache, const v
  *   W_Q8_0  [f16 scale x16][8 quads][16 rows][4 bytes]          GGUF Q8_0 (34 B/32)
  *   W_Q4_0  [f16 scale x16][8 quads][32 bytes]                  GGUF Q4_0 (18 B/32)
  *   W_Q4_1  [f16 scale x16][f16 min x16][8 quads][32 bytes]     GGUF Q4_1 (20 B/32)
- *   W_INT8  per group [float scale x16], then per block [8 quads][16 rows][4 bytes]
- *   8-bit weights are stored + 128 (unsigned); a 4-bit quad's byte j holds row j / 4 in its
+ *   Q8_0 weights are stored + 128 (unsigned); a 4-bit quad's byte j holds row j / 4 in its
  *   low nibble and row 8 + j / 4 in its high one, input j % 4 of the quad.
- * Quantized formats multiply integers: each row of x is quantized per block of 32 to int8
- * (scale amax / 127, as llama.cpp's Q8 activations) and dotted with the weights' integers;
- * block results are scaled in float. x_scratch holds the prepared rows (see linear_scratch).
+ *   These multiply integers: each row of x is quantized per block of 32 to int8 (scale
+ *   amax / 127, as llama.cpp's Q8 activations) and dotted with the weights' integers; block
+ *   results are scaled in float.
+ *   W_INT8  [f16 scale x16][32 inputs][16 rows] int8, weight-only: x stays in floats (each
+ *           value converted in registers), so its error is the weights' alone.
+ * The scratch holds x as the format's inner loop reads it (see linear_scratch).
  */
 enum { W_F32 = 0, W_BF16 = 1, W_Q8_0 = 2, W_Q4_0 = 3, W_Q4_1 = 4, W_INT8 = 5 };
 
-ALWAYS_INLINE int is_quantized(int wfmt) { return wfmt >= W_Q8_0; }
+/* Formats multiplied by integer dot products (x quantized first). */
+ALWAYS_INLINE int is_quantized(int wfmt) { return wfmt >= W_Q8_0 && wfmt <= W_Q4_1; }
 
 #if defined(PDSERVE_ISA_AVX512) && defined(__AVX512BF16__)
 #define HAS_DPBF16 1
@@ -302,10 +305,9 @@ ALWAYS_INLINE int64_t block_bytes(int wfmt) {
         case W_Q8_0: return 32 + 512;
         case W_Q4_0: return 32 + 256;
         case W_Q4_1: return 64 + 256;
-        default: return 512; /* W_INT8 */
+        default: return 32 + 512; /* W_INT8 */
     }
 }
-ALWAYS_INLINE int64_t group_header_bytes(int wfmt) { return wfmt == W_INT8 ? 64 : 0; }
 
 /* Bytes of scratch `linear` needs for `rows` rows of `in` inputs. */
 int64_t linear_scratch(int wfmt, int64_t rows, int64_t in) {
@@ -567,10 +569,9 @@ ALWAYS_INLINE void group_float(const int64_t R, int wfmt, const void* w, const v
 ALWAYS_INLINE void group_quantized(const int64_t R, int wfmt, const uint8_t* w,
                                    const QuantRow* x, int64_t in, V16* acc) {
     const int64_t nb = in / 32;
-    const int is_8bit = wfmt == W_Q8_0 || wfmt == W_INT8;
-    /* Stored integers minus zero point = the true ones: 8-bit ones carry Q8_BIAS, Q4_0's 8. */
-    const float zero_point = is_8bit ? (float)Q8_BIAS : wfmt == W_Q4_0 ? 8.0f : 0.0f;
-    const uint8_t* block = w + group_header_bytes(wfmt);
+    /* Stored integers minus zero point = the true ones: Q8_0's carry Q8_BIAS, Q4_0's 8. */
+    const float zero_point = wfmt == W_Q8_0 ? (float)Q8_BIAS : wfmt == W_Q4_0 ? 8.0f : 0.0f;
+    const uint8_t* block = w;
     for (int64_t r = 0; r < R; r++) acc[r] = v_zero();
     for (int64_t b = 0; b < nb; b++, block += block_bytes(wfmt)) {
         const int8_t* xq[MAX_ROW_TILE];
@@ -579,18 +580,10 @@ ALWAYS_INLINE void group_quantized(const int64_t R, int wfmt, const uint8_t* w,
             xq[r] = x[r].q + 32 * b;
             isum[r] = vi_zero();
         }
-        const int64_t header = wfmt == W_Q4_1 ? 64 : wfmt == W_INT8 ? 0 : 32;
-        if (is_8bit)
-            dot_block_8bit(R, block + header, xq, isum);
+        if (wfmt == W_Q8_0)
+            dot_block_8bit(R, block + 32, xq, isum);
         else
-            dot_block_4bit(R, block + header, xq, isum);
-        if (wfmt == W_INT8) {
-            for (int64_t r = 0; r < R; r++) {
-                const V16 dot = v_sub(v_cvt_i32(isum[r]), v_set1(zero_point * x[r].qsum[b]));
-                acc[r] = v_fma(dot, v_set1(x[r].scale[b]), acc[r]);
-            }
-            continue;
-        }
+            dot_block_4bit(R, block + (wfmt == W_Q4_1 ? 64 : 32), xq, isum);
         const V16 d = v_load_f16((const uint16_t*)block);
         for (int64_t r = 0; r < R; r++) {
             const V16 dot = v_sub(v_cvt_i32(isum[r]), v_set1(zero_point * x[r].qsum[b]));
@@ -602,9 +595,34 @@ ALWAYS_INLINE void group_quantized(const int64_t R, int wfmt, const uint8_t* w,
                 acc[r] = v_fma(m, v_set1(x[r].scale[b] * x[r].qsum[b]), acc[r]);
         }
     }
-    if (wfmt == W_INT8) {
-        const V16 scale = v_load((const float*)w);
-        for (int64_t r = 0; r < R; r++) acc[r] = v_mul(acc[r], scale);
+}
+
+/* W_INT8, weight-only: each block's int8 weights are converted to float in registers and
+ * multiplied with float x; the block sums are scaled once. R == 1 runs 4 chains. */
+ALWAYS_INLINE void group_int8(const int64_t R, const uint8_t* w, const void* const* x,
+                              int64_t in, V16* acc) {
+    const int64_t P = R == 1 ? 4 : R == 2 ? 2 : 1;
+    for (int64_t r = 0; r < R; r++) acc[r] = v_zero();
+    for (int64_t b = 0; b < in / 32; b++) {
+        const uint8_t* block = w + b * block_bytes(W_INT8);
+        const int8_t* q = (const int8_t*)(block + 32);
+        V16 part[MAX_ROW_TILE][4];
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t p = 0; p < P; p++) part[r][p] = v_zero();
+        for (int64_t i = 0; i < 32; i += P)
+            for (int64_t p = 0; p < P; p++) {
+                const V16 wv = v_load_i8(q + 16 * (i + p));
+                for (int64_t r = 0; r < R; r++) {
+                    const float xi = ((const float*)x[r])[32 * b + i + p];
+                    part[r][p] = v_fma(wv, v_set1(xi), part[r][p]);
+                }
+            }
+        const V16 d = v_load_f16((const uint16_t*)block);
+        for (int64_t r = 0; r < R; r++) {
+            V16 sum = part[r][0];
+            for (int64_t p = 1; p < P; p++) sum = v_add(sum, part[r][p]);
+            acc[r] = v_fma(sum, d, acc[r]);
+        }
     }
 }
 
@@ -612,7 +630,7 @@ ALWAYS_INLINE int64_t group_bytes(int wfmt, int64_t in) {
     switch (wfmt) {
         case W_F32: return 64 * in;
         case W_BF16: return 32 * in;
-        default: return group_header_bytes(wfmt) + (in / 32) * block_bytes(wfmt);
+        default: return (in / 32) * block_bytes(wfmt);
     }
 }
 
@@ -635,6 +653,8 @@ ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int ydt, const uint8_t
         V16 acc[MAX_ROW_TILE];
         if (is_quantized(wfmt))
             group_quantized(R, wfmt, wg, xq, in, acc);
+        else if (wfmt == W_INT8)
+            group_int8(R, wg, xf, in, acc);
         else
             group_float(R, wfmt, wg, xf, in, acc);
         const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;

@@ -67,6 +67,9 @@ ALWAYS_INLINE V16 v_load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
 }
 ALWAYS_INLINE V16 v_cvt_i32(VI16 v) { return _mm512_cvtepi32_ps(v); }
+ALWAYS_INLINE V16 v_load_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
 ALWAYS_INLINE VI16 vi_zero(void) { return _mm512_setzero_si512(); }
 
 #elif defined(PDSERVE_ISA_AVX2)
@@ -161,6 +164,11 @@ ALWAYS_INLINE V16 v_load_f16(const uint16_t* p) {
 ALWAYS_INLINE V16 v_cvt_i32(VI16 v) {
     return (V16){_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)};
 }
+ALWAYS_INLINE V16 v_load_i8(const int8_t* p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i*)p);
+    return (V16){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)),
+                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(raw, raw)))};
+}
 ALWAYS_INLINE VI16 vi_zero(void) { return (VI16){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 
 #else /* portable */
@@ -250,6 +258,12 @@ ALWAYS_INLINE V16 v_load_f16(const uint16_t* p) {
     return v;
 }
 ALWAYS_INLINE V16 v_cvt_i32(VI16 v) { return __builtin_convertvector(v, V16); }
+typedef int8_t VB16 __attribute__((vector_size(16)));
+ALWAYS_INLINE V16 v_load_i8(const int8_t* p) {
+    VB16 b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, V16);
+}
 ALWAYS_INLINE VI16 vi_zero(void) { return (VI16){0}; }
 #endif
 
