@@ -8,6 +8,7 @@ from pdserve.core.config import SchedulerConfig, SchedulingPolicy
 from pdserve.engine.config import DTYPES, KV_FAILURE_POLICIES, EngineConfig
 from pdserve.kv_transfer.config import KVRole, KVTransferConfig
 from pdserve.kv_transfer.protocol import TRANSPORT_NAMES
+from pdserve.model.config import KV_CACHE_DTYPES, Quantization
 
 # A worker's --role to its part in KV transfer (both: a plain server, no transfer).
 ROLE_TO_KV_ROLE = {"prefill": KVRole.PRODUCER, "decode": KVRole.CONSUMER, "both": None}
@@ -24,6 +25,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "Face folder (config.json + safetensors + tokenizer.json)",
     )
     group.add_argument("--dtype", default="auto", choices=DTYPES)
+    group.add_argument(
+        "--quantization",
+        default=EngineConfig.quantization,
+        choices=[q.value for q in Quantization],
+        help="linear weights: none (the dtype), int8 (weight-only, computed at load) or gguf "
+        "(a GGUF file's own Q8_0/Q4_0/Q4_1 blocks, multiplied without dequantizing)",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        default=EngineConfig.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="the KV cache's dtype (auto: the model's)",
+    )
     group.add_argument("--device", default="auto", help="cpu, cuda or auto")
     group.add_argument(
         "--max-num-batched-tokens",
@@ -101,6 +115,8 @@ def engine_config_from_args(args: argparse.Namespace, mode: str) -> EngineConfig
     return engine_config_from_kwargs(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         mode=mode,
         max_num_batched_tokens=args.max_num_batched_tokens,

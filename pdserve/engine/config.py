@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pdserve.core.config import SchedulerConfig
 from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.model.config import KV_CACHE_DTYPES, Quantization
 
 DEFAULT_KV_CACHE_MEMORY_GB = 1.0
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -24,6 +25,10 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
+    # How linear weights are stored: none, int8 (computed at load) or gguf (the file's blocks).
+    quantization: str = Quantization.NONE.value
+    # The KV cache's dtype (auto: the model's); bfloat16 halves the bytes attention reads.
+    kv_cache_dtype: str = "auto"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -41,6 +46,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in {q.value for q in Quantization}:
+            names = ", ".join(q.value for q in Quantization)
+            raise ValueError(f"quantization must be one of {names}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}"
+                f", got {self.kv_cache_dtype!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         for name in ("block_size", "num_kv_blocks", "max_model_len", "num_threads"):

@@ -23,7 +23,7 @@ from pdserve.engine.sampler import SampledToken
 from pdserve.engine.step_log import StepLog, StepRecord, step_batch
 from pdserve.kv_transfer.errors import KVTransferError
 from pdserve.kv_transfer.protocol import KVLayout, KVTransferParams
-from pdserve.model.attention import kv_bytes_per_token
+from pdserve.model.attention import kv_bytes_per_token, resolve_kv_cache_dtype
 from pdserve.model.loader import LoadedModel, load_model
 
 if TYPE_CHECKING:
@@ -56,7 +56,10 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.dtype, config.device)
+        self.loaded = loaded or load_model(
+            config.model, config.dtype, config.device, config.quantization
+        )
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.loaded.dtype)
         self.tokenizer = self.loaded.tokenizer
         self.model_config = self.loaded.config
         self.model_name = self.loaded.name
@@ -82,6 +85,7 @@ class LLMEngine:
             config.block_size,
             config.seed,
             self.connector.transport.kv_cache if self.connector else None,
+            self.kv_cache_dtype,
         )
         self._tracked: dict[str, _Tracked] = {}
         self._num_steps = 0
@@ -130,7 +134,7 @@ class LLMEngine:
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
             block_size=self.config.block_size,
-            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            dtype=str(self.kv_cache_dtype).removeprefix("torch."),
         )
 
     def _num_kv_blocks(self) -> int:
@@ -138,7 +142,7 @@ class LLMEngine:
             return self.config.num_kv_blocks
         gigabytes = self.config.kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB
         bytes_per_block = (
-            kv_bytes_per_token(self.model_config, self.loaded.dtype) * self.config.block_size
+            kv_bytes_per_token(self.model_config, self.kv_cache_dtype) * self.config.block_size
         )
         return max(int(gigabytes * 2**30 // bytes_per_block), 1)
 

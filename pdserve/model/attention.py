@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.config import ModelConfig
+from pdserve.model.config import KV_CACHE_DTYPES, ModelConfig
 from pdserve.model.kernels.cpu_ops import CpuOps
 
 
@@ -368,6 +368,15 @@ def allocate_kv_cache(
         dtype=dtype,
         device=device,
     )
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`--kv-cache-dtype` (one of KV_CACHE_DTYPES) -> the cache's dtype; auto: the model's."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
+    return model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:

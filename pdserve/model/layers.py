@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model.config import ModelConfig, RopeScaling
+from pdserve.model.config import ModelConfig, Quantization, RopeScaling
 from pdserve.model.kernels.cpu_ops import CpuOps, PackedWeight
-from pdserve.model.quant import Quantization, QuantizedWeight, quantize_int8
+from pdserve.model.quant import QuantizedWeight, quantize_int8
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from pdserve.model.config import ModelConfig
+from pdserve.model.config import ModelConfig, Quantization
 from pdserve.model.kernels.cpu_ops import CpuOps, load_cpu_ops
 from pdserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
-from pdserve.model.quant import Quantization, QuantizedWeight
+from pdserve.model.quant import QuantizedWeight
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pdserve.model.config import ModelConfig, ModelLoadError
+from pdserve.model.config import ModelConfig, ModelLoadError, Quantization
 from pdserve.model.cpu_runtime import BF16_MATMUL_CPU_FLAGS, read_cpu_flags, tune_cpu_allocator
 from pdserve.model.gguf_file import GGUFModelFile
 from pdserve.model.hf_folder import HFModelFolder
 from pdserve.model.llama import LlamaForCausalLM, hf_weight_shapes
-from pdserve.model.quant import Quantization, QuantizedWeight
+from pdserve.model.quant import QuantizedWeight
 from pdserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

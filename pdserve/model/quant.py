@@ -28,14 +28,6 @@ from pdserve.model.kernels.cpu_ops import PackedWeight, WeightFormat
 BLOCK = 32  # values per quantization block, along the input dimension
 
 
-class Quantization(enum.Enum):
-    """`--quantization`: how linear weights are stored."""
-
-    NONE = "none"  # the model dtype
-    INT8 = "int8"  # int8, one scale per output channel, from any checkpoint
-    GGUF = "gguf"  # a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks
-
-
 class QuantType(enum.Enum):
     """Stored block formats: (GGUF block bytes, kernel format)."""
 
