@@ -16,9 +16,18 @@ from torch import nn
 
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from pdserve.model.config import ModelConfig, Quantization
-from pdserve.model.kernels.cpu_ops import CpuOps, load_cpu_ops
+from pdserve.model.kernels.cpu_ops import (
+    MAX_HEAD_DIM,
+    CpuOps,
+    DecoderLayerWeights,
+    FusedDecoder,
+    load_cpu_ops,
+)
 from pdserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from pdserve.model.quant import QuantizedWeight
+
+# Batches up to this many sequences decode in one native call when the kernels cover them.
+FUSED_DECODE_MAX_ROWS = 256
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -110,6 +119,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device, ops)
         self.rotary = RotaryEmbedding(config, dtype, device, ops)
         self.attention = attention or TorchAttentionBackend(config.head_dim**-0.5, ops)
+        # Set by `pack()`: the whole decode step in one native call, for batches of single-token
+        # sequences up to `fused_decoder_max_rows`.
+        self.fused_decoder: FusedDecoder | None = None
+        self.fused_decoder_max_rows = 0
 
     @torch.inference_mode()
     def forward(
@@ -126,6 +139,26 @@ class LlamaForCausalLM(nn.Module):
         """
         hidden = F.embedding(input_ids, self.embed_tokens)
         angles = self.rotary.angles(positions)
+        decode = attn_metadata.decode
+        if (
+            self.fused_decoder is not None
+            and attn_metadata.is_all_decode
+            and decode.num_seqs <= self.fused_decoder_max_rows
+            and hidden.device.type == "cpu"
+        ):
+            if attn_metadata.max_block_id >= kv_cache.shape[2]:
+                raise ValueError(
+                    f"block id {attn_metadata.max_block_id} is outside the KV cache "
+                    f"({kv_cache.shape[2]} blocks)"
+                )
+            return self.fused_decoder(
+                hidden,
+                *angles,
+                kv_cache,
+                attn_metadata.slot_mapping,
+                decode.block_tables,
+                decode.seq_lens,
+            )
         residual = None
         for layer, kv_layer in zip(self.layers, kv_cache, strict=True):
             hidden, residual = layer(
@@ -139,10 +172,57 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def pack(self) -> None:
-        """Put every linear weight in the fastest layout for this device (see `Linear`)."""
+        """Put every linear weight in the fastest layout for this device (see `Linear`), and
+        set up the one-call decode step where the CPU kernels cover every layer."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(self.quantization)
+        self.fused_decoder, self.fused_decoder_max_rows = self._build_fused_decoder()
+
+    def _build_fused_decoder(self) -> tuple[FusedDecoder | None, int]:
+        """The native decode step and the batch size up to which it runs (that of the
+        linears' kernels), or (None, 0) where some piece has no kernel."""
+        config, ops = self.config, self.cpu_ops
+        linears = [
+            linear
+            for layer in self.layers
+            for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ]
+        if (
+            ops is None
+            or type(self.attention) is not TorchAttentionBackend
+            or config.head_dim % 16
+            or config.head_dim > MAX_HEAD_DIM
+            or any(linear.kernel_weight is None for linear in linears)
+        ):
+            return None, 0
+        max_rows = min(
+            (linear.kernel_max_rows for linear in linears if linear.kernel_max_rows is not None),
+            default=FUSED_DECODE_MAX_ROWS,
+        )
+        layers = [
+            DecoderLayerWeights(
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                layer.qkv_proj.kernel_weight,
+                layer.qkv_proj.bias,
+                layer.o_proj.kernel_weight,
+                layer.gate_up_proj.kernel_weight,
+                layer.down_proj.kernel_weight,
+            )
+            for layer in self.layers
+        ]
+        decoder = ops.fused_decoder(
+            layers,
+            self.norm.weight,
+            intermediate=config.intermediate_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            eps=config.rms_norm_eps,
+            scale=self.attention.scale,
+        )
+        return decoder, min(max_rows, FUSED_DECODE_MAX_ROWS)
 
     @property
     def weight_nbytes(self) -> int:

@@ -11,28 +11,16 @@ import torch.nn.functional as F
 from gguf.quants import quantize
 
 from pdserve.model.attention import AttentionMetadata, TorchAttentionBackend
-from pdserve.model.cpu_runtime import read_cpu_flags
 from pdserve.model.kernels.build import VARIANTS, can_run
 from pdserve.model.kernels.cpu_ops import CpuOps, load_cpu_ops
 from pdserve.model.quant import QuantizedWeight, QuantType, quantize_activations, quantize_int8
+from tests.model.helpers import kernel_variants
 
 HEADS = [(9, 3, 64), (4, 4, 128), (8, 1, 32)]  # (query heads, KV heads, head_dim)
 DTYPES = [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)]
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        pytest.param(
-            v.name,
-            marks=pytest.mark.skipif(
-                not can_run(v),
-                reason=f"this CPU lacks {', '.join(sorted(v.cpu_flags - read_cpu_flags()))}",
-            ),
-        )
-        for v in VARIANTS
-    ],
-)
+@pytest.fixture(scope="module", params=kernel_variants())
 def ops(request) -> CpuOps:
     ops = load_cpu_ops(request.param)
     if ops is None:

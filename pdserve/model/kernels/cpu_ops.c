@@ -750,3 +750,154 @@ float stream_sum(const float* p, int64_t n) {
     }
     return v_sum(v_add(v_add(a, b), v_add(c, d)));
 }
+
+/* ---- a whole decode step: every layer in one call --------------------------------------- */
+/*
+ * For a batch where every sequence has exactly one new token (rows = sequences), the decoder
+ * stack runs here end to end with the kernels above, in the same order and arithmetic as the
+ * per-op path (llama.py), so the two agree exactly; Python only embeds the tokens, computes
+ * the rotary angles and applies the LM head. All integer fields are int64 and all pointers
+ * void* so the ctypes mirror (cpu_ops.py) needs no padding rules.
+ */
+typedef struct {
+    int64_t format, out, in;
+    const void* data;
+    const void* bias; /* or NULL */
+} PackedLinear;
+
+typedef struct {
+    const void* input_norm;
+    const void* post_norm;
+    PackedLinear qkv, o, gate_up, down;
+} DecoderLayer;
+
+typedef struct {
+    int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim;
+    int64_t dt, kv_dt; /* activation and KV cache element types */
+    double eps, scale;
+    const DecoderLayer* layers;
+    const void* final_norm;
+} DecoderModel;
+
+ALWAYS_INLINE int64_t dt_size(int64_t dt) { return dt == DT_BF16 ? 2 : 4; }
+
+ALWAYS_INLINE int64_t round_up_64(int64_t n) { return (n + 63) / 64 * 64; }
+
+/* decode_forward's scratch: activations, then the attention kernel's, then the linears'. */
+typedef struct {
+    int64_t activations, attention, linears;
+} DecodeScratch;
+
+ALWAYS_INLINE DecodeScratch decode_scratch(const DecoderModel* m, int64_t rows) {
+    const int64_t q_size = m->num_heads * m->head_dim, kv_size = m->num_kv_heads * m->head_dim;
+    const int64_t values = rows * (2 * m->hidden + 2 * q_size + 2 * kv_size + 3 * m->intermediate);
+    int64_t linears = 0;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const PackedLinear* layer_linears[4] = {&m->layers[l].qkv, &m->layers[l].o,
+                                                &m->layers[l].gate_up, &m->layers[l].down};
+        for (int i = 0; i < 4; i++) {
+            const PackedLinear* w = layer_linears[i];
+            const int64_t n = linear_scratch((int)w->format, rows, w->in);
+            linears = n > linears ? n : linears;
+        }
+    }
+    return (DecodeScratch){round_up_64(values * dt_size(m->dt)),
+                           round_up_64(m->num_heads * (2 * m->head_dim + UNIT + 2) * 4), linears};
+}
+
+/* Scratch bytes decode_forward needs for `rows` rows. */
+int64_t decode_scratch_bytes(const DecoderModel* m, int64_t rows) {
+    const DecodeScratch s = decode_scratch(m, rows);
+    return s.activations + s.attention + s.linears;
+}
+
+/* K or V of each row (dt) -> its cache slot (kv_dt), rounded once. */
+ALWAYS_INLINE void write_kv(int dt, int kv_dt, const void* src, int64_t src_stride, void* cache,
+                            const int64_t* slots, int64_t rows, int64_t width) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < width; j += 16) {
+            const int64_t n = width - j;
+            store_dt_n(cache, slots[r] * width + j, n, load_dt_n(src, r * src_stride + j, n, dt),
+                       kv_dt);
+        }
+}
+
+ALWAYS_INLINE void linear_of(const PackedLinear* w, int dt, const void* x, void* y, int64_t rows,
+                             uint8_t* scratch) {
+    linear((int)w->format, dt, w->data, x, w->bias, y, rows, w->out, w->in, scratch);
+}
+
+/*
+ * hidden [rows, hidden] (dt): the token embeddings in, the final-normed states out.
+ * cos/sin float [rows, head_dim / 2]; kv_cache [num_layers, 2, num_blocks, block_size,
+ * num_kv_heads, head_dim] (kv_dt); slot_mapping [rows]; block_tables [rows, max_blocks],
+ * seq_lens [rows] int64 (including the new token).
+ */
+ALWAYS_INLINE void decode_forward_impl(int dt, int kv_dt, const DecoderModel* m, int64_t rows,
+                                       void* hidden, const float* cos, const float* sin,
+                                       void* kv_cache, int64_t num_blocks, int64_t block_size,
+                                       const int64_t* slot_mapping, const int64_t* block_tables,
+                                       const int64_t* seq_lens, int64_t max_blocks,
+                                       uint8_t* scratch) {
+    const int64_t H = m->hidden, I = m->intermediate, D = m->head_dim;
+    const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D;
+    const int64_t qkv_size = q_size + 2 * kv_size, es = dt_size(dt);
+    uint8_t* p = scratch;
+    void* residual = p;
+    void* x = p += rows * H * es;             /* normed input of a projection */
+    void* qkv = p += rows * H * es;           /* [rows, q | k | v] */
+    void* attn = p += rows * qkv_size * es;   /* [rows, q_size] */
+    void* gate_up = p += rows * q_size * es;  /* [rows, 2I] */
+    void* act = p += rows * 2 * I * es;       /* [rows, I] */
+    const DecodeScratch sizes = decode_scratch(m, rows);
+    float* attention_scratch = (float*)(scratch + sizes.activations);
+    uint8_t* linear_scratch_area = scratch + sizes.activations + sizes.attention;
+    const int64_t layer_stride = 2 * num_blocks * block_size * kv_size * dt_size(kv_dt);
+    memcpy(residual, hidden, rows * H * es);
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const DecoderLayer* layer = &m->layers[l];
+        /* Layer 0's stream starts at the embeddings; later ones add the MLP output. */
+        add_rms_norm_impl(dt, hidden, residual, layer->input_norm, x, rows, H, (float)m->eps,
+                          l > 0);
+        linear_of(&layer->qkv, dt, x, qkv, rows, linear_scratch_area);
+        rotary_impl(dt, qkv, rows, qkv_size, m->num_heads + m->num_kv_heads, D, cos, sin);
+        uint8_t* k_cache = (uint8_t*)kv_cache + l * layer_stride;
+        uint8_t* v_cache = k_cache + layer_stride / 2;
+        write_kv(dt, kv_dt, (uint8_t*)qkv + q_size * es, qkv_size, k_cache, slot_mapping, rows,
+                 kv_size);
+        write_kv(dt, kv_dt, (uint8_t*)qkv + (q_size + kv_size) * es, qkv_size, v_cache,
+                 slot_mapping, rows, kv_size);
+        /* The queries are rows of qkv: copy them out contiguous for the attention kernel. */
+        for (int64_t r = 0; r < rows; r++)
+            memcpy((uint8_t*)attn + r * q_size * es, (uint8_t*)qkv + r * qkv_size * es,
+                   q_size * es);
+        paged_decode(dt, kv_dt, attn, k_cache, v_cache, block_tables, seq_lens, qkv,
+                     attention_scratch, rows, m->num_heads, m->num_kv_heads, D, block_size,
+                     max_blocks, (float)m->scale);
+        linear_of(&layer->o, dt, qkv, hidden, rows, linear_scratch_area);
+        add_rms_norm_impl(dt, hidden, residual, layer->post_norm, x, rows, H, (float)m->eps, 1);
+        linear_of(&layer->gate_up, dt, x, gate_up, rows, linear_scratch_area);
+        silu_mul_impl(dt, gate_up, act, rows, I);
+        linear_of(&layer->down, dt, act, hidden, rows, linear_scratch_area);
+    }
+    add_rms_norm_impl(dt, hidden, residual, m->final_norm, x, rows, H, (float)m->eps, 1);
+    memcpy(hidden, x, rows * H * es);
+}
+
+void decode_forward(const DecoderModel* m, int64_t rows, void* hidden, const float* cos,
+                    const float* sin, void* kv_cache, int64_t num_blocks, int64_t block_size,
+                    const int64_t* slot_mapping, const int64_t* block_tables,
+                    const int64_t* seq_lens, int64_t max_blocks, uint8_t* scratch) {
+#define DECODE_ARGS                                                                             \
+    m, rows, hidden, cos, sin, kv_cache, num_blocks, block_size, slot_mapping, block_tables,   \
+        seq_lens, max_blocks, scratch
+    if (m->dt == DT_F32 && m->kv_dt == DT_F32)
+        decode_forward_impl(DT_F32, DT_F32, DECODE_ARGS);
+    else if (m->dt == DT_F32)
+        decode_forward_impl(DT_F32, DT_BF16, DECODE_ARGS);
+    else if (m->kv_dt == DT_BF16)
+        decode_forward_impl(DT_BF16, DT_BF16, DECODE_ARGS);
+    else
+        decode_forward_impl(DT_BF16, DT_F32, DECODE_ARGS);
+#undef DECODE_ARGS
+}

@@ -42,6 +42,8 @@ _SIGNATURES = {
     "linear_scratch": ([_C, _I, _I], _I),
     "stream_sum": ([_P, _I], _F),
     "pdserve_isa": ([], ctypes.c_char_p),
+    "decode_scratch_bytes": ([_P, _I], _I),
+    "decode_forward": ([_P, _I, *[_P] * 4, _I, _I, *[_P] * 3, _I, _P], None),
 }
 # Element types (DT_* in simd.h).
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -250,12 +252,155 @@ class CpuOps:
         )
         return out
 
+    def fused_decoder(self, layers: list[DecoderLayerWeights], final_norm: torch.Tensor, **dims):
+        """A `FusedDecoder` over these weights (dims: intermediate, num_heads, num_kv_heads,
+        head_dim, eps, scale)."""
+        return FusedDecoder(self._lib, layers, final_norm, **dims)
+
     def stream_sum(self, values: torch.Tensor) -> float:
         """The sum of a contiguous float32 tensor of a multiple of 64 elements, read as one
         stream (the memory-bandwidth probe)."""
         if values.dtype != torch.float32 or values.numel() % 64 or not values.is_contiguous():
             raise ValueError("stream_sum needs a contiguous float32 tensor of 64k elements")
         return self._lib.stream_sum(values.data_ptr(), values.numel())
+
+
+class _PackedLinear(ctypes.Structure):
+    _fields_ = (("format", _I), ("out", _I), ("in_", _I), ("data", _P), ("bias", _P))
+
+
+class _DecoderLayer(ctypes.Structure):
+    _fields_ = (
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("qkv", _PackedLinear),
+        ("o", _PackedLinear),
+        ("gate_up", _PackedLinear),
+        ("down", _PackedLinear),
+    )
+
+
+class _DecoderModel(ctypes.Structure):
+    _fields_ = (
+        *((name, _I) for name in ("num_layers", "hidden", "intermediate", "num_heads")),
+        *((name, _I) for name in ("num_kv_heads", "head_dim", "dt", "kv_dt")),
+        ("eps", ctypes.c_double),
+        ("scale", ctypes.c_double),
+        ("layers", ctypes.POINTER(_DecoderLayer)),
+        ("final_norm", _P),
+    )
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One layer's tensors as `decode_forward` reads them (norm weights in the model dtype)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: PackedWeight
+    qkv_bias: torch.Tensor | None
+    o: PackedWeight
+    gate_up: PackedWeight
+    down: PackedWeight
+
+
+class FusedDecoder:
+    """The whole decoder stack for a batch of single-token sequences in one native call
+    (`decode_forward` in cpu_ops.c): the same kernels in the same order as the per-op path,
+    without Python between them. Holds references to every tensor it points at."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        layers: list[DecoderLayerWeights],
+        final_norm: torch.Tensor,
+        *,
+        intermediate: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+    ) -> None:
+        self._lib = lib
+        self._tensors = (layers, final_norm)
+        self._layers = (_DecoderLayer * len(layers))(
+            *(
+                _DecoderLayer(
+                    w.input_norm.data_ptr(),
+                    w.post_norm.data_ptr(),
+                    _linear_struct(w.qkv, w.qkv_bias),
+                    _linear_struct(w.o, None),
+                    _linear_struct(w.gate_up, None),
+                    _linear_struct(w.down, None),
+                )
+                for w in layers
+            )
+        )
+        self.dtype = final_norm.dtype
+        self._model = _DecoderModel(
+            len(layers),
+            final_norm.shape[0],
+            intermediate,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            _DTYPE_CODES[self.dtype],
+            0,
+            eps,
+            scale,
+            self._layers,
+            final_norm.data_ptr(),
+        )
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """hidden [rows, hidden] (the embeddings; overwritten) -> final-normed states, row r
+        being sequence r; cos/sin float32 [rows, head_dim / 2]; kv_cache [num_layers, 2,
+        num_blocks, block_size, num_kv_heads, head_dim] (receives the new K/V at
+        slot_mapping [rows] int64); block_tables [rows, max_blocks], seq_lens [rows] int64."""
+        if not (hidden.is_contiguous() and kv_cache.is_contiguous() and cos.is_contiguous()):
+            raise ValueError("decode_forward needs contiguous hidden states, angles and cache")
+        rows = hidden.shape[0]
+        self._model.kv_dt = _DTYPE_CODES[kv_cache.dtype]
+        needed = self._lib.decode_scratch_bytes(ctypes.byref(self._model), rows)
+        if self._scratch.numel() < needed:
+            self._scratch = torch.empty(needed, dtype=torch.uint8)
+        self._lib.decode_forward(
+            ctypes.byref(self._model),
+            rows,
+            hidden.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            kv_cache.data_ptr(),
+            kv_cache.shape[2],
+            kv_cache.shape[3],
+            slot_mapping.data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+            block_tables.shape[1],
+            self._scratch.data_ptr(),
+        )
+        return hidden
+
+
+def _linear_struct(weight: PackedWeight, bias: torch.Tensor | None) -> _PackedLinear:
+    return _PackedLinear(
+        weight.format,
+        weight.out_features,
+        weight.in_features,
+        weight.data.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+    )
 
 
 def requested_isa() -> str | None:
