@@ -59,7 +59,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--num-threads",
         type=int,
         default=None,
-        help="torch threads for the forward pass (default: all cores)",
+        help="compute threads for the forward pass (default 1: decode runs in single-threaded "
+        "kernels, and a second OpenMP thread stalls prefill whenever another thread holds its "
+        "core; use more cores with more workers, or set this on an otherwise idle machine)",
     )
     group.add_argument(
         "--step-log",

@@ -9,6 +9,8 @@ from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.model.config import KV_CACHE_DTYPES, Quantization
 
 DEFAULT_KV_CACHE_MEMORY_GB = 1.0
+# Compute threads per engine process when num_threads is None (README "CPU speed").
+DEFAULT_NUM_THREADS = 1
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_FAILURE_POLICIES = ("recompute", "fail")
 

@@ -15,7 +15,7 @@ from pdserve.core.config import CacheConfig
 from pdserve.core.request import FinishReason, Request, RequestMetrics
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
 from pdserve.core.scheduler import EngineStats, Scheduler
-from pdserve.engine.config import DEFAULT_KV_CACHE_MEMORY_GB, EngineConfig
+from pdserve.engine.config import DEFAULT_KV_CACHE_MEMORY_GB, DEFAULT_NUM_THREADS, EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import KVTransferOutcome, RequestOutput
@@ -53,8 +53,9 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        # One compute thread unless told otherwise: see README "CPU speed" (two OpenMP
+        # threads stall whenever another thread holds the second core).
+        torch.set_num_threads(config.num_threads or DEFAULT_NUM_THREADS)
         self.config = config
         self.loaded = loaded or load_model(
             config.model, config.dtype, config.device, config.quantization
