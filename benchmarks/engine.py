@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.engine.args import engine_config_from_kwargs
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.attention import kv_bytes_per_token
 from pdserve.model.cpu_runtime import read_cpu_flags
@@ -79,7 +79,7 @@ def prompt_ids(length: int, seed: int) -> list[int]:
 
 
 def make_engine(loaded, mode: str = "colocated", budget: int | None = None) -> LLMEngine:
-    config = engine_config_from_kwargs(
+    config = EngineConfig.from_kwargs(
         mode=mode,
         max_num_batched_tokens=budget,
         dtype=str(loaded.dtype).removeprefix("torch."),

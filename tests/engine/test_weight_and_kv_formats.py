@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.engine.args import engine_config_from_kwargs
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_bfloat16_kv_cache_under_a_float32_model(loaded_fp32, chat_token_ids):
-    config = engine_config_from_kwargs(
+    config = EngineConfig.from_kwargs(
         dtype="float32", device="cpu", kv_cache_dtype="bfloat16", num_kv_blocks=64
     )
     engine = LLMEngine(config, loaded=loaded_fp32)
@@ -23,7 +23,7 @@ def test_bfloat16_kv_cache_under_a_float32_model(loaded_fp32, chat_token_ids):
     params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
     narrow = LLM(engine=engine).generate(chat_token_ids[:2], params, use_tqdm=False)
     wide = LLM(
-        engine=LLMEngine(engine_config_from_kwargs(dtype="float32", device="cpu"), loaded_fp32)
+        engine=LLMEngine(EngineConfig.from_kwargs(dtype="float32", device="cpu"), loaded_fp32)
     ).generate(chat_token_ids[:2], params, use_tqdm=False)
     # Rounding K/V to bf16 moves logits slightly: the first greedy tokens still agree.
     for a, b in zip(narrow, wide, strict=True):
@@ -43,6 +43,6 @@ def test_quantized_engine_generates(quantization, chat_token_ids):
 
 def test_unknown_quantization_names_the_field():
     with pytest.raises(ValueError, match="quantization must be one of none, int8, gguf"):
-        engine_config_from_kwargs(quantization="fp4")
+        EngineConfig.from_kwargs(quantization="fp4")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16"):
-        engine_config_from_kwargs(kv_cache_dtype="int4")
+        EngineConfig.from_kwargs(kv_cache_dtype="int4")

@@ -17,7 +17,7 @@ from pdserve.kv_transfer import (
     plan_units,
 )
 from pdserve.kv_transfer.client import KVClient
-from pdserve.kv_transfer.factory import create_kv_transport
+from pdserve.kv_transfer.connector import create_kv_transport
 from pdserve.kv_transfer.wire import HEADER, MAGIC, MessageType, encode_frame, read_frame
 from tests.kv_transfer.helpers import NUM_BLOCKS, tiny_layout
 
@@ -101,7 +101,9 @@ def test_bad_replies_raise_cleanly(reply, error, phrase):
 
 
 def _consumer():
-    return create_kv_transport(KVTransferConfig(kv_role="kv_consumer"), LAYOUT, NUM_BLOCKS)
+    return create_kv_transport(
+        KVTransferConfig(transport="tcp", kv_role="kv_consumer"), LAYOUT, NUM_BLOCKS
+    )
 
 
 @pytest.mark.parametrize(
