@@ -360,39 +360,25 @@ ALWAYS_INLINE void quantize_rows(int xdt, const void* x, uint8_t* scratch, int64
  * row of the group) += the weights' integers . row r's int8 values. 8-bit weights are the
  * stored (+128) bytes; Q8_BIAS is what the result carries beyond the true signed dot, in
  * units of the block's sum of x integers. */
-#if defined(PDSERVE_ISA_AVX512) && defined(__AVX512VNNI__)
+#if defined(PDSERVE_ISA_AVX512)
+#if defined(__AVX512VNNI__)
 #define Q8_BIAS 128
-ALWAYS_INLINE void dot_block_4bit(const int64_t R, const uint8_t* qs, const int8_t* const* x,
-                                  VI16* isum) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int64_t k = 0; k < 8; k++) {
-        const __m256i packed = _mm256_loadu_si256((const __m256i*)(qs + 32 * k));
-        const __m512i w = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_and_si256(packed, low)),
-            _mm256_and_si256(_mm256_srli_epi16(packed, 4), low), 1);
-        for (int64_t r = 0; r < R; r++) {
-            int32_t quad;
-            memcpy(&quad, x[r] + 4 * k, 4);
-            isum[r] = _mm512_dpbusd_epi32(isum[r], w, _mm512_set1_epi32(quad));
-        }
-    }
+/* acc + per lane the sum of 4 products u8 (w) x s8 (x). */
+ALWAYS_INLINE __m512i dot4_512(__m512i acc, __m512i w_unsigned, __m512i x_signed) {
+    return _mm512_dpbusd_epi32(acc, w_unsigned, x_signed);
 }
-ALWAYS_INLINE void dot_block_8bit(const int64_t R, const uint8_t* qs, const int8_t* const* x,
-                                  VI16* isum) {
-    for (int64_t k = 0; k < 8; k++) {
-        const __m512i w = _mm512_loadu_si512(qs + 64 * k);
-        for (int64_t r = 0; r < R; r++) {
-            int32_t quad;
-            memcpy(&quad, x[r] + 4 * k, 4);
-            isum[r] = _mm512_dpbusd_epi32(isum[r], w, _mm512_set1_epi32(quad));
-        }
-    }
-}
-#elif defined(PDSERVE_ISA_AVX512)
+#else
 #define Q8_BIAS 0
 /* u8 x s8 pairs summed to int16 (no overflow: |w| <= 127 or w <= 15), then pairs to int32. */
-ALWAYS_INLINE __m512i dot4_512(__m512i w_unsigned, __m512i x_signed) {
-    return _mm512_madd_epi16(_mm512_maddubs_epi16(w_unsigned, x_signed), _mm512_set1_epi16(1));
+ALWAYS_INLINE __m512i dot4_512(__m512i acc, __m512i w_unsigned, __m512i x_signed) {
+    const __m512i pairs = _mm512_maddubs_epi16(w_unsigned, x_signed);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
+#endif
+ALWAYS_INLINE __m512i quad_of(const int8_t* x, int64_t k) {
+    int32_t quad;
+    memcpy(&quad, x + 4 * k, 4);
+    return _mm512_set1_epi32(quad);
 }
 ALWAYS_INLINE void dot_block_4bit(const int64_t R, const uint8_t* qs, const int8_t* const* x,
                                   VI16* isum) {
@@ -402,28 +388,26 @@ ALWAYS_INLINE void dot_block_4bit(const int64_t R, const uint8_t* qs, const int8
         const __m512i w = _mm512_inserti64x4(
             _mm512_castsi256_si512(_mm256_and_si256(packed, low)),
             _mm256_and_si256(_mm256_srli_epi16(packed, 4), low), 1);
-        for (int64_t r = 0; r < R; r++) {
-            int32_t quad;
-            memcpy(&quad, x[r] + 4 * k, 4);
-            isum[r] = _mm512_add_epi32(isum[r], dot4_512(w, _mm512_set1_epi32(quad)));
-        }
+        for (int64_t r = 0; r < R; r++) isum[r] = dot4_512(isum[r], w, quad_of(x[r], k));
     }
 }
 ALWAYS_INLINE void dot_block_8bit(const int64_t R, const uint8_t* qs, const int8_t* const* x,
                                   VI16* isum) {
     for (int64_t k = 0; k < 8; k++) {
+        const __m512i stored = _mm512_loadu_si512(qs + 64 * k);
+#if defined(__AVX512VNNI__)
+        for (int64_t r = 0; r < R; r++) isum[r] = dot4_512(isum[r], stored, quad_of(x[r], k));
+#else
         /* Signed weights; |w| times x with w's sign keeps maddubs's int16 sums in range. */
-        const __m512i w =
-            _mm512_xor_si512(_mm512_loadu_si512(qs + 64 * k), _mm512_set1_epi8((char)0x80));
+        const __m512i w = _mm512_xor_si512(stored, _mm512_set1_epi8((char)0x80));
         const __m512i magnitude = _mm512_abs_epi8(w);
         const __mmask64 negative = _mm512_movepi8_mask(w);
         for (int64_t r = 0; r < R; r++) {
-            int32_t quad;
-            memcpy(&quad, x[r] + 4 * k, 4);
-            const __m512i xq = _mm512_set1_epi32(quad);
+            const __m512i xq = quad_of(x[r], k);
             const __m512i signed_x = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
-            isum[r] = _mm512_add_epi32(isum[r], dot4_512(magnitude, signed_x));
+            isum[r] = dot4_512(isum[r], magnitude, signed_x);
         }
+#endif
     }
 }
 #elif defined(PDSERVE_ISA_AVX2)
