@@ -8,6 +8,7 @@ below the time spent streaming weights.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import torch
@@ -26,6 +27,7 @@ from pdserve.model.kernels.cpu_ops import (
 from pdserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from pdserve.model.quant import QuantizedWeight
 
+logger = logging.getLogger(__name__)
 # Batches up to this many sequences decode in one native call when the kernels cover them.
 FUSED_DECODE_MAX_ROWS = 256
 
@@ -174,6 +176,12 @@ class LlamaForCausalLM(nn.Module):
     def pack(self) -> None:
         """Put every linear weight in the fastest layout for this device (see `Linear`), and
         set up the one-call decode step where the CPU kernels cover every layer."""
+        if self.quantization is not Quantization.NONE and self.cpu_ops is None:
+            logger.warning(
+                "--quantization %s needs the CPU kernels; weights run dequantized to %s here",
+                self.quantization.value,
+                self.dtype,
+            )
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(self.quantization)
