@@ -44,8 +44,10 @@ def tune_cpu_allocator() -> bool:
     return is_set
 
 
+@functools.cache
 def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU feature flags Linux reports (empty where /proc/cpuinfo is unavailable)."""
+    """The CPU feature flags Linux reports (empty where /proc/cpuinfo is unavailable); read
+    once per process."""
     try:
         text = cpuinfo.read_text()
     except OSError:
