@@ -480,8 +480,8 @@ ALWAYS_INLINE void dot_block_8bit(const int64_t R, const uint8_t* qs, const int8
 #endif
 
 /* One group (16 outputs) for R rows: acc[r] = that group's slice of x_r W^T. */
-ALWAYS_INLINE void group_float(const int64_t R, int wfmt, const void* w, const void* const* x,
-                               int64_t in, V16* acc) {
+ALWAYS_INLINE void group_float(const int64_t R, int wfmt, int dpbf16, const void* w,
+                               const void* const* x, int64_t in, V16* acc) {
     /* R == 1 runs 4 independent chains (interleaved inputs) to hide FMA latency. */
     const int64_t P = R == 1 ? 4 : R == 2 ? 2 : 1;
     V16 part[MAX_ROW_TILE][4];
@@ -501,7 +501,7 @@ ALWAYS_INLINE void group_float(const int64_t R, int wfmt, const void* w, const v
             for (int64_t r = 0; r < R; r++)
                 part[r][0] = v_fma(wv, v_set1(((const float*)x[r])[i]), part[r][0]);
         }
-    } else if (HAS_DPBF16) {
+    } else if (HAS_DPBF16 && dpbf16) {
 #if HAS_DPBF16
         const uint16_t* wg = (const uint16_t*)w;
         const int64_t pairs = in / 2;
@@ -619,7 +619,7 @@ ALWAYS_INLINE int64_t group_bytes(int wfmt, int64_t in) {
 }
 
 /* Rows [first, first + n) of the output, n <= R (rows past n repeat the last one). */
-ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int ydt, const uint8_t* w,
+ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int ydt, const uint8_t* w,
                                const uint8_t* xs, int64_t x_row_bytes, const void* bias, void* y,
                                int64_t first, int64_t n, int64_t out, int64_t in,
                                int64_t group_start, int64_t group_end) {
@@ -640,7 +640,7 @@ ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int ydt, const uint8_t
         else if (wfmt == W_INT8)
             group_int8(R, wg, xf, in, acc);
         else
-            group_float(R, wfmt, wg, xf, in, acc);
+            group_float(R, wfmt, dpbf16, wg, xf, in, acc);
         const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;
         const V16 b = bias ? load_dt_n(bias, 16 * g, width, ydt) : v_zero();
         for (int64_t r = 0; r < n; r++)
@@ -650,13 +650,16 @@ ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int ydt, const uint8_t
 
 ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, const void* bias,
                                void* y, int64_t rows, int64_t out, int64_t in, uint8_t* scratch) {
+    /* vdpbf16ps only for one or two rows: at more, its throughput (measured on Sapphire
+     * Rapids) falls behind converting the weights to float32 for FMAs. */
+    const int dpbf16 = HAS_DPBF16 && wfmt == W_BF16 && rows <= 2;
     /* x as the format's kernel reads it: bfloat16 pairs (vdpbf16ps), int8 blocks or float. */
     const uint8_t* xs;
     int64_t x_row_bytes = in * (int64_t)sizeof(float);
     if (is_quantized(wfmt)) {
         quantize_rows(xdt, x, scratch, rows, in);
         xs = scratch;
-    } else if (wfmt == W_BF16 && HAS_DPBF16) {
+    } else if (dpbf16) {
         x_row_bytes = in * 2;
         if (xdt == DT_BF16) {
             xs = (const uint8_t*)x;
@@ -683,7 +686,8 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
         const int64_t g1 = g0 + chunk < num_groups ? g0 + chunk : num_groups;
         for (int64_t first = 0; first < rows; first += MAX_ROW_TILE) {
             const int64_t n = rows - first < MAX_ROW_TILE ? rows - first : MAX_ROW_TILE;
-#define TILE(R) linear_tile(R, wfmt, xdt, w, xs, x_row_bytes, bias, y, first, n, out, in, g0, g1)
+#define TILE(R)                                                                                 \
+    linear_tile(R, wfmt, dpbf16, xdt, w, xs, x_row_bytes, bias, y, first, n, out, in, g0, g1)
             if (n == 1)
                 TILE(1);
             else if (n == 2)
