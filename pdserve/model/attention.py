@@ -41,20 +41,17 @@ class PrefillChunk:
     def rows(self) -> slice:
         return slice(self.token_start, self.token_end)
 
+    @property
+    def seq_len(self) -> int:
+        return self.num_computed_tokens + self.token_end - self.token_start
+
     @functools.cached_property
-    def context_slots_and_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots [seq_len] of the whole context and the mask [num_new, seq_len] (True: the
-        query at that row sees that position), for paths that gather the context."""
-        device = self.block_table.device
-        context = torch.arange(
-            self.num_computed_tokens + self.token_end - self.token_start, device=device
-        )
-        slots = (
-            self.block_table[context // self.block_size] * self.block_size
-            + context % self.block_size
-        )
+    def context_mask(self) -> torch.Tensor:
+        """[num_new, seq_len] bool, True where the query at that row sees that position (all
+        earlier tokens, and the chunk causally), for paths that gather the context."""
+        context = torch.arange(self.seq_len, device=self.block_table.device)
         query_positions = context[self.num_computed_tokens :]
-        return slots, context[None, :] <= query_positions[:, None]
+        return context[None, :] <= query_positions[:, None]
 
 
 @dataclass(frozen=True)
@@ -322,9 +319,10 @@ class TorchAttentionBackend(AttentionBackend):
         chunk: PrefillChunk,
     ) -> torch.Tensor:
         mask = None
-        if chunk.num_computed_tokens:  # attend to the cached context too: gather it
-            slots, mask = chunk.context_slots_and_mask
-            context = kv_layer.view(2, -1, k.shape[1], k.shape[2]).index_select(1, slots)
+        if chunk.num_computed_tokens:  # attend to the cached context too: gather it by blocks
+            mask = chunk.context_mask
+            blocks = kv_layer.index_select(1, chunk.block_table)  # [2, blocks, bs, kv_heads, D]
+            context = blocks.view(2, -1, k.shape[1], k.shape[2])[:, : chunk.seq_len]
             k, v = context[0].to(q.dtype), context[1].to(q.dtype)
         # SDPA wants [batch, heads, tokens, head_dim]; transposed views, no copies.
         out = F.scaled_dot_product_attention(
