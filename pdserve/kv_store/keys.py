@@ -85,11 +85,14 @@ class LayoutFingerprint:
                 raise ValueError(f"{name} must be positive")
 
     @classmethod
-    def from_layout(cls, layout: KVLayout, quantization: str | None = None) -> LayoutFingerprint:
-        """The fingerprint of a KV transfer layout (whose cache dtype is the model's)."""
+    def from_layout(
+        cls, layout: KVLayout, dtype: str, quantization: str | None
+    ) -> LayoutFingerprint:
+        """The fingerprint of a KV transfer layout (whose dtype is the cache's) for a model
+        computing in `dtype` with weights quantized as `quantization`."""
         return cls(
             model_id=layout.model_id,
-            dtype=layout.dtype,
+            dtype=dtype,
             kv_dtype=layout.dtype,
             quantization=quantization,
             block_size=layout.block_size,
