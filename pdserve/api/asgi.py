@@ -19,6 +19,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.api.errors import APIError, ErrorType, OnError, install_handlers
+from pdserve.api.openapi import document_front_door
 
 T = TypeVar("T")
 
@@ -36,8 +37,10 @@ def install_front_door(
     on_error: OnError = lambda error, path: None,
 ) -> None:
     """The OpenAI error handlers and the guards, in their order: a request without the key
-    is refused before its body is read (added last = runs first)."""
+    is refused before its body is read (added last = runs first); the OpenAPI document
+    states their answers."""
     install_handlers(app, on_error)
+    document_front_door(app, protected_prefixes=None if api_key is None else protected_prefixes)
     app.add_exception_handler(ClientDisconnected, _client_closed)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes, on_error=on_error)
     if api_key is not None:

@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 
 class ErrorType(enum.Enum):
@@ -82,21 +83,18 @@ class APIError(Exception):
         )
 
 
-class _ErrorDetail(BaseModel):
+class ErrorDetail(BaseModel):
     message: str
-    type: str
-    param: str | None
+    type: str = Field(description="OpenAI's error type, e.g. invalid_request_error")
+    param: str | None = Field(description="the request field at fault, e.g. messages[0].role")
     code: str | None
 
 
 class ErrorBody(BaseModel):
-    """The envelope, for the OpenAPI schema."""
+    """The envelope (`APIError.body()`), for the OpenAPI document."""
 
-    error: _ErrorDetail
+    error: ErrorDetail
 
-
-# `responses=` of a route: its error answers in the OpenAPI schema.
-ERROR_RESPONSES = {t.status_code: {"model": ErrorBody} for t in ErrorType}
 
 OnError = Callable[[APIError, str], None]
 
@@ -124,21 +122,29 @@ def _field_parts(loc: Sequence[str | int]) -> list[str | int]:
 
 
 def _is_type_tag(part: str) -> bool:
-    # pydantic names union members in locations ("str", "list[int]", "function-after[...]").
-    return part in {"str", "int", "float", "bool", "list", "dict"} or "[" in part
+    # pydantic names union members in locations ("str", "list[int]", "constrained-str",
+    # "function-after[...]"); our field names are identifiers.
+    return part in {"str", "int", "float", "bool", "list", "dict"} or not part.isidentifier()
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
     """The most specific pydantic error about the first bad field, phrased for a client.
 
-    A union field reports one error per member; the deepest location (e.g. inside the list
-    member rather than "not a string") is the one that tells the client what to fix."""
+    A union field reports one error per member. The member whose type matched (its error is
+    not a type mismatch, e.g. a list too long rather than "not a string"), and within it the
+    deepest location, is the one that tells the client what to fix."""
     errors = exc.errors()
     if not errors:
         return invalid(None, "invalid request body")
     field = _field_parts(errors[0].get("loc", ()))[:1]
     same_field = [e for e in errors if _field_parts(e.get("loc", ()))[:1] == field]
-    first = max(same_field, key=lambda e: len(_field_parts(e.get("loc", ()))))
+    first = max(
+        same_field,
+        key=lambda e: (
+            not e.get("type", "").endswith("_type"),
+            len(_field_parts(e.get("loc", ()))),
+        ),
+    )
     if first.get("type") == "json_invalid":
         return invalid(None, f"request body is not valid JSON: {first.get('msg')}")
     param = _param_from_loc(first.get("loc", ()))
@@ -146,6 +152,17 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if param is None:
         return invalid(None, f"request body: {message}")
     return invalid(param, f"{param}: {message}")
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this path (Starlette's 405 names only the first
+    route's, e.g. GET of GET /workers when POST /workers exists too)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 def install_handlers(app, on_error: OnError) -> None:
@@ -165,7 +182,10 @@ def install_handlers(app, on_error: OnError) -> None:
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error_type = ErrorType.from_status(exc.status_code)
-        return respond(request, APIError(error_type, str(exc.detail), headers=exc.headers))
+        headers = exc.headers
+        if error_type is ErrorType.METHOD_NOT_ALLOWED:
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+        return respond(request, APIError(error_type, str(exc.detail), headers=headers))
 
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         return respond(

@@ -1,8 +1,10 @@
 """The router's FastAPI app: a worker's OpenAI surface plus /workers, /health, /metrics.
 
-The front door is the server's (`pdserve.api`): the same error envelope, API key check and
-body limit, so the router answers a bad request with the body a worker would. Runtime scaling:
-``GET /workers``, ``POST /workers``, ``DELETE /workers/{id}`` (drain).
+The front door is the server's (`pdserve.api`): the same error envelope, API key check, body
+limit and request models, so the router refuses a bad body itself with the 400 a worker would
+give, and publishes the same document for it. What needs the model (its name, context window,
+vocabulary) only a worker knows: those answers are relayed. Runtime scaling: ``GET /workers``,
+``POST /workers``, ``DELETE /workers/{id}`` (drain).
 """
 
 from __future__ import annotations
@@ -13,21 +15,32 @@ from typing import Literal
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.api.asgi import install_front_door
-from pdserve.api.errors import ERROR_RESPONSES, APIError, ErrorType, invalid
-from pdserve.api.protocol import RoutedRequest
+from pdserve.api.errors import APIError, ErrorType, invalid
+from pdserve.api.openapi import GENERATION_ERRORS, answers, generation_route, json_answer
+from pdserve.api.protocol import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelList,
+)
 from pdserve.router.config import RouterConfig, normalize_worker_url
 from pdserve.router.policies import PoolRole
 from pdserve.router.pool import DuplicateWorkerError
 from pdserve.router.runtime import RouterRuntime
 from pdserve.router.tokenizer import PromptTokenizer
 
-COMPLETIONS = "/v1/completions"
-CHAT_COMPLETIONS = "/v1/chat/completions"
+# What `normalize_worker_url` takes: http(s)://host[:port][/], a port in 0-65535.
+_PORT = r"0*(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
+WORKER_URL_PATTERN = rf"^https?://[A-Za-z0-9.-]+(?::(?:{_PORT})?)?/?$"
+
+# Besides the worker's answers, relayed: no decode worker could take the request.
+_GENERATION_ERRORS = (*GENERATION_ERRORS, ErrorType.BAD_GATEWAY)
 
 
 class WorkerToAdd(BaseModel):
@@ -35,8 +48,43 @@ class WorkerToAdd(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    url: str = Field(pattern=WORKER_URL_PATTERN, description="http://host:port")
+    role: Literal["prefill", "decode"]
+
+
+class WorkerRecord(BaseModel):
+    """One worker as ``GET /workers`` lists it (`pool.Worker.to_dict`)."""
+
+    id: str
     url: str
     role: Literal["prefill", "decode"]
+    state: Literal["unknown", "healthy", "unhealthy"]
+    draining: bool
+    num_inflight: int
+    num_inflight_prefill_tokens: int
+    num_running: int | None
+    num_waiting: int | None
+    kv_cache_usage: float | None
+    last_error: str | None
+
+
+class DrainedWorker(WorkerRecord):
+    removed: bool = Field(description="false while its in-flight requests finish")
+
+
+class WorkerList(BaseModel):
+    workers: list[WorkerRecord]
+
+
+class PoolHealth(BaseModel):
+    routable: int
+    total: int
+
+
+class RouterHealth(BaseModel):
+    status: Literal["ok", "unavailable"]
+    prefill: PoolHealth
+    decode: PoolHealth
 
 
 def build_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None) -> FastAPI:
@@ -66,21 +114,36 @@ def build_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None) ->
 
 
 def _add_openai_routes(app: FastAPI, runtime: RouterRuntime) -> None:
-    # `_body: RoutedRequest` makes FastAPI parse and check the body as a worker's app does (same
-    # errors); the dispatcher relays the parsed JSON itself, which Starlette keeps.
-    @app.post(COMPLETIONS, responses=ERROR_RESPONSES)
-    async def completions(_body: RoutedRequest, request: Request) -> Response:
+    # `_body` makes FastAPI check the body with the worker's own model (same 400s); the
+    # dispatcher relays the client's JSON itself (unknown fields too), which Starlette keeps.
+    @app.post(**generation_route(COMPLETIONS, *_GENERATION_ERRORS))
+    async def completions(_body: CompletionRequest, request: Request) -> Response:
         return await runtime.dispatcher.handle(request, COMPLETIONS, await request.json())
 
-    @app.post(CHAT_COMPLETIONS, responses=ERROR_RESPONSES)
-    async def chat_completions(_body: RoutedRequest, request: Request) -> Response:
+    @app.post(**generation_route(CHAT_COMPLETIONS, *_GENERATION_ERRORS))
+    async def chat_completions(_body: ChatCompletionRequest, request: Request) -> Response:
         return await runtime.dispatcher.handle(request, CHAT_COMPLETIONS, await request.json())
 
-    @app.get("/v1/models")
+    @app.get(
+        "/v1/models",
+        response_model=None,
+        responses=answers(
+            {200: json_answer(ModelList, "a worker's /v1/models")}, ErrorType.UNAVAILABLE
+        ),
+    )
     async def models() -> Response:
         return await _proxy_models(runtime)
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_model=None,
+        responses=answers(
+            {
+                200: json_answer(RouterHealth, "a decode worker is in rotation"),
+                503: json_answer(RouterHealth, "no decode worker is in rotation"),
+            }
+        ),
+    )
     async def health() -> JSONResponse:
         """200 while at least one decode worker is in rotation, else 503."""
         summary = {
@@ -93,8 +156,9 @@ def _add_openai_routes(app: FastAPI, runtime: RouterRuntime) -> None:
             status_code=200 if is_up else 503,
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
+        """Prometheus text exposition."""
         return Response(runtime.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -118,11 +182,23 @@ async def _proxy_models(runtime: RouterRuntime) -> Response:
 def _add_worker_routes(app: FastAPI, runtime: RouterRuntime) -> None:
     registry = runtime.registry
 
-    @app.get("/workers")
+    @app.get(
+        "/workers",
+        response_model=None,
+        responses=answers({200: json_answer(WorkerList, "both pools' workers")}),
+    )
     async def list_workers() -> JSONResponse:
         return JSONResponse({"workers": [w.to_dict() for w in registry.all_workers()]})
 
-    @app.post("/workers", responses=ERROR_RESPONSES)
+    @app.post(
+        "/workers",
+        status_code=201,
+        response_model=None,
+        responses=answers(
+            {201: json_answer(WorkerRecord, "registered; in rotation once healthy")},
+            ErrorType.CONFLICT,
+        ),
+    )
     async def add_worker(body: WorkerToAdd) -> JSONResponse:
         """The worker is health-checked at once and joins rotation when that passes (201
         either way)."""
@@ -135,7 +211,17 @@ def _add_worker_routes(app: FastAPI, runtime: RouterRuntime) -> None:
         await runtime.health.check(worker)
         return JSONResponse(worker.to_dict(), status_code=201)
 
-    @app.delete("/workers/{worker_id}", responses=ERROR_RESPONSES)
+    @app.delete(
+        "/workers/{worker_id}",
+        response_model=None,
+        responses=answers(
+            {
+                200: json_answer(DrainedWorker, "removed"),
+                202: json_answer(DrainedWorker, "draining: removed once its requests finish"),
+            },
+            ErrorType.NOT_FOUND,
+        ),
+    )
     async def drain_worker(worker_id: str) -> JSONResponse:
         """Stop routing to the worker; it is removed once its in-flight requests finish.
         200 with ``removed: true`` when that is already so, 202 while it drains."""

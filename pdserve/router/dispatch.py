@@ -96,7 +96,7 @@ class Dispatcher:
 
     async def handle(self, request: Request, endpoint: str, body: dict[str, Any]) -> Response:
         """Serve `endpoint` (``/v1/completions`` or ``/v1/chat/completions``) for `body`, the
-        client's JSON object (`pdserve.api.protocol.RoutedRequest` checked already)."""
+        client's JSON object (validated already by its `pdserve.api.protocol` model)."""
         timing = RequestTiming(f"rtr-{uuid.uuid4().hex[:16]}")
         flight: _Flight | None = None
         if body.get("stream") is None:

@@ -12,14 +12,25 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
 from pdserve.api.asgi import install_front_door
-from pdserve.api.errors import ERROR_RESPONSES, APIError
-from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from pdserve.api.errors import APIError, ErrorType
+from pdserve.api.openapi import GENERATION_ERRORS, answers, generation_route, json_answer
+from pdserve.api.protocol import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.server.inputs import (
     ModelInfo,
@@ -34,6 +45,10 @@ from pdserve.server.serving import ServerState, new_request_id, serve
 from pdserve.server.settings import ServerSettings
 
 logger = logging.getLogger("pdserve.server.access")
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]
 
 
 def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
@@ -86,20 +101,30 @@ def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    @app.post(**generation_route(COMPLETIONS, *GENERATION_ERRORS))
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
         return await _generate(http_request, state, body, prepare_completion, CompletionResponses)
 
-    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    @app.post(**generation_route(CHAT_COMPLETIONS, *GENERATION_ERRORS))
     async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
         return await _generate(http_request, state, body, prepare_chat, ChatResponses)
 
-    @app.post("/tokenize", responses=ERROR_RESPONSES)
+    @app.post(
+        "/tokenize",
+        response_model=None,
+        responses=answers(
+            {200: json_answer(TokenizeResponse, "the prompt's token ids")}, ErrorType.NOT_FOUND
+        ),
+    )
     async def tokenize_route(body: TokenizeRequest) -> dict:
         """The prompt token ids a generation request would compute (see `inputs.tokenize`)."""
         return await asyncio.to_thread(tokenize, body, state.model)
 
-    @app.get("/v1/models")
+    @app.get(
+        "/v1/models",
+        response_model=None,
+        responses=answers({200: json_answer(ModelList, "the served model and its aliases")}),
+    )
     async def models() -> dict:
         return {
             "object": "list",
@@ -116,14 +141,24 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             ],
         }
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_model=None,
+        responses=answers(
+            {
+                200: json_answer(Health, "the engine is making progress"),
+                503: json_answer(Health, "the engine loop stalled or stopped"),
+            }
+        ),
+    )
     async def health() -> JSONResponse:
         if state.engine.is_healthy(state.settings.health_timeout_s):
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
+        """Prometheus text exposition."""
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -1,6 +1,7 @@
 """From a validated request body to what the engine takes: prompt token ids + SamplingParams.
 
-Checks that need the model live here: served model name (404), context window, vocabulary.
+The body's own rules are checked by its model (`pdserve.api.protocol`); the checks that need
+the served model live here: its name (404), context window, vocabulary, the chat template.
 Every failure is an `APIError` naming the request field. `tokenize` (POST /tokenize) computes
 the prompt ids through the same code.
 """
@@ -23,10 +24,6 @@ from pdserve.model.chat_template import ChatTemplateError
 
 # OpenAI's default for /v1/completions; chat defaults to the rest of the context window.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# Stop strings are searched on every step, so their number and length are bounded.
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 256
 
 
 class Tokenizer(Protocol):
@@ -68,8 +65,6 @@ def tokenize(body: TokenizeRequest, info: ModelInfo) -> dict:
     the worker will. Unlike generation, a prompt longer than the context window is not an
     error here: the caller learns its length."""
     _check_model(body.model, info)
-    if (body.prompt is None) == (body.messages is None):
-        raise invalid("prompt", "give exactly one of prompt and messages")
     if body.messages is not None:
         ids = _render_chat(body.messages, body.add_generation_prompt, info)
     else:
@@ -90,8 +85,6 @@ def _check_model(model: str | None, info: ModelInfo) -> None:
 
 def prepare_completion(body: CompletionRequest, info: ModelInfo) -> PreparedRequest:
     _check_model(body.model, info)
-    if body.echo:
-        raise invalid("echo", "echo is not supported")
     prompt_ids = _completion_prompt_ids(body.prompt, info)
     max_tokens = _max_tokens(
         body.max_tokens, "max_tokens", len(prompt_ids), info, DEFAULT_COMPLETION_MAX_TOKENS
@@ -104,8 +97,6 @@ def prepare_completion(body: CompletionRequest, info: ModelInfo) -> PreparedRequ
 
 def prepare_chat(body: ChatCompletionRequest, info: ModelInfo) -> PreparedRequest:
     _check_model(body.model, info)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
     prompt_ids = _chat_prompt_ids(body, info)
     if body.max_completion_tokens is not None:
         requested, param = body.max_completion_tokens, "max_completion_tokens"
@@ -124,21 +115,14 @@ def prepare_chat(body: ChatCompletionRequest, info: ModelInfo) -> PreparedReques
 
 
 def _completion_prompt_ids(prompt: str | list, info: ModelInfo) -> list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise invalid(
-                "prompt",
-                "batched prompts are not supported: send one prompt per "
-                f"request (got {len(prompt)})",
-            )
+    """The ids of a validated prompt: text, ids, or a batch of one of those."""
+    if isinstance(prompt, list) and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        if not prompt:
-            raise invalid("prompt", "prompt must not be empty")
         ids = info.tokenizer.encode(prompt)
     else:
         ids = list(prompt)
-        if any(not 0 <= t < info.vocab_size for t in ids):
+        if any(t >= info.vocab_size for t in ids):
             raise invalid("prompt", f"token ids must be in [0, {info.vocab_size})")
     if not ids:
         raise invalid("prompt", "prompt must not be empty")
@@ -203,13 +187,7 @@ def _sampling_params(
     rename: dict[str, str],
 ) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > MAX_STOP_STRINGS:
-        raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings (got {len(stop)})")
-    if any(not 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stop):
-        raise invalid("stop", f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters")
     stop_token_ids = body.stop_token_ids or []
-    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise invalid("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
     try:
         return SamplingParams(
             max_tokens=max_tokens,

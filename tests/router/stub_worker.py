@@ -8,8 +8,9 @@ Run as ``python -m tests.router.stub_worker --role prefill|decode --port P [--ho
   tokens ``t0 t1 ...`` (SSE or JSON) and reports ``pdserve_timing`` echoing ``router_timing``.
   ``stub_prefill_hold: TAG`` in the body makes a prefill stub wait before answering, and
   ``stub_decode_hold: TAG`` a decode stub wait after its first token, until
-  ``POST /stub/release/TAG``; a client leaving meanwhile is
-  logged as ``disconnected``. ``temperature`` > 2 is refused with a 400 naming the field.
+  ``POST /stub/release/TAG``; a client leaving meanwhile is logged as ``disconnected``. A
+  ``model`` other than "stub" is refused with a 404 naming the field (what only a worker can
+  check: the router validates the rest itself).
 - ``POST /tokenize``: one token per character (chat: role markers + contents).
 - ``GET /health`` (``POST /stub/health {"ok": bool}`` flips it), ``GET /metrics`` (running
   requests gauge), ``GET /v1/models``, ``GET /stub/log`` (what happened, in order).
@@ -105,17 +106,17 @@ def build_stub(role: str, port: int, fail_status: int | None, host: str = "127.0
         log("received", body, request, endpoint=endpoint)
         if fail_status is not None:
             return JSONResponse({"error": {"message": "stub failure"}}, status_code=fail_status)
-        if body.get("temperature", 0) > 2:
+        if body.get("model", "stub") != "stub":
             return JSONResponse(
                 {
                     "error": {
-                        "message": "temperature must be <= 2",
-                        "type": "invalid_request_error",
-                        "param": "temperature",
-                        "code": None,
+                        "message": f"model {body['model']!r} does not exist",
+                        "type": "not_found_error",
+                        "param": "model",
+                        "code": "model_not_found",
                     }
                 },
-                status_code=400,
+                status_code=404,
             )
         if role == "prefill":
             return await prefill(request, body)

@@ -176,9 +176,9 @@ def test_client_error_on_the_prefill_leg_is_relayed_not_retried(stubs):
     p0, p1, d0 = stubs["p0"], stubs["p1"], stubs["d0"]
     tag = marker()
     with RouterThread(router_config([p0, p1], [d0])) as router, http() as client:
-        response = client.post(f"{router.url}/v1/completions", json=completion(tag, temperature=5))
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "temperature"
+        response = client.post(f"{router.url}/v1/completions", json=completion(tag, model="gpt-9"))
+    assert response.status_code == 404
+    assert response.json()["error"]["param"] == "model"
     assert len(p0.bodies(tag)) + len(p1.bodies(tag)) == 1 and d0.bodies(tag) == []
 
 
@@ -447,8 +447,9 @@ def test_hand_off_across_two_network_namespaces(tmp_path):
 def test_decode_worker_refusal_is_relayed_with_its_status(stubs):
     with RouterThread(router_config([], [stubs["d0"]])) as router, http() as client:
         response = client.post(
-            f"{router.url}/v1/completions", json=completion(marker(), temperature=5, stream=True)
+            f"{router.url}/v1/completions",
+            json=completion(marker(), model="gpt-9", stream=True),
         )
-    assert response.status_code == 400
-    assert response.json()["error"]["param"] == "temperature"
+    assert response.status_code == 404
+    assert response.json()["error"]["param"] == "model"
     assert response.headers["x-request-id"].startswith("rtr-")

@@ -17,7 +17,7 @@ COMPLETION_CASES = [
     ({"prompt": []}, "prompt"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": [10**9]}, "prompt"),
-    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": [-1]}, "prompt[0]"),
     ({"prompt": LONG_TEXT}, "prompt"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
@@ -33,15 +33,17 @@ COMPLETION_CASES = [
     ({"prompt": "hi", "n": 2}, "n"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "max_tokens": 5, "min_tokens": 10}, "min_tokens"),
-    ({"prompt": "hi", "stop": [""]}, "stop"),
+    ({"prompt": "hi", "stop": [""]}, "stop[0]"),
     ({"prompt": "hi", "stop": ["x"] * 17}, "stop"),
     ({"prompt": "hi", "stop": 7}, "stop"),
-    ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids[0]"),
     ({"prompt": "hi", "seed": "x"}, "seed"),
     ({"prompt": "hi", "seed": 2**64}, "seed"),
     ({"prompt": "hi", "stream": "yes"}, "stream"),
     ({"prompt": "hi", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"prompt": "hi", "echo": True}, "echo"),
+    ({"prompt": "hi", "echo": 0}, "echo"),  # exactly false, not a falsy number
+    ({"prompt": [[1], [2]]}, "prompt"),
     ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "hi", "kv_transfer_params": [1]}, "kv_transfer_params"),
 ]
@@ -52,6 +54,14 @@ CHAT_CASES = [
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": None}, *USER]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+    (
+        {"messages": [*USER, {"role": "tool", "content": "4", "tool_call_id": "c1"}]},
+        "messages[1].role",
+    ),
+    ({"messages": [{"role": "function", "content": "4", "name": "f"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -163,9 +173,37 @@ def test_bad_input_leaves_no_state_behind(tiny_server):
         {"stop": ["x"] * 16},
         {"stop_token_ids": [0, 49151]},
         {"min_tokens": 4},
+        {"seed": 7.0, "top_k": 3.0, "n": 1.0},  # whole numbers, as JSON Schema counts them
     ],
 )
 def test_extreme_but_valid_sampling_params_generate(tiny_server, extra):
     response = tiny_server.post("/v1/completions", {"prompt": "hi", "max_tokens": 4, **extra})
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_unsupported_roles_are_named(tiny_server):
+    body = {"messages": [*USER, {"role": "tool", "content": "4", "tool_call_id": "c1"}]}
+    message = tiny_server.post("/v1/chat/completions", body).json()["error"]["message"]
+    assert "'tool' messages" in message and "not support" in message, message
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Name a "},
+                    {"type": "text", "text": "colour."},
+                ],
+            }
+        ],
+        [*USER, {"role": "assistant"}, {"role": "user", "content": "again"}],
+        [*USER, {"role": "assistant", "content": None}, {"role": "developer", "content": "short"}],
+    ],
+)
+def test_openai_message_shapes_generate(tiny_server, messages):
+    response = tiny_server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert response.status_code == 200, response.text
