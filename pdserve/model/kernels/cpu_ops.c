@@ -267,6 +267,8 @@ void paged_decode(int qdt, int kvdt, const void* q, const void* k_cache, const v
         paged_decode_types(DT_BF16, DT_F32, PAGED_DECODE_ARGS);
 }
 
+#include "prefill_attention.h"
+
 /* ---- streaming linear: y [rows, out] = x [rows, in] W^T (+ bias) ---------------------- */
 /*
  * W is packed in groups of 16 output rows (the last group zero-padded), each group one
@@ -768,8 +770,6 @@ typedef struct {
 } DecoderModel;
 
 ALWAYS_INLINE int64_t dt_size(int64_t dt) { return dt == DT_BF16 ? 2 : 4; }
-
-ALWAYS_INLINE int64_t round_up_64(int64_t n) { return (n + 63) / 64 * 64; }
 
 /* decode_forward's scratch: activations, then the attention kernel's, then the linears'. */
 typedef struct {
