@@ -133,6 +133,30 @@ def test_paged_prefill_matches_reference(
     torch.testing.assert_close(got.double(), expected, atol=atol, rtol=0)
 
 
+# float32: scores up to ~50 carry ~1e-5 of rounding into the weights.
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_paged_prefill_follows_scores_that_keep_growing(ops, dtype, atol):
+    """Scores rising along the context move every row's running max again and again (the
+    kernels rescale what they accumulated), and span far more than exp's float range."""
+    generator = torch.Generator().manual_seed(9)
+    num_computed, num_new, block_size = 200, 60, 16
+    seq_len = num_computed + num_new
+    direction = torch.randn(64, generator=generator)
+    k = torch.randn(seq_len, 3, 64, generator=generator) + direction * torch.linspace(
+        -3, 6, seq_len
+    ).view(-1, 1, 1)
+    v = torch.randn(seq_len, 3, 64, generator=generator)
+    num_blocks = -(-seq_len // block_size)
+    cache = torch.zeros(2, num_blocks * block_size, 3, 64)
+    cache[0, :seq_len], cache[1, :seq_len] = k, v
+    cache = cache.view(2, num_blocks, block_size, 3, 64).to(dtype)
+    table = torch.arange(num_blocks)
+    q = (direction + 0.3 * torch.randn(num_new, 9, 64, generator=generator)).to(dtype)
+    got = ops.paged_prefill(q, cache, table, num_computed, 64**-0.5)
+    expected = _prefill_reference(q, cache, table, num_computed, 64**-0.5)
+    torch.testing.assert_close(got.double(), expected, atol=atol, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_attention_runs_where_the_table_says(ops, monkeypatch, dtype):
     """The backend sends prefill chunks to the kernel or to SDPA as PREFILL_KERNEL_WINS

@@ -29,7 +29,9 @@
 
 /* Which build this is, for the Python side to check and report. */
 const char* pdserve_isa(void) {
-#if defined(PDSERVE_ISA_AVX512) && defined(__AVX512BF16__)
+#if defined(PDSERVE_ISA_AVX512) && defined(__AMX_BF16__)
+    return "amx";
+#elif defined(PDSERVE_ISA_AVX512) && defined(__AVX512BF16__)
     return "avx512_bf16";
 #elif defined(PDSERVE_ISA_AVX512)
     return "avx512";

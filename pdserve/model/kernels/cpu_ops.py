@@ -39,7 +39,7 @@ _SIGNATURES = {
     "silu_mul": ([_C, _P, _P, _I, _I], None),
     "paged_decode": ([_C, _C, *[_P] * 7, *[_I] * 6, _F], None),
     "paged_prefill": ([_C, _C, _P, _I, _P, _P, _P, _I, _I, _P, _P, *[_I] * 4, _F, _I], None),
-    "prefill_scratch_bytes": ([_I, _I], _I),
+    "prefill_scratch_bytes": ([_I] * 4, _I),
     "linear": ([_C, _C, *[_P] * 4, _I, _I, _I, _P], None),
     "linear_scratch": ([_C, _I, _I], _I),
     "stream_sum": ([_P, _I], _F),
@@ -102,7 +102,7 @@ class CpuOps:
     def has_bf16_dot(self) -> bool:
         """Whether bfloat16 weights are multiplied by bf16 dot-product instructions (else
         converted to float32 in registers)."""
-        return self.isa == "avx512_bf16"
+        return self.isa in ("amx", "avx512_bf16")
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -243,7 +243,10 @@ class CpuOps:
             q = q.contiguous()
         out = q.new_empty(num_new, num_heads * head_dim)
         scratch = torch.empty(
-            self._lib.prefill_scratch_bytes(head_dim, num_threads), dtype=torch.uint8
+            self._lib.prefill_scratch_bytes(
+                head_dim, num_threads, num_kv_heads, num_computed_tokens + num_new
+            ),
+            dtype=torch.uint8,
         )
         self._lib.paged_prefill(
             _DTYPE_CODES[q.dtype],
