@@ -6,9 +6,11 @@ from the paged cache through the block table: causal within the new chunk, offse
 tokens computed in earlier steps.
 
 `AttentionBackend` is the seam for faster kernels: it receives the step's new K/V and the
-cache and returns the attention output. `TorchAttentionBackend` serves CPU and CUDA: torch
-SDPA runs prefill chunks; on CPU decodes run in a native kernel (every ISA) that reads K/V in
-place through the block tables, elsewhere as batched matmuls over K/V gathered from the cache.
+cache and returns the attention output. `TorchAttentionBackend` serves CPU and CUDA. On CPU,
+native kernels (every ISA) read K/V in place through the block tables: decodes always, prefill
+chunks (flash-style, causal, offset by the cached context) where they beat torch SDPA
+(`CpuOps.prefill_kernel_wins`). Elsewhere SDPA runs prefill chunks, over the context gathered
+from the cache when there is one, and decodes are batched matmuls over gathered K/V.
 The cache may hold a narrower dtype than the model's (`--kv-cache-dtype bfloat16`): new K/V
 are rounded once on write and read back in the model dtype.
 """
@@ -278,14 +280,17 @@ class TorchAttentionBackend(AttentionBackend):
         )
         if decode is not None and decode.num_seqs == num_tokens:
             return self._decode(q, kv_layer, decode, kernel)
+        prefill_kernel = (
+            kernel if kernel is not None and kernel.prefill_kernel_wins(q.dtype) else None
+        )
         if len(meta.prefills) == 1 and decode is None:
-            return self._prefill(q, k, v, kv_layer, meta.prefills[0])
+            return self._prefill(q, k, v, kv_layer, meta.prefills[0], prefill_kernel)
         out = q.new_empty(num_tokens, num_heads * head_dim)
         if decode is not None:
             out[decode.token_index] = self._decode(q[decode.token_index], kv_layer, decode, kernel)
         for chunk in meta.prefills:
             rows = chunk.rows
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_layer, chunk)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_layer, chunk, prefill_kernel)
         return out
 
     def _decode(
@@ -317,7 +322,17 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         kv_layer: torch.Tensor,
         chunk: PrefillChunk,
+        kernel: CpuOps | None = None,
     ) -> torch.Tensor:
+        if kernel is not None:  # K/V of the whole context read in place from the cache
+            return kernel.paged_prefill(
+                q,
+                kv_layer,
+                chunk.block_table,
+                chunk.num_computed_tokens,
+                self.scale,
+                torch.get_num_threads(),
+            )
         mask = None
         if chunk.num_computed_tokens:  # attend to the cached context too: gather it by blocks
             mask = chunk.context_mask

@@ -12,7 +12,7 @@ from gguf.quants import quantize
 
 from pdserve.model.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.model.kernels.build import VARIANTS, can_run
-from pdserve.model.kernels.cpu_ops import CpuOps, load_cpu_ops
+from pdserve.model.kernels.cpu_ops import PREFILL_KERNEL_WINS, CpuOps, load_cpu_ops
 from pdserve.model.quant import QuantizedWeight, QuantType, quantize_activations, quantize_int8
 from tests.model.helpers import kernel_variants
 
@@ -68,6 +68,120 @@ def test_paged_decode_matches_torch_path(
     got = ops.paged_decode(q, cache, meta.decode.block_tables, meta.decode.seq_lens, scale)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
+
+
+def _prefill_reference(q, cache, table, num_computed, scale):
+    """Float64 causal attention of q [new, heads, D] over the first num_computed + new
+    positions of the paged cache, gathered by the block table."""
+    seq_len = num_computed + q.shape[0]
+    num_kv_heads, head_dim = cache.shape[-2:]
+    context = cache.index_select(1, table).view(2, -1, num_kv_heads, head_dim)[:, :seq_len]
+    k, v = (x.double().transpose(0, 1)[None] for x in context)
+    mask = torch.arange(seq_len)[None, :] <= torch.arange(num_computed, seq_len)[:, None]
+    out = F.scaled_dot_product_attention(
+        q.double().transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype", "atol"),
+    [
+        (torch.float32, torch.float32, 2e-6),
+        (torch.bfloat16, torch.bfloat16, 2e-2),
+        (torch.float32, torch.bfloat16, 2e-6),  # a bf16 KV cache under a float32 model
+    ],
+)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [*HEADS, (2, 2, 16)])
+@pytest.mark.parametrize(
+    ("block_size", "num_computed", "num_new", "num_threads"),
+    [
+        (16, 0, 1, 1),
+        (16, 0, 77, 1),  # one-shot: causal within the chunk, partial tiles and units
+        (16, 500, 256, 1),  # a chunk over a long cached context
+        (8, 41, 30, 3),  # units cut by small blocks; more threads than some heads' blocks
+        (32, 2000, 64, 2),
+        (5, 13, 19, 2),  # a block size that is no multiple of the unit
+    ],
+)
+def test_paged_prefill_matches_reference(
+    ops,
+    dtype,
+    kv_dtype,
+    atol,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    num_computed,
+    num_new,
+    num_threads,
+):
+    generator = torch.Generator().manual_seed(7)
+    seq_len = num_computed + num_new
+    num_blocks = -(-seq_len // block_size) + 3
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    cache = cache.to(kv_dtype)
+    table = torch.randperm(num_blocks, generator=generator)[: -(-seq_len // block_size)]
+    # q as the model passes it: rows of a fused qkv projection (strided between tokens).
+    qkv = torch.randn(num_new, (num_heads + 2) * head_dim, generator=generator).to(dtype)
+    q = qkv[:, : num_heads * head_dim].view(num_new, num_heads, head_dim)
+    scale = head_dim**-0.5
+    got = ops.paged_prefill(q, cache, table, num_computed, scale, num_threads)
+    assert got.dtype == dtype and got.shape == (num_new, num_heads * head_dim)
+    expected = _prefill_reference(q, cache, table, num_computed, scale)
+    torch.testing.assert_close(got.double(), expected, atol=atol, rtol=0)
+
+
+# float32: scores up to ~50 carry ~1e-5 of rounding into the weights.
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_paged_prefill_follows_scores_that_keep_growing(ops, dtype, atol):
+    """Scores rising along the context move every row's running max again and again (the
+    kernels rescale what they accumulated), and span far more than exp's float range."""
+    generator = torch.Generator().manual_seed(9)
+    num_computed, num_new, block_size = 200, 60, 16
+    seq_len = num_computed + num_new
+    direction = torch.randn(64, generator=generator)
+    k = torch.randn(seq_len, 3, 64, generator=generator) + direction * torch.linspace(
+        -3, 6, seq_len
+    ).view(-1, 1, 1)
+    v = torch.randn(seq_len, 3, 64, generator=generator)
+    num_blocks = -(-seq_len // block_size)
+    cache = torch.zeros(2, num_blocks * block_size, 3, 64)
+    cache[0, :seq_len], cache[1, :seq_len] = k, v
+    cache = cache.view(2, num_blocks, block_size, 3, 64).to(dtype)
+    table = torch.arange(num_blocks)
+    q = (direction + 0.3 * torch.randn(num_new, 9, 64, generator=generator)).to(dtype)
+    got = ops.paged_prefill(q, cache, table, num_computed, 64**-0.5)
+    expected = _prefill_reference(q, cache, table, num_computed, 64**-0.5)
+    torch.testing.assert_close(got.double(), expected, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_runs_where_the_table_says(ops, monkeypatch, dtype):
+    """The backend sends prefill chunks to the kernel or to SDPA as PREFILL_KERNEL_WINS
+    says for this variant and dtype, with the same result either way."""
+    generator = torch.Generator().manual_seed(8)
+    cache = torch.randn(2, 12, 16, 3, 64, generator=generator).to(dtype)
+    meta = AttentionMetadata.build([([5, 2, 9, 0, 7], 40, 30)], 16, "cpu")
+    q, k, v = (torch.randn(30, h, 64, generator=generator).to(dtype) for h in (9, 3, 3))
+    calls = []
+    kernel = ops.paged_prefill
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "paged_prefill", spy)
+    backend = TorchAttentionBackend(64**-0.5, ops)
+    outputs = {}
+    for wins in (True, False):
+        monkeypatch.setitem(PREFILL_KERNEL_WINS, (ops.isa, dtype), wins)
+        calls.clear()
+        outputs[wins] = backend.forward(q, k, v, cache.clone(), meta)
+        assert len(calls) == int(wins)
+    atol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outputs[True].float(), outputs[False].float(), atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize(("dtype", "atol"), DTYPES)

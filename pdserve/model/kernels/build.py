@@ -1,7 +1,8 @@
 """Compiling the kernels' C source into a shared library once per ISA variant, cached on disk.
 
-A variant is a set of compiler flags and the CPU flags it needs: `avx512_bf16` (AVX-512 with
-bfloat16 and int8 dot products), `avx512`, `avx2` (with FMA and F16C) and `portable` (plain C
+A variant is a set of compiler flags and the CPU flags it needs: `amx` (`avx512_bf16` plus AMX
+tiles, which prefill attention uses), `avx512_bf16` (AVX-512 with bfloat16 and int8 dot
+products), `avx512`, `avx2` (with FMA and F16C) and `portable` (plain C
 that GCC or Clang vectorise for any target, ARM included). `runnable_variants()` lists those
 this CPU can run, best first.
 """
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 # which changes every other float computation in it (numpy, hypothesis and torch saw it).
 # No -march=native: each variant names its instruction set, so the portable build stays
 # portable and one cached library per variant serves any CPU that has its flags.
-CFLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=fast", "-fPIC", "-shared")
+CFLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread")
 COMPILE_TIMEOUT_S = 120
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c")
 _X86 = ("x86_64", "amd64")
@@ -41,15 +42,22 @@ class IsaVariant:
     machines: tuple[str, ...] | None  # platform.machine() values; None: any
 
 
+_AVX512_BF16_CFLAGS = (
+    "-DPDSERVE_ISA_AVX512",
+    *(f"-m{f}" for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2")),
+    *("-mfma", "-mf16c", "-mavx512bf16", "-mavx512vnni"),
+)
 VARIANTS = (
+    IsaVariant(
+        "amx",
+        frozenset((*_AVX512, "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")),
+        (*_AVX512_BF16_CFLAGS, "-mamx-tile", "-mamx-bf16"),
+        _X86,
+    ),
     IsaVariant(
         "avx512_bf16",
         frozenset((*_AVX512, "avx512_bf16", "avx512_vnni")),
-        (
-            "-DPDSERVE_ISA_AVX512",
-            *(f"-m{f}" for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2")),
-            *("-mfma", "-mf16c", "-mavx512bf16", "-mavx512vnni"),
-        ),
+        _AVX512_BF16_CFLAGS,
         _X86,
     ),
     IsaVariant(

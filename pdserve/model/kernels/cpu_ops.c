@@ -29,7 +29,9 @@
 
 /* Which build this is, for the Python side to check and report. */
 const char* pdserve_isa(void) {
-#if defined(PDSERVE_ISA_AVX512) && defined(__AVX512BF16__)
+#if defined(PDSERVE_ISA_AVX512) && defined(__AMX_BF16__)
+    return "amx";
+#elif defined(PDSERVE_ISA_AVX512) && defined(__AVX512BF16__)
     return "avx512_bf16";
 #elif defined(PDSERVE_ISA_AVX512)
     return "avx512";
@@ -266,6 +268,8 @@ void paged_decode(int qdt, int kvdt, const void* q, const void* k_cache, const v
     else
         paged_decode_types(DT_BF16, DT_F32, PAGED_DECODE_ARGS);
 }
+
+#include "prefill_attention.h"
 
 /* ---- streaming linear: y [rows, out] = x [rows, in] W^T (+ bias) ---------------------- */
 /*
@@ -768,8 +772,6 @@ typedef struct {
 } DecoderModel;
 
 ALWAYS_INLINE int64_t dt_size(int64_t dt) { return dt == DT_BF16 ? 2 : 4; }
-
-ALWAYS_INLINE int64_t round_up_64(int64_t n) { return (n + 63) / 64 * 64; }
 
 /* decode_forward's scratch: activations, then the attention kernel's, then the linears'. */
 typedef struct {

@@ -38,6 +38,8 @@ _SIGNATURES = {
     "rotary": ([_C, _P, _I, _I, _I, _I, _P, _P], None),
     "silu_mul": ([_C, _P, _P, _I, _I], None),
     "paged_decode": ([_C, _C, *[_P] * 7, *[_I] * 6, _F], None),
+    "paged_prefill": ([_C, _C, _P, _I, _P, _P, _P, _I, _I, _P, _P, *[_I] * 4, _F, _I], None),
+    "prefill_scratch_bytes": ([_I] * 4, _I),
     "linear": ([_C, _C, *[_P] * 4, _I, _I, _I, _P], None),
     "linear_scratch": ([_C, _I, _I], _I),
     "stream_sum": ([_P, _I], _F),
@@ -47,6 +49,12 @@ _SIGNATURES = {
 }
 # Element types (DT_* in simd.h).
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# (variant, model dtype) -> whether `paged_prefill` beats torch's SDPA on prefill attention,
+# as measured by benchmarks/prefill_attention.py (pairs not listed: it does). Torch's CPU
+# flash attention runs bfloat16 on AMX tiles through oneDNN where the CPU has them.
+PREFILL_KERNEL_WINS = {
+    ("avx512_bf16", torch.bfloat16): False,
+}
 
 
 class WeightFormat:
@@ -94,11 +102,16 @@ class CpuOps:
     def has_bf16_dot(self) -> bool:
         """Whether bfloat16 weights are multiplied by bf16 dot-product instructions (else
         converted to float32 in registers)."""
-        return self.isa == "avx512_bf16"
+        return self.isa in ("amx", "avx512_bf16")
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
         return dtype in _DTYPE_CODES
+
+    def prefill_kernel_wins(self, dtype: torch.dtype) -> bool:
+        """Whether `paged_prefill` runs a `dtype` model's prefill attention faster than
+        torch's SDPA on this variant (PREFILL_KERNEL_WINS)."""
+        return PREFILL_KERNEL_WINS.get((self.isa, dtype), True)
 
     @staticmethod
     def dense_kernel_max_rows(dtype: torch.dtype) -> int | None:
@@ -199,6 +212,60 @@ class CpuOps:
             block_size,
             block_tables.shape[1],
             scale,
+        )
+        return out
+
+    def paged_prefill(
+        self,
+        q: torch.Tensor,
+        kv_layer: torch.Tensor,
+        block_table: torch.Tensor,
+        num_computed_tokens: int,
+        scale: float,
+        num_threads: int = 1,
+    ) -> torch.Tensor:
+        """Causal attention of one sequence's new tokens over its paged context, whose K/V
+        (the new tokens' included) are already in the cache. q [num_new, num_heads, head_dim]
+        (rows may be strided, each row's heads contiguous), kv_layer [2, num_blocks,
+        block_size, num_kv_heads, head_dim], block_table [context blocks] int64 ->
+        [num_new, num_heads * head_dim] in q's dtype, on `num_threads` threads."""
+        num_new, num_heads, head_dim = q.shape
+        _, _, block_size, num_kv_heads, _ = kv_layer.shape
+        if not (
+            kv_layer.is_contiguous()
+            and block_table.is_contiguous()
+            and block_table.dtype == torch.int64
+        ):
+            raise ValueError("the kernel needs a contiguous cache and an int64 block table")
+        if head_dim % 16 or num_heads % num_kv_heads:
+            raise ValueError("head_dim must be a multiple of 16 and heads a multiple of kv heads")
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        out = q.new_empty(num_new, num_heads * head_dim)
+        scratch = torch.empty(
+            self._lib.prefill_scratch_bytes(
+                head_dim, num_threads, num_kv_heads, num_computed_tokens + num_new
+            ),
+            dtype=torch.uint8,
+        )
+        self._lib.paged_prefill(
+            _DTYPE_CODES[q.dtype],
+            _DTYPE_CODES[kv_layer.dtype],
+            q.data_ptr(),
+            q.stride(0),
+            kv_layer[0].data_ptr(),
+            kv_layer[1].data_ptr(),
+            block_table.data_ptr(),
+            num_new,
+            num_computed_tokens,
+            out.data_ptr(),
+            scratch.data_ptr(),
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            num_threads,
         )
         return out
 

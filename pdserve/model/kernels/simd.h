@@ -269,6 +269,8 @@ ALWAYS_INLINE VI16 vi_zero(void) { return (VI16){0}; }
 
 /* ---- shared helpers on top of the lanes ------------------------------------------------- */
 
+ALWAYS_INLINE int64_t round_up_64(int64_t n) { return (n + 63) / 64 * 64; }
+
 /* The first n (< 16) lanes from memory, the rest zero; and their store. */
 ALWAYS_INLINE V16 v_load_n(const float* p, int64_t n) {
     float buffer[16] = {0};

@@ -1,0 +1,530 @@
+/*
+ * Paged prefill attention, flash-style: the new tokens of one sequence (a prefill chunk)
+ * attend to its whole context, read in place through the block table, causally within the
+ * chunk and offset by the tokens cached before it. Included once, by cpu_ops.c.
+ *
+ * Layout of the work: for each KV head, the query rows it serves (token-major: row
+ * t * group + g is token t's query head kv_head * group + g) are cut into tiles of 16, one
+ * row per vector lane, and PF_TILES tiles form a block that walks the context once, one
+ * unit of up to UNIT positions (inside one cache block) at a time, with an online softmax.
+ * Rows in lanes keep every per-row quantity (running max, denominator, causal limit) a
+ * vector, so the softmax needs no horizontal operations:
+ *   scores  s[t][lane] = sum_d qt[d][lane] * K[t][d]   (qt: the tile's queries transposed)
+ *   values  o[lane][:] = o[lane][:] * alpha[lane] + sum_t p[t][lane] * V[t][:]
+ * Arithmetic is float32 (bfloat16 K/V are widened once per unit and block).
+ *
+ * With AMX (the amx variant) a bfloat16 model with a bfloat16 cache runs pf_amx_tile instead:
+ * the same walk in units of 32 positions, scores and values multiplied in tiles, the softmax
+ * in AVX-512 (see there).
+ *
+ * Blocks are independent; a call runs blocks [0, prefill_num_blocks(...)) on num_threads
+ * threads (the caller's and num_threads - 1 pthreads) that take blocks from a shared counter.
+ */
+#include <pthread.h>
+
+#define PF_TILE 16 /* query rows per tile: one per lane */
+#define PF_TILES 4 /* tiles per block: a unit's widened K/V serves them all */
+#define PF_MAX_THREADS 64
+#define PF_MASKED (-1.0e30f)
+
+#if defined(PDSERVE_ISA_AVX512)
+#define PF_SCORE_T 16 /* positions scored per pass over d: accumulators in registers */
+#define PF_PV_VECS 4  /* output vectors of a row per pass over a unit */
+#else
+#define PF_SCORE_T 4
+#define PF_PV_VECS 1
+#endif
+#define PF_PV_ROWS 4 /* rows per pass over a unit */
+
+typedef struct {
+    int qdt, kvdt;
+    const void* q; /* [num_new, q_stride], query head h at h * head_dim */
+    int64_t q_stride;
+    const void *k_cache, *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    const int64_t* block_table;
+    int64_t num_new, num_computed;
+    void* out; /* [num_new, num_heads * head_dim] */
+    int64_t num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    int use_amx;
+    uint16_t* packed; /* AMX: per KV head, K [packed_len][D] then V^T [D][packed_len] */
+    int64_t packed_len;
+} PrefillArgs;
+
+ALWAYS_INLINE int64_t pf_rows(const PrefillArgs* a) {
+    return a->num_new * (a->num_heads / a->num_kv_heads);
+}
+
+/* Blocks of PF_TILES * PF_TILE query rows per KV head. */
+int64_t prefill_num_blocks(int64_t num_new, int64_t num_heads, int64_t num_kv_heads) {
+    const int64_t rows = num_new * (num_heads / num_kv_heads);
+    return num_kv_heads * ((rows + PF_TILE * PF_TILES - 1) / (PF_TILE * PF_TILES));
+}
+
+/* Floats of one thread's scratch: queries and outputs of a block, its per-row state, one
+ * unit's widened K and V, and one tile's scores. */
+ALWAYS_INLINE int64_t pf_scratch_floats(int64_t head_dim) {
+    return 2 * PF_TILES * PF_TILE * head_dim + 3 * PF_TILES * PF_TILE + 2 * UNIT * head_dim +
+           UNIT * PF_TILE + PF_TILE;
+}
+
+ALWAYS_INLINE int64_t pf_thread_bytes(int64_t head_dim) {
+    return round_up_64(pf_scratch_floats(head_dim) * (int64_t)sizeof(float));
+}
+
+/* Positions of the context packed for the AMX path: seq_len rounded up to a whole unit. */
+ALWAYS_INLINE int64_t pf_packed_len(int64_t seq_len) { return (seq_len + 31) / 32 * 32; }
+
+/* Bytes of scratch a call on num_threads threads needs: each thread's, then (AMX) every KV
+ * head's context packed once. */
+int64_t prefill_scratch_bytes(int64_t head_dim, int64_t num_threads, int64_t num_kv_heads,
+                              int64_t seq_len) {
+    return num_threads * pf_thread_bytes(head_dim) +
+           num_kv_heads * 2 * pf_packed_len(seq_len) * head_dim * 2;
+}
+
+/* s[t] += qt . K[t] for positions t < PF_SCORE_T of rows[] (row pointers, float). */
+ALWAYS_INLINE void pf_scores(const int64_t D, const float* qt, const float* const* k, V16* s) {
+    V16 acc[PF_SCORE_T];
+    for (int64_t t = 0; t < PF_SCORE_T; t++) acc[t] = v_zero();
+    for (int64_t d = 0; d < D; d++) {
+        const V16 qd = v_load(qt + 16 * d);
+        for (int64_t t = 0; t < PF_SCORE_T; t++) acc[t] = v_fma(qd, v_set1(k[t][d]), acc[t]);
+    }
+    for (int64_t t = 0; t < PF_SCORE_T; t++) s[t] = acc[t];
+}
+
+/* o[r][:] = o[r][:] * alpha[r] + sum_{t < n} p[t][r] * V[t][:] for the tile's 16 rows. */
+ALWAYS_INLINE void pf_values(const int64_t NV, float* o, const float* alpha, const float* p,
+                             const float* v, int64_t v_stride, int64_t n) {
+    const int64_t D = 16 * NV;
+    for (int64_t r0 = 0; r0 < PF_TILE; r0 += PF_PV_ROWS)
+        for (int64_t j0 = 0; j0 < NV; j0 += PF_PV_VECS) {
+            const int64_t jn = NV - j0 < PF_PV_VECS ? NV - j0 : PF_PV_VECS;
+            V16 acc[PF_PV_ROWS][PF_PV_VECS];
+            for (int64_t r = 0; r < PF_PV_ROWS; r++) {
+                const V16 scale = v_set1(alpha[r0 + r]);
+                for (int64_t j = 0; j < jn; j++)
+                    acc[r][j] = v_mul(v_load(o + (r0 + r) * D + 16 * (j0 + j)), scale);
+            }
+            for (int64_t t = 0; t < n; t++) {
+                V16 vv[PF_PV_VECS];
+                for (int64_t j = 0; j < jn; j++) vv[j] = v_load(v + t * v_stride + 16 * (j0 + j));
+                for (int64_t r = 0; r < PF_PV_ROWS; r++) {
+                    const V16 pr = v_set1(p[16 * t + r0 + r]);
+                    for (int64_t j = 0; j < jn; j++) acc[r][j] = v_fma(pr, vv[j], acc[r][j]);
+                }
+            }
+            for (int64_t r = 0; r < PF_PV_ROWS; r++)
+                for (int64_t j = 0; j < jn; j++) v_store(o + (r0 + r) * D + 16 * (j0 + j), acc[r][j]);
+        }
+}
+
+/* One block: rows [row0, row0 + PF_TILES * PF_TILE) of KV head kv_head. */
+ALWAYS_INLINE void pf_block(int qdt, int kvdt, const int64_t NV, const PrefillArgs* a,
+                            int64_t kv_head, int64_t row0, float* scratch) {
+    const int64_t D = 16 * NV, group = a->num_heads / a->num_kv_heads, rows = pf_rows(a);
+    const int64_t token_stride = a->num_kv_heads * D, bs = a->block_size;
+    const int64_t num_rows = rows - row0 < PF_TILES * PF_TILE ? rows - row0 : PF_TILES * PF_TILE;
+    const int64_t num_tiles = (num_rows + PF_TILE - 1) / PF_TILE;
+    float* qt = scratch;                          /* [tiles][D][16] */
+    float* o = qt + PF_TILES * PF_TILE * D;       /* [tiles][16][D] */
+    float* peak = o + PF_TILES * PF_TILE * D;     /* [tiles][16] running max */
+    float* total = peak + PF_TILES * PF_TILE;     /* [tiles][16] softmax denominator */
+    float* qpos = total + PF_TILES * PF_TILE;     /* [tiles][16] each row's position */
+    float* kbuf = qpos + PF_TILES * PF_TILE;      /* [UNIT][D] widened K of a unit */
+    float* vbuf = kbuf + UNIT * D;                /* [UNIT][D] */
+    float* p = vbuf + UNIT * D;                   /* [UNIT][16] one tile's scores/weights */
+    float* alpha = p + UNIT * PF_TILE;            /* [16] */
+    for (int64_t lane = 0; lane < PF_TILES * PF_TILE; lane++) {
+        /* Lanes past the last row repeat it: computed, never written out. */
+        const int64_t r = row0 + (lane < num_rows ? lane : num_rows - 1);
+        const int64_t token = r / group, head = kv_head * group + r % group;
+        float* q_lanes = qt + (lane / PF_TILE) * PF_TILE * D + lane % PF_TILE;
+        for (int64_t j = 0; j < NV; j++) {
+            float values[16];
+            v_store(values, load_dt(a->q, token * a->q_stride + head * D + 16 * j, qdt));
+            for (int64_t k = 0; k < 16; k++) q_lanes[16 * (16 * j + k)] = values[k] * a->scale;
+        }
+        qpos[lane] = (float)(a->num_computed + token);
+        peak[lane] = PF_MASKED;
+        total[lane] = 0.0f;
+    }
+    memset(o, 0, sizeof(float) * PF_TILES * PF_TILE * D);
+    const int64_t context = a->num_computed + (row0 + num_rows - 1) / group + 1;
+    for (int64_t start = 0; start < context;) {
+        const int64_t blk = start / bs, in_block = start % bs;
+        int64_t n = bs - in_block < UNIT ? bs - in_block : UNIT;
+        n = context - start < n ? context - start : n;
+        const int64_t offset = (a->block_table[blk] * bs + in_block) * token_stride + kv_head * D;
+        const float *k, *v;
+        int64_t kv_stride;
+        if (kvdt == DT_F32) {
+            k = (const float*)a->k_cache + offset;
+            v = (const float*)a->v_cache + offset;
+            kv_stride = token_stride;
+        } else {
+            for (int64_t t = 0; t < n; t++)
+                for (int64_t j = 0; j < NV; j++) {
+                    const int64_t i = offset + t * token_stride + 16 * j;
+                    v_store(kbuf + t * D + 16 * j, load_dt(a->k_cache, i, DT_BF16));
+                    v_store(vbuf + t * D + 16 * j, load_dt(a->v_cache, i, DT_BF16));
+                }
+            k = kbuf;
+            v = vbuf;
+            kv_stride = D;
+        }
+        for (int64_t tile = 0; tile < num_tiles; tile++) {
+            const float* tile_pos = qpos + tile * PF_TILE;
+            if ((float)start > tile_pos[PF_TILE - 1]) continue; /* all masked: a past tile */
+            V16 s[UNIT];
+            for (int64_t t0 = 0; t0 < n; t0 += PF_SCORE_T) {
+                const float* rows_k[PF_SCORE_T];
+                for (int64_t t = 0; t < PF_SCORE_T; t++)
+                    rows_k[t] = k + (t0 + t < n ? t0 + t : n - 1) * kv_stride;
+                pf_scores(D, qt + tile * PF_TILE * D, rows_k, s + t0);
+            }
+            const V16 pos = v_load(tile_pos);
+            const int is_diagonal = (float)(start + n - 1) > tile_pos[0];
+            float* tile_peak = peak + tile * PF_TILE;
+            V16 new_peak = v_load(tile_peak);
+            for (int64_t t = 0; t < n; t++) {
+                if (is_diagonal) /* + 0 where visible, <= -1e30 where the row is earlier */
+                    s[t] = v_fma(v_min(v_sub(pos, v_set1((float)(start + t))), v_zero()),
+                                 v_set1(-PF_MASKED), s[t]);
+                new_peak = v_max(new_peak, s[t]);
+            }
+            const V16 scale = v_exp(v_sub(v_load(tile_peak), new_peak));
+            V16 sum = v_zero();
+            for (int64_t t = 0; t < n; t++) {
+                const V16 weight = v_exp(v_sub(s[t], new_peak));
+                sum = v_add(sum, weight);
+                v_store(p + 16 * t, weight);
+            }
+            float* tile_total = total + tile * PF_TILE;
+            v_store(tile_total, v_fma(v_load(tile_total), scale, sum));
+            v_store(tile_peak, new_peak);
+            v_store(alpha, scale);
+            pf_values(NV, o + tile * PF_TILE * D, alpha, p, v, kv_stride, n);
+        }
+        start += n;
+    }
+    for (int64_t lane = 0; lane < num_rows; lane++) {
+        const int64_t r = row0 + lane, token = r / group, head = kv_head * group + r % group;
+        const V16 inverse = v_set1(1.0f / total[lane]);
+        const float* row = o + (lane / PF_TILE) * PF_TILE * D + (lane % PF_TILE) * D;
+        for (int64_t j = 0; j < NV; j++)
+            store_dt(a->out, token * a->num_heads * D + head * D + 16 * j,
+                     v_mul(v_load(row + 16 * j), inverse), qdt);
+    }
+}
+
+ALWAYS_INLINE void pf_block_types(int qdt, int kvdt, const PrefillArgs* a, int64_t kv_head,
+                                  int64_t row0, float* scratch) {
+    if (a->head_dim == 64)
+        pf_block(qdt, kvdt, 4, a, kv_head, row0, scratch);
+    else if (a->head_dim == 128)
+        pf_block(qdt, kvdt, 8, a, kv_head, row0, scratch);
+    else
+        pf_block(qdt, kvdt, a->head_dim / 16, a, kv_head, row0, scratch);
+}
+
+#if defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PF_AMX_UNIT 32 /* positions per step: P^T of 16 rows is one tile of bf16 pairs */
+#define PF_AMX_MAX_HEAD_DIM 64 /* O^T stays in tiles 4..7, one per 16 dims */
+/* The running max a row's weights are taken against moves only when the row's true max
+ * exceeds it by 2^8 (weights then stay <= 256: exact in fp32 sums, fine in bf16), so the
+ * accumulators in tiles are rescaled rarely instead of every unit. Exact: numerator and
+ * denominator use the same max. */
+#define PF_RESCALE_LOG2 8.0f
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Linux hands out AMX state only to processes that ask for it (once per process). */
+static int pf_amx_permitted(void) {
+    static int state = 0; /* 0: not asked yet, 1: granted, -1: refused */
+    int granted = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (granted == 0) {
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&state, granted, __ATOMIC_RELEASE);
+    }
+    return granted == 1;
+}
+
+/* Tiles 0-7 all 16 rows of 64 bytes: scores/P^T (0), scores (1), K or V^T (2), Q^T (3),
+ * O^T (4-7). */
+static void pf_amx_configure(void) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        config.rows[i] = 16;
+        config.colsb[i] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+ALWAYS_INLINE int pf_amx_applies(const PrefillArgs* a) {
+    return a->qdt == DT_BF16 && a->kvdt == DT_BF16 &&
+           (a->head_dim == 32 || a->head_dim == PF_AMX_MAX_HEAD_DIM) && pf_amx_permitted();
+}
+
+/* 2^x for finite x (the masked -1e29 gives 0, x > 128 inf): degree-3 polynomial of the
+ * fraction (relative error < 6e-4, below bf16's rounding of the weights, 2e-3). */
+ALWAYS_INLINE __m512 pf_exp2(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(5.5504109e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Scores of position u + t for the tile's rows (lanes), PF_MASKED where a row precedes it. */
+ALWAYS_INLINE __m512 pf_masked_scores(const float* scores, __m512i pos, int64_t u, int64_t t,
+                                      int is_diagonal) {
+    const __m512 s = _mm512_loadu_ps(scores + 16 * t);
+    if (!is_diagonal) return s;
+    const __mmask16 later =
+        _mm512_cmp_epi32_mask(pos, _mm512_set1_epi32((int)(u + t)), _MM_CMPINT_LT);
+    return _mm512_mask_mov_ps(s, later, _mm512_set1_ps(PF_MASKED));
+}
+
+/* KV head kv_head's context, packed once per call for tile loads: K [lpad][D] and V
+ * transposed [D][lpad], bfloat16, zero past seq_len. */
+static void pf_amx_pack(const PrefillArgs* a, int64_t kv_head, int64_t seq_len, int64_t lpad,
+                        uint16_t* k_packed, uint16_t* v_transposed) {
+    const int64_t D = a->head_dim, bs = a->block_size, token_stride = a->num_kv_heads * D;
+    for (int64_t c = 0; c < lpad; c += PF_AMX_UNIT) {
+        uint16_t v_rows[PF_AMX_UNIT][PF_AMX_MAX_HEAD_DIM];
+        for (int64_t t = 0; t < PF_AMX_UNIT; t++) {
+            const int64_t pos = c + t;
+            if (pos < seq_len) {
+                const int64_t offset =
+                    (a->block_table[pos / bs] * bs + pos % bs) * token_stride + kv_head * D;
+                memcpy(k_packed + pos * D, (const uint16_t*)a->k_cache + offset, D * 2);
+                memcpy(v_rows[t], (const uint16_t*)a->v_cache + offset, D * 2);
+            } else {
+                memset(k_packed + pos * D, 0, D * 2);
+                memset(v_rows[t], 0, D * 2);
+            }
+        }
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t t = 0; t < PF_AMX_UNIT; t++) v_transposed[d * lpad + c + t] = v_rows[t][d];
+    }
+}
+
+/* (j, tile) of O^T's tiles; tile numbers must be literals in the instructions. */
+#define PF_AMX_O_TILES(X) X(0, 4) X(1, 5) X(2, 6) X(3, 7)
+
+/*
+ * One tile of 16 query rows (lanes) over the packed context, per unit of 32 positions:
+ *   S^T [32 pos][16 rows] = K [32 pos][D] . Q^T           (tiles 0, 1; Q^T as bf16 pairs)
+ *   P^T = 2^(S^T * scale * log2 e - max), rows in lanes   (AVX-512; bf16 pairs of positions)
+ *   O^T [D][16 rows] += V^T [D][32 pos] . P^T             (tiles 4.., stay in tiles)
+ */
+static void pf_amx_tile(const PrefillArgs* a, int64_t kv_head, int64_t row0, int64_t num_rows,
+                        const uint16_t* k_packed, const uint16_t* v_transposed, int64_t lpad,
+                        float* scratch) {
+    const int64_t D = a->head_dim, group = a->num_heads / a->num_kv_heads;
+    uint32_t* qt = (uint32_t*)scratch;                /* [D / 2][16] pairs of dims */
+    float* scores = (float*)(qt + D / 2 * 16);         /* [32][16] */
+    uint32_t* pt = (uint32_t*)(scores + PF_AMX_UNIT * 16); /* [16][16] pairs of positions */
+    float* o = (float*)(pt + 16 * 16);                 /* [D][16] */
+    int32_t qpos[16];
+    for (int64_t lane = 0; lane < 16; lane++) {
+        const int64_t r = row0 + (lane < num_rows ? lane : num_rows - 1);
+        const int64_t token = r / group, head = kv_head * group + r % group;
+        const uint32_t* q_pairs =
+            (const uint32_t*)((const uint16_t*)a->q + token * a->q_stride + head * D);
+        for (int64_t i = 0; i < D / 2; i++) qt[i * 16 + lane] = q_pairs[i];
+        qpos[lane] = (int32_t)(a->num_computed + token);
+    }
+    const __m512i pos = _mm512_loadu_si512(qpos);
+    const __m512 log2_scale = _mm512_set1_ps(a->scale * 1.44269504f);
+    /* Interleaves [p_even x16 | p_odd x16] into (even, odd) pairs per row. */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                           17, 1, 16, 0);
+    __m512 peak = _mm512_setzero_ps(), total = _mm512_setzero_ps();
+#define PF_ZERO_O(j, tile) if (D > 16 * (j)) _tile_zero(tile);
+    PF_AMX_O_TILES(PF_ZERO_O)
+    for (int64_t u = 0; u <= qpos[15]; u += PF_AMX_UNIT) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t h = 0; h < D / 32; h++) {
+            _tile_loadd(3, qt + h * 16 * 16, 64);
+            _tile_loadd(2, k_packed + u * D + 32 * h, D * 2);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_loadd(2, k_packed + (u + 16) * D + 32 * h, D * 2);
+            _tile_dpbf16ps(1, 2, 3);
+        }
+        _tile_stored(0, scores, 64);
+        _tile_stored(1, scores + 16 * 16, 64);
+        const int is_diagonal = u + PF_AMX_UNIT - 1 > qpos[0];
+        if (u == 0) { /* the first peak: position 0 is visible to every row */
+            __m512 unit_peak = _mm512_set1_ps(PF_MASKED);
+            for (int64_t t = 0; t < PF_AMX_UNIT; t++)
+                unit_peak = _mm512_max_ps(unit_peak, pf_masked_scores(scores, pos, u, t, is_diagonal));
+            peak = _mm512_mul_ps(unit_peak, log2_scale);
+        }
+        for (;;) { /* the weights against the current peak, unless some row outgrows it */
+            __m512 excess = _mm512_set1_ps(PF_MASKED), sum = _mm512_setzero_ps();
+            for (int64_t t = 0; t < PF_AMX_UNIT; t += 2) {
+                const __m512 even = _mm512_fmsub_ps(
+                    pf_masked_scores(scores, pos, u, t, is_diagonal), log2_scale, peak);
+                const __m512 odd = _mm512_fmsub_ps(
+                    pf_masked_scores(scores, pos, u, t + 1, is_diagonal), log2_scale, peak);
+                excess = _mm512_max_ps(excess, _mm512_max_ps(even, odd));
+                const __m512 p_even = pf_exp2(even), p_odd = pf_exp2(odd);
+                sum = _mm512_add_ps(sum, _mm512_add_ps(p_even, p_odd));
+                const __m512i bf = (__m512i)_mm512_cvtne2ps_pbh(p_odd, p_even);
+                _mm512_storeu_si512(pt + 8 * t, _mm512_permutexvar_epi16(pairs, bf));
+            }
+            if (!_mm512_cmp_ps_mask(excess, _mm512_set1_ps(PF_RESCALE_LOG2), _CMP_GT_OQ)) {
+                total = _mm512_add_ps(total, sum);
+                break;
+            }
+            /* Rare: move the peak up, rescale what was accumulated, weigh the unit again. */
+            const __m512 rise = _mm512_max_ps(excess, _mm512_setzero_ps());
+            const __m512 alpha = pf_exp2(_mm512_sub_ps(_mm512_setzero_ps(), rise));
+            total = _mm512_mul_ps(total, alpha);
+#define PF_STORE_O(j, tile) if (D > 16 * (j)) _tile_stored(tile, o + 16 * 16 * (j), 64);
+#define PF_LOAD_O(j, tile) if (D > 16 * (j)) _tile_loadd(tile, o + 16 * 16 * (j), 64);
+            PF_AMX_O_TILES(PF_STORE_O)
+            for (int64_t d = 0; d < D; d++)
+                _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * d), alpha));
+            PF_AMX_O_TILES(PF_LOAD_O)
+            peak = _mm512_add_ps(peak, rise);
+        }
+        _tile_loadd(0, pt, 64);
+#define PF_VALUES(j, tile)                                                                    \
+    if (D > 16 * (j)) {                                                                       \
+        _tile_loadd(2, v_transposed + 16 * (j) * lpad + u, lpad * 2);                         \
+        _tile_dpbf16ps(tile, 2, 0);                                                           \
+    }
+        PF_AMX_O_TILES(PF_VALUES)
+    }
+    PF_AMX_O_TILES(PF_STORE_O)
+    const __m512 inverse = _mm512_div_ps(_mm512_set1_ps(1.0f), total);
+    for (int64_t d = 0; d < D; d++)
+        _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * d), inverse));
+    for (int64_t lane = 0; lane < num_rows; lane++) {
+        const int64_t r = row0 + lane, token = r / group, head = kv_head * group + r % group;
+        float row[PF_AMX_MAX_HEAD_DIM];
+        for (int64_t d = 0; d < D; d++) row[d] = o[16 * d + lane];
+        for (int64_t j = 0; j < D; j += 16)
+            store_dt(a->out, token * a->num_heads * D + head * D + j, v_load(row + j), DT_BF16);
+    }
+#undef PF_ZERO_O
+#undef PF_STORE_O
+#undef PF_LOAD_O
+#undef PF_VALUES
+}
+#endif
+
+static void pf_run_block(const PrefillArgs* a, int64_t index, float* scratch) {
+    /* KV-head major: consecutive blocks read the same head's context, which stays in L2. */
+    const int64_t per_head = (pf_rows(a) + PF_TILE * PF_TILES - 1) / (PF_TILE * PF_TILES);
+    const int64_t kv_head = index / per_head, row0 = index % per_head * PF_TILE * PF_TILES;
+#if defined(__AMX_BF16__)
+    if (a->use_amx) {
+        const int64_t rows = pf_rows(a), head_size = a->packed_len * a->head_dim;
+        const uint16_t* k_packed = a->packed + kv_head * 2 * head_size;
+        for (int64_t r = row0; r < row0 + PF_TILE * PF_TILES && r < rows; r += PF_TILE)
+            pf_amx_tile(a, kv_head, r, rows - r < PF_TILE ? rows - r : PF_TILE, k_packed,
+                        k_packed + head_size, a->packed_len, scratch);
+        return;
+    }
+#endif
+    if (a->qdt == DT_F32 && a->kvdt == DT_F32)
+        pf_block_types(DT_F32, DT_F32, a, kv_head, row0, scratch);
+    else if (a->qdt == DT_F32)
+        pf_block_types(DT_F32, DT_BF16, a, kv_head, row0, scratch);
+    else if (a->kvdt == DT_BF16)
+        pf_block_types(DT_BF16, DT_BF16, a, kv_head, row0, scratch);
+    else
+        pf_block_types(DT_BF16, DT_F32, a, kv_head, row0, scratch);
+}
+
+typedef struct {
+    const PrefillArgs* args;
+    int64_t num_blocks;
+    int64_t next; /* the next block to take (atomic) */
+    uint8_t* scratch;
+    int64_t scratch_stride;
+} PrefillWork;
+
+typedef struct {
+    PrefillWork* work;
+    int64_t thread;
+} PrefillWorker;
+
+static void* pf_worker(void* arg) {
+    const PrefillWorker* self = (const PrefillWorker*)arg;
+    PrefillWork* work = self->work;
+    float* scratch = (float*)(work->scratch + self->thread * work->scratch_stride);
+#if defined(__AMX_BF16__)
+    if (work->args->use_amx) pf_amx_configure(); /* tile state is per thread */
+#endif
+    /* Blocks in decreasing order of cost (later query rows see more context) balance the
+     * threads' shares. */
+    for (;;) {
+        const int64_t taken = __atomic_fetch_add(&work->next, 1, __ATOMIC_RELAXED);
+        if (taken >= work->num_blocks) break;
+        pf_run_block(work->args, work->num_blocks - 1 - taken, scratch);
+    }
+#if defined(__AMX_BF16__)
+    if (work->args->use_amx) _tile_release();
+#endif
+    return NULL;
+}
+
+/*
+ * q [num_new, q_stride] (query head h of token t at t * q_stride + h * head_dim), K/V of all
+ * num_computed + num_new positions already in the cache; out [num_new, num_heads * head_dim]
+ * (qdt). head_dim % 16 == 0; scratch holds prefill_scratch_bytes(head_dim, num_threads,
+ * num_kv_heads, num_computed + num_new).
+ */
+void paged_prefill(int qdt, int kvdt, const void* q, int64_t q_stride, const void* k_cache,
+                   const void* v_cache, const int64_t* block_table, int64_t num_new,
+                   int64_t num_computed, void* out, uint8_t* scratch, int64_t num_heads,
+                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                   int64_t num_threads) {
+    num_threads = num_threads < 1 ? 1 : num_threads > PF_MAX_THREADS ? PF_MAX_THREADS : num_threads;
+    const int64_t seq_len = num_computed + num_new;
+    PrefillArgs args = {qdt,       kvdt,         q,        q_stride,   k_cache,
+                        v_cache,   block_table,  num_new,  num_computed, out,
+                        num_heads, num_kv_heads, head_dim, block_size, scale,
+                        0,         (uint16_t*)(scratch + num_threads * pf_thread_bytes(head_dim)),
+                        pf_packed_len(seq_len)};
+#if defined(__AMX_BF16__)
+    args.use_amx = pf_amx_applies(&args);
+    for (int64_t h = 0; args.use_amx && h < num_kv_heads; h++) {
+        uint16_t* k_packed = args.packed + h * 2 * args.packed_len * head_dim;
+        pf_amx_pack(&args, h, seq_len, args.packed_len, k_packed,
+                    k_packed + args.packed_len * head_dim);
+    }
+#endif
+    const int64_t num_blocks = prefill_num_blocks(num_new, num_heads, num_kv_heads);
+    num_threads = num_threads > num_blocks ? num_blocks : num_threads;
+    PrefillWork work = {&args, num_blocks, 0, scratch, pf_thread_bytes(head_dim)};
+    PrefillWorker workers[PF_MAX_THREADS];
+    pthread_t threads[PF_MAX_THREADS];
+    int64_t started = 0; /* threads 1..started run (a failed create leaves fewer) */
+    for (int64_t i = 1; i < num_threads; i++, started++) {
+        workers[i] = (PrefillWorker){&work, i};
+        if (pthread_create(&threads[i], NULL, pf_worker, &workers[i]) != 0) break;
+    }
+    workers[0] = (PrefillWorker){&work, 0};
+    pf_worker(&workers[0]);
+    for (int64_t i = 1; i <= started; i++) pthread_join(threads[i], NULL);
+}
