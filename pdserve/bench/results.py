@@ -41,8 +41,10 @@ def result_to_dict(result: BenchResult) -> dict:
         "label": result.label,
         "config": spec.describe(),
         "num_good": result.metrics.num_good,
+        "slo_attainment": result.metrics.slo_attainment,
         "interference": result.interference.to_dict(),
         "records": [r.to_dict() for r in records],
+        "warmups": [r.to_dict() for r in result.warmups],
     }
     return out
 
