@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import httpx
@@ -16,7 +16,7 @@ from pdserve.bench.interference import InterferenceConfig, InterferenceReport, d
 from pdserve.bench.metrics import BenchMetrics, compute_metrics
 from pdserve.bench.prompts import PromptSynthesizer
 from pdserve.bench.records import RequestRecord
-from pdserve.bench.runner import ServerInfo, probe_server, run_requests, warm_up
+from pdserve.bench.runner import ServerInfo, StopWhen, probe_server, run_requests, warm_up
 from pdserve.bench.tokenizer import TokenizerLike, load_tokenizer
 from pdserve.bench.workloads.base import BenchRequest, Workload, make_request
 
@@ -181,7 +181,7 @@ async def run_rate(
     rate: float | None,
     label: str,
     warmups: Sequence[RequestRecord] = (),
-    stop_when: Callable[[list[RequestRecord], float], bool] | None = None,
+    stop_when: StopWhen | None = None,
 ) -> BenchResult:
     """One run of the planned workload at `rate` (see `run_requests` for `stop_when`)."""
     records, t0 = await run_requests(

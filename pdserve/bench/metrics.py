@@ -153,6 +153,28 @@ def meets_slos(record: RequestRecord, slos: Mapping[str, float]) -> bool:
     return all(observed[name] <= limit for name, limit in slos.items())
 
 
+def has_missed_slos(record: RequestRecord, slos: Mapping[str, float], now: float) -> bool:
+    """Whether a request, finished or still streaming at `now` (seconds, the records' clock),
+    has already missed an SLO whatever happens next. Requests not sent yet have not."""
+    if record.error is not None:
+        return True
+    if record.send_time is None:
+        return False
+    if record.end_time is not None:
+        return not meets_slos(record, slos)
+    # Lower bounds on what the request's values will be; it asked for `output_len` tokens.
+    times = record.token_times
+    bounds = {"e2el": now - record.send_time}
+    if not times:
+        bounds["ttft"] = bounds["e2el"]
+    else:
+        bounds["ttft"] = times[0] - record.send_time
+        bounds["max_itl"] = max([*record.itls, now - times[-1]])
+        if record.output_len > 1:
+            bounds["tpot"] = (now - times[0]) / (record.output_len - 1)
+    return any(bounds.get(name, 0.0) * 1000.0 > limit for name, limit in slos.items())
+
+
 def compute_metrics(records: list[RequestRecord], slos: Mapping[str, float]) -> BenchMetrics:
     """Aggregate per-request records into the run's metrics."""
     done = [r for r in records if r.success]

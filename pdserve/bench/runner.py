@@ -60,6 +60,8 @@ async def warm_up(
 # How often a run with `stop_when` asks whether to stop.
 _STOP_POLL_S = 0.1
 STOPPED_EARLY = "stopped early: the run's outcome was already decided"
+# Asked during a run with its records and the time since its start: stop now?
+StopWhen = Callable[[list[RequestRecord], float], bool]
 
 
 async def run_requests(
@@ -71,7 +73,7 @@ async def run_requests(
     max_concurrency: int | None = None,
     show_progress: bool = True,
     label: str = "",
-    stop_when: Callable[[list[RequestRecord], float], bool] | None = None,
+    stop_when: StopWhen | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Send every request at its arrival time (seconds from now); return the records, in
     request order, and the perf_counter value their times are relative to.
