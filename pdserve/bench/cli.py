@@ -7,9 +7,11 @@ The top-level CLI wires this in with `add_parser(subparsers)` and calls `run(arg
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from pdserve.bench.arrivals import parse_request_rates
@@ -26,6 +28,7 @@ from pdserve.bench.compare import (
     run_compare,
     save_compare,
 )
+from pdserve.bench.demo import demo_spec, measure_machine, size_demo
 from pdserve.bench.errors import BenchError
 from pdserve.bench.interference import InterferenceConfig
 from pdserve.bench.launcher import DEFAULT_SERVER_COMMAND, LaunchConfig
@@ -68,7 +71,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     _add_run_args(parser, default_report=None)
     parser.set_defaults(run=run, bench_command=None)
-    sub = parser.add_subparsers(dest="bench_command", metavar="{compare,convert-trace}")
+    sub = parser.add_subparsers(dest="bench_command", metavar="{compare,demo,convert-trace}")
     compare = sub.add_parser(
         "compare",
         help="run one workload against each serving mode in turn",
@@ -77,6 +80,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     _add_run_args(compare, default_report="bench-compare")
     _add_compare_args(compare)
+    demo = sub.add_parser(
+        "demo",
+        help="the head-to-head fitted to this machine (make demo)",
+        description="Measure this machine through one server, size the mixed workload, the "
+        "SLOs and each mode's settings to it, then compare the modes and search each one's "
+        "highest rate meeting the SLOs.",
+    )
+    _add_demo_args(demo)
     convert = sub.add_parser(
         "convert-trace",
         help="cut a window from a trace (e.g. the Azure CSV) into pdserve trace JSONL",
@@ -89,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.bench_command == "compare":
             return _run_compare(args)
+        if args.bench_command == "demo":
+            return _run_demo(args)
         if args.bench_command == "convert-trace":
             return _run_convert(args)
         return _run_bench(args)
@@ -248,6 +261,7 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
         "the detector flags when given, else its own); with --modes '' and no --external "
         "only these",
     )
+    _add_launch_args(g)
     found = p.add_argument_group("highest rate meeting the SLOs (goodput as DistServe defines it)")
     found.add_argument(
         "--search-rate",
@@ -280,6 +294,9 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="start no search run after this long per server",
     )
+
+
+def _add_launch_args(g) -> None:
     g.add_argument(
         "--server-cmd",
         default=" ".join(DEFAULT_SERVER_COMMAND),
@@ -305,6 +322,32 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--stop-grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL"
     )
+
+
+def _add_demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help="comma-separated modes to compare (default: %(default)s)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=900.0,
+        metavar="SECONDS",
+        help="the whole demo's time, the machine probe included (default: %(default)g)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer.json, a folder with one, or a GGUF (default: pdserve's default model)",
+    )
+    p.add_argument("--report", metavar="DIR", default="results/demo", help="(default: %(default)s)")
+    p.add_argument(
+        "--save-result", metavar="FILE.json", help="the JSON (default: DIR/compare.json)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_launch_args(p.add_argument_group("servers"))
 
 
 def _add_convert_args(p: argparse.ArgumentParser) -> None:
@@ -399,6 +442,20 @@ def _detector_settings(args: argparse.Namespace) -> dict:
     return {k: v for k, v in given.items() if v is not None}
 
 
+def _launch_config(args: argparse.Namespace, report_dir: Path) -> LaunchConfig:
+    return LaunchConfig(
+        command=tuple(shlex.split(args.server_cmd)),
+        extra_args=tuple(shlex.split(args.server_args)),
+        mode_args={
+            mode: tuple(shlex.split(text))
+            for mode, text in _name_pairs(args.mode_args, "--mode-args", "ARGS")
+        },
+        health_timeout_s=args.health_timeout,
+        stop_grace_s=args.stop_grace,
+        log_dir=report_dir / "logs",
+    )
+
+
 def _rate_search(args: argparse.Namespace) -> RateSearch | None:
     if not args.search_rate:
         return None
@@ -450,6 +507,13 @@ def _run_compare(args: argparse.Namespace) -> int:
         result = _measure_and_join(args, modes, externals, saved, report_dir)
     else:
         result = _judge_saved(args, saved)
+    _print_and_save(result, report_dir, args.save_result)
+    return 0
+
+
+def _print_and_save(
+    result: CompareResult, report_dir: Path, save_result: str | None, intro: list[str] = ()
+) -> None:
     for name, run_result in result.results.items():
         print(f"{name}: {run_result.interference.verdict}")
     print(format_table(result.rows))
@@ -460,8 +524,31 @@ def _run_compare(args: argparse.Namespace) -> int:
         print(f"{name}: highest rate meeting the SLOs {search.describe()}")
     if result.recommendation:
         print(result.recommendation)
-    json_path, report = save_compare(result, report_dir, args.save_result)
+    json_path, report = save_compare(result, report_dir, save_result, intro)
     print(f"results: {json_path}\nreport: {report}")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if not modes:
+        raise BenchError("bench demo: --modes is empty")
+    report_dir = Path(args.report)
+    launch = _launch_config(args, report_dir)
+    tokenizer = load_tokenizer(args.tokenizer)
+    probe_mode = "colocated" if "colocated" in modes else modes[0]
+    print(f"measuring this machine through a {probe_mode} server ...", flush=True)
+    profile = measure_machine(launch, probe_mode, tokenizer, args.seed)
+    plan = size_demo(profile, args.time_budget - (time.monotonic() - started), len(modes))
+    for line in plan.explain():
+        print(line, flush=True)
+    spec = demo_spec(plan, launch, modes, args.seed, not args.no_progress)
+    result = run_compare(spec, tokenizer)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / "sizing.json").write_text(json.dumps(plan.to_dict(), indent=1))
+    intro = ["## Sized for this machine", "", *(f"- {line}" for line in plan.explain()), ""]
+    _print_and_save(result, report_dir, args.save_result, intro)
+    print(f"demo: {time.monotonic() - started:.0f} s")
     return 0
 
 
@@ -476,17 +563,7 @@ def _measure_and_join(
     spec = CompareSpec(
         # The base URL is replaced by each launched or external server's own.
         bench=_bench_spec(args, "http://127.0.0.1"),
-        launch=LaunchConfig(
-            command=tuple(shlex.split(args.server_cmd)),
-            extra_args=tuple(shlex.split(args.server_args)),
-            mode_args={
-                mode: tuple(shlex.split(text))
-                for mode, text in _name_pairs(args.mode_args, "--mode-args", "ARGS")
-            },
-            health_timeout_s=args.health_timeout,
-            stop_grace_s=args.stop_grace,
-            log_dir=report_dir / "logs",
-        ),
+        launch=_launch_config(args, report_dir),
         modes=modes,
         externals=externals,
         search=_rate_search(args),

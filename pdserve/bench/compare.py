@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -570,8 +570,14 @@ def _cells(row: CompareRow) -> list[str]:
     return [fmt.format(r=row, **values) for _, fmt in _COLUMNS]
 
 
-def save_compare(result: CompareResult, out_dir: str | Path, json_path: str | Path | None = None):
-    """Write the combined JSON (default `out_dir/compare.json`) and the report; their paths."""
+def save_compare(
+    result: CompareResult,
+    out_dir: str | Path,
+    json_path: str | Path | None = None,
+    intro: Sequence[str] = (),
+):
+    """Write the combined JSON (default `out_dir/compare.json`) and the report (`intro`
+    lines first); their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_file = Path(json_path) if json_path else out / "compare.json"
@@ -579,6 +585,7 @@ def save_compare(result: CompareResult, out_dir: str | Path, json_path: str | Pa
     bench = result.spec.bench
     slos = ", ".join(f"{k} ≤ {v:g} ms" for k, v in bench.slos.items()) or "none given"
     preamble = [
+        *intro,
         "## Comparison",
         "",
         f"Offered load {rate_text(result.spec.request_rate)} req/s; SLOs: {slos}. Latencies in "

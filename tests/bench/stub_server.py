@@ -182,7 +182,8 @@ def main() -> None:
     parser.add_argument("--serial-prefill", action="store_true")
     parser.add_argument("--batch-cost", type=float, default=0.0)
     parser.add_argument("--speed", type=float, default=1.0)
-    args = parser.parse_args()
+    # pdserve's own flags (a mode's token budget, say) mean nothing to the stub.
+    args, _ = parser.parse_known_args()
     preset = MODE_PRESETS.get(args.mode, {})
     seconds = 1000.0 * args.speed  # ms at speed 1 -> seconds at this speed
     schedule = Schedule(
