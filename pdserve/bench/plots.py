@@ -53,9 +53,11 @@ def plot_itl_timeline(result: BenchResult, path: Path) -> Path:
         ax.plot([], [], color=colors[kind], label=kind)
     if result.interference.windows:
         ax.fill_between([], [], color="tab:red", alpha=0.12, label="long-prompt prefill")
-    threshold = result.interference.spike_threshold_ms
+    report = result.interference
+    threshold = report.spike_threshold_ms
     if threshold > 0:
-        ax.axhline(threshold, color="k", ls="--", lw=0.8, label=f"spike > {threshold:.0f} ms")
+        label = f"stall: > {report.config.spike_factor:g}× its stream's pace (~{threshold:.0f} ms)"
+        ax.axhline(threshold, color="k", ls="--", lw=0.8, label=label)
         _log_scale(ax, "y")
     ax.set(xlabel="time since start (s)", ylabel="inter-token latency (ms)")
     ax.set_title(f"ITL over time, every stream — {result.label}", fontsize=10)
