@@ -186,10 +186,10 @@ def size_demo(profile: MachineProfile, budget_s: float, num_modes: int) -> DemoP
     chat_out = _clamp(round(CHAT_SHARE * run_s / step), *CHAT_OUTPUT_RANGE)
     chats = LengthRange(max(1, chat_out // 2), chat_out)
     max_itl = STALL_SCALE * step
-    slos = {
-        "ttft": TTFT_SCALE * profile.prefill_time(docs.high) * 1000.0,
-        "tpot": TPOT_SCALE * step * 1000.0,
-        "max_itl": max_itl * 1000.0,
+    slos = {  # whole milliseconds
+        "ttft": float(round(TTFT_SCALE * profile.prefill_time(docs.high) * 1000.0)),
+        "tpot": float(round(TPOT_SCALE * step * 1000.0)),
+        "max_itl": float(round(max_itl * 1000.0)),
     }
     # One engine's seconds per request: its prefill, and its share of batched decode steps.
     per_token = step / PROBE_BATCH

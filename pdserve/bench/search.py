@@ -157,7 +157,7 @@ async def search_max_rate(
             reason = f"run limit ({config.max_runs} runs besides the first)"
             break
         if config.budget_s is not None and clock() - started >= config.budget_s:
-            reason = f"time budget ({config.budget_s:g} s)"
+            reason = f"time budget ({config.budget_s:.3g} s)"
             break
         points.append(await measure(rate))
     return SearchResult(config.attainment, tuple(points), reason)

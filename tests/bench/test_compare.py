@@ -247,3 +247,30 @@ def test_table_shows_failed_rows():
     assert markdown[1].startswith("|---|") and markdown[2].startswith("| disagg | 10/10 |")
     searched = format_table([_searched("a", 0.5, None), _searched("b", None)]).splitlines()
     assert "0.5+" in searched[1] and "none" in searched[2]
+
+
+def test_saved_single_runs_are_judged_from_their_records(tmp_path, capsys):
+    """One bench --save-result file per row, judged like measured runs (other SLOs given
+    here), and a file of another tool (numbers only) shown as it is."""
+    from pdserve.bench.results import save_results
+    from tests.bench.test_report import _result
+
+    save_results([_result("a", 1.0, stall=True)], tmp_path / "a.json")
+    clean = save_results([_result("b", 1.0, stall=False)], tmp_path / "b.json")
+    numbers = json.loads(clean.read_text())
+    del numbers["pdserve"]
+    (tmp_path / "other.json").write_text(json.dumps(numbers))
+    out = tmp_path / "report"
+    args = ["compare", "--modes", "", "--report", str(out), "--goodput", "max_itl:300"]
+    for name in ("a", "b", "other"):
+        args += ["--saved", f"{name}={tmp_path / (name + '.json')}"]
+    assert main(args) == 0
+    capsys.readouterr()
+    data = json.loads((out / "compare.json").read_text())
+    rows = {row["name"]: row for row in data["rows"]}
+    assert rows["a"]["finding"] == "interference" and rows["a"]["attainment"] == 0.25
+    assert rows["b"]["finding"] == "neither" and rows["b"]["attainment"] == 1.0
+    assert rows["other"]["goodput"] is None and rows["other"]["finding"] == ""
+    assert data["recommendation"]["name"] == "b"
+    assert data["config"]["goodput_slos_ms"] == {"max_itl": 300.0}
+    assert (out / "itl_timeline-a.png").is_file() and (out / "report.md").is_file()

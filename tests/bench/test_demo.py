@@ -52,7 +52,7 @@ def test_a_slower_machine_gets_a_lighter_load_in_its_own_units():
     for plan in (fast, slow):
         p, w = plan.profile, plan.workload
         assert DOC_LEN_RANGE[0] <= w.long_input_len.low <= w.long_input_len.high
-        assert plan.slos["max_itl"] == pytest.approx(STALL_SCALE * p.batch_step_s * 1000)
+        assert plan.slos["max_itl"] == pytest.approx(STALL_SCALE * p.batch_step_s * 1000, abs=0.5)
         assert plan.slos["ttft"] > 1000 * p.prefill_time(w.long_input_len.high)
         assert plan.long_prompt_tokens <= w.long_input_len.low
         # The offered load is LOAD x the one-engine capacity the measured costs imply.
