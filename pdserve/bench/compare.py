@@ -12,7 +12,7 @@ import asyncio
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from pdserve.bench.benchmark import (
@@ -41,6 +41,8 @@ from pdserve.bench.search import (
 from pdserve.bench.tokenizer import TokenizerLike, load_tokenizer
 
 DEFAULT_MODES = ("colocated", "chunked", "disagg")
+# A search run at a low rate still has this many requests (its attainment means something).
+MIN_SEARCH_PROMPTS = 10
 # Without SLOs, modes within this share of the best output throughput compete on ITL p99.
 _THROUGHPUT_TOLERANCE = 0.9
 
@@ -334,6 +336,8 @@ class _Runner:
         self._spec = spec
         self._tokenizer = tokenizer
         self._plan: WorkloadPlan | None = None
+        # Search runs' plans by request count (every server sees the same ones).
+        self._plans: dict[int, WorkloadPlan] = {}
         self.results: dict[str, BenchResult] = {}
         self.searches: dict[str, tuple[SearchResult, list[BenchResult]]] = {}
         self.failed: dict[str, CompareRow] = {}
@@ -372,7 +376,7 @@ class _Runner:
                 run = await run_rate(
                     http,
                     bench,
-                    plan,
+                    self._plan_at(rate, plan),
                     server,
                     rate,
                     rate_label(name, rate),
@@ -389,6 +393,21 @@ class _Runner:
 
             outcome = await search_max_rate(SearchPoint.of(result), measure, search)
             self.searches[name] = (outcome, runs)
+
+    def _plan_at(self, rate: float, first: WorkloadPlan) -> WorkloadPlan:
+        """A search run's requests: as many as keep the first run's span at `rate`, so that
+        the rate is sustained (the first plan, for a workload without a request count)."""
+        workload = first.workload
+        if not any(f.name == "num_prompts" for f in fields(workload)):
+            return first
+        scale = rate / self._spec.request_rate
+        count = max(MIN_SEARCH_PROMPTS, round(workload.num_prompts * scale))
+        if count not in self._plans:
+            tokenizer = self._tokenizer or load_tokenizer(None)
+            resized = replace(workload, num_prompts=count)
+            plan = plan_workload(resized, tokenizer, first.seed, first.max_model_len)
+            self._plans[count] = replace(plan, warmups=first.warmups)
+        return self._plans[count]
 
     def fail(self, name: str, error: str) -> None:
         self.failed[name] = CompareRow(name, error=error)

@@ -63,9 +63,10 @@ TPOT_SCALE = 3.0
 STALL_SCALE = 10.0
 LOAD = 0.7
 MIN_PROMPTS, MAX_PROMPTS = 12, 40
-# Of the time per mode (after its start), the runs take about this many run lengths: the
-# run at the sized rate and a search of up to three more (slower rates run longer).
-RUNS_PER_MODE = 4.5
+# Of the time per mode (after its start), the runs take about this many run lengths (each
+# with its drain): the run at the sized rate and a search of up to three more, every one as
+# long as the first; runs decided early stop early.
+RUNS_PER_MODE = 5
 SEARCH = RateSearch(step=1.5, max_runs=3)
 NUM_WARMUPS = 2
 
@@ -224,8 +225,8 @@ def size_demo(profile: MachineProfile, budget_s: float, num_modes: int) -> DemoP
         # The decode worker has one core of the two the probe's server had.
         decode_worker_budget=_budget(profile.prefill_tps / 2 * max_itl / 3, 32, 256),
         capacity=capacity,
-        # Search runs start while the mode's time lasts, after its first run (with drain).
-        search=replace(SEARCH, budget_s=max(1.0, per_mode - 2.5 * run_s)),
+        # The search has the mode's time left after its first run (and that run's drain).
+        search=replace(SEARCH, budget_s=max(1.0, per_mode - 1.25 * run_s)),
     )
 
 

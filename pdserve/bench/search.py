@@ -1,14 +1,16 @@
 """Goodput as DistServe defines it: the highest request rate at which a target share of
 requests (`attainment`, 90% by default) meets every SLO.
 
-A short search per server, on the sweep's machinery (the same planned requests, arrivals
-rescaled per rate, one server kept up throughout): from the first rate, multiply by `growth`
-while the target is met (divide while it is not) until the rate is bracketed, then bisect the
-bracket geometrically until its two ends are within `step` of each other. Bounded: at most
-`max_runs` runs besides the first, none started after `budget_s`, none below
-`min_rate_ratio` × the first rate. A run whose outcome is decided (more requests missed an SLO
-than the target allows) stops early. The answer is the highest rate met below the lowest rate
-missed, so one noisy run above a miss cannot raise it.
+A short search per server, on the sweep's machinery (the same workload and seed, one server
+kept up throughout): from the first rate, multiply by `growth` while the target is met (divide
+while it is not) until the rate is bracketed, then bisect the bracket geometrically until its
+two ends are within `step` of each other. Every run offers its rate for as long as the first
+run did (the workload's request count scaled with the rate, where it has one): a rate is
+sustained, not a burst the server absorbs and drains. Bounded: at most `max_runs` runs besides
+the first, none started that would end after `budget_s` (judged by the last run's length),
+none below `min_rate_ratio` × the first rate. A run whose outcome is decided (more requests
+missed an SLO than the target allows) stops early. The answer is the highest rate met below
+the lowest rate missed, so one noisy run above a miss cannot raise it.
 """
 
 from __future__ import annotations
@@ -149,6 +151,7 @@ async def search_max_rate(
     one (module doc)."""
     points = [first]
     started = clock()
+    last_run_s = 0.0
     while True:
         rate, reason = _next_rate(SearchResult(config.attainment, tuple(points)), first, config)
         if rate is None:
@@ -156,10 +159,12 @@ async def search_max_rate(
         if len(points) > config.max_runs:
             reason = f"run limit ({config.max_runs} runs besides the first)"
             break
-        if config.budget_s is not None and clock() - started >= config.budget_s:
+        now = clock()
+        if config.budget_s is not None and now - started + last_run_s > config.budget_s:
             reason = f"time budget ({config.budget_s:.3g} s)"
             break
         points.append(await measure(rate))
+        last_run_s = clock() - now
     return SearchResult(config.attainment, tuple(points), reason)
 
 

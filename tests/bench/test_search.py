@@ -16,20 +16,21 @@ from tests.bench.conftest import REPO_ROOT
 from tests.bench.helpers import failed, record
 
 
-def _search(capacity: float, first_rate: float, config: RateSearch, clock=None):
-    """Search a server that meets the SLOs for all requests up to `capacity`, none above."""
-    tried = []
+def _search(capacity: float, first_rate: float, config: RateSearch):
+    """Search a server that meets the SLOs for all requests up to `capacity`, none above;
+    each run takes one second of a fake clock."""
+    tried, now = [], [0.0]
 
     def point(rate: float) -> SearchPoint:
         return SearchPoint(rate, 10 if rate <= capacity else 0, 10)
 
     async def measure(rate: float) -> SearchPoint:
         tried.append(rate)
+        now[0] += 1.0
         return point(rate)
 
-    kwargs = {} if clock is None else {"clock": clock}
-    result = asyncio.run(search_max_rate(point(first_rate), measure, config, **kwargs))
-    return result, tried
+    search = search_max_rate(point(first_rate), measure, config, clock=lambda: now[0])
+    return asyncio.run(search), tried
 
 
 @pytest.mark.parametrize("capacity", [0.3, 2.9, 3.0, 11.0])
@@ -46,11 +47,9 @@ def test_the_search_is_bounded_by_runs_time_and_the_floor():
     result, tried = _search(100.0, 1.0, RateSearch(max_runs=2))
     assert tried == [2.0, 4.0] and result.max_rate == 4.0 and result.min_missed_rate is None
     assert result.stop_reason.startswith("run limit") and result.describe().startswith(">= 4")
-    ticks = iter(range(100))
-    result, tried = _search(
-        100.0, 1.0, RateSearch(max_runs=10, budget_s=2.5), clock=lambda: next(ticks)
-    )
-    assert len(tried) == 2 and result.stop_reason == "time budget (2.5 s)"  # ticks 1, 2: run
+    # Runs of 1 s in a 2.5 s budget: a third would end at 3 s, so it does not start.
+    result, tried = _search(100.0, 1.0, RateSearch(max_runs=10, budget_s=2.5))
+    assert len(tried) == 2 and result.stop_reason == "time budget (2.5 s)"
     result, tried = _search(0.01, 1.0, RateSearch(max_runs=10))
     assert tried == [0.5, 0.25, 0.125, 0.0625] and result.max_rate is None
     assert result.describe() == "none down to 0.0625 req/s"
@@ -93,8 +92,9 @@ def test_a_run_is_hopeless_once_more_requests_missed_than_allowed():
 @pytest.mark.slow
 def test_rate_search_against_a_stub_with_a_known_capacity(tmp_path, tokenizer_json, capsys):
     """Prefills one at a time, 100 ms each: the stub serves at most 10 requests per second.
-    With near-regular arrivals and a 250 ms TTFT SLO, 90% of 20 requests meet it up to about
-    11 req/s (the 18th may wait 150 ms): the search must land within one step of that."""
+    With near-regular arrivals and a 250 ms TTFT SLO, 90% of the requests meet it up to just
+    above 10 req/s (each run lasts 5 s, so about 50 requests there and the 45th may wait
+    150 ms: 10.3 req/s): the search must land within one step of that."""
     out = tmp_path / "search"
     code = main(
         [
@@ -118,7 +118,7 @@ def test_rate_search_against_a_stub_with_a_known_capacity(tmp_path, tokenizer_js
             "--output-len",
             "3",
             "--request-rate",
-            "2",
+            "4",
             "--burstiness",
             "100",
             "--goodput",
@@ -137,7 +137,10 @@ def test_rate_search_against_a_stub_with_a_known_capacity(tmp_path, tokenizer_js
     step = data["config"]["search"]["step"]
     low, high = search["max_rate"], search["min_missed_rate"]
     assert low is not None and high is not None and high / low <= step * 1.001
-    assert 10.0 / step <= low <= 11.5 and 10.0 <= high <= 11.0 * step
+    assert 10.0 / step <= low <= 10.5 and 10.0 <= high <= 10.5 * step
+    # A search run keeps the first run's span: more requests at a higher rate.
+    counts = {run["request_rate"]: run["num_prompts"] for run in search["runs"]}
+    assert counts[8.0] == 40
     assert data["rows"][0]["max_rate"] == low
     # Runs far above the capacity stop as soon as they are decided.
     assert any(p["is_stopped_early"] for p in search["points"] if p["rate"] > 14)
