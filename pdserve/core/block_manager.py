@@ -40,6 +40,21 @@ def chained_block_hash(parent: BlockHash | None, token_ids: Sequence[int]) -> Bl
     return int.from_bytes(h.digest(), "little")
 
 
+def extend_block_hashes(
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    hash_fn: HashFn = chained_block_hash,
+) -> list[BlockHash]:
+    """Append to `hashes` (the chain of `token_ids`' first full blocks) the hashes of the
+    full blocks after them; a partial last block has none. Returns `hashes`."""
+    parent = hashes[-1] if hashes else None
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_fn(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
 @dataclass
 class Block:
     block_id: int
@@ -75,8 +90,8 @@ class BlockManager:
         # least recently freed first (the eviction order).
         self._free: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[BlockHash, int] = {}
-        # Per request: the hashes of its full blocks registered so far (a chain prefix).
-        self._block_hashes: dict[str, list[BlockHash]] = {}
+        # Per request: how many of its leading full blocks are registered in the cache.
+        self._num_registered: dict[str, int] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up
         self.num_prefix_hits = 0  # of which found in the cache
 
@@ -105,17 +120,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         tokens = request.all_token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
+        hashes = self._block_hashes(request)
         hit: list[int] = []
-        parent: BlockHash | None = None
-        for i in range(max_blocks):
+        for i in range((len(tokens) - 1) // self.block_size):
+            block_id = self._cached.get(hashes[i])
+            parent = hashes[i - 1] if i else None
             chunk = tokens[i * self.block_size : (i + 1) * self.block_size]
-            block_hash = self._hash_fn(parent, chunk)
-            block_id = self._cached.get(block_hash)
             if block_id is None or not self._verify(self.blocks[block_id], parent, chunk):
                 break
             hit.append(block_id)
-            parent = block_hash
         return hit
 
     # ---- allocation --------------------------------------------------------------------
@@ -144,9 +157,7 @@ class BlockManager:
         if computed_blocks:
             request.num_computed_tokens += num_hit_tokens
             request.num_cached_tokens = num_hit_tokens
-            self._block_hashes[request.request_id] = [
-                self.blocks[b].block_hash for b in computed_blocks
-            ]
+            self._num_registered[request.request_id] = len(computed_blocks)
         for _ in range(max(num_needed, 0)):
             request.block_table.append(self._allocate_fresh())
         return True
@@ -155,20 +166,19 @@ class BlockManager:
         """Register the request's newly completed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        hashes = self._block_hashes.setdefault(request.request_id, [])
+        num_registered = self._num_registered.get(request.request_id, 0)
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
-        if num_full <= len(hashes):  # most decode steps complete no block
+        if num_full <= num_registered:  # most decode steps complete no block
             return
+        hashes = self._block_hashes(request)
         tokens = request.all_token_ids
-        for i in range(len(hashes), num_full):
-            parent = hashes[-1] if hashes else None
-            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            block_hash = self._hash_fn(parent, chunk)
-            hashes.append(block_hash)
+        for i in range(num_registered, num_full):
             block = self.blocks[request.block_table[i]]
-            if block.block_hash is None and block_hash not in self._cached:
-                block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, chunk
-                self._cached[block_hash] = block.block_id
+            if block.block_hash is None and hashes[i] not in self._cached:
+                block.block_hash, block.parent_hash = hashes[i], hashes[i - 1] if i else None
+                block.token_ids = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+                self._cached[hashes[i]] = block.block_id
+        self._num_registered[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Return the request's blocks. Freed in reverse, so a sequence's tail is evicted first
@@ -181,14 +191,16 @@ class BlockManager:
                 if block.block_hash is None:  # nothing cached: reuse it first
                     self._free.move_to_end(block_id, last=False)
         request.block_table = []
-        self._block_hashes.pop(request.request_id, None)
-
-    def reset_prefix_cache(self) -> None:
-        for block_hash, block_id in list(self._cached.items()):
-            self.blocks[block_id].reset()
-            del self._cached[block_hash]
+        self._num_registered.pop(request.request_id, None)
 
     # ---- internals ---------------------------------------------------------------------
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """`request.block_hashes`, extended over blocks that have filled up since."""
+        hashes = request.block_hashes
+        if len(hashes) < request.num_tokens // self.block_size:
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, self._hash_fn)
+        return hashes
+
     def _verify(self, block: Block, parent: BlockHash | None, chunk: Sequence[int]) -> bool:
         return block.parent_hash == parent and block.token_ids == tuple(chunk)
 

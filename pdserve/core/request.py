@@ -29,6 +29,20 @@ class FinishReason(enum.Enum):
     ERROR = "error"
 
 
+@dataclass
+class RequestMetrics:
+    """Clock readings (time.monotonic seconds) along one request's life: the one record of
+    them, kept on the `Request` and handed out with every output. The scheduler sets
+    `first_scheduled_time`, the engine the rest."""
+
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    # Seconds spent in steps that computed this request's prompt.
+    prefill_time: float = 0.0
+
+
 @dataclass(eq=False)  # an entity: compared by identity, which keeps `in`/`remove` cheap
 class Request:
     request_id: str
@@ -36,8 +50,7 @@ class Request:
     sampling_params: SamplingParams
     # Any of these ends the request (models such as Llama-3 instruct have several).
     eos_token_ids: frozenset[int] = frozenset()
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_scheduled_time: float | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Tokens of the prompt found in the prefix cache at the latest admission.
@@ -48,8 +61,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    # Free-form per-request data carried for KV connectors (vLLM's kv_transfer_params).
-    kv_transfer_params: dict | None = None
+    # Chained hashes of the full blocks of `all_token_ids` computed so far (for the block
+    # size of the block manager holding the request, which alone extends it). Tokens never
+    # change once appended, so the hashes are computed once per block, not per lookup.
+    block_hashes: list[int] = field(default_factory=list)
+    # Set by the scheduler when the request finishes: the `kv_transfer_params` its KV
+    # connector hands to the next leg (a prefill leg's: where its leased blocks wait).
+    kv_hand_off: dict | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -62,12 +62,22 @@ class KVUpdate:
 
 
 @dataclass(frozen=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_hit_rate: float
-    num_preemptions: int
+class EngineStats:
+    """The one stats snapshot. The scheduler fills the request and KV-cache fields; the
+    engine adds its step count and latest step time, the async engine its heartbeat and the
+    requests it has not handed to the engine yet (counted in `num_waiting`)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    last_step_time: float | None = None
+    # time.monotonic() of the engine loop's latest iteration (None: no loop runs it).
+    heartbeat: float | None = None
 
 
 class Scheduler:
@@ -114,22 +124,27 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if self.connector is not None and self.connector.request_finished(request):
-            self.held[request_id] = request
-        else:
-            self.block_manager.free(request)
+        if self.connector is not None:
+            is_held, request.kv_hand_off = self.connector.request_finished(request)
+            if is_held:
+                self.held[request_id] = request
+                return request
+        self.block_manager.free(request)
         return request
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            len(self.running),
-            len(self.waiting),
-            self.block_manager.usage,
-            self.block_manager.prefix_cache_hit_rate,
-            self.num_preemptions,
+    def get_stats(self) -> EngineStats:
+        manager = self.block_manager
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=manager.usage,
+            num_free_blocks=manager.num_free_blocks,
+            num_total_blocks=manager.num_blocks,
+            prefix_cache_hit_rate=manager.prefix_cache_hit_rate,
+            num_preemptions=self.num_preemptions,
         )
 
     # ---- scheduling --------------------------------------------------------------------
@@ -146,8 +161,8 @@ class Scheduler:
         now = time.monotonic()
         for scheduled in output.scheduled:
             scheduled.request.status = RequestStatus.RUNNING
-            if scheduled.request.first_scheduled_time is None:
-                scheduled.request.first_scheduled_time = now
+            if scheduled.request.metrics.first_scheduled_time is None:
+                scheduled.request.metrics.first_scheduled_time = now
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int | None) -> int | None:
@@ -193,6 +208,8 @@ class Scheduler:
                 num_new = remaining
             if not self.block_manager.allocate_slots(request, num_new, computed):
                 return
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(request, 0)
             self.waiting.popleft()
             self.running.append(request)
             scheduled = ScheduledRequest(request, num_new)

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
 
-from pdserve.core.request import FinishReason
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
-from pdserve.engine.outputs import RequestMetrics, RequestOutput
+from pdserve.core.scheduler import EngineStats
+from pdserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -61,32 +62,15 @@ class EngineProtocol(Protocol):
         arrival_time: float | None = None,
     ) -> None: ...
 
-    def abort_request(self, request_id: str) -> None: ...
+    def abort_request(self, request_id: str) -> RequestOutput | None: ...
 
     def step(self) -> list[RequestOutput]: ...
 
     def has_unfinished_requests(self) -> bool: ...
 
-    def get_stats(self) -> Any: ...
+    def get_stats(self) -> EngineStats: ...
 
     def shutdown(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class AsyncEngineStats:
-    """A snapshot the engine thread publishes after every step (and while idle)."""
-
-    num_running: int = 0
-    # Requests queued in the engine plus those not yet handed to it.
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    prefix_cache_hit_rate: float = 0.0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    # time.monotonic() of the engine loop's latest iteration.
-    heartbeat: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -95,6 +79,7 @@ class _Submission:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     kv_transfer_params: dict | None
+    arrival_time: float
 
 
 class _Accepted:
@@ -113,18 +98,11 @@ class RequestStream:
     `EngineDeadError` if the engine failed the request. `close()` aborts an unfinished request.
     """
 
-    def __init__(
-        self, engine: AsyncLLMEngine, request_id: str, num_prompt_tokens: int, arrival_time: float
-    ) -> None:
+    def __init__(self, engine: AsyncLLMEngine, request_id: str) -> None:
         self.request_id = request_id
-        self.num_prompt_tokens = num_prompt_tokens
         self._engine = engine
         self._queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
         self.is_finished = False
-        # Engine-thread bookkeeping, so an abort can produce a truthful final output.
-        self.num_output_tokens = 0
-        self.num_cached_tokens = 0
-        self.metrics = RequestMetrics(arrival_time=arrival_time)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -161,32 +139,23 @@ class AsyncLLMEngine:
     """Serves an `LLMEngine` to asyncio code: `add_request()`/`generate()`, `abort()`, stats.
 
     `max_queue` bounds the requests waiting for their first step (admission control).
-    `step_observer(seconds)` is called on the engine thread after every step.
     """
 
-    def __init__(
-        self,
-        engine: EngineProtocol,
-        *,
-        max_queue: int = DEFAULT_MAX_QUEUE,
-        step_observer: Callable[[float], None] | None = None,
-    ) -> None:
+    def __init__(self, engine: EngineProtocol, *, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
         self.engine = engine
         self.max_queue = max_queue
-        self._step_observer = step_observer
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._new: list[_Submission] = []
         self._aborts: list[str] = []
-        self._stats = AsyncEngineStats()
+        self._stats = EngineStats(heartbeat=time.monotonic())
         self._num_engine_waiting = 0  # as of the latest snapshot; guarded by _lock
         self._shutdown_deadline: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._last_step_time = 0.0
         # Loop side: ids with a live stream (rejects duplicates). Engine side: admitted streams.
         self._active_ids: set[str] = set()
         self._running: dict[str, RequestStream] = {}
@@ -236,12 +205,8 @@ class AsyncLLMEngine:
         self._check_alive()
         if request_id in self._active_ids:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = RequestStream(
-            self,
-            request_id,
-            len(prompt_token_ids),
-            time.monotonic() if arrival_time is None else arrival_time,
-        )
+        stream = RequestStream(self, request_id)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
         with self._lock:
             if self._shutdown_deadline is not None:
                 raise EngineDeadError("server is shutting down")
@@ -249,7 +214,13 @@ class AsyncLLMEngine:
             if num_waiting >= self.max_queue:
                 raise EngineOverloadedError(num_waiting, self.max_queue, self._retry_after_s())
             self._new.append(
-                _Submission(stream, list(prompt_token_ids), sampling_params, kv_transfer_params)
+                _Submission(
+                    stream,
+                    list(prompt_token_ids),
+                    sampling_params,
+                    kv_transfer_params,
+                    arrival_time,
+                )
             )
         self._active_ids.add(request_id)
         self._wakeup.set()
@@ -289,7 +260,8 @@ class AsyncLLMEngine:
 
     # ---- health and stats (any thread) -----------------------------------------------------
     @property
-    def stats(self) -> AsyncEngineStats:
+    def stats(self) -> EngineStats:
+        """The engine's latest snapshot; `num_waiting` includes requests not yet admitted."""
         return self._stats
 
     @property
@@ -313,7 +285,7 @@ class AsyncLLMEngine:
 
     def _retry_after_s(self) -> int:
         # A rough time for the queue to move: a few steps, at least one second.
-        return max(1, round(self._last_step_time * 4))
+        return max(1, round((self._stats.last_step_time or 0.0) * 4))
 
     # ---- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -362,8 +334,7 @@ class AsyncLLMEngine:
         for request_id in aborts:
             stream = self._running.pop(request_id, None)
             if stream is not None:
-                self.engine.abort_request(request_id)
-                outbox.append((stream, _final_output(stream, FinishReason.ABORT)))
+                outbox.append((stream, self._abort(request_id)))
         if new or aborts:
             self._publish_stats()
 
@@ -375,7 +346,7 @@ class AsyncLLMEngine:
                 sub.prompt_token_ids,
                 sub.sampling_params,
                 sub.kv_transfer_params,
-                stream.metrics.arrival_time,
+                sub.arrival_time,
             )
         except InvalidParameterError as exc:
             return exc
@@ -386,27 +357,20 @@ class AsyncLLMEngine:
         return _ACCEPTED
 
     def _step(self, outbox: list[tuple[RequestStream, _StreamItem]]) -> None:
-        start = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as exc:
             logger.exception("engine step failed; failing its %d requests", len(self._running))
             self._fail_running(outbox, RequestFailedError(f"engine step failed: {exc}"))
             return
-        self._last_step_time = time.perf_counter() - start
-        if self._step_observer is not None:
-            self._step_observer(self._last_step_time)
         for output in outputs:
             stream = self._running.get(output.request_id)
             if stream is None:  # aborted while the step ran
                 continue
-            stream.num_output_tokens = output.num_output_tokens
-            stream.num_cached_tokens = output.num_cached_tokens
-            stream.metrics = output.metrics
             if output.finished:
                 del self._running[output.request_id]
             outbox.append((stream, output))
-        self._publish_stats(num_steps=self._stats.num_steps + 1)
+        self._publish_stats()
 
     def _fail_running(
         self, outbox: list[tuple[RequestStream, _StreamItem]], error: BaseException
@@ -416,10 +380,15 @@ class AsyncLLMEngine:
             outbox.append((stream, error))
         self._running.clear()
 
+    def _abort(self, request_id: str) -> _StreamItem:
+        """Abort an admitted request; its final output (`finish_reason` abort) comes from the
+        engine, which alone knows its counts and clocks."""
+        output = self.engine.abort_request(request_id)
+        return output if output is not None else RequestFailedError("request was aborted")
+
     def _abort_all(self, outbox: list[tuple[RequestStream, _StreamItem]]) -> None:
         for request_id, stream in self._running.items():
-            self.engine.abort_request(request_id)
-            outbox.append((stream, _final_output(stream, FinishReason.ABORT)))
+            outbox.append((stream, self._abort(request_id)))
         self._running.clear()
         with self._lock:  # late arrivals raced with begin_shutdown
             outbox.extend(
@@ -440,20 +409,14 @@ class AsyncLLMEngine:
             return HEARTBEAT_INTERVAL_S
         return max(0.0, min(HEARTBEAT_INTERVAL_S, deadline - time.monotonic()))
 
-    def _publish_stats(self, num_steps: int | None = None) -> None:
+    def _publish_stats(self) -> None:
         engine_stats = self.engine.get_stats()
         with self._lock:
             num_pending = len(self._new)
             self._num_engine_waiting = engine_stats.num_waiting
-        self._stats = AsyncEngineStats(
-            num_running=engine_stats.num_running,
+        self._stats = dataclasses.replace(
+            engine_stats,
             num_waiting=engine_stats.num_waiting + num_pending,
-            kv_cache_usage=engine_stats.kv_cache_usage,
-            num_free_blocks=engine_stats.num_free_blocks,
-            num_total_blocks=engine_stats.num_total_blocks,
-            prefix_cache_hit_rate=engine_stats.prefix_cache_hit_rate,
-            num_preemptions=engine_stats.num_preemptions,
-            num_steps=self._stats.num_steps if num_steps is None else num_steps,
             heartbeat=time.monotonic(),
         )
 
@@ -472,21 +435,3 @@ class AsyncLLMEngine:
 def _deliver(items: list[tuple[RequestStream, _StreamItem]]) -> None:
     for stream, item in items:
         stream._put(item)
-
-
-def _final_output(stream: RequestStream, reason: FinishReason) -> RequestOutput:
-    """The last output of a request the engine will not continue (abort, shutdown)."""
-    metrics = stream.metrics
-    if metrics.finished_time is None:
-        metrics.finished_time = time.monotonic()
-    return RequestOutput(
-        request_id=stream.request_id,
-        new_token_ids=[],
-        new_text="",
-        finished=True,
-        finish_reason=reason,
-        num_prompt_tokens=stream.num_prompt_tokens,
-        num_output_tokens=stream.num_output_tokens,
-        num_cached_tokens=stream.num_cached_tokens,
-        metrics=metrics,
-    )

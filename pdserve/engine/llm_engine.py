@@ -7,44 +7,27 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.core.config import CacheConfig
-from pdserve.core.request import FinishReason, Request
+from pdserve.core.request import FinishReason, Request, RequestMetrics
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
-from pdserve.core.scheduler import Scheduler
+from pdserve.core.scheduler import EngineStats, Scheduler
 from pdserve.engine.config import DEFAULT_KV_CACHE_MEMORY_GB, EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import KVTransferOutcome, RequestMetrics, RequestOutput
+from pdserve.engine.outputs import KVTransferOutcome, RequestOutput
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.step_log import StepLog, StepRecord, step_batch
-from pdserve.kv_transfer.errors import KVTransferError
-from pdserve.kv_transfer.protocol import KVLayout, KVTransferParams
+from pdserve.kv_transfer.connector import KVConnector, add_kv_request
+from pdserve.kv_transfer.protocol import KVLayout
 from pdserve.model.attention import kv_bytes_per_token
 from pdserve.model.loader import LoadedModel, load_model
-
-if TYPE_CHECKING:
-    from pdserve.kv_transfer.connector import KVConnector
 
 logger = logging.getLogger(__name__)
 # How long an idle step waits when only KV transfers are in flight.
 KV_POLL_INTERVAL_S = 0.001
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-    num_steps: int
-    last_step_time: float | None
 
 
 @dataclass
@@ -53,9 +36,6 @@ class _Tracked:
 
     request: Request
     detokenizer: Detokenizer
-    metrics: RequestMetrics
-    # A disaggregated prefill leg: its final output says where its KV blocks wait.
-    is_prefill_leg: bool = False
     # How this request's KV arrived from a prefill worker (decode legs only).
     transfer: KVTransferOutcome | None = None
 
@@ -126,8 +106,6 @@ class LLMEngine:
     def _make_connector(self, num_blocks: int) -> KVConnector | None:
         if self.config.kv_transfer is None:
             return None
-        from pdserve.kv_transfer.connector import KVConnector
-
         return KVConnector(
             self.config.kv_transfer,
             self.kv_layout(),
@@ -173,24 +151,21 @@ class LLMEngine:
             raise InvalidParameterError(
                 "stop_token_ids", f"must be below the vocabulary size {vocab_size}"
             )
-        first_tokens = self._validate_kv_transfer_params(kv_transfer_params, prompt_token_ids)
+        if request_id in self._tracked:  # refused before the connector records it
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        first_tokens = add_kv_request(
+            self.connector, request_id, kv_transfer_params, len(prompt_token_ids)
+        )
         request = Request(
             request_id,
             list(prompt_token_ids),
             params,
             eos_token_ids=self._eos_token_ids,
+            metrics=RequestMetrics() if arrival_time is None else RequestMetrics(arrival_time),
             output_token_ids=first_tokens,
-            kv_transfer_params=kv_transfer_params,
         )
-        if arrival_time is not None:
-            request.arrival_time = arrival_time
         self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(
-            request,
-            Detokenizer(self.tokenizer, params.stop),
-            RequestMetrics(request.arrival_time),
-            is_prefill_leg=bool(kv_transfer_params and kv_transfer_params.get("do_remote_decode")),
-        )
+        self._tracked[request_id] = _Tracked(request, Detokenizer(self.tokenizer, params.stop))
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -205,43 +180,12 @@ class LLMEngine:
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise InvalidParameterError("prompt", f"token ids must be in [0, {vocab_size})")
 
-    def _validate_kv_transfer_params(self, data: dict | None, prompt: list[int]) -> list[int]:
-        """Check a disaggregated leg's params; returns the output tokens the request starts
-        with (the prefill worker's first token, for a decode leg)."""
-        if not data:
-            return []
-        if self.connector is None:
-            raise InvalidParameterError(
-                "kv_transfer_params",
-                "this worker takes no part in KV transfer (start it with "
-                "--role prefill or --role decode)",
-            )
-        try:
-            params = KVTransferParams.from_dict(data)
-        except KVTransferError as exc:
-            raise InvalidParameterError("kv_transfer_params", str(exc)) from exc
-        if not params.do_remote_prefill:
-            return []
-        layout = self.kv_layout()
-        if params.layout_hash != layout.layout_hash():
-            raise InvalidParameterError(
-                "kv_transfer_params",
-                "layout_hash differs from this worker's KV layout "
-                f"(model {layout.model_id}, {layout.dtype}, block_size {layout.block_size}, "
-                f"{layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
-                f"{layout.head_dim}): the prefill worker runs another model, dtype or layout",
-            )
-        if params.remote_num_tokens != len(prompt) or params.first_token_id is None:
-            raise InvalidParameterError(
-                "kv_transfer_params",
-                f"remote_num_tokens must equal the prompt's {len(prompt)} "
-                "tokens and first_token_id must be set",
-            )
-        return [params.first_token_id]
-
-    def abort_request(self, request_id: str) -> None:
-        if self.scheduler.abort_request(request_id) is not None:
-            self._release(request_id)
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now; returns its final output (None if it is not in flight)."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None or self.scheduler.abort_request(request_id) is None:
+            return None
+        return self._output_for(tracked, None, time.monotonic(), is_finished=True)
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, or KV blocks still moving (so `step()` keeps polling them)."""
@@ -257,28 +201,25 @@ class LLMEngine:
                 time.sleep(KV_POLL_INTERVAL_S)  # only transfers in flight: don't spin
             return outputs
         batch = step_batch(scheduler_output) if self.step_observers else ()
-        prefilling = [
-            s.request.request_id for s in scheduler_output.scheduled if s.request.is_prefilling
-        ]
-        start = time.monotonic()
+        prefilling = [s.request for s in scheduler_output.scheduled if s.request.is_prefilling]
         sampled = self.runner.execute(scheduler_output)
         finished = self.scheduler.update_from_output(
             scheduler_output, {rid: s.token_id for rid, s in sampled.items()}
         )
-        self._last_step_time = time.monotonic() - start
+        # The one step timer: metrics, stats and step records all read this figure.
+        self._last_step_time = time.perf_counter() - step_start
         self._num_steps += 1
-        for request_id in prefilling:
-            self._tracked[request_id].metrics.prefill_time += self._last_step_time
+        for request in prefilling:
+            request.metrics.prefill_time += self._last_step_time
         finished_ids = {r.request_id for r in finished}
         now = time.monotonic()
         outputs += [
             self._output_for(self._tracked[rid], token, now, rid in finished_ids)
             for rid, token in sampled.items()
         ]
-        if self.step_observers:
-            record = StepRecord(batch, time.perf_counter() - step_start)
-            for observe in self.step_observers:
-                observe(record)
+        record = StepRecord(batch, self._last_step_time)
+        for observe in self.step_observers:
+            observe(record)
         return outputs
 
     def _update_kv_transfers(self) -> list[RequestOutput]:
@@ -310,11 +251,10 @@ class LLMEngine:
         self, tracked: _Tracked, token: SampledToken | None, now: float, is_finished: bool
     ) -> RequestOutput:
         """The output for one new token (None: the request ends without one)."""
-        request, metrics = tracked.request, tracked.metrics
+        request, metrics = tracked.request, tracked.request.metrics
         if token is not None:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
-            metrics.last_token_time = now
             tracked.detokenizer.add_tokens([token.token_id])
         if tracked.detokenizer.is_stopped and not is_finished:
             self.scheduler.finish_request(request.request_id, FinishReason.STOP)
@@ -322,7 +262,6 @@ class LLMEngine:
         if is_finished:
             metrics.finished_time = now
             self._release(request.request_id)
-        metrics.first_scheduled_time = request.first_scheduled_time
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=[token.token_id] if token is not None else [],
@@ -334,9 +273,7 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             metrics=metrics,
             logprobs=[token.logprob] if token is not None and token.logprob else None,
-            kv_transfer_params=request.kv_transfer_params
-            if is_finished and tracked.is_prefill_leg
-            else None,
+            kv_transfer_params=request.kv_hand_off,
             kv_transfer=tracked.transfer,
         )
 
@@ -353,16 +290,8 @@ class LLMEngine:
 
     # ---- introspection -----------------------------------------------------------------
     def get_stats(self) -> EngineStats:
-        stats = self.scheduler.get_stats()
-        manager = self.scheduler.block_manager
-        return EngineStats(
-            stats.num_running,
-            stats.num_waiting,
-            stats.kv_cache_usage,
-            manager.num_free_blocks,
-            manager.num_blocks,
-            stats.prefix_cache_hit_rate,
-            stats.num_preemptions,
-            self._num_steps,
-            self._last_step_time,
+        return dataclasses.replace(
+            self.scheduler.get_stats(),
+            num_steps=self._num_steps,
+            last_step_time=self._last_step_time,
         )

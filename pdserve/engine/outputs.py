@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.core.request import FinishReason
+from pdserve.core.request import FinishReason, RequestMetrics
 
 
 @dataclass
@@ -23,19 +23,6 @@ class KVTransferOutcome:
     num_bytes: int
     seconds: float
     error: str | None = None
-
-
-@dataclass
-class RequestMetrics:
-    """Clock readings (time.monotonic seconds) along one request's life."""
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    # Seconds spent in forward passes that computed this request's prompt.
-    prefill_time: float = 0.0
 
 
 @dataclass

@@ -246,11 +246,6 @@ class ModelConfig:
         }
 
 
-def config_error(source: str, error: ValueError) -> ModelLoadError:
-    """Wrap a validation error as a `ModelLoadError` naming the file it came from."""
-    return ModelLoadError(f"{source}: {error}")
-
-
 def _hf_rope(config: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     # transformers 5 nests theta and scaling in `rope_parameters`; 4.x has them at top level.
     params = config.get("rope_parameters") or {}

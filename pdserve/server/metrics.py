@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.api.errors import ErrorType
 from pdserve.core.request import FinishReason
-from pdserve.engine.async_engine import AsyncEngineStats
-from pdserve.server.errors import ErrorType
+from pdserve.core.scheduler import EngineStats
 
 # Bucket edges in seconds: CPU decode steps are tens of ms, long CPU prefills seconds.
 _LATENCY_BUCKETS = (
@@ -80,7 +80,7 @@ LABEL = "model_name"
 class ServerMetrics:
     """The server's instruments, all labelled with the served model name."""
 
-    def __init__(self, model_name: str, stats: Callable[[], AsyncEngineStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
 
@@ -163,7 +163,7 @@ class ServerMetrics:
 class _EngineCollector(Collector):
     """Engine gauges and counters from the engine thread's latest snapshot."""
 
-    def __init__(self, model_name: str, stats: Callable[[], AsyncEngineStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
         self._model_name = model_name
         self._stats = stats
 

@@ -117,3 +117,23 @@ def test_hit_rate_counts_prompt_tokens():
     _admit(manager, make_request("a", 8))
     _admit(manager, make_request("b", 8))
     assert manager.prefix_cache_hit_rate == 4 / 16
+
+
+def test_each_full_block_is_hashed_once_however_often_it_is_looked_up():
+    calls = []
+
+    def counting_hash(parent, token_ids):
+        calls.append(tuple(token_ids))
+        return chained_block_hash(parent, token_ids)
+
+    manager = BlockManager(num_blocks=2, block_size=4, hash_fn=counting_hash)
+    request = make_request("blocked", 13)  # 3 full blocks; needs 4 blocks, only 2 exist
+    for _ in range(5):  # a waiting prompt looked up on every step it stays blocked
+        manager.get_computed_blocks(request)
+        assert not manager.allocate_slots(request, 13)
+    assert len(calls) == 3
+    assert request.block_hashes == [
+        chained_block_hash(None, [100, 101, 102, 103]),
+        chained_block_hash(request.block_hashes[0], [104, 105, 106, 107]),
+        chained_block_hash(request.block_hashes[1], [108, 109, 110, 111]),
+    ]

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.sim.calibration import load_samples
 
@@ -22,3 +24,19 @@ def test_step_log_records_every_step_as_calibration_samples(make_llm, tmp_path):
     chunks = [(new, context) for row in rows for new, context, _ in row["batch"] if new > 1]
     assert chunks[:3] == [(16, 0), (16, 16), (8, 32)]
     assert len(load_samples(path)) == len(rows)
+
+
+def test_one_step_timer_feeds_records_stats_and_prefill_time(make_llm):
+    llm = make_llm(mode="chunked", max_num_batched_tokens=16)
+    engine = llm.engine
+    records = []
+    engine.step_observers.append(records.append)
+    engine.add_request("a", list(range(100, 140)), SamplingParams(max_tokens=2, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        assert engine.get_stats().last_step_time == records[-1].step_s
+    assert engine.get_stats().num_steps == len(records) == 4  # 3 chunks, then 1 decode
+    # The prompt's three chunk steps are its prefill time.
+    prefill = sum(r.step_s for r in records[:3])
+    assert outputs[-1].metrics.prefill_time == pytest.approx(prefill)

@@ -27,3 +27,16 @@ def test_every_eos_id_of_the_model_stops_generation(loaded_fp32, chat_token_ids)
     stopped = generate(dataclasses.replace(loaded_fp32, config=config))
     assert stopped.token_ids == plain.token_ids[:3]
     assert stopped.finish_reason is FinishReason.STOP
+
+
+def test_abort_returns_the_final_output_with_the_engines_counts(make_llm):
+    engine = make_llm(mode="chunked").engine
+    engine.add_request("a", list(range(100, 120)), SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    final = engine.abort_request("a")
+    assert final.finished and final.finish_reason is FinishReason.ABORT
+    assert (final.num_prompt_tokens, final.num_output_tokens) == (20, 3)
+    assert final.metrics.finished_time is not None
+    assert engine.abort_request("a") is None  # no longer in flight
+    assert not engine.has_unfinished_requests()
