@@ -106,11 +106,11 @@ def create_app(schedule: Schedule) -> FastAPI:
         engine.free_at = start + prefill
         if is_long:
             prefills.add(start, start + prefill)
-        ttft = start + prefill - arrived
-        events = _events(body, is_chat, num_words, start + prefill, is_long, ttft)
+        timing = {"queue_ms": (start - arrived) * 1000.0, "prefill_ms": prefill * 1000.0}
+        events = _events(body, is_chat, num_words, start + prefill, is_long, timing)
         return StreamingResponse(events, media_type="text/event-stream")
 
-    async def _events(body, is_chat, num_words, first_due, is_long, ttft):
+    async def _events(body, is_chat, num_words, first_due, is_long, timing):
         loop = asyncio.get_running_loop()
         emitted: list[float] = []
         if is_chat:
@@ -140,7 +140,7 @@ def create_app(schedule: Schedule) -> FastAPI:
             "prompt_tokens": num_words,
             "completion_tokens": n,
             "total_tokens": num_words + n,
-            "pdserve_timing": {"queue_ms": 0.0, "prefill_ms": ttft * 1000.0},
+            "pdserve_timing": timing,
             "stub_emit_times": emitted,
         }
         yield _sse({"choices": [], "usage": usage})
