@@ -9,8 +9,11 @@ Two different problems make streams slow, and they have different fixes:
 Each output-token gap is judged against its own stream's pace at that time, not one global
 median: the gap's *baseline* is the median of the `baseline_gaps` gaps of the same stream
 nearest in time that do not overlap another request's long-prompt prefill (the run's such
-gaps when the stream has too few). A gap is a stall (a spike) when it exceeds `spike_factor` ×
-its baseline; its excess over the baseline is what it cost. A long prompt's prefill window
+gaps when the stream has too few). A short request's wait for its first token is its stream's
+first gap (a chat that cannot start while a document prefills is frozen too), judged against
+the median such wait clear of long prefills (the warm-up's, when fewer than three are). A gap
+is a stall (a spike) when it exceeds `spike_factor` × its baseline; its excess over the
+baseline is what it cost. A long prompt's prefill window
 runs from its send time to its first token (or its end, if it produced none); a stall
 coincides with a prefill when the two overlap and the stall is on another request's stream.
 So an overloaded server's uniformly slow gaps are not stalls, and a freeze inside a prefill
@@ -96,6 +99,8 @@ class Spike:
     end: float
     baseline: float
     is_in_prefill: bool
+    # The wait from the request's send to its first token, not a gap between tokens.
+    is_first_token: bool = False
 
     @property
     def gap_ms(self) -> float:
@@ -161,8 +166,9 @@ class InterferenceReport:
 
     config: InterferenceConfig
     median_itl_ms: float
+    # Gaps between tokens, and short requests' waits for their first token.
     num_gaps: int
-    # Sum of every gap of every stream: the time the streams spent streaming.
+    # Sum of all those: the time the streams spent waiting for tokens.
     streamed_s: float
     spikes: tuple[Spike, ...]
     windows: tuple[PrefillWindow, ...]
@@ -262,11 +268,13 @@ class InterferenceReport:
                 f"(>= {self.config.long_prompt_tokens} tokens): not phase interference"
             )
         outcome = "phase interference" if self.is_interference else "no phase interference"
+        starts = sum(s.is_first_token for s in self.spikes)
+        of_them = f", {starts} of them before a first token" if starts else ""
         return (
             f"{self.in_prefill_fraction:.0%} of stalled time falls in long-prompt prefills, "
             f"which cover {self.window_coverage:.0%} of the run, and costs the streams "
             f"{self.prefill_slowdown:.1%} of their time: {outcome} ({self.num_in_prefill} of "
-            f"{self.num_spikes} stalls above {k} their stream's pace; "
+            f"{self.num_spikes} stalls above {k} their stream's pace{of_them}; "
             f"{self.spike_fraction:.1%} of all gaps)"
         )
 
@@ -366,19 +374,41 @@ def detect_interference(
         baselines.append(base)
         if g.length > config.spike_factor * base:
             spikes.append(Spike(g.index, g.start, g.end, base, g.is_in_prefill))
+    waits = [
+        _Gap(r.index, r.send_time, r.first_token_time, _overlaps_other(r.index, *w, windows))
+        for r in records
+        if r.prompt_len < config.long_prompt_tokens
+        and (w := (r.send_time, r.first_token_time))[0] is not None
+        and w[1] is not None
+    ]
+    wait_base = _wait_baseline(waits, unloaded)
+    spikes += [
+        Spike(w.index, w.start, w.end, wait_base, w.is_in_prefill, is_first_token=True)
+        for w in waits
+        if wait_base and w.length > config.spike_factor * wait_base
+    ]
     times = [t for r in records for t in (r.send_time, *r.token_times) if t is not None]
     span = (min(times), max(times)) if times else (0.0, 0.0)
     overload = _overload(gaps, baselines, unloaded, config.overload_factor)
     return InterferenceReport(
         config,
         median_s * 1000.0,
-        len(gaps),
-        sum(lengths),
+        len(gaps) + len(waits),
+        sum(lengths) + sum(w.length for w in waits),
         tuple(spikes),
         tuple(windows),
         overload,
         span,
     )
+
+
+def _wait_baseline(waits: list[_Gap], unloaded: Sequence[RequestRecord]) -> float | None:
+    """A short request's usual wait for its first token: the median of those clear of long
+    prefills, else the last warm-up's."""
+    clear = [w.length for w in waits if not w.is_in_prefill]
+    if len(clear) >= _MIN_REFERENCE_GAPS:
+        return float(np.median(clear))
+    return next((r.ttft for r in reversed(unloaded) if r.success), None)
 
 
 def _baseline_function(gaps: list[_Gap], k: int, fallback_s: float):

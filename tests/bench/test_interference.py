@@ -129,6 +129,23 @@ def test_the_issue_case_freeze_then_slow_decode_is_both():
     assert report.finding == "both"
 
 
+def test_chats_that_cannot_start_while_a_document_prefills_are_stalled():
+    """Colocated serving takes a prompt whole: chats arriving during a document's prefill
+    get no first token until it ends. Their streams never ran, so only their wait shows it."""
+    early = [record(i, send=0.1 * i, ttft=0.05, gaps=[ITL] * 5) for i in range(4)]
+    document = record(9, send=1.0, ttft=3.0, gaps=[ITL] * 3, prompt_len=4000)
+    blocked = [
+        record(10 + i, send=1.2 + 0.5 * i, ttft=2.8 - 0.5 * i, gaps=[ITL] * 5) for i in range(4)
+    ]
+    late = [record(20 + i, send=5.0 + 0.1 * i, ttft=0.05, gaps=[ITL] * 5) for i in range(4)]
+    report = detect_interference([*early, document, *blocked, *late])
+    starts = [s for s in report.spikes if s.is_first_token]
+    assert sorted(s.index for s in starts) == [10, 11, 12, 13]
+    assert all(s.is_in_prefill and s.baseline == pytest.approx(0.05) for s in starts)
+    assert report.is_interference and report.finding == "interference"
+    assert "4 of them before a first token" in report.verdict
+
+
 # --- overload's reference -------------------------------------------------------------------
 
 
@@ -207,7 +224,7 @@ def test_hiccups_that_cost_nothing_are_not_interference():
     assert report.in_prefill_fraction == 1.0 > report.required_fraction
     assert report.prefill_slowdown == pytest.approx(2 * (0.07 - ITL) / report.streamed_s)
     assert not report.is_interference
-    assert "costs the streams 1.7% of their time" in report.verdict
+    assert "costs the streams 1.6% of their time" in report.verdict
     assert report.to_dict()["prefill_slowdown"] == report.prefill_slowdown
 
 
