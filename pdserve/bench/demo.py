@@ -6,12 +6,16 @@ through one server (a few seconds: a long prompt's prefill at two lengths, the d
 one stream alone and of `PROBE_BATCH` at once), then sizes everything from those numbers:
 
 - documents long enough that one prefill takes `DOC_SHARE` of a run (a stall no scheduler
-  hides), chats that stream for `CHAT_SHARE` of it;
+  hides), `DOC_FRACTION` of the requests (more than the share the attainment target lets
+  miss: a mode that fails every document fails the target), and chats that stream for
+  `CHAT_SHARE` of a run;
 - SLOs in this machine's units, as DistServe's SLO scale does: TTFT within `TTFT_SCALE` × a
-  document's unloaded prefill (the second of a burst waits for the first), TPOT within
-  `TPOT_SCALE` × the decode step at batch `PROBE_BATCH`, and no stream frozen longer than
-  `STALL_SCALE` decode steps (`max_itl`);
-- each mode's token budget so that one slice stalls the streams at most a third of that;
+  document's unloaded prefill (the second of a burst waits for the first; a disaggregated
+  prefill worker has one core of the two), TPOT within `TPOT_SCALE` × the decode step at batch
+  `PROBE_BATCH`, and no stream frozen longer than `STALL_SCALE` decode steps (`max_itl`);
+- each mode's token budget so that one slice stalls the streams at most a third of that: the
+  last slice of a document (it attends to all the document before it), and a chat's slice
+  on a decode worker (one core);
 - the rate at `LOAD` × the one-engine capacity those costs imply (near capacity for at least
   one mode, hopelessly over it for none), and as many requests as fit a run of the time the
   demo's budget leaves per run;
@@ -26,6 +30,7 @@ import asyncio
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -53,12 +58,13 @@ PROBE_STREAM = 4  # the probe's random stream of the seed (benchmark.py uses 0-3
 
 # The sizing (module doc).
 DOC_SHARE = 1 / 15
+DOC_FRACTION = 0.2
 CHAT_SHARE = 1 / 5
 DOC_LEN_RANGE = (768, 6000)
 CHAT_OUTPUT_RANGE = (32, 256)
 CHAT_INPUT = LengthRange(32, 256)
 DOC_OUTPUT = LengthRange(32, 64)
-TTFT_SCALE = 2.0
+TTFT_SCALE = 3.0
 TPOT_SCALE = 3.0
 STALL_SCALE = 10.0
 LOAD = 0.7
@@ -97,6 +103,10 @@ class MachineProfile:
             middle = math.sqrt(low * high)
             low, high = (middle, high) if self.prefill_time(middle) < seconds else (low, middle)
         return int(low)
+
+    def slice_time(self, num_tokens: int, slice_tokens: int) -> float:
+        """Seconds for a prompt's last `slice_tokens` (they attend to all before them)."""
+        return self.prefill_time(num_tokens) - self.prefill_time(num_tokens - slice_tokens)
 
     @property
     def prefill_tps(self) -> float:
@@ -149,9 +159,10 @@ class DemoPlan:
             f"({TTFT_SCALE:g} × a document's prefill), TPOT {self.slos['tpot']:.0f} ms "
             f"({TPOT_SCALE:g} × the batch-{PROBE_BATCH} step), longest gap "
             f"{self.slos['max_itl']:.0f} ms ({STALL_SCALE:g} steps)",
-            f"token budgets: chunked {self.chunk_budget}, disagg's decode worker "
-            f"{self.decode_worker_budget} (a slice stalls streams at most a third of the "
-            "longest-gap SLO)",
+            f"token budgets: chunked {self.chunk_budget} (a document's last slice "
+            f"{p.slice_time(w.long_input_len.high, self.chunk_budget) * 1000:.0f} ms), disagg's "
+            f"decode worker {self.decode_worker_budget} (a slice stalls streams at most a third "
+            "of the longest-gap SLO)",
             f"load: these costs make one engine's capacity ~{self.capacity:.2f} req/s; offered "
             f"{self.request_rate:.3g} req/s ({LOAD:.0%} of it), {w.num_prompts} requests "
             f"({w.num_long} documents); then each mode's highest rate meeting the SLOs for "
@@ -199,15 +210,14 @@ def size_demo(profile: MachineProfile, budget_s: float, num_modes: int) -> DemoP
     # Guess the document share from a run at capacity, then count requests for the run.
     num_prompts = MIN_PROMPTS
     for _ in range(3):
-        num_docs = max(2, round(0.1 * num_prompts))
-        share = num_docs / num_prompts
+        share = _num_docs(num_prompts) / num_prompts
         capacity = 1.0 / (share * doc_cost + (1 - share) * chat_cost)
         # The mixed workload's rate is the chats'; the documents come on top.
         rate = LOAD * capacity * (1 - share)
         num_prompts = _clamp(round(rate * run_s / (1 - share)), MIN_PROMPTS, MAX_PROMPTS)
     workload = MixedWorkload(
         num_prompts=num_prompts,
-        long_fraction=max(2, round(0.1 * num_prompts)) / num_prompts,
+        long_fraction=_num_docs(num_prompts) / num_prompts,
         burst_size=2,
         chat_input_len=CHAT_INPUT,
         chat_output_len=chats,
@@ -221,9 +231,11 @@ def size_demo(profile: MachineProfile, budget_s: float, num_modes: int) -> DemoP
         request_rate=float(f"{rate:.3g}"),
         slos=slos,
         long_prompt_tokens=min(1024, max(2 * CHAT_INPUT.high, docs.low // 2)),
-        chunk_budget=_budget(profile.prefill_tps * max_itl / 3, 64, 512),
+        chunk_budget=_budget(lambda n: profile.slice_time(docs.high, n), max_itl / 3, 64, 512),
         # The decode worker has one core of the two the probe's server had.
-        decode_worker_budget=_budget(profile.prefill_tps / 2 * max_itl / 3, 32, 256),
+        decode_worker_budget=_budget(
+            lambda n: 2 * profile.prefill_time(n), max_itl / 3, 32, CHAT_INPUT.high
+        ),
         capacity=capacity,
         # The search has the mode's time left after its first run (and that run's drain).
         search=replace(SEARCH, budget_s=max(1.0, per_mode - 1.25 * run_s)),
@@ -317,9 +329,17 @@ def _batch_step(records: list[RequestRecord]) -> float:
     )
 
 
-def _budget(tokens: float, low: int, high: int) -> int:
-    """A power of two at most `tokens`, within [low, high]."""
-    return _clamp(2 ** math.floor(math.log2(max(tokens, 1.0))), low, high)
+def _budget(seconds_for: Callable[[int], float], limit_s: float, low: int, high: int) -> int:
+    """The largest power of two in [low, high] whose slice takes at most `limit_s` (low when
+    none does)."""
+    budget = low
+    while budget * 2 <= high and seconds_for(budget * 2) <= limit_s:
+        budget *= 2
+    return budget
+
+
+def _num_docs(num_prompts: int) -> int:
+    return max(2, round(DOC_FRACTION * num_prompts))
 
 
 def _clamp(value: int, low: int, high: int) -> int:

@@ -7,7 +7,8 @@ while it is not) until the rate is bracketed, then bisect the bracket geometrica
 two ends are within `step` of each other. Every run offers its rate for as long as the first
 run did (the workload's request count scaled with the rate, where it has one): a rate is
 sustained, not a burst the server absorbs and drains. Bounded: at most `max_runs` runs besides
-the first, none started that would end after `budget_s` (judged by the last run's length),
+the first, none started that would end after `budget_s` (judged by the last run's length,
+longer in proportion for a lower rate: a run's request count has a floor),
 none below `min_rate_ratio` × the first rate. A run whose outcome is decided (more requests
 missed an SLO than the target allows) stops early. The answer is the highest rate met below
 the lowest rate missed, so one noisy run above a miss cannot raise it.
@@ -151,7 +152,7 @@ async def search_max_rate(
     one (module doc)."""
     points = [first]
     started = clock()
-    last_run_s = 0.0
+    last_run_s, last_rate = 0.0, first.rate
     while True:
         rate, reason = _next_rate(SearchResult(config.attainment, tuple(points)), first, config)
         if rate is None:
@@ -160,11 +161,12 @@ async def search_max_rate(
             reason = f"run limit ({config.max_runs} runs besides the first)"
             break
         now = clock()
-        if config.budget_s is not None and now - started + last_run_s > config.budget_s:
+        expected_s = last_run_s * max(1.0, last_rate / rate)
+        if config.budget_s is not None and now - started + expected_s > config.budget_s:
             reason = f"time budget ({config.budget_s:.3g} s)"
             break
         points.append(await measure(rate))
-        last_run_s = clock() - now
+        last_run_s, last_rate = clock() - now, rate
     return SearchResult(config.attainment, tuple(points), reason)
 
 

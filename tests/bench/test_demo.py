@@ -58,11 +58,27 @@ def test_a_slower_machine_gets_a_lighter_load_in_its_own_units():
         # The offered load is LOAD x the one-engine capacity the measured costs imply.
         assert plan.request_rate <= LOAD * plan.capacity
         assert w.num_long >= 2
+        # Failing every document fails the attainment target.
+        assert w.num_long / w.num_prompts > 1 - plan.search.attainment
         assert plan.search.budget_s > 0
         assert "--max-num-batched-tokens" in plan.mode_args()["chunked"]
     assert any(f"batch {PROBE_BATCH}" in line for line in slow.explain())
     with pytest.raises(BenchError, match="--time-budget"):
         size_demo(_profile(1.0, start_s=400.0), 870, 3)
+
+
+def test_token_budgets_follow_the_cost_of_a_document_s_last_slice():
+    """Where attention over a long prefix is dear, a slice of the same size stalls longer:
+    the chunked budget shrinks to keep the stall within a third of the longest-gap SLO."""
+    flat = MachineProfile("colocated", 1.0, (512, 1536), (0.25, 0.75), 0.03, 0.06)
+    steep = MachineProfile("colocated", 1.0, (512, 1536), (0.25, 1.5), 0.03, 0.06)
+    budgets = {}
+    for name, profile in (("flat", flat), ("steep", steep)):
+        plan = size_demo(profile, 870, 3)
+        last = profile.slice_time(plan.workload.long_input_len.high, plan.chunk_budget)
+        assert last <= plan.slos["max_itl"] / 3000 or plan.chunk_budget == 64
+        budgets[name] = plan.chunk_budget
+    assert budgets["steep"] < budgets["flat"]
 
 
 STUB = "{python} -m tests.bench.stub_server --host {host} --port {port} --mode {mode}"
