@@ -10,11 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.core.config import CacheConfig
 from pdserve.core.request import FinishReason, Request, RequestMetrics
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
 from pdserve.core.scheduler import EngineStats, Scheduler
-from pdserve.engine.config import DEFAULT_KV_CACHE_MEMORY_GB, EngineConfig
+from pdserve.engine.config import DEFAULT_NUM_THREADS, EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import KVTransferOutcome, RequestOutput
@@ -22,7 +21,7 @@ from pdserve.engine.sampler import SampledToken
 from pdserve.engine.step_log import StepLog, StepRecord, step_batch
 from pdserve.kv_transfer.connector import KVConnector, add_kv_request
 from pdserve.kv_transfer.protocol import KVLayout
-from pdserve.model.attention import kv_bytes_per_token
+from pdserve.model.attention import kv_bytes_per_token, resolve_kv_cache_dtype
 from pdserve.model.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -47,10 +46,14 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        # One compute thread unless told otherwise: see README "CPU speed" (two OpenMP
+        # threads stall whenever another thread holds the second core).
+        torch.set_num_threads(config.num_threads or DEFAULT_NUM_THREADS)
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.dtype, config.device)
+        self.loaded = loaded or load_model(
+            config.model, config.dtype, config.device, config.quantization
+        )
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.loaded.dtype)
         self.tokenizer = self.loaded.tokenizer
         self.model_config = self.loaded.config
         self.model_name = self.loaded.name
@@ -63,19 +66,20 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.max_model_len = min(
             self.model_config.max_position_embeddings,
-            config.max_model_len or self.model_config.max_position_embeddings,
-            num_blocks * config.block_size,
+            config.scheduler.max_model_len or self.model_config.max_position_embeddings,
+            num_blocks * config.cache.block_size,
         )
         scheduler_config = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
-        cache_config = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
+        cache_config = dataclasses.replace(config.cache, num_blocks=num_blocks)
         self.connector = self._make_connector(num_blocks)
         self.scheduler = Scheduler(scheduler_config, cache_config, self.connector)
         self.runner = ModelRunner(
             self.loaded,
             num_blocks,
-            config.block_size,
+            config.cache.block_size,
             config.seed,
             self.connector.transport.kv_cache if self.connector else None,
+            self.kv_cache_dtype,
         )
         self._tracked: dict[str, _Tracked] = {}
         self._num_steps = 0
@@ -91,17 +95,15 @@ class LLMEngine:
             self.loaded.dtype,
             self.loaded.device,
             num_blocks,
-            config.block_size,
+            config.cache.block_size,
             self.max_model_len,
             config.scheduler.scheduling.value,
         )
 
     @classmethod
     def from_args(cls, **kwargs) -> LLMEngine:
-        """Build from flat keyword arguments (the CLI's names); see `engine.args`."""
-        from pdserve.engine.args import engine_config_from_kwargs
-
-        return cls(engine_config_from_kwargs(**kwargs))
+        """Build from flat keyword arguments (the CLI's names); see `EngineConfig.from_kwargs`."""
+        return cls(EngineConfig.from_kwargs(**kwargs))
 
     def _make_connector(self, num_blocks: int) -> KVConnector | None:
         if self.config.kv_transfer is None:
@@ -121,18 +123,18 @@ class LLMEngine:
             num_layers=config.num_hidden_layers,
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
-            block_size=self.config.block_size,
-            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            block_size=self.config.cache.block_size,
+            dtype=str(self.kv_cache_dtype).removeprefix("torch."),
         )
 
     def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        gigabytes = self.config.kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
         bytes_per_block = (
-            kv_bytes_per_token(self.model_config, self.loaded.dtype) * self.config.block_size
+            kv_bytes_per_token(self.model_config, self.kv_cache_dtype) * cache.block_size
         )
-        return max(int(gigabytes * 2**30 // bytes_per_block), 1)
+        return max(int(cache.kv_cache_memory_gb * 2**30 // bytes_per_block), 1)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(
