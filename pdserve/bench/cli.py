@@ -292,7 +292,7 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
         "--search-budget",
         type=float,
         metavar="SECONDS",
-        help="start no search run after this long per server",
+        help="per server: start no search run that would end after this long",
     )
 
 
