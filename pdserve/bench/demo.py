@@ -51,7 +51,7 @@ from pdserve.bench.workloads.base import BenchRequest, make_request
 
 # The probe: prompts of two lengths (prefill time is linear plus attention's square), and
 # short streams decoding alone and `PROBE_BATCH` at once.
-PROBE_PROMPT_LENS = (512, 1536)
+PROBE_PROMPT_LENS = (768, 3072)
 PROBE_OUTPUT_LEN = 32
 PROBE_BATCH = 8
 PROBE_STREAM = 4  # the probe's random stream of the seed (benchmark.py uses 0-3)
