@@ -31,21 +31,17 @@ install-redis:
 		redis-server >/dev/null; } \
 		|| echo "redis-server is not installed (not root?): its tests will be skipped"
 
-# The head-to-head: colocated, chunked and disaggregated serving of the same mixed traffic
-# (short chats plus long documents) on this machine's cores; table, JSON and plots in
-# results/demo/. About 10 minutes on 2 CPU cores.
-# Each mode runs at settings chosen for this CPU: chunked slices prompts into 256-token steps
-# (a 512-token slice of a 3,000-token document takes over a second here); disagg prefills
-# short prompts (< 512 uncached tokens) on the decode worker, in 128-token chunks so that its
-# streams stall ~0.1 s, not ~0.5 s, per local prefill.
-DEMO_ARGS ?= --workload mixed --num-prompts 16 --request-rate 1 --chat-output-len 128:256 \
-	--long-input-len 3000:3500 --long-output-len 32:64 --goodput ttft:5000 tpot:100 \
-	--mode-args "chunked=--max-num-batched-tokens 256" \
-	--mode-args "disagg=--local-prefill-threshold 512 \
-	--decode-worker-args '--max-num-batched-tokens 128'" --report results/demo
+# The head-to-head, fitted to this machine: `pdserve bench demo` first measures it (the default
+# model's prefill speed and decode step through one server, a few seconds), then sizes the mixed
+# traffic (document length, chat length, request rate), the SLOs (in this machine's units, with
+# a longest-gap SLO for frozen streams) and each mode's token budget to what it measured; runs
+# colocated, chunked and disaggregated serving of the same requests; and searches each mode's
+# highest rate at which 90% of requests meet the SLOs. It prints what it measured, what it chose
+# and why. Table, JSON and plots in results/demo/; at most about 15 minutes on 2 CPU cores.
+DEMO_ARGS ?= --report results/demo
 
 demo: install
-	$(VENV)/bin/pdserve bench compare $(DEMO_ARGS)
+	$(VENV)/bin/pdserve bench demo $(DEMO_ARGS)
 
 test: install-test
 	$(VENV)/bin/ruff check pdserve tests benchmarks

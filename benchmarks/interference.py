@@ -42,7 +42,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.bench.benchmark import BenchSpec, seeded_rng, summarize
+from pdserve.bench.benchmark import WARMUP_OUTPUT_LEN, BenchSpec, seeded_rng, summarize
 from pdserve.bench.client import CHAT_COMPLETIONS, EndpointConfig, make_http_client, send_request
 from pdserve.bench.errors import BenchError
 from pdserve.bench.interference import InterferenceConfig
@@ -241,9 +241,10 @@ async def drive(
     warmup: BenchRequest,
     lead_tokens: int,
     probe: CpuProbe,
-) -> tuple[list[RequestRecord], float, str]:
-    """The short streams, then the long request once they all stream; records and t0.
-    `probe` is marked when the shorts start, when the long request is sent and when it ends."""
+) -> tuple[list[RequestRecord], float, str, list[RequestRecord]]:
+    """The short streams, then the long request once they all stream; records, t0, the model
+    and the warm-up's record (the detector's unloaded pace). `probe` is marked when the shorts
+    start, when the long request is sent and when it ends."""
     endpoint = EndpointConfig(base_url=base_url, endpoint=CHAT_COMPLETIONS)
     # router_timing: the serving worker then reports its `pdserve_timing` (any mode).
     timed = EndpointConfig(
@@ -251,7 +252,7 @@ async def drive(
     )
     async with make_http_client(endpoint) as http:
         model = (await probe_server(http, endpoint)).model
-        await warm_up(http, endpoint, model, [warmup])
+        warmups = await warm_up(http, endpoint, model, [warmup])
         records = [
             RequestRecord(i, "short", r.prompt_len, r.output_len, 0.0) for i, r in enumerate(shorts)
         ]
@@ -277,7 +278,7 @@ async def drive(
     errors = [r.error for r in records if r.error]
     if errors:
         raise BenchError(f"requests failed: {errors}")
-    return records, t0, model
+    return records, t0, model, warmups
 
 
 def split_gaps(records: list[RequestRecord]) -> tuple[list[float], list[float]]:
@@ -343,7 +344,7 @@ def run_mode(run: ModeRun, scenario: Scenario, requests: tuple, out: Path) -> di
             serving_pids(run.mode, server.process.pid), decode_url(run.mode, server.base_url)
         )
         load_before = os.getloadavg()[0]
-        records, t0, model = asyncio.run(
+        records, t0, model, warmups = asyncio.run(
             drive(server.base_url, shorts, long, warmup, scenario.lead_tokens, probe)
         )
         load_after = os.getloadavg()[0]
@@ -352,7 +353,7 @@ def run_mode(run: ModeRun, scenario: Scenario, requests: tuple, out: Path) -> di
         Workload(),
         interference=InterferenceConfig(long_prompt_tokens=scenario.long_prompt_tokens),
     )
-    bench = summarize(run.label, model, spec, None, records, t0)
+    bench = summarize(run.label, model, spec, None, records, t0, warmups)
     plot_itl_timeline(bench, out / f"itl-{run.label}.png")
     result = analyze(run, records)
     result["interference_verdict"] = bench.interference.verdict
@@ -377,7 +378,8 @@ def build_requests(scenario: Scenario) -> tuple[list[BenchRequest], BenchRequest
         for _ in range(scenario.num_streams)
     ]
     long = request(scenario.long_prompt_tokens, scenario.long_output_tokens, "long")
-    return shorts, long, request(scenario.short_prompt_tokens, 4, "warmup")
+    warmup = request(scenario.short_prompt_tokens, WARMUP_OUTPUT_LEN, "warmup")
+    return shorts, long, warmup
 
 
 # ---- raw KV transfer bandwidth --------------------------------------------------------------

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
+import httpx
 import numpy as np
 
 from pdserve.bench.client import EndpointConfig, make_http_client
@@ -15,7 +16,7 @@ from pdserve.bench.interference import InterferenceConfig, InterferenceReport, d
 from pdserve.bench.metrics import BenchMetrics, compute_metrics
 from pdserve.bench.prompts import PromptSynthesizer
 from pdserve.bench.records import RequestRecord
-from pdserve.bench.runner import ServerInfo, probe_server, run_requests, warm_up
+from pdserve.bench.runner import ServerInfo, StopWhen, probe_server, run_requests, warm_up
 from pdserve.bench.tokenizer import TokenizerLike, load_tokenizer
 from pdserve.bench.workloads.base import BenchRequest, Workload, make_request
 
@@ -26,9 +27,10 @@ ARRIVAL_STREAM = 1
 TRACE_WINDOW_STREAM = 2
 WARMUP_STREAM = 3
 # Warm-up requests: short, and text of their own so that they seed no prefix-cache hits for
-# the measured requests.
+# the measured requests; long enough an answer that the last one's median gap is the
+# server's unloaded step (the detector's reference for overload).
 WARMUP_PROMPT_LEN = 32
-WARMUP_OUTPUT_LEN = 4
+WARMUP_OUTPUT_LEN = 16
 
 
 def seeded_rng(seed: int, stream: int) -> np.random.Generator:
@@ -125,7 +127,8 @@ def plan_workload(
 @dataclass
 class BenchResult:
     """One run: its records (times in seconds since `t0`, a time.perf_counter value),
-    metrics, and interference findings."""
+    metrics, and the detector's findings; `warmups` are the warm-up requests sent alone
+    before it (each timed from its own send), the detector's unloaded reference."""
 
     label: str
     model: str
@@ -135,6 +138,7 @@ class BenchResult:
     t0: float
     metrics: BenchMetrics
     interference: InterferenceReport
+    warmups: list[RequestRecord] = field(default_factory=list)
 
 
 def summarize(
@@ -144,35 +148,55 @@ def summarize(
     request_rate: float | None,
     records: list[RequestRecord],
     t0: float,
+    warmups: Sequence[RequestRecord] = (),
 ) -> BenchResult:
-    """Compute a run's metrics and interference report from its records."""
-    metrics = compute_metrics(records, dict(spec.slos))
-    report = detect_interference(records, spec.interference)
-    return BenchResult(label, model, spec, request_rate, records, t0, metrics, report)
+    """Compute a run's metrics and the detector's report from its records."""
+    metrics = compute_metrics(records, spec.slos)
+    report = detect_interference(records, spec.interference, warmups)
+    return BenchResult(
+        label, model, spec, request_rate, records, t0, metrics, report, list(warmups)
+    )
 
 
 async def run_plan(
     spec: BenchSpec, plan: WorkloadPlan, server: ServerInfo, label: str = ""
 ) -> list[BenchResult]:
     """Run a planned workload once per rate of the spec against one server."""
-    results = []
     async with make_http_client(spec.endpoint) as http:
-        await warm_up(http, spec.endpoint, server.model, list(plan.warmups))
-        for rate in spec.request_rates:
-            resolved = plan.workload.resolve_rate(rate)
-            run_label = _run_label(label, resolved, len(spec.request_rates) > 1)
-            records, t0 = await run_requests(
-                http,
-                spec.endpoint,
-                server.model,
-                list(plan.requests),
-                plan.arrivals(rate, spec.burstiness),
-                spec.max_concurrency,
-                spec.show_progress,
-                run_label,
+        warmups = await warm_up(http, spec.endpoint, server.model, list(plan.warmups))
+        is_sweep = len(spec.request_rates) > 1
+        return [
+            await run_rate(
+                http, spec, plan, server, rate, _run_label(label, plan, rate, is_sweep), warmups
             )
-            results.append(summarize(run_label, server.model, spec, resolved, records, t0))
-    return results
+            for rate in spec.request_rates
+        ]
+
+
+async def run_rate(
+    http: httpx.AsyncClient,
+    spec: BenchSpec,
+    plan: WorkloadPlan,
+    server: ServerInfo,
+    rate: float | None,
+    label: str,
+    warmups: Sequence[RequestRecord] = (),
+    stop_when: StopWhen | None = None,
+) -> BenchResult:
+    """One run of the planned workload at `rate` (see `run_requests` for `stop_when`)."""
+    records, t0 = await run_requests(
+        http,
+        spec.endpoint,
+        server.model,
+        list(plan.requests),
+        plan.arrivals(rate, spec.burstiness),
+        spec.max_concurrency,
+        spec.show_progress,
+        label,
+        stop_when,
+    )
+    resolved = plan.workload.resolve_rate(rate)
+    return summarize(label, server.model, spec, resolved, records, t0, warmups)
 
 
 async def probe(spec: BenchSpec) -> ServerInfo:
@@ -201,8 +225,14 @@ def run_benchmark(
     return asyncio.run(run_plan(spec, plan, server, label))
 
 
-def _run_label(label: str, rate: float | None, is_sweep: bool) -> str:
+def _run_label(label: str, plan: WorkloadPlan, rate: float | None, is_sweep: bool) -> str:
     if not is_sweep:
         return label or "run"
+    resolved = plan.workload.resolve_rate(rate)
+    return rate_label(label, resolved)
+
+
+def rate_label(label: str, rate: float | None) -> str:
+    """A run's label within a sweep or a search: "NAME rate=R"."""
     rate_text = "trace" if rate is None else ("inf" if math.isinf(rate) else f"{rate:g}")
     return f"{label} rate={rate_text}".strip()

@@ -7,9 +7,11 @@ The top-level CLI wires this in with `add_parser(subparsers)` and calls `run(arg
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from pdserve.bench.arrivals import parse_request_rates
@@ -17,18 +19,23 @@ from pdserve.bench.benchmark import TRACE_WINDOW_STREAM, BenchSpec, run_benchmar
 from pdserve.bench.client import CHAT_COMPLETIONS, COMPLETIONS, EndpointConfig
 from pdserve.bench.compare import (
     DEFAULT_MODES,
+    CompareResult,
     CompareSpec,
+    SavedRuns,
     format_table,
-    load_saved_rows,
+    judged,
+    load_saved,
     run_compare,
     save_compare,
 )
+from pdserve.bench.demo import demo_spec, measure_machine, size_demo
 from pdserve.bench.errors import BenchError
 from pdserve.bench.interference import InterferenceConfig
 from pdserve.bench.launcher import DEFAULT_SERVER_COMMAND, LaunchConfig
 from pdserve.bench.metrics import parse_goodput
 from pdserve.bench.report import write_report
 from pdserve.bench.results import save_results
+from pdserve.bench.search import DEFAULT_ATTAINMENT, RateSearch
 from pdserve.bench.summary import format_summary
 from pdserve.bench.tokenizer import load_tokenizer
 from pdserve.bench.workloads import (
@@ -64,7 +71,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     _add_run_args(parser, default_report=None)
     parser.set_defaults(run=run, bench_command=None)
-    sub = parser.add_subparsers(dest="bench_command", metavar="{compare,convert-trace}")
+    sub = parser.add_subparsers(dest="bench_command", metavar="{compare,demo,convert-trace}")
     compare = sub.add_parser(
         "compare",
         help="run one workload against each serving mode in turn",
@@ -73,6 +80,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     _add_run_args(compare, default_report="bench-compare")
     _add_compare_args(compare)
+    demo = sub.add_parser(
+        "demo",
+        help="the head-to-head fitted to this machine (make demo)",
+        description="Measure this machine through one server, size the mixed workload, the "
+        "SLOs and each mode's settings to it, then compare the modes and search each one's "
+        "highest rate meeting the SLOs.",
+    )
+    _add_demo_args(demo)
     convert = sub.add_parser(
         "convert-trace",
         help="cut a window from a trace (e.g. the Azure CSV) into pdserve trace JSONL",
@@ -85,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.bench_command == "compare":
             return _run_compare(args)
+        if args.bench_command == "demo":
+            return _run_demo(args)
         if args.bench_command == "convert-trace":
             return _run_convert(args)
         return _run_bench(args)
@@ -143,7 +160,8 @@ def _add_run_args(p: argparse.ArgumentParser, default_report: str | None) -> Non
         "--goodput",
         nargs="+",
         metavar="METRIC:MS",
-        help="SLOs for goodput, e.g. ttft:2000 tpot:100 e2el:30000",
+        help="SLOs for goodput, e.g. ttft:2000 tpot:100 e2el:30000 max_itl:1000 (max_itl: a "
+        "request whose longest gap between tokens exceeds it fails)",
     )
     load.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -169,17 +187,23 @@ def _add_run_args(p: argparse.ArgumentParser, default_report: str | None) -> Non
     _add_trace_args(shape, with_path=True)
 
     out = p.add_argument_group("analysis and output")
+    detector = InterferenceConfig()
     out.add_argument(
         "--spike-factor",
         type=float,
-        default=3.0,
-        help="an ITL spike is a gap above this x the median ITL",
+        help=f"a stall is a gap above this x its stream's pace (default {detector.spike_factor:g})",
     )
     out.add_argument(
         "--long-prompt-tokens",
         type=int,
-        default=1024,
-        help="prompts at least this long count as long for the detector",
+        help="prompts at least this long count as long for the detector "
+        f"(default {detector.long_prompt_tokens})",
+    )
+    out.add_argument(
+        "--overload-factor",
+        type=float,
+        help="overload: streams this x slower than the unloaded step outside long prefills "
+        f"(default {detector.overload_factor:g})",
     )
     out.add_argument("--save-result", metavar="FILE.json", help="write results as JSON")
     out.add_argument(
@@ -232,9 +256,47 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=FILE.json",
-        help="a saved run (bench or simulate --save-result) to add as a row, e.g. a simulated "
-        "run beside the measured ones; with --modes '' and no --external only these are shown",
+        help="a saved run (bench or simulate --save-result, or a compare.json: every run of "
+        "it) to add as rows, judged from its records like a measured run (with --goodput and "
+        "the detector flags when given, else its own); with --modes '' and no --external "
+        "only these",
     )
+    _add_launch_args(g)
+    found = p.add_argument_group("highest rate meeting the SLOs (goodput as DistServe defines it)")
+    found.add_argument(
+        "--search-rate",
+        action="store_true",
+        help="after the run at --request-rate, search each server's highest rate at which "
+        "--slo-attainment of the requests meet every --goodput SLO",
+    )
+    search = RateSearch()
+    found.add_argument(
+        "--slo-attainment",
+        type=float,
+        help=f"share of requests that must meet the SLOs (default {search.attainment:g})",
+    )
+    found.add_argument(
+        "--search-step",
+        type=float,
+        default=search.step,
+        help="stop when the highest rate met and the lowest missed are within this ratio "
+        "(default %(default)s)",
+    )
+    found.add_argument(
+        "--search-max-runs",
+        type=int,
+        default=search.max_runs,
+        help="runs per server besides the first (default %(default)s)",
+    )
+    found.add_argument(
+        "--search-budget",
+        type=float,
+        metavar="SECONDS",
+        help="per server: start no search run that would end after this long",
+    )
+
+
+def _add_launch_args(g) -> None:
     g.add_argument(
         "--server-cmd",
         default=" ".join(DEFAULT_SERVER_COMMAND),
@@ -260,6 +322,32 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--stop-grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL"
     )
+
+
+def _add_demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help="comma-separated modes to compare (default: %(default)s)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=900.0,
+        metavar="SECONDS",
+        help="the whole demo's time, the machine probe included (default: %(default)g)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer.json, a folder with one, or a GGUF (default: pdserve's default model)",
+    )
+    p.add_argument("--report", metavar="DIR", default="results/demo", help="(default: %(default)s)")
+    p.add_argument(
+        "--save-result", metavar="FILE.json", help="the JSON (default: DIR/compare.json)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_launch_args(p.add_argument_group("servers"))
 
 
 def _add_convert_args(p: argparse.ArgumentParser) -> None:
@@ -338,11 +426,44 @@ def _bench_spec(args: argparse.Namespace, base_url: str) -> BenchSpec:
         max_concurrency=args.max_concurrency,
         num_warmups=args.num_warmups,
         slos=parse_goodput(args.goodput),
-        interference=InterferenceConfig(
-            spike_factor=args.spike_factor, long_prompt_tokens=args.long_prompt_tokens
-        ),
+        interference=InterferenceConfig(**_detector_settings(args)),
         max_model_len=args.max_model_len,
         show_progress=not args.no_progress,
+    )
+
+
+def _detector_settings(args: argparse.Namespace) -> dict:
+    """The detector flags given on the command line (the others keep their defaults)."""
+    given = {
+        "spike_factor": args.spike_factor,
+        "long_prompt_tokens": args.long_prompt_tokens,
+        "overload_factor": args.overload_factor,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _launch_config(args: argparse.Namespace, report_dir: Path) -> LaunchConfig:
+    return LaunchConfig(
+        command=tuple(shlex.split(args.server_cmd)),
+        extra_args=tuple(shlex.split(args.server_args)),
+        mode_args={
+            mode: tuple(shlex.split(text))
+            for mode, text in _name_pairs(args.mode_args, "--mode-args", "ARGS")
+        },
+        health_timeout_s=args.health_timeout,
+        stop_grace_s=args.stop_grace,
+        log_dir=report_dir / "logs",
+    )
+
+
+def _rate_search(args: argparse.Namespace) -> RateSearch | None:
+    if not args.search_rate:
+        return None
+    return RateSearch(
+        attainment=args.slo_attainment or DEFAULT_ATTAINMENT,
+        step=args.search_step,
+        max_runs=args.search_max_runs,
+        budget_s=args.search_budget,
     )
 
 
@@ -375,44 +496,99 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    saved = [
-        row
-        for name, path in _name_pairs(args.saved, "--saved", "FILE.json")
-        for row in load_saved_rows(name, path)
-    ]
-    if saved and not args.modes and not args.external:
-        print(format_table(saved))
-        return 0
+    saved = SavedRuns()
+    slos = parse_goodput(args.goodput) if args.goodput else None
+    for name, path in _name_pairs(args.saved, "--saved", "FILE.json"):
+        load_saved(name, path, saved, slos, _detector_settings(args), args.slo_attainment)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    externals = _name_pairs(args.external, "--external", "URL")
     report_dir = Path(args.report)
-    spec = CompareSpec(
-        # The base URL is replaced by each launched or external server's own.
-        bench=_bench_spec(args, "http://127.0.0.1"),
-        launch=LaunchConfig(
-            command=tuple(shlex.split(args.server_cmd)),
-            extra_args=tuple(shlex.split(args.server_args)),
-            mode_args={
-                mode: tuple(shlex.split(text))
-                for mode, text in _name_pairs(args.mode_args, "--mode-args", "ARGS")
-            },
-            health_timeout_s=args.health_timeout,
-            stop_grace_s=args.stop_grace,
-            log_dir=report_dir / "logs",
-        ),
-        modes=tuple(m for m in args.modes.split(",") if m),
-        externals=_name_pairs(args.external, "--external", "URL"),
-    )
-    result = run_compare(spec, load_tokenizer(args.tokenizer))
+    if modes or externals:
+        result = _measure_and_join(args, modes, externals, saved, report_dir)
+    else:
+        result = _judge_saved(args, saved)
+    _print_and_save(result, report_dir, args.save_result)
+    return 0
+
+
+def _print_and_save(
+    result: CompareResult, report_dir: Path, save_result: str | None, intro: list[str] = ()
+) -> None:
     for name, run_result in result.results.items():
         print(f"{name}: {run_result.interference.verdict}")
-    print(format_table([*result.rows, *saved]))
+    print(format_table(result.rows))
     for row in result.rows:
         if row.error:
             print(f"{row.name}: failed to run: {row.error}")
+    for name, (search, _) in result.searches.items():
+        print(f"{name}: highest rate meeting the SLOs {search.describe()}")
     if result.recommendation:
         print(result.recommendation)
-    json_path, report = save_compare(result, report_dir, args.save_result)
+    json_path, report = save_compare(result, report_dir, save_result, intro)
     print(f"results: {json_path}\nreport: {report}")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if not modes:
+        raise BenchError("bench demo: --modes is empty")
+    report_dir = Path(args.report)
+    launch = _launch_config(args, report_dir)
+    tokenizer = load_tokenizer(args.tokenizer)
+    probe_mode = "colocated" if "colocated" in modes else modes[0]
+    print(f"measuring this machine through a {probe_mode} server ...", flush=True)
+    profile = measure_machine(launch, probe_mode, tokenizer, args.seed)
+    plan = size_demo(profile, args.time_budget - (time.monotonic() - started), len(modes))
+    for line in plan.explain():
+        print(line, flush=True)
+    spec = demo_spec(plan, launch, modes, args.seed, not args.no_progress)
+    result = run_compare(spec, tokenizer)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / "sizing.json").write_text(json.dumps(plan.to_dict(), indent=1))
+    intro = ["## Sized for this machine", "", *(f"- {line}" for line in plan.explain()), ""]
+    _print_and_save(result, report_dir, args.save_result, intro)
+    print(f"demo: {time.monotonic() - started:.0f} s")
     return 0
+
+
+def _measure_and_join(
+    args: argparse.Namespace,
+    modes: tuple[str, ...],
+    externals: tuple[tuple[str, str], ...],
+    saved: SavedRuns,
+    report_dir: Path,
+) -> CompareResult:
+    """Measure the modes and externals; the saved runs join as rows judged alike."""
+    spec = CompareSpec(
+        # The base URL is replaced by each launched or external server's own.
+        bench=_bench_spec(args, "http://127.0.0.1"),
+        launch=_launch_config(args, report_dir),
+        modes=modes,
+        externals=externals,
+        search=_rate_search(args),
+        saved=tuple(saved.order),
+    )
+    measured = run_compare(spec, load_tokenizer(args.tokenizer))
+    return judged(
+        spec,
+        {**measured.results, **saved.results},
+        {**measured.searches, **saved.searches},
+        {**{r.name: r for r in measured.rows if r.error}, **saved.rows},
+        [*(r.name for r in measured.rows), *saved.order],
+    )
+
+
+def _judge_saved(args: argparse.Namespace, saved: SavedRuns) -> CompareResult:
+    """Saved runs alone, judged like measured ones (the first one's settings describe
+    the comparison)."""
+    if not saved.order:
+        raise BenchError("bench compare: nothing to compare; give --modes, --external or --saved")
+    first = next(iter(saved.results.values()), None)
+    bench = first.spec if first else _bench_spec(args, "http://127.0.0.1")
+    search = RateSearch(attainment=saved.attainment) if saved.attainment else None
+    spec = CompareSpec(bench=bench, modes=(), search=search, saved=tuple(saved.order))
+    return judged(spec, saved.results, saved.searches, saved.rows, saved.order)
 
 
 def _run_convert(args: argparse.Namespace) -> int:

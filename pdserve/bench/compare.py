@@ -1,10 +1,18 @@
-"""`bench compare`: the same workload and seed against each serving mode, side by side."""
+"""`bench compare`: the same workload and seed against each serving mode, side by side.
+
+Each server gets its warm-ups, then the run at the offered rate (the table's row), then,
+with `search`, a short search for the highest rate at which the target share of requests
+meets every SLO (`search.py`: goodput as DistServe defines it), on the same server. Saved
+runs join as rows judged from their records exactly like measured ones.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import asdict, dataclass, field, replace
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from pdserve.bench.benchmark import (
@@ -14,15 +22,27 @@ from pdserve.bench.benchmark import (
     context_cap,
     plan_workload,
     probe,
-    run_plan,
+    rate_label,
+    run_rate,
 )
+from pdserve.bench.client import make_http_client
 from pdserve.bench.errors import BenchError
 from pdserve.bench.launcher import LaunchConfig, launch_server
 from pdserve.bench.report import write_report
-from pdserve.bench.results import result_to_dict
+from pdserve.bench.results import has_records, rate_text, result_from_dict, result_to_dict
+from pdserve.bench.runner import ServerInfo, warm_up
+from pdserve.bench.search import (
+    DEFAULT_ATTAINMENT,
+    RateSearch,
+    SearchPoint,
+    SearchResult,
+    search_max_rate,
+)
 from pdserve.bench.tokenizer import TokenizerLike, load_tokenizer
 
 DEFAULT_MODES = ("colocated", "chunked", "disagg")
+# A search run at a low rate still has this many requests (its attainment means something).
+MIN_SEARCH_PROMPTS = 10
 # Without SLOs, modes within this share of the best output throughput compete on ITL p99.
 _THROUGHPUT_TOLERANCE = 0.9
 
@@ -31,29 +51,52 @@ _THROUGHPUT_TOLERANCE = 0.9
 class CompareSpec:
     """Modes to launch in turn (with `launch`), plus already-running servers as
     (name, base URL) rows; `bench` is the workload and load applied to every one of them
-    (its endpoint's base URL is replaced per server)."""
+    (its endpoint's base URL is replaced per server); `search`, when set, also finds each
+    server's highest rate meeting the SLOs; `saved` names the rows read from saved runs."""
 
     bench: BenchSpec
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     modes: tuple[str, ...] = DEFAULT_MODES
     externals: tuple[tuple[str, str], ...] = ()
+    search: RateSearch | None = None
+    saved: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.bench.request_rates) != 1:
             raise BenchError("bench compare takes one --request-rate, not a sweep")
-        names = [*self.modes, *(name for name, _ in self.externals)]
+        names = [*self.modes, *(name for name, _ in self.externals), *self.saved]
         if not names:
-            raise BenchError("bench compare: nothing to compare; give --modes or --external")
+            raise BenchError(
+                "bench compare: nothing to compare; give --modes, --external or --saved"
+            )
         if len(set(names)) != len(names):
             raise BenchError(f"bench compare: row names must be unique, got {names}")
         for mode in self.launch.mode_args:
             if mode not in self.modes:
                 raise BenchError(f"--mode-args: {mode!r} is not one of --modes {self.modes}")
+        if self.search is not None:
+            rate = self.request_rate
+            if not self.bench.slos:
+                raise BenchError("--search-rate needs SLOs to meet: give --goodput")
+            if rate is None or not math.isfinite(rate):
+                raise BenchError("--search-rate starts from a finite --request-rate")
+
+    @property
+    def request_rate(self) -> float | None:
+        """The offered rate, the workload's default resolved."""
+        return self.bench.workload.resolve_rate(self.bench.request_rates[0])
+
+    @property
+    def attainment(self) -> float:
+        return self.search.attainment if self.search else DEFAULT_ATTAINMENT
 
 
 @dataclass(frozen=True)
 class CompareRow:
-    """One server's line of the table (latencies in ms). `error` is set when it never ran."""
+    """One server's line of the table (latencies in ms). `error` is set when it never ran.
+    `max_rate` is the highest searched rate meeting the SLOs (None: none did, or, when
+    `is_searched` is False, no search ran); `finding` is the detector's ("interference",
+    "overload", "both", "neither")."""
 
     name: str
     completed: int = 0
@@ -66,14 +109,23 @@ class CompareRow:
     tpot_p99: float = 0.0
     output_throughput: float = 0.0
     goodput: float | None = None
+    num_good: int | None = None
+    attainment: float | None = None
+    is_searched: bool = False
+    max_rate: float | None = None
+    min_missed_rate: float | None = None
     spike_fraction: float = 0.0
     in_prefill_fraction: float = 0.0
+    prefill_slowdown: float = 0.0
     is_interference: bool = False
+    overload_slowdown: float = 0.0
+    is_overload: bool = False
+    finding: str = ""
     verdict: str = ""
     error: str | None = None
 
     @classmethod
-    def of(cls, name: str, result: BenchResult) -> CompareRow:
+    def of(cls, name: str, result: BenchResult, search: SearchResult | None = None) -> CompareRow:
         m, report = result.metrics, result.interference
         return cls(
             name=name,
@@ -87,15 +139,25 @@ class CompareRow:
             tpot_p99=m.tpot.p99,
             output_throughput=m.output_throughput,
             goodput=m.request_goodput,
+            num_good=m.num_good,
+            attainment=m.slo_attainment,
+            is_searched=search is not None,
+            max_rate=None if search is None else search.max_rate,
+            min_missed_rate=None if search is None else search.min_missed_rate,
             spike_fraction=report.spike_fraction,
             in_prefill_fraction=report.in_prefill_fraction,
+            prefill_slowdown=report.prefill_slowdown,
             is_interference=report.is_interference,
+            overload_slowdown=report.overload.slowdown,
+            is_overload=report.is_overload,
+            finding=report.finding,
             verdict=report.verdict,
         )
 
     @classmethod
     def from_saved(cls, name: str, run: dict) -> CompareRow:
-        """A row from a saved run (`--save-result` JSON of `bench` or `simulate`)."""
+        """A row from the numbers of a saved run without per-request records (e.g. another
+        tool's result file); pdserve's files are judged again from their records instead."""
         interference = run.get("pdserve", {}).get("interference", {})
         try:
             return cls(
@@ -119,35 +181,81 @@ class CompareRow:
             raise BenchError(f"--saved {name}: not a saved benchmark run (missing {exc})") from None
 
 
-def load_saved_rows(name: str, path: str | Path) -> list[CompareRow]:
-    """Rows from a saved result: one run, or every run of a `compare`/`simulate` file
-    (named NAME/MODE)."""
+@dataclass
+class SavedRuns:
+    """Runs read back from `--saved` files and judged again from their records; `rows` are
+    runs known only by their numbers (no records); `attainment` the saved searches' target."""
+
+    results: dict[str, BenchResult] = field(default_factory=dict)
+    searches: dict[str, tuple[SearchResult, list[BenchResult]]] = field(default_factory=dict)
+    rows: dict[str, CompareRow] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    attainment: float | None = None
+
+
+def load_saved(
+    name: str,
+    path: str | Path,
+    into: SavedRuns,
+    slos: Mapping[str, float] | None = None,
+    interference: Mapping[str, float] | None = None,
+    attainment: float | None = None,
+) -> SavedRuns:
+    """Add a saved result to `into`: one run named NAME, or every run (and search) of a
+    `compare`/`simulate` file named NAME/MODE; judged with `slos`, `interference` settings
+    and search `attainment` when given, else those saved with them."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise BenchError(f"--saved {name}: cannot read {path}: {exc}") from None
     if not isinstance(data, dict) or "sweep" in data:
         raise BenchError(f"--saved {name}: {path} holds a sweep or no run; save one rate")
-    if isinstance(data.get("runs"), dict):
-        return [CompareRow.from_saved(f"{name}/{mode}", run) for mode, run in data["runs"].items()]
-    return [CompareRow.from_saved(name, data)]
+    runs = data["runs"] if isinstance(data.get("runs"), dict) else None
+    searches = data.get("search") or {}
+    saved_search = (data.get("config") or {}).get("search") or {}
+    target = attainment or saved_search.get("attainment") or DEFAULT_ATTAINMENT
+    if searches:
+        into.attainment = target
+    for mode, run in (runs or {name: data}).items():
+        label = f"{name}/{mode}" if runs is not None else name
+        into.order.append(label)
+        if not has_records(run):
+            into.rows[label] = CompareRow.from_saved(label, run)
+            continue
+        result = result_from_dict(run, label, slos, interference)
+        into.results[label] = result
+        if mode in searches:
+            saved = searches[mode]
+            again = [
+                result_from_dict(r, r["pdserve"].get("label", label), slos, interference)
+                for r in saved.get("runs", [])
+            ]
+            points = tuple(SearchPoint.of(r) for r in [result, *again])
+            outcome = SearchResult(target, points, saved.get("stop_reason", ""))
+            into.searches[label] = (outcome, again)
+    return into
 
 
 @dataclass(frozen=True)
 class Recommendation:
-    name: str
+    """The mode to run, or None with the reason no mode is recommended."""
+
+    name: str | None
     reason: str
 
     def __str__(self) -> str:
-        return f"Recommendation: {self.name} — {self.reason}."
+        return f"Recommendation: {self.name or 'none'} — {self.reason}."
 
 
 @dataclass
 class CompareResult:
+    """`results` and `searches` (each a search's outcome and its runs' results) by row name."""
+
     spec: CompareSpec
     results: dict[str, BenchResult]
     rows: list[CompareRow]
     recommendation: Recommendation | None
+    searches: dict[str, tuple[SearchResult, list[BenchResult]]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         bench = self.spec.bench
@@ -156,20 +264,27 @@ class CompareResult:
         return {
             "config": {
                 **shared,
-                "request_rate": bench.request_rates[0],
+                "request_rate": self.spec.request_rate,
                 "modes": list(self.spec.modes),
                 "externals": dict(self.spec.externals),
+                "saved": list(self.spec.saved),
                 "server_command": [*self.spec.launch.command, *self.spec.launch.extra_args],
                 "mode_args": {m: list(a) for m, a in self.spec.launch.mode_args.items()},
+                "search": None if self.spec.search is None else asdict(self.spec.search),
             },
             "rows": [asdict(r) for r in self.rows],
             "recommendation": None if self.recommendation is None else asdict(self.recommendation),
             "runs": {name: result_to_dict(r) for name, r in self.results.items()},
+            "search": {
+                name: {**search.to_dict(), "runs": [result_to_dict(r) for r in runs]}
+                for name, (search, runs) in self.searches.items()
+            },
         }
 
 
 def run_compare(spec: CompareSpec, tokenizer: TokenizerLike | None = None) -> CompareResult:
-    """Launch each mode in turn, run the workload, stop it; then the externals.
+    """Launch each mode in turn, run the workload (and the search), stop it; then the
+    externals.
 
     The workload is built once (fitted to the first server's context) so every row sees the
     same requests at the same times. A server that fails to start becomes a row with its
@@ -188,21 +303,45 @@ def run_compare(spec: CompareSpec, tokenizer: TokenizerLike | None = None) -> Co
         except BenchError as exc:
             runner.fail(name, str(exc))
     if not runner.results:
-        details = "; ".join(f"{r.name}: {r.error}" for r in runner.rows)
+        details = "; ".join(f"{r.name}: {r.error}" for r in runner.failed.values())
         raise BenchError(f"bench compare: no server completed a run ({details})")
-    has_slos = bool(spec.bench.slos)
-    return CompareResult(spec, runner.results, runner.rows, recommend(runner.rows, has_slos))
+    return judged(spec, runner.results, runner.searches, runner.failed, runner.order)
+
+
+def judged(
+    spec: CompareSpec,
+    results: dict[str, BenchResult],
+    searches: dict[str, tuple[SearchResult, list[BenchResult]]],
+    rows: dict[str, CompareRow] | None = None,
+    order: list[str] | None = None,
+) -> CompareResult:
+    """The comparison of measured (or saved) runs, in `order` (default: results, then
+    `rows`): a row per result, the prebuilt `rows` (servers that never ran, saved runs known
+    only by their numbers) as they are, and the recommendation."""
+    rows = rows or {}
+    table = [
+        rows[name]
+        if name in rows
+        else CompareRow.of(name, results[name], searches.get(name, (None, []))[0])
+        for name in order or [*results, *rows]
+    ]
+    recommendation = recommend(table, bool(spec.bench.slos), spec.request_rate, spec.attainment)
+    return CompareResult(spec, dict(results), table, recommendation, dict(searches))
 
 
 class _Runner:
-    """Runs the shared plan against one server after another."""
+    """Runs the shared plan (and the search) against one server after another."""
 
     def __init__(self, spec: CompareSpec, tokenizer: TokenizerLike | None) -> None:
         self._spec = spec
         self._tokenizer = tokenizer
         self._plan: WorkloadPlan | None = None
+        # Search runs' plans by request count (every server sees the same ones).
+        self._plans: dict[int, WorkloadPlan] = {}
         self.results: dict[str, BenchResult] = {}
-        self.rows: list[CompareRow] = []
+        self.searches: dict[str, tuple[SearchResult, list[BenchResult]]] = {}
+        self.failed: dict[str, CompareRow] = {}
+        self.order: list[str] = []
 
     def run(self, name: str, base_url: str) -> None:
         endpoint = replace(self._spec.bench.endpoint, base_url=base_url)
@@ -211,54 +350,195 @@ class _Runner:
         if self._plan is None:
             tokenizer = self._tokenizer or load_tokenizer(None)
             self._plan = plan_workload(
-                bench.workload, tokenizer, bench.seed, context_cap(bench, server)
+                bench.workload,
+                tokenizer,
+                bench.seed,
+                context_cap(bench, server),
+                bench.num_warmups,
             )
-        [result] = asyncio.run(run_plan(bench, self._plan, server, label=name))
-        self.results[name] = result
-        self.rows.append(CompareRow.of(name, result))
+        asyncio.run(self._measure(name, bench, self._plan, server))
+        self.order.append(name)
+
+    async def _measure(
+        self, name: str, bench: BenchSpec, plan: WorkloadPlan, server: ServerInfo
+    ) -> None:
+        search = self._spec.search
+        async with make_http_client(bench.endpoint) as http:
+            warmups = await warm_up(http, bench.endpoint, server.model, list(plan.warmups))
+            rate = bench.request_rates[0]
+            result = await run_rate(http, bench, plan, server, rate, name, warmups)
+            self.results[name] = result
+            if search is None:
+                return
+            runs: list[BenchResult] = []
+
+            async def measure(rate: float) -> SearchPoint:
+                run = await run_rate(
+                    http,
+                    bench,
+                    self._plan_at(rate, plan),
+                    server,
+                    rate,
+                    rate_label(name, rate),
+                    warmups,
+                    search.is_hopeless(bench.slos),
+                )
+                runs.append(run)
+                point = SearchPoint.of(run)
+                if point.is_stopped_early:
+                    # The server may still be finishing what the stopped run left: wait for
+                    # it to serve a warm-up before the next run starts.
+                    await warm_up(http, bench.endpoint, server.model, list(plan.warmups[-1:]))
+                return point
+
+            outcome = await search_max_rate(SearchPoint.of(result), measure, search)
+            self.searches[name] = (outcome, runs)
+
+    def _plan_at(self, rate: float, first: WorkloadPlan) -> WorkloadPlan:
+        """A search run's requests: as many as keep the first run's span at `rate`, so that
+        the rate is sustained (the first plan, for a workload without a request count)."""
+        workload = first.workload
+        if not any(f.name == "num_prompts" for f in fields(workload)):
+            return first
+        scale = rate / self._spec.request_rate
+        count = max(MIN_SEARCH_PROMPTS, round(workload.num_prompts * scale))
+        if count not in self._plans:
+            tokenizer = self._tokenizer or load_tokenizer(None)
+            resized = replace(workload, num_prompts=count)
+            plan = plan_workload(resized, tokenizer, first.seed, first.max_model_len)
+            self._plans[count] = replace(plan, warmups=first.warmups)
+        return self._plans[count]
 
     def fail(self, name: str, error: str) -> None:
-        self.rows.append(CompareRow(name, error=error))
+        self.failed[name] = CompareRow(name, error=error)
+        self.order.append(name)
 
 
-def recommend(rows: list[CompareRow], has_slos: bool) -> Recommendation | None:
-    """Pick a mode and say why: highest goodput under the SLOs when given; otherwise the
-    lowest ITL p99 among rows with the fewest failures and near-best output throughput."""
-    ran = [r for r in rows if r.error is None and r.completed > 0]
+def recommend(
+    rows: list[CompareRow],
+    has_slos: bool,
+    request_rate: float | None = None,
+    attainment: float = DEFAULT_ATTAINMENT,
+) -> Recommendation | None:
+    """Pick a mode and say why, or say why none: with SLOs and a search, the highest rate at
+    which `attainment` of the requests meet them (DistServe's goodput); with SLOs only,
+    the highest goodput at the offered rate; a tie, or nothing meeting the SLOs, recommends
+    none. Without SLOs, the lowest ITL p99 among rows with the fewest failures and near-best
+    output throughput."""
+    ran = [r for r in rows if r.error is None and r.completed + r.failed > 0]
     if not ran:
         return None
-    if has_slos:
-        best = max(ran, key=lambda r: (r.goodput or 0.0, -r.itl_p99))
-        others = _versus(ran, best, lambda r: f"{r.goodput or 0.0:.3f}")
-        reason = f"highest goodput under the SLOs, {best.goodput or 0.0:.3f} req/s{others}"
+    if not has_slos:
+        recommendation = _by_itl(ran)
+    elif any(r.is_searched for r in ran):
+        recommendation = _by_max_rate(ran, request_rate, attainment)
     else:
-        fewest_failed = min(r.failed for r in ran)
-        top = max(r.output_throughput for r in ran if r.failed == fewest_failed)
-        eligible = [
-            r
-            for r in ran
-            if r.failed == fewest_failed and r.output_throughput >= _THROUGHPUT_TOLERANCE * top
-        ]
-        best = min(eligible, key=lambda r: r.itl_p99)
-        others = _versus(ran, best, lambda r: f"{r.itl_p99:.0f} ms")
-        reason = (
-            f"lowest ITL p99, {best.itl_p99:.0f} ms{others}, at "
-            f"{best.output_throughput / top:.0%} of the best output throughput (no --goodput "
-            "SLOs given)"
+        recommendation = _by_goodput(ran, request_rate)
+    return Recommendation(recommendation.name, recommendation.reason + _findings(ran))
+
+
+def _by_max_rate(
+    ran: list[CompareRow], request_rate: float | None, attainment: float
+) -> Recommendation:
+    searched = [r for r in ran if r.is_searched]
+    ranked = sorted(searched, key=lambda r: r.max_rate or 0.0, reverse=True)
+    best = ranked[0]
+    sustains = ", ".join(f"{r.name} {_max_rate_text(r)}" for r in ranked)
+    share = f"{attainment:.0%} of requests within the SLOs"
+    at_rate = _at_offered_rate(ran, request_rate)
+    if not best.max_rate:
+        lowest = ", ".join(f"{r.name} {_max_rate_text(r)}" for r in ranked)
+        return Recommendation(None, f"none at any searched load: no mode kept {share} ({lowest})")
+    if len(ranked) > 1 and ranked[1].max_rate == best.max_rate:
+        tied = " and ".join(r.name for r in ranked if r.max_rate == best.max_rate)
+        return Recommendation(
+            None, f"a tie: {tied} each sustain {best.max_rate:.3g} req/s with {share}{at_rate}"
         )
-    interfering = [r for r in ran if r.is_interference and r is not best]
+    reason = f"highest load with {share}, {best.max_rate:.3g} req/s (highest loads: {sustains})"
+    return Recommendation(best.name, reason + at_rate)
+
+
+def _at_offered_rate(ran: list[CompareRow], request_rate: float | None) -> str:
+    if any(r.num_good for r in ran):
+        return ""
+    return f"; at the offered {rate_text(request_rate)} req/s no mode met every SLO"
+
+
+def _by_goodput(ran: list[CompareRow], request_rate: float | None) -> Recommendation:
+    ranked = sorted(ran, key=lambda r: (_num_good(r), r.goodput or 0.0), reverse=True)
+    best = ranked[0]
+    load = f"{rate_text(request_rate)} req/s"
+    search_hint = "; --search-rate finds the highest load each mode sustains"
+    if not _num_good(best):
+        return Recommendation(
+            None,
+            f"none at this load: no mode met every SLO for any request at {load}" + search_hint,
+        )
+    if len(ranked) > 1 and _num_good(ranked[1]) == _num_good(best):
+        tied = " and ".join(r.name for r in ranked if _num_good(r) == _num_good(best))
+        total = best.completed + best.failed
+        return Recommendation(
+            None,
+            f"none at this load: {tied} tie, {_num_good(best)} of {total} requests within "
+            f"the SLOs each at {load}" + search_hint,
+        )
+    others = _versus(ran, best, lambda r: f"{r.goodput or 0.0:.3f}")
+    reason = f"highest goodput under the SLOs, {best.goodput or 0.0:.3f} req/s{others}"
+    return Recommendation(best.name, reason)
+
+
+def _num_good(row: CompareRow) -> float:
+    """Requests meeting every SLO; from goodput when a saved row lacks the count."""
+    return row.num_good if row.num_good is not None else (row.goodput or 0.0)
+
+
+def _by_itl(ran: list[CompareRow]) -> Recommendation:
+    fewest_failed = min(r.failed for r in ran)
+    top = max(r.output_throughput for r in ran if r.failed == fewest_failed)
+    eligible = [
+        r
+        for r in ran
+        if r.failed == fewest_failed and r.output_throughput >= _THROUGHPUT_TOLERANCE * top
+    ]
+    best = min(eligible, key=lambda r: r.itl_p99)
+    others = _versus(ran, best, lambda r: f"{r.itl_p99:.0f} ms")
+    share = best.output_throughput / top if top else 1.0
+    reason = (
+        f"lowest ITL p99, {best.itl_p99:.0f} ms{others}, at {share:.0%} of the best output "
+        "throughput (no --goodput SLOs given)"
+    )
+    return Recommendation(best.name, reason)
+
+
+def _findings(ran: list[CompareRow]) -> str:
+    """The detector's findings across rows, for the recommendation's reason."""
+    notes = []
+    interfering = [r for r in ran if r.is_interference]
     if interfering:
         names = ", ".join(
-            f"{r.name} ({r.in_prefill_fraction:.0%} of its stalled time during long prefills)"
+            f"{r.name} ({r.in_prefill_fraction:.0%} of its stalled time during long prefills, "
+            f"costing {r.prefill_slowdown:.0%} of streaming time)"
             for r in interfering
         )
-        reason += f"; phase interference in {names}"
-    return Recommendation(best.name, reason)
+        notes.append(f"phase interference in {names}")
+    overloaded = [r for r in ran if r.is_overload]
+    if overloaded:
+        names = ", ".join(f"{r.name} ({r.overload_slowdown:.1f}× slower)" for r in overloaded)
+        notes.append(f"overloaded at this load, streams slower than unloaded: {names}")
+    return "".join(f"; {note}" for note in notes)
 
 
 def _versus(rows: list[CompareRow], best: CompareRow, value) -> str:
     others = [f"{r.name} {value(r)}" for r in rows if r is not best]
     return f" (vs {', '.join(others)})" if others else ""
+
+
+def _max_rate_text(row: CompareRow) -> str:
+    if not row.is_searched:
+        return "-"
+    if row.max_rate is None:
+        return "none"
+    return f"{row.max_rate:.3g}" + ("+" if row.min_missed_rate is None else "")
 
 
 _COLUMNS = (
@@ -272,13 +552,16 @@ _COLUMNS = (
     ("TPOT p99", "{r.tpot_p99:.1f}"),
     ("out tok/s", "{r.output_throughput:.1f}"),
     ("goodput", "{goodput}"),
-    ("spikes", "{r.spike_fraction:.1%}"),
+    ("SLO met", "{attainment}"),
+    ("max rate", "{max_rate}"),
     ("in prefill", "{r.in_prefill_fraction:.0%}"),
+    ("finding", "{r.finding}"),
 )
 
 
 def format_table(rows: list[CompareRow], markdown: bool = False) -> str:
-    """The comparison table (latencies in ms, goodput in req/s), plain or Markdown."""
+    """The comparison table (latencies in ms, goodput and max rate in req/s), plain or
+    Markdown."""
     header = [name for name, _ in _COLUMNS]
     body = [_cells(r) for r in rows]
     if markdown:
@@ -297,30 +580,78 @@ def _aligned(cells: list[str], widths: list[int]) -> str:
 def _cells(row: CompareRow) -> list[str]:
     if row.error is not None:
         return [row.name, "failed", *(["-"] * (len(_COLUMNS) - 2))]
-    total = row.completed + row.failed
-    goodput = "-" if row.goodput is None else f"{row.goodput:.3f}"
-    return [fmt.format(r=row, total=total, goodput=goodput) for _, fmt in _COLUMNS]
+    values = {
+        "total": row.completed + row.failed,
+        "goodput": "-" if row.goodput is None else f"{row.goodput:.3f}",
+        "attainment": "-" if row.attainment is None else f"{row.attainment:.0%}",
+        "max_rate": _max_rate_text(row),
+    }
+    return [fmt.format(r=row, **values) for _, fmt in _COLUMNS]
 
 
-def save_compare(result: CompareResult, out_dir: str | Path, json_path: str | Path | None = None):
-    """Write the combined JSON (default `out_dir/compare.json`) and the report; their paths."""
+def save_compare(
+    result: CompareResult,
+    out_dir: str | Path,
+    json_path: str | Path | None = None,
+    intro: Sequence[str] = (),
+):
+    """Write the combined JSON (default `out_dir/compare.json`) and the report (`intro`
+    lines first); their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     json_file = Path(json_path) if json_path else out / "compare.json"
     json_file.write_text(json.dumps(result.to_dict(), indent=1))
-    preamble = "\n".join(
-        [
-            "## Comparison",
-            "",
-            "Latencies in ms, goodput in req/s; *spikes*: share of token gaps above "
-            f"{result.spec.bench.interference.spike_factor:g}× the run's median ITL; "
-            "*in prefill*: share of those spikes during a long prompt's prefill.",
-            "",
-            format_table(result.rows, markdown=True),
-            "",
-            f"**{result.recommendation}**" if result.recommendation else "",
-            *[f"- {r.name}: failed to run: {r.error}" for r in result.rows if r.error],
-        ]
+    bench = result.spec.bench
+    slos = ", ".join(f"{k} ≤ {v:g} ms" for k, v in bench.slos.items()) or "none given"
+    preamble = [
+        *intro,
+        "## Comparison",
+        "",
+        f"Offered load {rate_text(result.spec.request_rate)} req/s; SLOs: {slos}. Latencies in "
+        "ms, goodput and max rate in req/s. *SLO met*: share of requests meeting every SLO; "
+        f"*max rate*: the highest searched rate at which {result.spec.attainment:.0%} do "
+        "(+: met at every rate tried); *in prefill*: share of stalled time (gaps above "
+        f"{bench.interference.spike_factor:g}× their stream's pace) during long prompts' "
+        "prefills; *finding*: interference, overload, both or neither (per run below).",
+        "",
+        format_table(result.rows, markdown=True),
+        "",
+        f"**{result.recommendation}**" if result.recommendation else "",
+        *[f"- {r.name}: failed to run: {r.error}" for r in result.rows if r.error],
+        *_search_section(result, out),
+    ]
+    report = write_report(
+        list(result.results.values()), out, "pdserve bench compare", "\n".join(preamble)
     )
-    report = write_report(list(result.results.values()), out, "pdserve bench compare", preamble)
     return json_file, report
+
+
+def _search_section(result: CompareResult, out: Path) -> list[str]:
+    if not result.searches:
+        return []
+    from pdserve.bench.plots import plot_attainment  # matplotlib only for reports
+
+    target = result.spec.attainment
+    curves = {
+        name: [(p.rate, p.attainment, p.is_stopped_early) for p in search.points]
+        for name, (search, _) in result.searches.items()
+    }
+    plot_attainment(curves, target, out / "slo_attainment.png")
+    lines = [
+        "",
+        "## Highest rate meeting the SLOs",
+        "",
+        f"Each server's search for the highest request rate at which {target:.0%} of "
+        "requests meet every SLO (runs stopped early once decided: their share is at most "
+        "what is shown).",
+        "",
+        "| mode | max rate | rates tried (SLO met) | stopped because |",
+        "|---|---|---|---|",
+    ]
+    for name, (search, _) in result.searches.items():
+        tried = ", ".join(
+            f"{p.rate:.3g} ({p.attainment:.0%}{'*' if p.is_stopped_early else ''})"
+            for p in sorted(search.points, key=lambda p: p.rate)
+        )
+        lines.append(f"| {name} | {search.describe()} | {tried} | {search.stop_reason} |")
+    return [*lines, "", "![SLO attainment vs rate](slo_attainment.png)"]

@@ -2,13 +2,17 @@
 
 TTFT: first content chunk − send. ITL: gaps between consecutive content chunks, pooled over
 requests. TPOT: (E2EL − TTFT) / (output tokens − 1), requests with more than one token.
-E2EL: last content chunk − send. Goodput: requests per second meeting every given SLO.
-Throughputs are over the wall time from the first send to the last completion.
+E2EL: last content chunk − send. Goodput: requests per second meeting every given SLO; SLO
+attainment: the share of requests that do. Besides vLLM's TTFT, TPOT and E2EL SLOs, `max_itl`
+bounds a request's longest gap: TPOT averages a 10 s freeze over a long answer, a stream that
+froze for 10 s did not meet a stall SLO. Throughputs are over the wall time from the first
+send to the last completion.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,13 +20,13 @@ import numpy as np
 from pdserve.bench.errors import BenchError
 from pdserve.bench.records import RequestRecord
 
-SLO_METRICS = ("ttft", "tpot", "e2el")
+SLO_METRICS = ("ttft", "tpot", "e2el", "max_itl")
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (90, 99)
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
-    """Parse `--goodput ttft:MS tpot:MS e2el:MS` into {metric: milliseconds}."""
+    """Parse `--goodput ttft:MS tpot:MS e2el:MS max_itl:MS` into {metric: milliseconds}."""
     slos: dict[str, float] = {}
     for item in items or []:
         name, sep, value = item.partition(":")
@@ -79,7 +83,8 @@ class Distribution:
 
 @dataclass(frozen=True)
 class BenchMetrics:
-    """The run's aggregate numbers. `request_goodput` is None when no SLO was given."""
+    """The run's aggregate numbers. `request_goodput`, `num_good` and `slo_attainment` are
+    None when no SLO was given."""
 
     completed: int
     failed: int
@@ -95,6 +100,14 @@ class BenchMetrics:
     tpot: Distribution
     itl: Distribution
     e2el: Distribution
+
+    @property
+    def slo_attainment(self) -> float | None:
+        """Share of the run's requests (failed ones included) that met every SLO."""
+        if self.num_good is None:
+            return None
+        total = self.completed + self.failed
+        return self.num_good / total if total else 0.0
 
     def to_vllm_dict(self) -> dict:
         out = {
@@ -122,15 +135,47 @@ def wall_time(records: list[RequestRecord]) -> float:
     return max(ends) - min(sends)
 
 
-def meets_slos(record: RequestRecord, slos: dict[str, float]) -> bool:
+def slo_values(record: RequestRecord) -> dict[str, float]:
+    """What a successful request's SLOs are checked against, milliseconds per SLO_METRICS."""
+    return {
+        "ttft": record.ttft * 1000.0,
+        "tpot": (record.tpot or 0.0) * 1000.0,
+        "e2el": record.e2el * 1000.0,
+        "max_itl": max(record.itls, default=0.0) * 1000.0,
+    }
+
+
+def meets_slos(record: RequestRecord, slos: Mapping[str, float]) -> bool:
     """Whether a request succeeded and met every SLO (milliseconds)."""
     if not record.success:
         return False
-    observed = {"ttft": record.ttft, "tpot": record.tpot or 0.0, "e2el": record.e2el}
-    return all(observed[name] * 1000.0 <= limit for name, limit in slos.items())
+    observed = slo_values(record)
+    return all(observed[name] <= limit for name, limit in slos.items())
 
 
-def compute_metrics(records: list[RequestRecord], slos: dict[str, float]) -> BenchMetrics:
+def has_missed_slos(record: RequestRecord, slos: Mapping[str, float], now: float) -> bool:
+    """Whether a request, finished or still streaming at `now` (seconds, the records' clock),
+    has already missed an SLO whatever happens next. Requests not sent yet have not."""
+    if record.error is not None:
+        return True
+    if record.send_time is None:
+        return False
+    if record.end_time is not None:
+        return not meets_slos(record, slos)
+    # Lower bounds on what the request's values will be; it asked for `output_len` tokens.
+    times = record.token_times
+    bounds = {"e2el": now - record.send_time}
+    if not times:
+        bounds["ttft"] = bounds["e2el"]
+    else:
+        bounds["ttft"] = times[0] - record.send_time
+        bounds["max_itl"] = max([*record.itls, now - times[-1]])
+        if record.output_len > 1:
+            bounds["tpot"] = (now - times[0]) / (record.output_len - 1)
+    return any(bounds.get(name, 0.0) * 1000.0 > limit for name, limit in slos.items())
+
+
+def compute_metrics(records: list[RequestRecord], slos: Mapping[str, float]) -> BenchMetrics:
     """Aggregate per-request records into the run's metrics."""
     done = [r for r in records if r.success]
     duration = wall_time(records)

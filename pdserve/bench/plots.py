@@ -53,9 +53,11 @@ def plot_itl_timeline(result: BenchResult, path: Path) -> Path:
         ax.plot([], [], color=colors[kind], label=kind)
     if result.interference.windows:
         ax.fill_between([], [], color="tab:red", alpha=0.12, label="long-prompt prefill")
-    threshold = result.interference.spike_threshold_ms
+    report = result.interference
+    threshold = report.spike_threshold_ms
     if threshold > 0:
-        ax.axhline(threshold, color="k", ls="--", lw=0.8, label=f"spike > {threshold:.0f} ms")
+        label = f"stall: > {report.config.spike_factor:g}× its stream's pace (~{threshold:.0f} ms)"
+        ax.axhline(threshold, color="k", ls="--", lw=0.8, label=label)
         _log_scale(ax, "y")
     ax.set(xlabel="time since start (s)", ylabel="inter-token latency (ms)")
     ax.set_title(f"ITL over time, every stream — {result.label}", fontsize=10)
@@ -94,5 +96,31 @@ def plot_goodput_vs_rate(
     ax.set(xlabel="request rate (req/s)", ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    figure.savefig(path)
+    return path
+
+
+def plot_attainment(
+    curves: Mapping[str, Sequence[tuple[float, float, bool]]], target: float, path: Path
+) -> Path:
+    """Each server's share of requests meeting every SLO against the searched rate; points
+    are (rate, share, stopped early), a run stopped early drawn as a downward triangle (its
+    share is at most that)."""
+    figure = _figure(6.5, 4.0)
+    ax = figure.add_subplot()
+    for i, (name, points) in enumerate(curves.items()):
+        ordered = sorted(points)
+        color = f"C{i % 10}"
+        rates = [rate for rate, _, _ in ordered]
+        ax.plot(rates, [share * 100 for _, share, _ in ordered], color=color, label=name)
+        for rate, share, is_stopped in ordered:
+            ax.plot(rate, share * 100, marker="v" if is_stopped else "o", color=color)
+    ax.axhline(target * 100, color="k", ls="--", lw=0.8, label=f"target {target:.0%}")
+    ax.set(xlabel="request rate (req/s)", ylabel="requests meeting every SLO (%)")
+    ax.set_ylim(0, 102)
+    _log_scale(ax, "x")
+    ax.grid(alpha=0.3)
+    ax.set_title("SLO attainment against request rate", fontsize=10)
+    ax.legend(fontsize=8, loc="lower left")
     figure.savefig(path)
     return path

@@ -1,13 +1,24 @@
-"""Result files: `vllm bench serve`'s keys, plus pdserve's per-request records and config."""
+"""Result files: `vllm bench serve`'s keys, plus pdserve's per-request records and config;
+and back: a saved run judged again from its records."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
 
-from pdserve.bench.benchmark import BenchResult
+from pdserve.bench.benchmark import BenchResult, BenchSpec, summarize
+from pdserve.bench.client import EndpointConfig
+from pdserve.bench.errors import BenchError
+from pdserve.bench.interference import InterferenceConfig
+from pdserve.bench.records import RequestRecord
+from pdserve.bench.workloads import Workload
+
+# A saved run's server, when its file does not name one.
+SAVED_BASE_URL = "http://saved"
 
 
 def rate_text(rate: float | None) -> str:
@@ -41,8 +52,10 @@ def result_to_dict(result: BenchResult) -> dict:
         "label": result.label,
         "config": spec.describe(),
         "num_good": result.metrics.num_good,
+        "slo_attainment": result.metrics.slo_attainment,
         "interference": result.interference.to_dict(),
         "records": [r.to_dict() for r in records],
+        "warmups": [r.to_dict() for r in result.warmups],
     }
     return out
 
@@ -59,3 +72,62 @@ def save_results(results: list[BenchResult], path: str | Path) -> Path:
 
 def _json_rate(rate: float | None) -> float | str:
     return rate if rate is not None and math.isfinite(rate) else rate_text(rate)
+
+
+@dataclass(frozen=True)
+class SavedWorkload(Workload):
+    """A saved run's workload as its file describes it (its requests are in the records)."""
+
+    description: Mapping = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return str(self.description.get("name", "saved"))
+
+    def describe(self) -> dict:
+        return dict(self.description)
+
+
+def has_records(run: dict) -> bool:
+    """Whether a saved run carries its per-request records (pdserve's files do)."""
+    return isinstance(run.get("pdserve"), dict) and isinstance(run["pdserve"].get("records"), list)
+
+
+def result_from_dict(
+    run: dict,
+    label: str,
+    slos: Mapping[str, float] | None = None,
+    interference: Mapping[str, float] | None = None,
+) -> BenchResult:
+    """A saved run (`result_to_dict`'s JSON) judged again from its records, as a measured run
+    is: with `slos` when given, else the run's own; with the run's detector settings, the
+    given `interference` fields replacing theirs."""
+    saved = run["pdserve"]
+    config = saved.get("config", {})
+    known = {f.name for f in fields(InterferenceConfig)}
+    settings = {k: v for k, v in config.get("interference", {}).items() if k in known}
+    try:
+        spec = BenchSpec(
+            endpoint=EndpointConfig(base_url=config.get("base_url") or SAVED_BASE_URL),
+            workload=SavedWorkload(config.get("workload", {})),
+            seed=config.get("seed", 0),
+            request_rates=(_rate_of(run.get("request_rate")),),
+            burstiness=run.get("burstiness", 1.0),
+            max_concurrency=run.get("max_concurrency"),
+            num_warmups=config.get("num_warmups", 0),
+            slos=dict(config.get("goodput_slos_ms", {}) if slos is None else slos),
+            interference=InterferenceConfig(**{**settings, **(interference or {})}),
+            show_progress=False,
+        )
+        records = [RequestRecord.from_dict(r) for r in saved["records"]]
+        warmups = [RequestRecord.from_dict(r) for r in saved.get("warmups", [])]
+    except (TypeError, ValueError, KeyError) as exc:
+        raise BenchError(f"{label}: not a pdserve result file ({exc})") from None
+    model = run.get("model_id", "")
+    return summarize(label, model, spec, spec.request_rates[0], records, 0.0, warmups)
+
+
+def _rate_of(value) -> float | None:
+    if value == "trace" or value is None:
+        return None
+    return math.inf if value == "inf" else float(value)

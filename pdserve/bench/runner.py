@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -41,8 +42,10 @@ async def warm_up(
     endpoint: EndpointConfig,
     model: str,
     requests: list[BenchRequest],
-) -> None:
-    """Send requests one by one, unmeasured; fail early and clearly if one fails."""
+) -> list[RequestRecord]:
+    """Send requests one by one, outside the measured run; fail early and clearly if one
+    fails. Their records (each timed from its own send) show the server's unloaded pace."""
+    records = []
     for request in requests:
         record = RequestRecord(-1, "warmup", request.prompt_len, request.output_len, 0.0)
         await send_request(http, endpoint, model, request, record, time.perf_counter())
@@ -50,6 +53,15 @@ async def warm_up(
             raise BenchError(
                 f"warm-up request to {endpoint.url(endpoint.endpoint)} failed: {record.error}"
             )
+        records.append(record)
+    return records
+
+
+# How often a run with `stop_when` asks whether to stop.
+_STOP_POLL_S = 0.1
+STOPPED_EARLY = "stopped early: the run's outcome was already decided"
+# Asked during a run with its records and the time since its start: stop now?
+StopWhen = Callable[[list[RequestRecord], float], bool]
 
 
 async def run_requests(
@@ -61,12 +73,16 @@ async def run_requests(
     max_concurrency: int | None = None,
     show_progress: bool = True,
     label: str = "",
+    stop_when: StopWhen | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Send every request at its arrival time (seconds from now); return the records, in
     request order, and the perf_counter value their times are relative to.
 
     With `max_concurrency`, a request that arrives while that many are in flight waits for a
     slot; its send time, and so its latencies, start when it actually goes out.
+    `stop_when(records, now)` is asked every 0.1 s; once it says yes, requests in flight are
+    cancelled (the server sees the clients leave) and those not sent are not: all of them end
+    with the error STOPPED_EARLY.
     """
     records = [
         RequestRecord(i, r.kind, r.prompt_len, r.output_len, float(t))
@@ -90,15 +106,41 @@ async def run_requests(
                 await send_request(http, endpoint, model, requests[i], records[i], t0)
         bar.update(1)
 
+    async def send_all() -> None:
+        tasks = []
+        try:
+            for i in np.argsort(arrivals, kind="stable"):
+                delay = t0 + arrivals[i] - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(int(i))))
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     t0 = time.perf_counter()
-    tasks = []
-    for i in np.argsort(arrivals, kind="stable"):
-        delay = t0 + arrivals[i] - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(int(i))))
+    sender = asyncio.create_task(send_all())
     try:
-        await asyncio.gather(*tasks)
+        while not sender.done():
+            await asyncio.wait([sender], timeout=_STOP_POLL_S)
+            now = time.perf_counter() - t0
+            if stop_when is not None and not sender.done() and stop_when(records, now):
+                sender.cancel()
+                await asyncio.gather(sender, return_exceptions=True)
+                _mark_stopped(records, time.perf_counter() - t0)
+        if not sender.cancelled():
+            sender.result()  # re-raises what went wrong while sending
     finally:
+        sender.cancel()
         bar.close()
     return records, t0
+
+
+def _mark_stopped(records: list[RequestRecord], now: float) -> None:
+    for record in records:
+        if record.end_time is None:
+            record.error = STOPPED_EARLY
+            if record.send_time is not None:
+                record.end_time = now

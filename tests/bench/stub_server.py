@@ -1,12 +1,21 @@
 """A stub OpenAI-compatible server that streams tokens on a known schedule.
 
 Run: `python -m tests.bench.stub_server --port P [--mode colocated|chunked|disagg] ...`.
-Each request's first token is due `--ttft-ms` after it arrives (`--long-ttft-ms` for prompts
-of at least `--long-prompt-words` words), then one token every `--itl-ms`. While a long prompt
-"prefills", other streams stall until it ends (`--stall`, the colocated preset) or run
-`--slowdown` times slower (the chunked preset). The usage chunk reports when each token was
-really sent (`stub_emit_times`, time.perf_counter, comparable across processes on Linux) and
-a timing breakdown (`pdserve_timing`), like pdserve's router does.
+Each request's prefill takes `--ttft-ms` (`--long-ttft-ms` for prompts of at least
+`--long-prompt-words` words; with `--prefill-wps W`, `--ttft-ms` plus its words / W), then it
+streams one token every `--itl-ms`. While a long prompt prefills, other streams stall until it
+ends (`--stall`, the colocated preset) or run `--slowdown` times slower (the chunked preset).
+
+The step-time law, for tests that need a server with a capacity: by default every request's
+prefill starts when it arrives; with `--serial-prefill` prefills run one at a time in arrival
+order, so the server sustains at most 1 / prefill-time requests per second and a request's
+first token waits for those ahead of it. With `--batch-cost C` each token gap is `--itl-ms` ×
+(1 + C × (streams decoding − 1)). `--speed S` divides every duration by S (a slower or faster
+machine).
+
+The usage chunk reports when each token was really sent (`stub_emit_times`,
+time.perf_counter, comparable across processes on Linux) and a timing breakdown
+(`pdserve_timing`), like pdserve's router does.
 """
 
 from __future__ import annotations
@@ -38,6 +47,22 @@ class Schedule:
     long_ttft_s: float = 0.5
     stall: bool = False
     slowdown: float = 1.0
+    prefill_wps: float | None = None
+    is_serial_prefill: bool = False
+    batch_cost: float = 0.0
+
+    def prefill_s(self, num_words: int) -> float:
+        if self.prefill_wps is not None:
+            return self.ttft_s + num_words / self.prefill_wps
+        return self.long_ttft_s if num_words >= self.long_prompt_words else self.ttft_s
+
+
+class _Engine:
+    """The one engine's state: when its prefill queue frees up, how many streams decode."""
+
+    def __init__(self) -> None:
+        self.free_at = 0.0
+        self.num_decoding = 0
 
 
 class _Prefills:
@@ -56,6 +81,7 @@ class _Prefills:
 def create_app(schedule: Schedule) -> FastAPI:
     app = FastAPI()
     prefills = _Prefills()
+    engine = _Engine()
 
     @app.get("/health")
     async def health() -> dict:
@@ -75,36 +101,46 @@ def create_app(schedule: Schedule) -> FastAPI:
         prompt = body["messages"][-1]["content"] if is_chat else body["prompt"]
         num_words = len(prompt.split())
         is_long = num_words >= schedule.long_prompt_words
-        ttft = schedule.long_ttft_s if is_long else schedule.ttft_s
+        prefill = schedule.prefill_s(num_words)
+        start = max(arrived, engine.free_at) if schedule.is_serial_prefill else arrived
+        engine.free_at = start + prefill
         if is_long:
-            prefills.add(arrived, arrived + ttft)
-        events = _events(body, is_chat, num_words, arrived + ttft, is_long, ttft)
+            prefills.add(start, start + prefill)
+        timing = {"queue_ms": (start - arrived) * 1000.0, "prefill_ms": prefill * 1000.0}
+        events = _events(body, is_chat, num_words, start + prefill, is_long, timing)
         return StreamingResponse(events, media_type="text/event-stream")
 
-    async def _events(body, is_chat, num_words, first_due, is_long, ttft):
+    async def _events(body, is_chat, num_words, first_due, is_long, timing):
         loop = asyncio.get_running_loop()
         emitted: list[float] = []
         if is_chat:
             # A role-only preamble sent at once, as some servers do: not a token.
             yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
         due = first_due
-        for i in range(body["max_tokens"]):
-            await asyncio.sleep(max(0.0, due - loop.time()))
-            window = prefills.covering(loop.time())
-            if schedule.stall and not is_long and window is not None:
-                await asyncio.sleep(max(0.0, window[1] - loop.time()))
-                due = window[1]
-            emitted.append(time.perf_counter())
-            yield _sse({"choices": [_choice(is_chat, f" w{i}")]})
-            slow = schedule.slowdown if prefills.covering(due) is not None else 1.0
-            due += schedule.itl_s * slow
+        try:
+            for i in range(body["max_tokens"]):
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                window = prefills.covering(loop.time())
+                if schedule.stall and not is_long and window is not None:
+                    await asyncio.sleep(max(0.0, window[1] - loop.time()))
+                    due = window[1]
+                if i == 0:
+                    engine.num_decoding += 1
+                emitted.append(time.perf_counter())
+                yield _sse({"choices": [_choice(is_chat, f" w{i}")]})
+                slow = schedule.slowdown if prefills.covering(due) is not None else 1.0
+                batch = 1.0 + schedule.batch_cost * (engine.num_decoding - 1)
+                due += schedule.itl_s * slow * batch
+        finally:
+            if emitted:
+                engine.num_decoding -= 1
         yield _sse({"choices": [{**_choice(is_chat, ""), "finish_reason": "length"}]})
         n = body["max_tokens"]
         usage = {
             "prompt_tokens": num_words,
             "completion_tokens": n,
             "total_tokens": num_words + n,
-            "pdserve_timing": {"queue_ms": 0.0, "prefill_ms": ttft * 1000.0},
+            "pdserve_timing": timing,
             "stub_emit_times": emitted,
         }
         yield _sse({"choices": [], "usage": usage})
@@ -142,15 +178,24 @@ def main() -> None:
     parser.add_argument("--long-ttft-ms", type=float, default=500.0)
     parser.add_argument("--stall", action="store_true")
     parser.add_argument("--slowdown", type=float, default=1.0)
-    args = parser.parse_args()
+    parser.add_argument("--prefill-wps", type=float, help="prefill speed, words per second")
+    parser.add_argument("--serial-prefill", action="store_true")
+    parser.add_argument("--batch-cost", type=float, default=0.0)
+    parser.add_argument("--speed", type=float, default=1.0)
+    # pdserve's own flags (a mode's token budget, say) mean nothing to the stub.
+    args, _ = parser.parse_known_args()
     preset = MODE_PRESETS.get(args.mode, {})
+    seconds = 1000.0 * args.speed  # ms at speed 1 -> seconds at this speed
     schedule = Schedule(
-        ttft_s=args.ttft_ms / 1000.0,
-        itl_s=args.itl_ms / 1000.0,
+        ttft_s=args.ttft_ms / seconds,
+        itl_s=args.itl_ms / seconds,
         long_prompt_words=args.long_prompt_words,
-        long_ttft_s=args.long_ttft_ms / 1000.0,
+        long_ttft_s=args.long_ttft_ms / seconds,
         stall=preset.get("stall", args.stall),
         slowdown=preset.get("slowdown", args.slowdown),
+        prefill_wps=None if args.prefill_wps is None else args.prefill_wps * args.speed,
+        is_serial_prefill=args.serial_prefill,
+        batch_cost=args.batch_cost,
     )
     uvicorn.run(create_app(schedule), host=args.host, port=args.port, log_level="warning")
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pdserve.bench.cli import main
-from pdserve.bench.compare import CompareRow, format_table, load_saved_rows, recommend
+from pdserve.bench.compare import CompareRow, format_table, recommend
 from tests.bench.conftest import REPO_ROOT, running_stub
 
 SCHEDULE = "--ttft-ms 30 --itl-ms 15 --long-prompt-words 250 --long-ttft-ms 400"
@@ -99,19 +99,31 @@ def test_compare_runs_every_mode_and_writes_all_artefacts(
     assert "Recommendation: disagg" in printed
     assert "TTFT p99" in printed and "broken: failed to run" in printed
 
-    # The saved runs come back as the same rows (as a simulated run's file would).
-    assert main(["compare", "--modes", "", "--saved", f"again={out / 'compare.json'}"]) == 0
-    again = capsys.readouterr().out
-    saved = {row.name: row for row in load_saved_rows("again", out / "compare.json")}
+    # Saved runs are judged again from their records: the same rows, recommendation, report
+    # and plots as the measured compare.
+    again_dir = tmp_path / "again"
+    saved_args = ["compare", "--modes", "", "--saved", f"again={out / 'compare.json'}"]
+    assert main([*saved_args, "--report", str(again_dir)]) == 0
+    printed_again = capsys.readouterr().out
+    again = json.loads((again_dir / "compare.json").read_text())
+    again_rows = {row["name"]: row for row in again["rows"]}
+    assert list(again_rows) == [
+        f"again/{name}" for name in ("colocated", "chunked", "disagg", "other")
+    ]
     for name in ("colocated", "chunked", "disagg", "other"):
-        row = saved[f"again/{name}"]
-        assert (row.completed, row.itl_p99, row.goodput, row.is_interference) == (
-            rows[name]["completed"],
-            rows[name]["itl_p99"],
-            rows[name]["goodput"],
-            rows[name]["is_interference"],
-        )
-        assert f"again/{name}" in again
+        row, measured = again_rows[f"again/{name}"], rows[name]
+        for key in ("completed", "itl_p99", "goodput", "is_interference", "finding", "verdict"):
+            assert row[key] == measured[key], (name, key)
+        assert (again_dir / f"itl_timeline-again-{name}.png").is_file()
+    assert again["recommendation"]["name"] == "again/disagg"
+    assert "Recommendation: again/disagg" in (again_dir / "report.md").read_text()
+    assert "again/colocated" in printed_again
+    # ... and with other SLOs, judged by those.
+    strict = tmp_path / "strict"
+    assert main([*saved_args, "--goodput", "ttft:1", "--report", str(strict)]) == 0
+    capsys.readouterr()
+    verdict = json.loads((strict / "compare.json").read_text())["recommendation"]
+    assert verdict["name"] is None and verdict["reason"].startswith("none at this load")
 
 
 def test_mode_args_must_name_a_compared_mode(capsys):
@@ -143,17 +155,69 @@ def _row(name, **kw):
 def test_recommend_by_goodput_when_slos_are_given():
     rows = [
         _row(
-            "colocated", goodput=0.5, itl_p99=900.0, is_interference=True, in_prefill_fraction=0.9
+            "colocated",
+            goodput=0.5,
+            num_good=5,
+            itl_p99=900.0,
+            is_interference=True,
+            in_prefill_fraction=0.9,
         ),
-        _row("chunked", goodput=1.2, itl_p99=60.0),
-        _row("disagg", goodput=1.0, itl_p99=30.0),
+        _row("chunked", goodput=1.2, num_good=9, itl_p99=60.0),
+        _row("disagg", goodput=1.0, num_good=8, itl_p99=30.0),
     ]
-    rec = recommend(rows, has_slos=True)
+    rec = recommend(rows, has_slos=True, request_rate=1.0)
     assert rec.name == "chunked"
     assert "highest goodput under the SLOs, 1.200 req/s (vs colocated 0.500, disagg 1.000)" in (
         rec.reason
     )
     assert "phase interference in colocated (90% of its stalled time" in rec.reason
+
+
+def test_all_zero_goodput_recommends_nothing_and_says_why():
+    rows = [_row(m, goodput=0.0, num_good=0, is_overload=True, overload_slowdown=6.0) for m in "ab"]
+    rec = recommend(rows, has_slos=True, request_rate=2.0)
+    assert rec.name is None
+    assert rec.reason.startswith("none at this load: no mode met every SLO for any request at 2")
+    assert "--search-rate" in rec.reason and "overloaded at this load" in rec.reason
+    assert str(rec).startswith("Recommendation: none — none at this load")
+
+
+def test_a_tie_at_a_fixed_rate_recommends_nothing():
+    rows = [
+        _row("colocated", goodput=0.41, num_good=7, failed=3),
+        _row("chunked", goodput=0.40, num_good=7, failed=3),  # same count, other duration
+        _row("disagg", goodput=0.2, num_good=4, failed=6),
+    ]
+    rec = recommend(rows, has_slos=True, request_rate=1.0)
+    assert rec.name is None
+    assert "colocated and chunked tie, 7 of 13 requests within the SLOs" in rec.reason
+
+
+def _searched(name, max_rate, missed=None, **kw):
+    return _row(name, is_searched=True, max_rate=max_rate, min_missed_rate=missed, **kw)
+
+
+def test_searched_rows_rank_by_the_highest_rate_meeting_the_slos():
+    rows = [
+        _searched("colocated", 0.25, 0.35, goodput=0.0, num_good=0),
+        _searched("chunked", 0.5, 0.71, goodput=0.0, num_good=0),
+        _searched("disagg", 0.71, 1.0, goodput=0.0, num_good=0),
+    ]
+    rec = recommend(rows, has_slos=True, request_rate=1.0)
+    assert rec.name == "disagg"
+    assert "highest load with 90% of requests within the SLOs, 0.71 req/s" in rec.reason
+    assert "(highest loads: disagg 0.71, chunked 0.5, colocated 0.25)" in rec.reason
+    assert "at the offered 1 req/s no mode met every SLO" in rec.reason
+
+
+def test_searched_ties_and_nothing_met_recommend_nothing():
+    tie = [_searched("a", 0.5, 0.71), _searched("b", 0.5, 0.71), _searched("c", 0.25, 0.35)]
+    rec = recommend(tie, has_slos=True, request_rate=0.5)
+    assert rec.name is None and rec.reason.startswith("a tie: a and b each sustain 0.5 req/s")
+    none = [_searched("a", None), _searched("b", None)]
+    rec = recommend(none, has_slos=True, request_rate=0.5, attainment=0.95)
+    assert rec.name is None
+    assert rec.reason.startswith("none at any searched load: no mode kept 95% of requests")
 
 
 def test_recommend_by_itl_among_near_best_throughput_without_slos():
@@ -170,10 +234,43 @@ def test_recommend_by_itl_among_near_best_throughput_without_slos():
 
 
 def test_table_shows_failed_rows():
-    text = format_table([_row("disagg", goodput=1.0), _row("broken", error="boom")])
+    rows = [
+        _row("disagg", goodput=1.0, attainment=0.9, finding="neither"),
+        _row("broken", error="boom"),
+    ]
+    text = format_table(rows)
     header, ok, failed = text.splitlines()
     assert header.split()[:3] == ["mode", "ok", "TTFT"]
-    assert ok.split()[1] == "10/10"
+    assert ok.split()[1] == "10/10" and ok.split()[-4:] == ["90%", "-", "0%", "neither"]
     assert failed.split()[:3] == ["broken", "failed", "-"]
     markdown = format_table([_row("disagg")], markdown=True).splitlines()
     assert markdown[1].startswith("|---|") and markdown[2].startswith("| disagg | 10/10 |")
+    searched = format_table([_searched("a", 0.5, None), _searched("b", None)]).splitlines()
+    assert "0.5+" in searched[1] and "none" in searched[2]
+
+
+def test_saved_single_runs_are_judged_from_their_records(tmp_path, capsys):
+    """One bench --save-result file per row, judged like measured runs (other SLOs given
+    here), and a file of another tool (numbers only) shown as it is."""
+    from pdserve.bench.results import save_results
+    from tests.bench.test_report import _result
+
+    save_results([_result("a", 1.0, stall=True)], tmp_path / "a.json")
+    clean = save_results([_result("b", 1.0, stall=False)], tmp_path / "b.json")
+    numbers = json.loads(clean.read_text())
+    del numbers["pdserve"]
+    (tmp_path / "other.json").write_text(json.dumps(numbers))
+    out = tmp_path / "report"
+    args = ["compare", "--modes", "", "--report", str(out), "--goodput", "max_itl:300"]
+    for name in ("a", "b", "other"):
+        args += ["--saved", f"{name}={tmp_path / (name + '.json')}"]
+    assert main(args) == 0
+    capsys.readouterr()
+    data = json.loads((out / "compare.json").read_text())
+    rows = {row["name"]: row for row in data["rows"]}
+    assert rows["a"]["finding"] == "interference" and rows["a"]["attainment"] == 0.25
+    assert rows["b"]["finding"] == "neither" and rows["b"]["attainment"] == 1.0
+    assert rows["other"]["goodput"] is None and rows["other"]["finding"] == ""
+    assert data["recommendation"]["name"] == "b"
+    assert data["config"]["goodput_slos_ms"] == {"max_itl": 300.0}
+    assert (out / "itl_timeline-a.png").is_file() and (out / "report.md").is_file()

@@ -54,6 +54,19 @@ def test_goodput_counts_requests_meeting_every_slo():
     assert not meets_slos(records[3], {"ttft": 1e9})
 
 
+def test_max_itl_fails_a_request_whose_longest_gap_is_too_long():
+    """TPOT averages a freeze over the answer; the stall SLO does not."""
+    frozen = record(0, send=0.0, ttft=0.1, gaps=[0.02] * 20 + [0.5])  # TPOT 43 ms
+    steady = record(1, send=0.0, ttft=0.1, gaps=[0.05] * 21)
+    slos = parse_goodput(["tpot:60", "max_itl:100"])
+    assert not meets_slos(frozen, slos) and meets_slos(steady, slos)
+    assert meets_slos(frozen, {"tpot": 60.0})
+    m = compute_metrics([frozen, steady, failed(2, 0.0, 1.0)], slos)
+    assert (m.num_good, m.slo_attainment) == (1, pytest.approx(1 / 3))
+    assert compute_metrics([steady], {}).slo_attainment is None
+    assert meets_slos(record(3, 0.0, 0.1, []), {"max_itl": 1.0})  # one token: no gap
+
+
 def test_a_one_token_request_meets_any_tpot_slo():
     assert meets_slos(record(0, 0.0, 0.1, []), {"tpot": 1.0})
 
@@ -80,10 +93,11 @@ def test_vllm_key_names():
 
 
 def test_parse_goodput():
-    assert parse_goodput(["ttft:500", "tpot:50.5", "e2el:1e4"]) == {
+    assert parse_goodput(["ttft:500", "tpot:50.5", "e2el:1e4", "max_itl:800"]) == {
         "ttft": 500.0,
         "tpot": 50.5,
         "e2el": 10000.0,
+        "max_itl": 800.0,
     }
     assert parse_goodput(None) == {}
     for bad in (["itl:5"], ["ttft"], ["ttft:abc"], ["ttft:0"]):

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pdserve.bench.benchmark import plan_workload
+from pdserve.bench.benchmark import WARMUP_OUTPUT_LEN, plan_workload
 from pdserve.bench.errors import BenchError
 from pdserve.bench.prompts import PromptSynthesizer
 from pdserve.bench.tokenizer import HFTokenizer
@@ -210,4 +210,4 @@ def test_warmups_share_no_prefix_block_with_measured_requests(tokenizer):
     _assert_exact(tokenizer, plan.warmups)
     firsts = {tuple(tokenizer.encode(r.prompt)[:16]) for r in plan.requests}
     assert not firsts & {tuple(tokenizer.encode(w.prompt)[:16]) for w in plan.warmups}
-    assert all(w.output_len == 4 for w in plan.warmups)
+    assert all(w.output_len == WARMUP_OUTPUT_LEN for w in plan.warmups)

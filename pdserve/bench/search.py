@@ -1,0 +1,187 @@
+"""Goodput as DistServe defines it: the highest request rate at which a target share of
+requests (`attainment`, 90% by default) meets every SLO.
+
+A short search per server, on the sweep's machinery (the same workload and seed, one server
+kept up throughout): from the first rate, multiply by `growth` while the target is met (divide
+while it is not) until the rate is bracketed, then bisect the bracket geometrically until its
+two ends are within `step` of each other. Every run offers its rate for as long as the first
+run did (the workload's request count scaled with the rate, where it has one): a rate is
+sustained, not a burst the server absorbs and drains. Bounded: at most `max_runs` runs besides
+the first, none started that would end after `budget_s` (judged by the last run's length,
+longer in proportion for a lower rate: a run's request count has a floor),
+none below `min_rate_ratio` × the first rate. A run whose outcome is decided (more requests
+missed an SLO than the target allows) stops early. The answer is the highest rate met below
+the lowest rate missed, so one noisy run above a miss cannot raise it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass
+
+from pdserve.bench.benchmark import BenchResult
+from pdserve.bench.errors import BenchError
+from pdserve.bench.metrics import has_missed_slos
+from pdserve.bench.records import RequestRecord
+from pdserve.bench.runner import STOPPED_EARLY, StopWhen
+
+DEFAULT_ATTAINMENT = 0.9
+
+
+@dataclass(frozen=True)
+class RateSearch:
+    """How to search each server's highest rate meeting the SLOs (module doc)."""
+
+    attainment: float = DEFAULT_ATTAINMENT
+    step: float = 1.25
+    max_runs: int = 5
+    budget_s: float | None = None
+    growth: float = 2.0
+    min_rate_ratio: float = 1 / 16
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.attainment <= 1.0:
+            raise BenchError(f"--slo-attainment must be in (0, 1], got {self.attainment}")
+        if not self.step > 1.0:
+            raise BenchError(f"--search-step must be > 1, got {self.step}")
+        if self.max_runs < 1:
+            raise BenchError(f"--search-max-runs must be >= 1, got {self.max_runs}")
+        if self.budget_s is not None and not self.budget_s > 0:
+            raise BenchError(f"--search-budget must be > 0 seconds, got {self.budget_s}")
+        if not self.growth > self.step:
+            raise BenchError(f"search growth {self.growth} must exceed its step {self.step}")
+        if not 0.0 < self.min_rate_ratio < 1.0:
+            raise BenchError(f"min_rate_ratio must be in (0, 1), got {self.min_rate_ratio}")
+
+    def is_hopeless(self, slos: Mapping[str, float]) -> StopWhen:
+        """`stop_when` for one run: more requests already missed an SLO than the target
+        allows."""
+
+        def hopeless(records: list[RequestRecord], now: float) -> bool:
+            allowed = math.floor(len(records) * (1.0 - self.attainment) + 1e-9)
+            return sum(has_missed_slos(r, slos, now) for r in records) > allowed
+
+        return hopeless
+
+
+@dataclass(frozen=True)
+class SearchPoint:
+    """One run of the search: how many of its requests met every SLO at `rate`."""
+
+    rate: float
+    num_good: int
+    num_requests: int
+    goodput: float = 0.0
+    is_stopped_early: bool = False
+
+    @property
+    def attainment(self) -> float:
+        return self.num_good / self.num_requests if self.num_requests else 0.0
+
+    @classmethod
+    def of(cls, result: BenchResult) -> SearchPoint:
+        m = result.metrics
+        if m.num_good is None or result.request_rate is None:
+            raise BenchError("a rate search needs --goodput SLOs and a finite --request-rate")
+        return cls(
+            rate=result.request_rate,
+            num_good=m.num_good,
+            num_requests=len(result.records),
+            goodput=m.request_goodput or 0.0,
+            is_stopped_early=any(r.error == STOPPED_EARLY for r in result.records),
+        )
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The points a search ran, in order, and why it stopped."""
+
+    attainment: float
+    points: tuple[SearchPoint, ...]
+    stop_reason: str = ""
+
+    def meets(self, point: SearchPoint) -> bool:
+        return point.attainment >= self.attainment - 1e-9
+
+    @property
+    def min_missed_rate(self) -> float | None:
+        """The lowest rate that missed the target: the search's upper bound."""
+        missed = [p.rate for p in self.points if not self.meets(p)]
+        return min(missed) if missed else None
+
+    @property
+    def max_rate(self) -> float | None:
+        """The highest rate that met the target below the lowest that missed it (None: no
+        searched rate did): the goodput in DistServe's sense."""
+        bound = self.min_missed_rate
+        met = [p.rate for p in self.points if self.meets(p) and (bound is None or p.rate < bound)]
+        return max(met) if met else None
+
+    @property
+    def min_rate(self) -> float:
+        return min(p.rate for p in self.points)
+
+    def describe(self) -> str:
+        """E.g. "0.71 req/s (missed at 1)", "none down to 0.06 req/s", ">= 4 req/s"."""
+        best, bound = self.max_rate, self.min_missed_rate
+        if best is None:
+            return f"none down to {self.min_rate:.3g} req/s"
+        if bound is None:
+            return f">= {best:.3g} req/s (met at every searched rate)"
+        return f"{best:.3g} req/s (missed at {bound:.3g})"
+
+    def to_dict(self) -> dict:
+        return {
+            "slo_attainment": self.attainment,
+            "max_rate": self.max_rate,
+            "min_missed_rate": self.min_missed_rate,
+            "stop_reason": self.stop_reason,
+            "points": [{**asdict(p), "attainment": p.attainment} for p in self.points],
+        }
+
+
+async def search_max_rate(
+    first: SearchPoint,
+    measure: Callable[[float], Awaitable[SearchPoint]],
+    config: RateSearch,
+    clock: Callable[[], float] = time.monotonic,
+) -> SearchResult:
+    """Search from the already-measured `first` point, calling `measure(rate)` for each new
+    one (module doc)."""
+    points = [first]
+    started = clock()
+    last_run_s, last_rate = 0.0, first.rate
+    while True:
+        rate, reason = _next_rate(SearchResult(config.attainment, tuple(points)), first, config)
+        if rate is None:
+            break
+        if len(points) > config.max_runs:
+            reason = f"run limit ({config.max_runs} runs besides the first)"
+            break
+        now = clock()
+        expected_s = last_run_s * max(1.0, last_rate / rate)
+        if config.budget_s is not None and now - started + expected_s > config.budget_s:
+            reason = f"time budget ({config.budget_s:.3g} s)"
+            break
+        points.append(await measure(rate))
+        last_run_s, last_rate = clock() - now, rate
+    return SearchResult(config.attainment, tuple(points), reason)
+
+
+def _next_rate(
+    so_far: SearchResult, first: SearchPoint, config: RateSearch
+) -> tuple[float | None, str]:
+    low, high = so_far.max_rate, so_far.min_missed_rate
+    if low is None:
+        rate = so_far.min_rate / config.growth
+        floor = first.rate * config.min_rate_ratio
+        if rate < floor * (1 - 1e-9):
+            return None, f"no rate met down to {so_far.min_rate:.3g} req/s"
+        return rate, ""
+    if high is None:
+        return low * config.growth, ""
+    if high / low <= config.step * (1 + 1e-9):
+        return None, f"bracketed within {config.step:g}x"
+    return math.sqrt(low * high), ""
