@@ -108,6 +108,18 @@ class CostModel:
         self.tp_link = NETWORKS[hardware.intra_node_link] if within_node else inter_node_link
         self._init_constants()
 
+    def with_efficiency(self, efficiency: Efficiency) -> CostModel:
+        """The same deployment at other efficiencies."""
+        return CostModel(
+            self.model,
+            self.hardware,
+            self.tp,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
+            efficiency=efficiency,
+            inter_node_link=self.tp_link,
+        )
+
     def _init_constants(self) -> None:
         # Everything below is per device and fixed for the deployment; step_cost only sums.
         m, eff, tp = self.model, self.efficiency, self.tp
@@ -149,7 +161,8 @@ class CostModel:
         )
         eff = self.efficiency
         overhead = eff.step_overhead_s + eff.per_seq_overhead_s * len(batch)
-        return StepCost(linear, attention, self._all_reduces_s(num_tokens), overhead)
+        cost = StepCost(linear, attention, self._all_reduces_s(num_tokens), overhead)
+        return cost if eff.time_scale == 1 else cost.scaled(eff.time_scale)
 
     def step_time(self, batch: Sequence[SeqWork]) -> float:
         return self.step_cost(batch).total_s

@@ -28,6 +28,11 @@ class Efficiency:
     step_overhead_s: float = 2e-3
     # The part of that overhead that grows with the number of sequences in the batch.
     per_seq_overhead_s: float = 1e-5
+    # Paid once per request before its first step: the front end's HTTP handling and
+    # tokenization (the simulator admits each request this long after it is sent).
+    request_overhead_s: float = 0.0
+    # Every modelled step × this: 1, except in the runs that bound a calibration's band.
+    time_scale: float = 1.0
     # Measured linear-layer speed in place of the roofline: (rows, seconds per parameter)
     # knots, rows increasing; a layer of P parameters over M rows takes P × curve(M),
     # interpolated between knots and growing in proportion to M past the last. Kernels switch
@@ -47,9 +52,11 @@ class Efficiency:
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise SimConfigError(f"efficiency {name} must be in (0, 1], got {value!r}")
-        for name in ("step_overhead_s", "per_seq_overhead_s"):
+        for name in ("step_overhead_s", "per_seq_overhead_s", "request_overhead_s"):
             if getattr(self, name) < 0:
                 raise SimConfigError(f"efficiency {name} must be >= 0")
+        if not self.time_scale > 0:
+            raise SimConfigError("efficiency time_scale must be positive")
         object.__setattr__(
             self, "linear_curve", tuple((int(m), float(t)) for m, t in self.linear_curve)
         )
