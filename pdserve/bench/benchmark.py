@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
+from tqdm import tqdm
 
 from pdserve.bench.client import EndpointConfig, make_http_client
 from pdserve.bench.errors import BenchError
@@ -161,18 +163,55 @@ async def run_plan(
         for rate in spec.request_rates:
             resolved = plan.workload.resolve_rate(rate)
             run_label = _run_label(label, resolved, len(spec.request_rates) > 1)
-            records, t0 = await run_requests(
-                http,
-                spec.endpoint,
-                server.model,
-                list(plan.requests),
-                plan.arrivals(rate, spec.burstiness),
-                spec.max_concurrency,
-                spec.show_progress,
-                run_label,
-            )
+            phases = plan.workload.phases(list(plan.requests))
+            if phases is None:
+                records, t0 = await run_requests(
+                    http,
+                    spec.endpoint,
+                    server.model,
+                    list(plan.requests),
+                    plan.arrivals(rate, spec.burstiness),
+                    spec.max_concurrency,
+                    spec.show_progress,
+                    run_label,
+                )
+            else:
+                records, t0 = await _run_phases(http, spec, server.model, plan, phases, run_label)
             results.append(summarize(run_label, server.model, spec, resolved, records, t0))
     return results
+
+
+async def _run_phases(
+    http, spec: BenchSpec, model: str, plan: WorkloadPlan, phases: list[list[int]], label: str
+) -> tuple[list[RequestRecord], float]:
+    """Each phase's requests sent together once the previous phase has finished; the records
+    in request order, on one clock."""
+    records: list[RequestRecord | None] = [None] * len(plan.requests)
+    t0 = time.perf_counter()
+    for phase in tqdm(phases, desc=label or "phases", disable=not spec.show_progress):
+        requests = [plan.requests[i] for i in phase]
+        phase_records, phase_t0 = await run_requests(
+            http, spec.endpoint, model, requests, np.zeros(len(requests)), None, False
+        )
+        for i, record in zip(phase, phase_records, strict=True):
+            records[i] = _shifted(record, i, phase_t0 - t0)
+    return records, t0
+
+
+def _shifted(record: RequestRecord, index: int, offset: float) -> RequestRecord:
+    """`record` as request `index`, its times moved `offset` seconds later."""
+
+    def later(t: float | None) -> float | None:
+        return None if t is None else t + offset
+
+    return replace(
+        record,
+        index=index,
+        arrival_time=later(record.arrival_time),
+        send_time=later(record.send_time),
+        end_time=later(record.end_time),
+        token_times=[t + offset for t in record.token_times],
+    )
 
 
 async def probe(spec: BenchSpec) -> ServerInfo:

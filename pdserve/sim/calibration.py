@@ -4,9 +4,9 @@ A measurement is a measured time that the cost model predicts as a sum of engine
 step of a step log, a prompt's prefill chunks (a profile's time to first token), a decode step
 at some batch (its inter-token latency), or a whole static-batch run (a published
 throughput). The fit searches a log-spaced grid of the three efficiencies (linear compute,
-attention compute, memory bandwidth) and, for each point, solves the three overheads (per
-step, per sequence, per request) by non-negative least squares on relative error; a few
-finer grids around the best point refine it.
+attention compute, memory bandwidth) and, for each point, solves the overheads (per step,
+sequence, request and all-reduce: `efficiency.OVERHEADS`) by non-negative least squares on
+relative error; a few finer grids around the best point refine it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.sim.cost_model import CostModel, SeqWork
-from pdserve.sim.efficiency import Efficiency
+from pdserve.sim.efficiency import OVERHEADS, Efficiency
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.linear_curve import CurveFit
 
@@ -165,6 +165,8 @@ def fit_efficiency(
     cost_model: CostModel,
     samples: Sequence[StepSample | Measurement],
     network: float = 1.0,
+    *,
+    allow_curve: bool = True,
 ) -> Fit:
     """The efficiency that best predicts `samples` on `cost_model`'s model and hardware
     (or on each measurement's own deployment).
@@ -176,19 +178,21 @@ def fit_efficiency(
     The jitter the simulator draws from is how the kept samples' single-step observations
     spread around the model's (the set-aside ones stay out of it too: they are the
     calibration machine's accidents, not the served engine's normal variation).
+    `allow_curve` False keeps the roofline (a few published points cannot pin a curve's
+    knots down across models).
     """
     measurements = [s.measurement() if isinstance(s, StepSample) else s for s in samples]
     if len(measurements) < 3:
         raise SimConfigError(f"calibration needs at least 3 measurements, got {len(samples)}")
     weights = np.ones(len(measurements))
     for _ in range(_REWEIGHTINGS):
-        fit = _fit(cost_model, measurements, network, weights)
+        fit = _fit(cost_model, measurements, network, weights, allow_curve)
         errors = _errors(cost_model, fit, measurements)
         weights = 1.0 / np.sqrt(np.maximum(errors, _MIN_WEIGHTED_ERROR))
     limit = max(_OUTLIER_FACTOR * float(np.median(errors)), _MIN_OUTLIER_ERROR)
     kept = [m for m, e in zip(measurements, errors, strict=True) if e <= limit]
     if len(measurements) > len(kept) >= 3:
-        fit = _fit(cost_model, kept, network, np.ones(len(kept)))
+        fit = _fit(cost_model, kept, network, np.ones(len(kept)), allow_curve)
     fit = _with_jitter(cost_model, fit, kept)
     residuals = [
         p / m.seconds - 1
@@ -232,6 +236,7 @@ def _fit(
     samples: Sequence[Measurement],
     network: float,
     weights: np.ndarray,
+    allow_curve: bool,
 ) -> Efficiency:
     """The roofline efficiencies; then, keeping its attention terms (refitting them beside a
     curve this flexible trades attention against negative curve values), the linear curve,
@@ -240,31 +245,29 @@ def _fit(
     best = terms.search(_COARSE_GRID, _COARSE_GRID, _COARSE_GRID)
     for factor in _REFINEMENTS:
         best = terms.search(*(_around(v, factor) for v in best[:3]))
-    (linear, attention, memory), (step_overhead, per_seq, per_request) = best[:3], best[3]
+    (linear, attention, memory), overheads = best[:3], best[3]
     roofline = Efficiency(
         linear_compute=linear,
         attention_compute=attention,
         memory=memory,
         network=network,
-        step_overhead_s=step_overhead,
-        per_seq_overhead_s=per_seq,
-        request_overhead_s=per_request,
+        **dict(zip(OVERHEADS, overheads, strict=True)),
     )
+    # The curve absorbs the per-step overhead (a constant is linear time at a row count).
     curve = CurveFit(
         [_model_of(cost_model, m) for m in samples],
         samples,
+        terms.counts[:, 1:],
         weights / terms.times,
         lambda a, m: terms.attention_s(np.array([a]), np.array([m]))[:, 0, 0] + terms.comm_s,
     )
-    if not curve.is_possible:
+    if not (allow_curve and curve.is_possible):
         return roofline
-    knots, per_seq, per_request = curve.solve(attention, memory)
+    knots, rest = curve.solve(attention, memory)
     curved = dataclasses.replace(
         roofline,
-        step_overhead_s=0.0,
-        per_seq_overhead_s=per_seq,
-        request_overhead_s=per_request,
         linear_curve=knots,
+        **dict(zip(OVERHEADS, (0.0, *rest), strict=True)),
     )
     losses = [
         float(np.sum((weights * _errors(cost_model, e, samples)) ** 2)) for e in (roofline, curved)
@@ -309,6 +312,12 @@ def predict(model: CostModel, measurement: Measurement) -> float:
     return steps + measurement.num_requests * model.efficiency.request_overhead_s
 
 
+def overhead_counts(model: CostModel, measurement: Measurement) -> tuple[int, ...]:
+    """How many times `measurement` pays each of `OVERHEADS`."""
+    all_reduces = sum(count * model.num_all_reduces(batch) for count, batch in measurement.steps)
+    return (measurement.num_steps, measurement.num_seqs, measurement.num_requests, all_reduces)
+
+
 class _Terms:
     """Per-sample seconds at 100% of each peak, to evaluate a grid of efficiencies at once."""
 
@@ -330,9 +339,9 @@ class _Terms:
         )
         # Relative error, each sample scaled by its robustness weight.
         self.weights = weights / self.times
-        # Overhead columns: steps, sequences, requests per sample.
+        # Overhead columns [k, OVERHEADS]: how often each sample pays each one.
         self.counts = np.array(
-            [[s.num_steps, s.num_seqs, s.num_requests] for s in samples], dtype=float
+            [overhead_counts(_model_of(cost_model, s), s) for s in samples], dtype=float
         )
 
     @staticmethod
@@ -375,8 +384,8 @@ class _Terms:
 
     def search(
         self, linear: np.ndarray, attention: np.ndarray, memory: np.ndarray
-    ) -> tuple[float, float, float, tuple[float, float, float]]:
-        """Best (linear, attention, memory, (step, per-seq, per-request overheads))."""
+    ) -> tuple[float, float, float, tuple[float, ...]]:
+        """Best (linear, attention, memory, (each of OVERHEADS))."""
         # predicted[k, l, a, m]: roofline seconds of sample k at efficiencies (l, a, m).
         predicted = np.stack([self._roofline(w, linear, attention, memory) for w in self.works])
         weights = self.weights
@@ -438,3 +447,40 @@ def fit_overheads(residual: np.ndarray, columns: np.ndarray) -> tuple[list[np.nd
             for term in set(range(num_terms)) - set(subset):
                 best[term] = np.where(better, 0.0, best[term])
     return best, best_loss
+
+
+# An all-reduce's latency below this many GPUs follows another NCCL algorithm (two GPUs
+# exchange directly): the link's one latency is fitted where tensor parallelism pays most.
+LINK_FIT_MIN_GPUS = 4
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """A link's measured latency and share of its line rate, from timed all-reduces."""
+
+    latency_s: float
+    efficiency: float
+    # predicted / measured − 1 per point, in the order given (those not fitted too).
+    residuals: tuple[float, ...]
+
+
+def fit_link(line_bandwidth: float, points: Sequence[dict]) -> LinkFit:
+    """Least squares (relative error) of a ring all-reduce, t = latency + 2(n−1)/n · bytes /
+    (line_bandwidth · efficiency), over points {"num_gpus", "bytes", "seconds"} of at least
+    `LINK_FIT_MIN_GPUS` GPUs."""
+    rows = np.array(
+        [
+            [1.0, 2 * (p["num_gpus"] - 1) / p["num_gpus"] * p["bytes"] / line_bandwidth]
+            for p in points
+        ]
+    )
+    seconds = np.array([p["seconds"] for p in points])
+    used = np.array([p["num_gpus"] >= LINK_FIT_MIN_GPUS for p in points])
+    if used.sum() < 2:
+        raise SimConfigError(f"a link fit needs 2 points of >= {LINK_FIT_MIN_GPUS} GPUs")
+    design = rows / seconds[:, None]
+    (latency, inverse_efficiency), *_ = np.linalg.lstsq(
+        design[used], np.ones(int(used.sum())), rcond=None
+    )
+    residuals = tuple(float(r) for r in design @ [latency, inverse_efficiency] - 1)
+    return LinkFit(float(latency), float(1 / inverse_efficiency), residuals)

@@ -205,18 +205,23 @@ class CostModel:
         kv_bytes = (context + 2 * new) * self._kv_bytes_per_token_device
         return pairs * self._attn_flops_per_pair, kv_bytes
 
+    def num_all_reduces(self, batch: Sequence[SeqWork]) -> int:
+        """Two all-reduces per layer (after attention's o_proj and the MLP's down_proj) in a
+        tensor-parallel step."""
+        has_tokens = any(seq.num_new_tokens for seq in batch)
+        return 2 * self.model.num_layers if self.tp > 1 and has_tokens else 0
+
     def _all_reduces_s(self, num_tokens: int) -> float:
-        # Two all-reduces per layer (after attention's o_proj and the MLP's down_proj).
         if self.tp == 1 or num_tokens == 0:
             return 0.0
         link = self.tp_link
         one = ring_all_reduce_s(
             num_tokens * self._all_reduce_bytes_per_token,
             self.tp,
-            link.bandwidth * self.efficiency.network,
+            link.achieved_bandwidth * self.efficiency.network,
             link.latency_s,
         )
-        return 2 * self.model.num_layers * one
+        return 2 * self.model.num_layers * (one + self.efficiency.all_reduce_overhead_s)
 
     def prefill_time(self, num_tokens: int, chunk_size: int | None = None) -> float:
         """Seconds to prefill a lone prompt, whole or in chunks of `chunk_size` tokens."""

@@ -47,20 +47,22 @@ def seconds_per_param(curve: Curve, rows: int) -> float:
 
 
 class CurveFit:
-    """Least squares for a curve and the per-sequence and per-request overheads, given the
-    other seconds (attention, communication).
+    """Least squares for a curve and overheads, given the other seconds (attention,
+    communication).
 
     The curve absorbs any fixed per-step cost (a constant is indistinguishable from linear
     time at a row count). `scale` weighs each sample's residual (1 / its time: relative
     error, times a robustness weight); `fixed_s(attention, memory)` gives every sample's
     seconds outside the linear layers [k] at those efficiencies. `models` holds each
-    sample's cost model (its parameter counts per device).
+    sample's cost model (its parameter counts per device); `overheads` [k, j] how often each
+    sample pays each of j overheads fitted beside the curve.
     """
 
     def __init__(
         self,
         models: Sequence[CostModel],
         samples: Sequence[Measurement],
+        overheads: np.ndarray,
         scale: np.ndarray,
         fixed_s: Callable[[float, float], np.ndarray],
     ) -> None:
@@ -74,7 +76,7 @@ class CurveFit:
             for s in samples
         ]
         self.params = [(m.layer_params, m.head_params) for m in models]
-        self.overheads = np.array([[s.num_seqs, s.num_requests] for s in samples], dtype=float)
+        self.overheads = overheads
         self.scale = scale
         self.fixed_s = fixed_s
         self.knots, self.design = self._select_knots()
@@ -97,14 +99,13 @@ class CurveFit:
             if used.all():
                 break
             knots = [k for k, keep in zip(knots, used, strict=True) if keep]
-        if len(self.steps) <= len(knots) + 2:
+        if len(self.steps) <= len(knots) + self.overheads.shape[1]:
             return None, None
         return knots, design
 
     def _design(self, knots: list[int]) -> np.ndarray:
-        """[k, knots + 2]: seconds per unit of each knot's value, then of the per-seq and
-        per-request overheads."""
-        columns = np.zeros((len(self.steps), len(knots) + 2))
+        """[k, knots + j]: seconds per unit of each knot's value, then of each overhead."""
+        columns = np.zeros((len(self.steps), len(knots) + self.overheads.shape[1]))
         for i, (steps, (layer_params, head_params)) in enumerate(
             zip(self.steps, self.params, strict=True)
         ):
@@ -113,17 +114,17 @@ class CurveFit:
                     if num:
                         for knot, weight in hat_weights(knots, num):
                             columns[i, knot] += count * params * weight
-        columns[:, -2:] = self.overheads
+        columns[:, len(knots) :] = self.overheads
         return columns * self.scale[:, None]
 
-    def solve(self, attention: float, memory: float) -> tuple[Curve, float, float]:
-        """The curve and the per-seq and per-request overheads at (attention, memory), every
+    def solve(self, attention: float, memory: float) -> tuple[Curve, list[float]]:
+        """The curve and the overheads at (attention, memory), every
         value positive: a knot fitted non-positive is dropped (its neighbours interpolate
         over it), and a negative overhead is fixed at zero. (Where every step is a decode,
         sequences and rows are the same count and only this keeps the two apart.)"""
         target = (self.times - self.fixed_s(attention, memory)) * self.scale
         knots, design = self.knots, self.design
-        has_overhead = [bool(self.overheads[:, j].any()) for j in range(2)]
+        has_overhead = [bool(column.any()) for column in self.overheads.T]
         while True:
             keep_columns = [True] * len(knots) + has_overhead
             columns = design[:, keep_columns]
@@ -143,4 +144,4 @@ class CurveFit:
                 knots = [k for k, ok in zip(knots, keep, strict=True) if ok]
                 design = self._design(knots)
         curve = tuple((k, float(v)) for k, v in zip(knots, curve_values, strict=True) if v > 0)
-        return curve, max(float(overheads[0]), 0.0), max(float(overheads[1]), 0.0)
+        return curve, [max(float(value), 0.0) for value in overheads]
