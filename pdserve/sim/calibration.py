@@ -112,7 +112,6 @@ class Fit:
             "max_abs_rel_error": self.max_abs_rel_error,
             "num_samples": self.num_samples,
             "num_outliers": self.num_outliers,
-            "band": self.band,
         }
 
 
@@ -263,16 +262,16 @@ def _fit(
     )
     if not (allow_curve and curve.is_possible):
         return roofline
-    knots, rest = curve.solve(attention, memory)
+    knots, rest, curve_loss = curve.solve(attention, memory)
     curved = dataclasses.replace(
         roofline,
         linear_curve=knots,
         **dict(zip(OVERHEADS, (0.0, *rest), strict=True)),
     )
-    losses = [
-        float(np.sum((weights * _errors(cost_model, e, samples)) ** 2)) for e in (roofline, curved)
-    ]
-    return curved if losses[1] < losses[0] else roofline
+    # The curve is judged on samples it did not see (its leave-one-out loss), the roofline's
+    # few factors on those it fitted.
+    roofline_loss = float(np.sum((weights * _errors(cost_model, roofline, samples)) ** 2))
+    return curved if curve_loss < roofline_loss else roofline
 
 
 def _around(value: float, factor: float) -> np.ndarray:

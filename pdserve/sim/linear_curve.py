@@ -117,11 +117,15 @@ class CurveFit:
         columns[:, len(knots) :] = self.overheads
         return columns * self.scale[:, None]
 
-    def solve(self, attention: float, memory: float) -> tuple[Curve, list[float]]:
-        """The curve and the overheads at (attention, memory), every
-        value positive: a knot fitted non-positive is dropped (its neighbours interpolate
-        over it), and a negative overhead is fixed at zero. (Where every step is a decode,
-        sequences and rows are the same count and only this keeps the two apart.)"""
+    def solve(self, attention: float, memory: float) -> tuple[Curve, list[float], float]:
+        """The curve and the overheads at (attention, memory), every value positive: a knot
+        fitted non-positive is dropped (its neighbours interpolate over it), and a negative
+        overhead is fixed at zero. (Where every step is a decode, sequences and rows are the
+        same count and only this keeps the two apart.) Also returns the leave-one-out loss:
+        the sum of squared scaled residuals, each sample predicted without itself, which
+        tells a curve that follows the measurements from one that only fits those few
+        points (a knot that a single sample decides predicts it perfectly, and nothing
+        else)."""
         target = (self.times - self.fixed_s(attention, memory)) * self.scale
         knots, design = self.knots, self.design
         has_overhead = [bool(column.any()) for column in self.overheads.T]
@@ -131,7 +135,8 @@ class CurveFit:
             # Columns scaled to unit norm: knots at many rows and the per-seq count differ
             # by orders of magnitude.
             norms = np.linalg.norm(columns, axis=0)
-            values = np.linalg.lstsq(columns / norms, target, rcond=None)[0] / norms
+            unit = columns / norms
+            values = np.linalg.lstsq(unit, target, rcond=None)[0] / norms
             curve_values, rest = values[: len(knots)], list(values[len(knots) :])
             overheads = [rest.pop(0) if has else 0.0 for has in has_overhead]
             keep = curve_values > 0
@@ -144,4 +149,8 @@ class CurveFit:
                 knots = [k for k, ok in zip(knots, keep, strict=True) if ok]
                 design = self._design(knots)
         curve = tuple((k, float(v)) for k, v in zip(knots, curve_values, strict=True) if v > 0)
-        return curve, [max(float(value), 0.0) for value in overheads]
+        # Leave-one-out residuals of a linear least-squares fit: r / (1 − leverage).
+        leverage = (np.linalg.qr(unit)[0] ** 2).sum(axis=1)
+        residual = target - columns @ values
+        loo = residual / np.maximum(1 - leverage, 1e-9)
+        return curve, [max(float(value), 0.0) for value in overheads], float(np.sum(loo**2))

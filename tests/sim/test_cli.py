@@ -95,7 +95,7 @@ def test_calibrate_from_step_file(tmp_path, capsys):
     assert abs(fitted.linear_compute - 0.3) / 0.3 < 0.2
     # The simulator takes the file.
     assert main(["simulate", "--calibration", str(out), *WORKLOAD]) == 0
-    assert "fitted on 6 steps (0 set aside" in capsys.readouterr().out
+    assert "fitted on 6 measurements (0 set aside" in capsys.readouterr().out
 
 
 def test_small_plan_search(tmp_path, capsys):

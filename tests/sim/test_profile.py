@@ -1,0 +1,110 @@
+"""The profile workload, measured from outside, and calibrations fitted to it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.bench.benchmark import BenchSpec, run_benchmark
+from pdserve.bench.client import EndpointConfig
+from pdserve.bench.launcher import LaunchConfig, launch_server
+from pdserve.bench.records import RequestRecord
+from pdserve.bench.results import save_results
+from pdserve.bench.workloads.profile import ProfileWorkload, profile_points
+from pdserve.cli import main
+from pdserve.sim.cost_model import CostModel, SeqWork
+from pdserve.sim.efficiency import Calibration
+from tests.bench.conftest import REPO_ROOT
+from tests.sim.law_server import LAW, MAX_MODEL_LEN, TRUTH
+
+BUDGET = 512
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word: prompt lengths the law server can count."""
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        words = {i: w for w, i in self.vocab.items()}
+        return " ".join(words[i] for i in ids)
+
+
+def test_points_cover_both_sweeps_within_the_context():
+    workload = ProfileWorkload(
+        prompt_lens=(128, 1024, 8192), num_streams=(1, 4, 64), contexts=(128, 2048)
+    )
+    points = workload.points(4096)
+    assert ("ttft", 1, 1024, 1) in points and all(p[2] < 4096 for p in points)
+    itl = [p for p in points if p[0] == "itl"]
+    assert {p[1] for p in itl} == {1, 4, 64} and {p[2] for p in itl} == {128, 2048}
+    # 64 streams of 2,048 tokens exceed the default 32,768-token cap.
+    assert all(p[1] * (p[2] + p[3]) <= workload.max_batch_tokens for p in itl)
+    # Streams decode long enough to outlast the others' prefill at a 256-token budget.
+    assert all(p[3] > 32 + p[1] * p[2] // 256 for p in itl)
+
+
+def test_steady_window_excludes_prefill_and_tail():
+    def record(index, first, gaps, prompt_len=100):
+        times = [first]
+        for gap in gaps:
+            times.append(times[-1] + gap)
+        return RequestRecord(
+            index, "profile:itl:2:100:0", prompt_len, len(times), 0.0, 0.0, times[-1], times
+        )
+
+    # Stream 0 starts at 1.0 and decodes alone until stream 1's first token at 1.5.
+    records = [record(0, 1.0, [0.1] * 5 + [0.2] * 5), record(1, 1.5, [0.2] * 4)]
+    [point] = profile_points(records)
+    assert point["kind"] == "itl" and point["num_streams"] == 2
+    assert point["seconds"] == pytest.approx(0.2)
+    assert all(o == pytest.approx(0.2) for o in point["observations"])
+
+
+@pytest.mark.slow
+def test_profile_of_a_server_with_a_known_law_recovers_the_law(tmp_path):
+    """The law server's steps take exactly what a cost model says; profiling it from outside
+    and calibrating must give back that model's step times within 5%."""
+    config = LaunchConfig(
+        command=("{python}", "-m", "tests.sim.law_server", "--host", "{host}", "--port", "{port}"),
+        extra_args=("--max-num-batched-tokens", str(BUDGET)),
+        health_timeout_s=60.0,
+        stop_grace_s=5.0,
+        log_dir=tmp_path,
+        cwd=REPO_ROOT,
+    )
+    workload = ProfileWorkload(
+        repeats=2,
+        prompt_lens=(128, 256, 512, 1024, 2048, 4000),
+        num_streams=(1, 2, 4, 8),
+        contexts=(128, 1024),
+        decode_len=16,
+    )
+    with launch_server(config, "law") as server:
+        spec = BenchSpec(EndpointConfig(server.base_url), workload, show_progress=False)
+        results = run_benchmark(spec, WordTokenizer())
+    profile = save_results(results, tmp_path / "profile.json")
+    out = tmp_path / "law.json"
+    argv = ["simulate", "calibrate", "--bench", str(profile), "--model", "Llama-3.1-8B"]
+    argv += ["--hardware", "A100-80GB", "--max-num-batched-tokens", str(BUDGET)]
+    assert main([*argv, "--output", str(out)]) == 0
+    calibration = Calibration.load(out)
+    fitted = CostModel(LAW.model, LAW.hardware, efficiency=calibration.efficiency)
+    # Steps the profile did not measure, within what it covered.
+    batches = [[SeqWork(n, 0, True)] for n in (200, 400)]
+    batches += [[SeqWork(BUDGET, c, c > 2500)] for c in (700, 1536, 3000)]
+    batches += [[SeqWork(1, c, True)] * b for b in (1, 3, 6) for c in (200, 900)]
+    for batch in batches:
+        assert fitted.step_time(batch) == pytest.approx(LAW.step_time(batch), rel=0.05)
+    # What a client sees before the first step: the law's front end plus the stub's HTTP.
+    overhead = calibration.efficiency.request_overhead_s
+    assert TRUTH.request_overhead_s <= overhead < TRUTH.request_overhead_s + 0.01
+    saved = json.loads(out.read_text())
+    assert saved["max_num_batched_tokens"] == BUDGET and saved["stack"].startswith("measured")
+    assert max(abs(p["residual"]) for p in saved["points"]) < 0.05
+    assert MAX_MODEL_LEN > 2048
