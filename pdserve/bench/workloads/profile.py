@@ -35,7 +35,24 @@ class ProfileWorkload(Workload):
     (while streams × (context + output) <= `max_batch_tokens`), each `repeats` times."""
 
     repeats: int = 3
-    prompt_lens: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+    # Every half octave: where a step turns from memory- to compute-bound tells the two apart.
+    prompt_lens: tuple[int, ...] = (
+        128,
+        181,
+        256,
+        362,
+        512,
+        724,
+        1024,
+        1448,
+        2048,
+        2896,
+        4096,
+        5793,
+        8192,
+        11585,
+        16384,
+    )
     num_streams: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     contexts: tuple[int, ...] = (128, 1024, 4096)
     decode_len: int = 32

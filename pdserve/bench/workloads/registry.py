@@ -96,15 +96,16 @@ def _trace(o: WorkloadOptions, rng: np.random.Generator) -> Workload:
 
 
 def _profile(o: WorkloadOptions) -> Workload:
-    lengths = None if o.input_len is None else _powers_of_two_to(o.input_len)
+    lengths = None if o.input_len is None else _half_octaves_to(o.input_len)
     return ProfileWorkload(
         **_given(repeats=o.num_prompts, prompt_lens=lengths, decode_len=o.output_len)
     )
 
 
-def _powers_of_two_to(longest: int) -> tuple[int, ...]:
-    """128, 256, ... up to `longest` (which ends the sweep)."""
-    lengths = [n for n in (2**k for k in range(7, 32)) if n < longest]
+def _half_octaves_to(longest: int) -> tuple[int, ...]:
+    """16, 64, then 128, 181, 256, ... (every half octave) up to `longest`, which ends it."""
+    octaves = (round(2 ** (k / 2)) for k in range(14, 64))
+    lengths = [n for n in (16, 64, *octaves) if n < longest]
     return (*lengths, longest)
 
 
