@@ -53,7 +53,9 @@ class Measurement:
     front end's overhead `num_requests` times (a time to first token holds one). `cost_model`
     is the deployment it was measured on (None: the fit's own). `observations` are the
     single values behind `seconds` where each is one step (a stream's token gaps, a logged
-    step): the step-time jitter is how they spread around the model.
+    step): the step-time jitter is how they spread around the model. `linear_only` marks a
+    measurement of the decoder layers' linears alone (a kernel-level profile): no attention,
+    LM head, communication or overhead is in it.
     """
 
     steps: Steps
@@ -62,6 +64,7 @@ class Measurement:
     cost_model: CostModel | None = None
     label: str = ""
     observations: tuple[float, ...] = ()
+    linear_only: bool = False
 
     def __post_init__(self) -> None:
         if not self.steps or any(count < 1 or not batch for count, batch in self.steps):
@@ -166,6 +169,7 @@ def fit_efficiency(
     network: float = 1.0,
     *,
     allow_curve: bool = True,
+    memory: float | None = None,
 ) -> Fit:
     """The efficiency that best predicts `samples` on `cost_model`'s model and hardware
     (or on each measurement's own deployment).
@@ -178,20 +182,21 @@ def fit_efficiency(
     spread around the model's (the set-aside ones stay out of it too: they are the
     calibration machine's accidents, not the served engine's normal variation).
     `allow_curve` False keeps the roofline (a few published points cannot pin a curve's
-    knots down across models).
+    knots down across models); `memory` fixes the bandwidth share instead of fitting it
+    (one source tells it, another the rest).
     """
     measurements = [s.measurement() if isinstance(s, StepSample) else s for s in samples]
     if len(measurements) < 3:
         raise SimConfigError(f"calibration needs at least 3 measurements, got {len(samples)}")
     weights = np.ones(len(measurements))
     for _ in range(_REWEIGHTINGS):
-        fit = _fit(cost_model, measurements, network, weights, allow_curve)
+        fit = _fit(cost_model, measurements, network, weights, allow_curve, memory)
         errors = _errors(cost_model, fit, measurements)
         weights = 1.0 / np.sqrt(np.maximum(errors, _MIN_WEIGHTED_ERROR))
     limit = max(_OUTLIER_FACTOR * float(np.median(errors)), _MIN_OUTLIER_ERROR)
     kept = [m for m, e in zip(measurements, errors, strict=True) if e <= limit]
     if len(measurements) > len(kept) >= 3:
-        fit = _fit(cost_model, kept, network, np.ones(len(kept)), allow_curve)
+        fit = _fit(cost_model, kept, network, np.ones(len(kept)), allow_curve, memory)
     fit = _with_jitter(cost_model, fit, kept)
     residuals = [
         p / m.seconds - 1
@@ -236,14 +241,18 @@ def _fit(
     network: float,
     weights: np.ndarray,
     allow_curve: bool,
+    memory: float | None,
 ) -> Efficiency:
     """The roofline efficiencies; then, keeping its attention terms (refitting them beside a
     curve this flexible trades attention against negative curve values), the linear curve,
     if it predicts the samples better (it cannot where few row counts were measured)."""
     terms = _Terms(cost_model, samples, network, weights)
-    best = terms.search(_COARSE_GRID, _COARSE_GRID, _COARSE_GRID)
+    memory_grid = _COARSE_GRID if memory is None else np.array([memory])
+    best = terms.search(_COARSE_GRID, _COARSE_GRID, memory_grid)
     for factor in _REFINEMENTS:
-        best = terms.search(*(_around(v, factor) for v in best[:3]))
+        linear_grid, attention_grid = (_around(v, factor) for v in best[:2])
+        memory_grid = memory_grid if memory is not None else _around(best[2], factor)
+        best = terms.search(linear_grid, attention_grid, memory_grid)
     (linear, attention, memory), overheads = best[:3], best[3]
     roofline = Efficiency(
         linear_compute=linear,
@@ -307,12 +316,19 @@ def _predictions(
 
 def predict(model: CostModel, measurement: Measurement) -> float:
     """Seconds `model` predicts for `measurement` (its steps, and its requests' overhead)."""
+    if measurement.linear_only:
+        return sum(
+            count * model.layers_linear_s(sum(q.num_new_tokens for q in batch))
+            for count, batch in measurement.steps
+        )
     steps = sum(count * model.step_time(batch) for count, batch in measurement.steps)
     return steps + measurement.num_requests * model.efficiency.request_overhead_s
 
 
 def overhead_counts(model: CostModel, measurement: Measurement) -> tuple[int, ...]:
     """How many times `measurement` pays each of `OVERHEADS`."""
+    if measurement.linear_only:
+        return (0, 0, 0, 0)
     all_reduces = sum(count * model.num_all_reduces(batch) for count, batch in measurement.steps)
     return (measurement.num_steps, measurement.num_seqs, measurement.num_requests, all_reduces)
 
@@ -351,16 +367,17 @@ class _Terms:
         dense, counts, attention = [], [], Counter()
         for count, batch in sample.steps:
             work = model.step_work(batch)
+            head = (0.0, 0.0) if sample.linear_only else work.lm_head
             dense.append(
                 (
                     work.linear[0] / peak_flops,
                     work.linear[1] / bandwidth,
-                    work.lm_head[0] / peak_flops,
-                    work.lm_head[1] / bandwidth,
+                    head[0] / peak_flops,
+                    head[1] / bandwidth,
                 )
             )
             counts.append(count)
-            for flops, num_bytes in work.attention:
+            for flops, num_bytes in () if sample.linear_only else work.attention:
                 attention[(flops / peak_attn, num_bytes / bandwidth)] += count
         att = np.array(list(attention), dtype=float).reshape(-1, 2)
         return (np.array(dense), np.array(counts, dtype=float)), (
@@ -415,6 +432,8 @@ class _Terms:
 
 
 def _comm_s(model: CostModel, sample: Measurement) -> float:
+    if sample.linear_only:
+        return 0.0
     return sum(count * model.step_cost(batch).communication_s for count, batch in sample.steps)
 
 

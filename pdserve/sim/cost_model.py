@@ -126,7 +126,7 @@ class CostModel:
         self.peak_linear_flops = self.hardware.peak_flops(self.dtype)
         # Attention runs in bf16 whatever the weights' dtype.
         self.peak_attention_flops = self.hardware.peak_flops("bf16")
-        self._flops_per_s = self.peak_linear_flops * eff.linear_compute
+        self._flops_per_s = self.peak_linear_flops * eff.linear_share(self.dtype)
         self._attn_flops_per_s = self.peak_attention_flops * eff.attention_compute
         self._bytes_per_s = self.hardware.memory_bandwidth * eff.memory
         self._weight_bytes = dtype_bytes(self.dtype)
@@ -177,6 +177,10 @@ class CostModel:
             tuple(self._attention_work(seq) for seq in batch),
             len(batch),
         )
+
+    def layers_linear_s(self, num_rows: int) -> float:
+        """Seconds of the decoder layers' linears (all layers, no LM head) over `num_rows`."""
+        return self._linear_s(num_rows, self.layer_params)
 
     def _linear_s(self, num_rows: int, num_params: float) -> float:
         """Seconds of linear layers holding `num_params` parameters (per device) over

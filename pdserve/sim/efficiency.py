@@ -33,6 +33,8 @@ class Efficiency:
     """Achieved fraction of each peak, and the per-step costs no roofline accounts for."""
 
     linear_compute: float = 0.6
+    # FP8 GEMMs' share of the FP8 peak, where it differs from 16-bit ones' (None: the same).
+    fp8_linear_compute: float | None = None
     attention_compute: float = 0.5
     memory: float = 0.8
     # On top of each link's own measured (or assumed) share of its line rate (sim/network).
@@ -64,8 +66,11 @@ class Efficiency:
     jitter_step_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("linear_compute", "attention_compute", "memory", "network"):
+        factors = ("linear_compute", "fp8_linear_compute", "attention_compute", "memory")
+        for name in (*factors, "network"):
             value = getattr(self, name)
+            if value is None and name == "fp8_linear_compute":
+                continue
             if not 0 < value <= 1:
                 raise SimConfigError(f"efficiency {name} must be in (0, 1], got {value!r}")
         for name in OVERHEADS:
@@ -89,6 +94,12 @@ class Efficiency:
             )
         if self.step_jitter and not self.jitter_step_s > 0:
             raise SimConfigError("efficiency jitter_step_s must be positive with step_jitter")
+
+    def linear_share(self, dtype: str) -> float:
+        """The share of the peak a GEMM on weights stored in `dtype` reaches."""
+        if dtype == "fp8" and self.fp8_linear_compute is not None:
+            return self.fp8_linear_compute
+        return self.linear_compute
 
     def draw_jitter(self, rng: random.Random, step_s: float) -> float:
         """A factor for a step modelled at `step_s`, drawn from `step_jitter` (1.0 without

@@ -7,7 +7,9 @@ A point is a JSON object with a `kind`:
 - "itl": `num_streams` streams decoding together at a mean `context`, `seconds` per token
   (with the single gaps behind it as `observations`);
 - "static_batch": a published static-batching run, `batch_size` prompts of `input_len`
-  tokens each generating `output_len` tokens, at `out_tokens_per_s_per_gpu`.
+  tokens each generating `output_len` tokens, at `out_tokens_per_s_per_gpu`;
+- "linear_layer": a kernel-level profile's time (`seconds`) of one decoder layer's linears
+  over `num_tokens` rows on one of `tp` shards.
 Published points also name their deployment (`hardware`, `model`, `tp`, `dtype`,
 `kv_dtype`) and where they come from (`table`, `row`); profile points take the deployment
 given on the command line.
@@ -48,9 +50,16 @@ def measurement(point: dict, cost_model: CostModel, budget: int | None = None) -
             )
         if kind == "static_batch":
             return _static_batch(point, cost_model, label)
+        if kind == "linear_layer":
+            # One decoder layer's linears, timed alone: all layers' in the measurement.
+            batch = (SeqWork(int(point["num_tokens"]), 0, False),)
+            seconds = float(point["seconds"]) * cost_model.model.num_layers
+            return Measurement(((1, batch),), seconds, 0, cost_model, label, linear_only=True)
     except (KeyError, TypeError, ValueError) as exc:
         raise SimConfigError(f"point {point!r}: {exc!r}") from None
-    raise SimConfigError(f"point kind must be ttft, itl or static_batch, got {kind!r}")
+    raise SimConfigError(
+        f"point kind must be ttft, itl, static_batch or linear_layer, got {kind!r}"
+    )
 
 
 def _label(point: dict) -> str:
@@ -58,6 +67,8 @@ def _label(point: dict) -> str:
         return f"TTFT {point['prompt_len']} tokens"
     if point["kind"] == "itl":
         return f"ITL {point['num_streams']} streams at {point['prompt_len']} tokens"
+    if point["kind"] == "linear_layer":
+        return f"{point['model']} TP{point['tp']} linears over {point['num_tokens']} tokens"
     return f"B={point['batch_size']} {point['input_len']}/{point['output_len']}"
 
 
