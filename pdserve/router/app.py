@@ -1,24 +1,42 @@
-"""The router's FastAPI app: a worker's OpenAI surface plus /workers, /health, /metrics."""
+"""The router's FastAPI app: a worker's OpenAI surface plus /workers, /health, /metrics.
+
+The front door is the server's (`pdserve.api`): the same error envelope, API key check and
+body limit, so the router answers a bad request with the body a worker would. Runtime scaling:
+``GET /workers``, ``POST /workers``, ``DELETE /workers/{id}`` (drain).
+"""
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Literal
 
 import httpx
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict
 
-from pdserve.router.config import RouterConfig
-from pdserve.router.errors import RouterHTTPError
+from pdserve.api.asgi import install_front_door
+from pdserve.api.errors import ERROR_RESPONSES, APIError, ErrorType, invalid
+from pdserve.api.protocol import RoutedRequest
+from pdserve.router.config import RouterConfig, normalize_worker_url
+from pdserve.router.policies import PoolRole
+from pdserve.router.pool import DuplicateWorkerError
 from pdserve.router.runtime import RouterRuntime
 from pdserve.router.tokenizer import PromptTokenizer
-from pdserve.router.workers_api import workers_router
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+
+
+class WorkerToAdd(BaseModel):
+    """``POST /workers``'s body."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    url: str
+    role: Literal["prefill", "decode"]
 
 
 def build_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None) -> FastAPI:
@@ -36,18 +54,29 @@ def build_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None) ->
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.runtime = runtime
-    app.add_exception_handler(RouterHTTPError, _router_error_handler)
-    guarded = [Depends(_api_key_check(config.api_key))]
+    install_front_door(
+        app,
+        api_key=config.api_key,
+        protected_prefixes=("/v1/", "/workers"),
+        max_body_bytes=config.max_body_bytes,
+    )
+    _add_openai_routes(app, runtime)
+    _add_worker_routes(app, runtime)
+    return app
 
-    @app.post(COMPLETIONS, dependencies=guarded)
-    async def completions(request: Request) -> Response:
-        return await runtime.dispatcher.handle(request, COMPLETIONS)
 
-    @app.post(CHAT_COMPLETIONS, dependencies=guarded)
-    async def chat_completions(request: Request) -> Response:
-        return await runtime.dispatcher.handle(request, CHAT_COMPLETIONS)
+def _add_openai_routes(app: FastAPI, runtime: RouterRuntime) -> None:
+    # `_body: RoutedRequest` makes FastAPI parse and check the body as a worker's app does (same
+    # errors); the dispatcher relays the parsed JSON itself, which Starlette keeps.
+    @app.post(COMPLETIONS, responses=ERROR_RESPONSES)
+    async def completions(_body: RoutedRequest, request: Request) -> Response:
+        return await runtime.dispatcher.handle(request, COMPLETIONS, await request.json())
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.post(CHAT_COMPLETIONS, responses=ERROR_RESPONSES)
+    async def chat_completions(_body: RoutedRequest, request: Request) -> Response:
+        return await runtime.dispatcher.handle(request, CHAT_COMPLETIONS, await request.json())
+
+    @app.get("/v1/models")
     async def models() -> Response:
         return await _proxy_models(runtime)
 
@@ -68,9 +97,6 @@ def build_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None) ->
     async def metrics() -> Response:
         return Response(runtime.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(workers_router(runtime), dependencies=guarded)
-    return app
-
 
 async def _proxy_models(runtime: RouterRuntime) -> Response:
     """A worker's /v1/models (decode workers first: every request ends on one)."""
@@ -86,24 +112,39 @@ async def _proxy_models(runtime: RouterRuntime) -> Response:
             status_code=upstream.status_code,
             media_type=upstream.headers.get("content-type"),
         )
-    raise RouterHTTPError(503, "no healthy worker", code="no_worker")
+    raise APIError(ErrorType.UNAVAILABLE, "no healthy worker", code="no_worker")
 
 
-def _api_key_check(api_key: str | None):
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
-            raise RouterHTTPError(
-                401,
-                "missing or invalid API key (Authorization: Bearer KEY)",
-                code="invalid_api_key",
+def _add_worker_routes(app: FastAPI, runtime: RouterRuntime) -> None:
+    registry = runtime.registry
+
+    @app.get("/workers")
+    async def list_workers() -> JSONResponse:
+        return JSONResponse({"workers": [w.to_dict() for w in registry.all_workers()]})
+
+    @app.post("/workers", responses=ERROR_RESPONSES)
+    async def add_worker(body: WorkerToAdd) -> JSONResponse:
+        """The worker is health-checked at once and joins rotation when that passes (201
+        either way)."""
+        try:
+            worker = registry.add(normalize_worker_url(body.url, "url"), PoolRole(body.role))
+        except DuplicateWorkerError as exc:
+            raise APIError(ErrorType.CONFLICT, str(exc), param="url") from exc
+        except ValueError as exc:
+            raise invalid("url", str(exc)) from exc
+        await runtime.health.check(worker)
+        return JSONResponse(worker.to_dict(), status_code=201)
+
+    @app.delete("/workers/{worker_id}", responses=ERROR_RESPONSES)
+    async def drain_worker(worker_id: str) -> JSONResponse:
+        """Stop routing to the worker; it is removed once its in-flight requests finish.
+        200 with ``removed: true`` when that is already so, 202 while it drains."""
+        worker = registry.drain(worker_id)
+        if worker is None:
+            raise APIError(
+                ErrorType.NOT_FOUND, f"no worker with id {worker_id!r}", param="worker_id"
             )
-
-    return check
-
-
-async def _router_error_handler(_: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RouterHTTPError)
-    return exc.response()
+        is_removed = not registry.is_registered(worker)
+        return JSONResponse(
+            {**worker.to_dict(), "removed": is_removed}, status_code=200 if is_removed else 202
+        )

@@ -9,7 +9,7 @@
    SSE untouched for streams, the body plus an ``x-pdserve-timing`` header otherwise. A decode
    worker unreachable before answering is replaced once; one that breaks mid-stream ends the
    client's stream with an error event. KV the decode leg never took (refused, unreachable,
-   client gone) is released on the prefill worker at once (`unclaimed_kv`).
+   client gone) is released on the prefill worker at once (`handoff.UnclaimedKV`).
 """
 
 from __future__ import annotations
@@ -25,16 +25,20 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pdserve.api.asgi import (
+    CLIENT_CLOSED_STATUS,
+    ClientDisconnected,
+    ManagedStreamingResponse,
+    until_disconnected,
+)
+from pdserve.api.errors import APIError, ErrorType
 from pdserve.router.config import RouterConfig
-from pdserve.router.disconnect import ClientDisconnected, until_disconnected
-from pdserve.router.errors import RouterHTTPError
+from pdserve.router.handoff import UnclaimedKV, decode_leg_body, prefill_leg_body, wants_usage
 from pdserve.router.health import HealthMonitor
-from pdserve.router.legs import decode_leg_body, prefill_leg_body, wants_usage
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pool import Lease, WorkerRegistry
-from pdserve.router.prompt import PromptInfo, literal_token_ids
-from pdserve.router.relay import ManagedStreamingResponse, relay_events
-from pdserve.router.request_body import read_json_body
+from pdserve.router.pool import Lease, Worker, WorkerRegistry
+from pdserve.router.prefix_index import PromptInfo
+from pdserve.router.relay import relay_events
 from pdserve.router.timing import (
     TIMING_HEADER,
     RequestTiming,
@@ -42,9 +46,7 @@ from pdserve.router.timing import (
     extract_worker_timing,
     now_ms,
 )
-from pdserve.router.tokenizer import PromptTokenizer
-from pdserve.router.unclaimed_kv import UnclaimedKV
-from pdserve.router.worker import Worker
+from pdserve.router.tokenizer import PromptTokenizer, literal_token_ids
 
 logger = logging.getLogger("pdserve.router")
 
@@ -92,21 +94,23 @@ class Dispatcher:
         self.tokenizer = tokenizer
         self.unclaimed_kv = UnclaimedKV(config.connect_timeout_s)
 
-    async def handle(self, request: Request, endpoint: str) -> Response:
-        """Serve `endpoint` (``/v1/completions`` or ``/v1/chat/completions``)."""
+    async def handle(self, request: Request, endpoint: str, body: dict[str, Any]) -> Response:
+        """Serve `endpoint` (``/v1/completions`` or ``/v1/chat/completions``) for `body`, the
+        client's JSON object (`pdserve.api.protocol.RoutedRequest` checked already)."""
         timing = RequestTiming(f"rtr-{uuid.uuid4().hex[:16]}")
         flight: _Flight | None = None
+        if body.get("stream") is None:
+            body.pop("stream", None)
         try:
-            body = await read_json_body(request, self.config.max_body_bytes)
             flight = _Flight(endpoint, body, await self._prompt_info(endpoint, body), timing)
             return await self._dispatch(request, flight)
-        except RouterHTTPError as exc:
+        except APIError as exc:
             response = exc.response()
         except _UpstreamAnswer as answer:
             response = answer.response
         except ClientDisconnected:
             self.metrics.count_error("client_disconnected")
-            response = Response(status_code=499)
+            response = Response(status_code=CLIENT_CLOSED_STATUS)
         except BaseException:
             if flight is not None:
                 self._finish(flight)
@@ -127,7 +131,7 @@ class Dispatcher:
     async def _dispatch(self, request: Request, flight: _Flight) -> Response:
         selection = self.registry.decode.select(flight.prompt)
         if selection is None:
-            raise self._fail("no_worker", 503, "no healthy decode worker")
+            raise self._fail("no_worker", ErrorType.UNAVAILABLE, "no healthy decode worker")
         flight.decode = self.registry.decode.acquire(selection.worker)
         flight.timing.mark_dispatched()
         kv_params = await self._kv_params(request, flight, selection.num_cached_tokens)
@@ -236,7 +240,9 @@ class Dispatcher:
             if selection is None:
                 break
             flight.decode = self.registry.decode.acquire(selection.worker)
-        raise self._fail("decode_failed", 502, "no decode worker could take the request")
+        raise self._fail(
+            "decode_failed", ErrorType.BAD_GATEWAY, "no decode worker could take the request"
+        )
 
     async def _send(self, worker: Worker, flight: _Flight, leg: dict[str, Any]) -> httpx.Response:
         upstream = self.client.build_request(
@@ -284,7 +290,9 @@ class Dispatcher:
         except httpx.TransportError as exc:
             self.health.report_failure(flight.decode.worker, f"decode leg: {_describe(exc)}")
             raise self._fail(
-                "decode_failed", 502, f"decode worker failed mid-response: {_describe(exc)}"
+                "decode_failed",
+                ErrorType.BAD_GATEWAY,
+                f"decode worker failed mid-response: {_describe(exc)}",
             ) from exc
         finally:
             await upstream.aclose()
@@ -307,9 +315,10 @@ class Dispatcher:
         if logger.isEnabledFor(logging.INFO):
             logger.info("request %s", flight.timing.header_value())
 
-    def _fail(self, error_type: str, status: int, message: str) -> RouterHTTPError:
-        self.metrics.count_error(error_type)
-        return RouterHTTPError(status, message, code=error_type)
+    def _fail(self, code: str, error_type: ErrorType, message: str) -> APIError:
+        """The router's own failure `code` (counted by that name), as an OpenAI error."""
+        self.metrics.count_error(code)
+        return APIError(error_type, message, code=code)
 
     @staticmethod
     def _leg_headers(flight: _Flight) -> dict[str, str]:

@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 
+from pdserve.router.pool import Worker, WorkerState
 from pdserve.router.timing import RequestTiming
-from pdserve.router.worker import Worker, WorkerState
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -30,16 +30,6 @@ _LATENCY_BUCKETS = (
     80.0,
 )
 _BYTES_BUCKETS = tuple(float(1 << p) for p in range(10, 34, 2))  # 1 KiB .. 8 GiB
-
-# Error types counted in pdserve:router_request_errors_total.
-ERROR_TYPES = (
-    "no_worker",
-    "prefill_failed",
-    "decode_failed",
-    "decode_stream_broken",
-    "client_disconnected",
-    "bad_request",
-)
 
 
 class _WorkerCollector:

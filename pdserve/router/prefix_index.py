@@ -1,6 +1,7 @@
-"""The router's belief of which prompt prefixes each worker has cached.
+"""What routing knows about a prompt (its length and its full blocks' chained hashes), and the
+router's belief of which prompt prefixes each worker has cached.
 
-It records the full-block chained hashes (`pdserve.core.block_manager.chained_block_hash`, the
+The index records the full-block chained hashes (`core.block_manager.chained_block_hash`, the
 same function the workers' block managers use) of every prompt routed to a worker. A later
 prompt's cached prefix on that worker is the longest run of its block hashes, from the first,
 that the index holds. It is a belief, not the truth: a worker may have evicted blocks since, so
@@ -9,8 +10,11 @@ each worker's entries are bounded and least recently routed ones are forgotten f
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from pdserve.core.block_manager import BlockHash, chained_block_hash
 
@@ -23,6 +27,29 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[Block
         parent = chained_block_hash(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
+
+
+# Rough bytes of text per token for English BPE vocabularies; used only when the prompt could
+# not be tokenized, to weigh prefill load.
+_BYTES_PER_TOKEN_ESTIMATE = 4
+
+
+@dataclass(frozen=True)
+class PromptInfo:
+    num_tokens: int
+    # Empty when the token ids are unknown (then nothing is believed cached anywhere).
+    block_hashes: tuple[BlockHash, ...] = ()
+
+    @classmethod
+    def from_token_ids(cls, token_ids: Sequence[int], block_size: int) -> PromptInfo:
+        return cls(len(token_ids), tuple(prompt_block_hashes(token_ids, block_size)))
+
+    @classmethod
+    def estimate(cls, body: dict[str, Any]) -> PromptInfo:
+        """Length guessed from the prompt or messages' JSON size; no block hashes."""
+        source = body.get("messages", body.get("prompt", ""))
+        num_bytes = len(json.dumps(source, ensure_ascii=False).encode())
+        return cls(max(1, num_bytes // _BYTES_PER_TOKEN_ESTIMATE))
 
 
 class PrefixIndex:

@@ -1,4 +1,4 @@
-"""Relay a decode worker's SSE stream to the client, and clean up whatever ends it.
+"""Relay a decode worker's SSE stream to the client, and the SSE framing it reads.
 
 Events pass through byte for byte. The router only looks into an event carrying
 ``pdserve_timing`` (the final usage chunk) to record the worker's timing, and drops that chunk
@@ -8,15 +8,14 @@ without ``data: [DONE]`` is closed with an SSE error event and ``[DONE]``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
-import anyio
 import httpx
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
-from pdserve.router.errors import sse_error_event
-from pdserve.router.sse import SSE_DONE, event_json, is_done_event, iter_sse_events
+from pdserve.api.asgi import DONE_EVENT, sse_event
+from pdserve.api.errors import APIError, ErrorType
 from pdserve.router.timing import RequestTiming, extract_worker_timing
 
 _TIMING_MARKER = b'"pdserve_timing"'
@@ -48,8 +47,9 @@ async def relay_events(
         if not is_done:
             on_broken(reason, False)
     if not is_done:
-        yield sse_error_event(reason)
-        yield SSE_DONE
+        error = APIError(ErrorType.BAD_GATEWAY, reason, code="decode_stream_broken")
+        yield sse_event(error.body()).encode()
+        yield DONE_EVENT.encode()
 
 
 def _absorb_timing(event: bytes, timing: RequestTiming) -> bool:
@@ -62,24 +62,37 @@ def _absorb_timing(event: bytes, timing: RequestTiming) -> bool:
     return not chunk.get("choices")
 
 
-class ManagedStreamingResponse(StreamingResponse):
-    """A StreamingResponse that always runs `on_close` once it is over: finished, failed, or
-    cancelled by the client's disconnect (shielded, so the cancellation cannot skip it)."""
+# ---- Server-Sent Events framing -------------------------------------------------------------
+_SEPARATORS = (b"\n\n", b"\r\n\r\n")
+_DONE = DONE_EVENT.encode().strip()
 
-    def __init__(
-        self,
-        content: AsyncGenerator[bytes, None],
-        on_close: Callable[[], Awaitable[None]],
-        **kwargs,
-    ) -> None:
-        super().__init__(content, **kwargs)
-        self._content = content
-        self._on_close = on_close
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._content.aclose()
-                await self._on_close()
+async def iter_sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Whole events, each with its blank-line terminator, bytes unchanged. A trailing partial
+    event (the sender died mid-event) is dropped."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        while (end := _event_end(buffer)) is not None:
+            yield buffer[:end]
+            buffer = buffer[end:]
+
+
+def _event_end(buffer: bytes) -> int | None:
+    ends = [i + len(sep) for sep in _SEPARATORS if (i := buffer.find(sep)) >= 0]
+    return min(ends) if ends else None
+
+
+def is_done_event(event: bytes) -> bool:
+    return event.strip() == _DONE
+
+
+def event_json(event: bytes) -> Any:
+    """The JSON of an event's data lines, or None if it has none or they are not JSON."""
+    lines = [line[5:].strip() for line in event.splitlines() if line.startswith(b"data:")]
+    if not lines:
+        return None
+    try:
+        return json.loads(b"\n".join(lines))
+    except ValueError:
+        return None

@@ -72,7 +72,11 @@ class RouterRuntime:
         self._client = httpx.AsyncClient(
             # Legs may run as long as they generate; only connecting is bounded.
             timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            # Idle connections are dropped before a worker's uvicorn drops them (after 5 s):
+            # a leg sent on a connection the worker is closing fails as if the worker died.
+            limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=256, keepalive_expiry=4.0
+            ),
             trust_env=False,
         )
         scrape = [

@@ -1,9 +1,10 @@
 """Per-request timing breakdown: the router's own clocks plus the decode worker's report.
 
-The router sends the decode leg a ``router_timing`` object (`ROUTER_TIMING_KEYS`, ms) for the
-worker to echo. The decode worker's final usage chunk (streaming) or response body
-(non-streaming) carries ``pdserve_timing``, at the top level or inside ``usage``; the router
-reads `WORKER_TIMING_KEYS` from it for its histograms and passes everything through.
+The router sends the decode leg a ``router_timing`` object (``router_queue_ms``,
+``prefill_ms``) for the worker to echo. The decode worker's final usage chunk (streaming) or
+response body (non-streaming) carries ``pdserve_timing``, at the top level or inside ``usage``;
+the router reads ``kv_transfer_bytes``, ``kv_transfer_ms`` and ``first_decode_step_ms`` from it
+for its histograms (`RouterMetrics.observe`) and passes everything through.
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-ROUTER_TIMING_KEYS = ("router_queue_ms", "prefill_ms")
-# What a decode worker reports: KV bytes fetched, fetch time, its first decode step's time.
-WORKER_TIMING_KEYS = ("kv_transfer_bytes", "kv_transfer_ms", "first_decode_step_ms")
 TIMING_HEADER = "x-pdserve-timing"
 
 

@@ -3,9 +3,11 @@
 - `LocalTokenizer` (``--tokenizer MODEL``): `pdserve.model.tokenizer.Tokenizer` built from the
   model's GGUF metadata or Hugging Face folder, torch-free; it renders chat prompts with the
   model's template as the server does, so the ids match what the workers' block managers hash.
-- `RemoteTokenizer` (default): a worker's ``POST /tokenize`` (vLLM's shape).
+- `RemoteTokenizer` (default): a worker's ``POST /tokenize`` (vLLM's shape,
+  `tokenize_request_body`).
 
-Any failure yields None and routing falls back to a length estimate.
+A completions prompt given as token ids needs neither (`literal_token_ids`). Any failure yields
+None and routing falls back to a length estimate.
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ from typing import Any, Protocol
 
 import httpx
 
-from pdserve.router.pool import WorkerRegistry
-from pdserve.router.prompt import tokenize_request_body
-from pdserve.router.worker import Worker
+from pdserve.api.protocol import ChatMessage, template_messages
+from pdserve.router.pool import Worker, WorkerRegistry
 
 logger = logging.getLogger("pdserve.router")
 
@@ -68,23 +69,13 @@ class LocalTokenizer:
         if "prompt" in request:
             return self._tokenizer.encode(request["prompt"])
         try:
-            messages = [_template_message(m) for m in request["messages"]]
+            messages = [ChatMessage.model_validate(m) for m in request["messages"]]
             text = self._tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request["add_generation_prompt"]
+                template_messages(messages), add_generation_prompt=request["add_generation_prompt"]
             )
         except (ValueError, TypeError, KeyError, AttributeError):
             return None  # the worker will reject these messages with a proper 400
         return self._tokenizer.encode(text)
-
-
-def _template_message(message: dict[str, Any]) -> dict[str, str]:
-    """A message as the server hands it to the chat template: text parts joined, "developer"
-    spelled "system"."""
-    content = message.get("content")
-    if isinstance(content, list):
-        content = "".join(part["text"] for part in content)
-    role = message["role"]
-    return {"role": "system" if role == "developer" else role, "content": content or ""}
 
 
 def _model_path(model: str | None) -> Path:
@@ -159,3 +150,42 @@ def _tokens_from(response: httpx.Response) -> list[int] | None:
     if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
         return tokens
     return None
+
+
+def literal_token_ids(body: dict[str, Any]) -> list[int] | None:
+    """The prompt's token ids when a completions request gives them directly (OpenAI allows
+    `prompt` as a list of ints, or a one-element list of one)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return prompt
+    return None
+
+
+def tokenize_request_body(endpoint: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The body of a worker's ``POST /tokenize`` (vLLM's shape) for this request, or None when
+    the request has nothing a tokenizer can take (e.g. a batch of prompts)."""
+    model = body.get("model")
+    if endpoint.endswith("/chat/completions"):
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None
+        request = {
+            "messages": messages,
+            "add_generation_prompt": body.get("add_generation_prompt", True),
+        }
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            return None
+        request = {"prompt": prompt}
+    if model is not None:
+        request["model"] = model
+    return request

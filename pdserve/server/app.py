@@ -2,7 +2,7 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, GET /v1/models,
 GET /health, GET /metrics. `create_app()` wires one engine thread, one metrics registry and the
-guards.
+front door (`pdserve.api`: errors, API key, body limit).
 """
 
 from __future__ import annotations
@@ -11,41 +11,29 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
 
+from pdserve.api.asgi import install_front_door
+from pdserve.api.errors import ERROR_RESPONSES, APIError
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from pdserve.engine.async_engine import AsyncLLMEngine
-from pdserve.server.errors import APIError, install_handlers
-from pdserve.server.inputs import ModelInfo, prepare_chat, prepare_completion
+from pdserve.server.inputs import (
+    ModelInfo,
+    PreparedRequest,
+    prepare_chat,
+    prepare_completion,
+    tokenize,
+)
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.server.responses import ChatResponses, CompletionResponses, TokenTexts
+from pdserve.server.responses import ChatResponses, CompletionResponses, Responses, TokenTexts
 from pdserve.server.serving import ServerState, new_request_id, serve
 from pdserve.server.settings import ServerSettings
-from pdserve.server.tokenize import add_tokenize_route
 
 logger = logging.getLogger("pdserve.server.access")
-
-
-class _ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorBody(BaseModel):
-    """OpenAI's error envelope (documented in the OpenAPI schema)."""
-
-    error: _ErrorDetail
-
-
-_ERROR_RESPONSES = {status: {"model": ErrorBody} for status in (400, 401, 404, 413, 429, 503)}
 
 
 def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
@@ -84,62 +72,30 @@ def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
             error.message,
         )
 
-    install_handlers(app, on_error)
-    # Added last = runs first: a request without the key is refused before its body is read.
-    app.add_middleware(
-        BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes, on_error=on_error
+    install_front_door(
+        app,
+        api_key=settings.api_key,
+        protected_prefixes=("/v1/",),
+        max_body_bytes=settings.max_body_bytes,
+        on_error=on_error,
     )
-    if settings.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, on_error=on_error)
     _add_routes(app, state)
     return app
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions", responses=_ERROR_RESPONSES)
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, http_request: Request) -> Response:
-        arrival_time = time.monotonic()
-        # Off the event loop: a long prompt takes the tokenizer 100+ ms.
-        prepared = await asyncio.to_thread(prepare_completion, body, state.model)
-        responses = CompletionResponses(
-            new_request_id(http_request, "cmpl"),
-            body.model or state.model.name,
-            state.token_texts,
-            body.include_usage,
-            body.router_timing,
-        )
-        return await serve(
-            http_request,
-            state,
-            prepared,
-            responses,
-            stream=bool(body.stream),
-            endpoint="completions",
-            arrival_time=arrival_time,
-        )
+        return await _generate(http_request, state, body, prepare_completion, CompletionResponses)
 
-    @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, http_request: Request) -> Response:
-        arrival_time = time.monotonic()
-        prepared = await asyncio.to_thread(prepare_chat, body, state.model)
-        responses = ChatResponses(
-            new_request_id(http_request, "chatcmpl"),
-            body.model or state.model.name,
-            state.token_texts,
-            body.include_usage,
-            body.router_timing,
-        )
-        return await serve(
-            http_request,
-            state,
-            prepared,
-            responses,
-            stream=bool(body.stream),
-            endpoint="chat",
-            arrival_time=arrival_time,
-        )
+        return await _generate(http_request, state, body, prepare_chat, ChatResponses)
 
-    add_tokenize_route(app, state.model)
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
+    async def tokenize_route(body: TokenizeRequest) -> dict:
+        """The prompt token ids a generation request would compute (see `inputs.tokenize`)."""
+        return await asyncio.to_thread(tokenize, body, state.model)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -167,3 +123,30 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _generate(
+    http_request: Request,
+    state: ServerState,
+    body: CompletionRequest | ChatCompletionRequest,
+    prepare: Callable[..., PreparedRequest],
+    renderer: type[Responses],
+) -> Response:
+    arrival_time = time.monotonic()
+    # Off the event loop: a long prompt takes the tokenizer 100+ ms.
+    prepared = await asyncio.to_thread(prepare, body, state.model)
+    responses = renderer(
+        new_request_id(http_request, renderer.id_prefix),
+        body.model or state.model.name,
+        state.token_texts,
+        body.include_usage,
+        body.router_timing,
+    )
+    return await serve(
+        http_request,
+        state,
+        prepared,
+        responses,
+        stream=bool(body.stream),
+        arrival_time=arrival_time,
+    )

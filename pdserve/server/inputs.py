@@ -1,7 +1,8 @@
 """From a validated request body to what the engine takes: prompt token ids + SamplingParams.
 
 Checks that need the model live here: served model name (404), context window, vocabulary.
-Every failure is an `APIError` naming the request field.
+Every failure is an `APIError` naming the request field. `tokenize` (POST /tokenize) computes
+the prompt ids through the same code.
 """
 
 from __future__ import annotations
@@ -9,10 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdserve.api.errors import APIError, ErrorType, invalid
+from pdserve.api.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    TokenizeRequest,
+    template_messages,
+)
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
 from pdserve.model.chat_template import ChatTemplateError
-from pdserve.server.errors import APIError, ErrorType, invalid
-from pdserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 # OpenAI's default for /v1/completions; chat defaults to the rest of the context window.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -55,7 +62,22 @@ class PreparedRequest:
     kv_transfer_params: dict | None
 
 
-def check_model(model: str | None, info: ModelInfo) -> None:
+def tokenize(body: TokenizeRequest, info: ModelInfo) -> dict:
+    """POST /tokenize's answer ``{"tokens": [...], "count": n, "max_model_len": m}``: the ids
+    the generation endpoints compute, so a router hashes them into the same prefix-cache blocks
+    the worker will. Unlike generation, a prompt longer than the context window is not an
+    error here: the caller learns its length."""
+    _check_model(body.model, info)
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid("prompt", "give exactly one of prompt and messages")
+    if body.messages is not None:
+        ids = _render_chat(body.messages, body.add_generation_prompt, info)
+    else:
+        ids = info.tokenizer.encode(body.prompt)
+    return {"tokens": ids, "count": len(ids), "max_model_len": info.max_model_len}
+
+
+def _check_model(model: str | None, info: ModelInfo) -> None:
     if model is not None and model not in info.served_model_names:
         raise APIError(
             ErrorType.NOT_FOUND,
@@ -67,7 +89,7 @@ def check_model(model: str | None, info: ModelInfo) -> None:
 
 
 def prepare_completion(body: CompletionRequest, info: ModelInfo) -> PreparedRequest:
-    check_model(body.model, info)
+    _check_model(body.model, info)
     if body.echo:
         raise invalid("echo", "echo is not supported")
     prompt_ids = _completion_prompt_ids(body.prompt, info)
@@ -81,7 +103,7 @@ def prepare_completion(body: CompletionRequest, info: ModelInfo) -> PreparedRequ
 
 
 def prepare_chat(body: ChatCompletionRequest, info: ModelInfo) -> PreparedRequest:
-    check_model(body.model, info)
+    _check_model(body.model, info)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs requires logprobs to be true")
     prompt_ids = _chat_prompt_ids(body, info)
@@ -125,24 +147,18 @@ def _completion_prompt_ids(prompt: str | list, info: ModelInfo) -> list[int]:
 
 
 def _chat_prompt_ids(body: ChatCompletionRequest, info: ModelInfo) -> list[int]:
-    ids = chat_prompt_ids(body.messages, body.add_generation_prompt, info)
+    ids = _render_chat(body.messages, body.add_generation_prompt, info)
     _check_context(len(ids), "messages", info)
     return ids
 
 
-def chat_prompt_ids(
+def _render_chat(
     messages: list[ChatMessage], add_generation_prompt: bool, info: ModelInfo
 ) -> list[int]:
-    """The prompt ids of a chat (its template rendered, then encoded); no length check.
-    Shared with POST /tokenize, so both give the same ids."""
-    # "developer" is OpenAI's newer name for the system role.
-    rendered = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in messages
-    ]
+    """The prompt ids of a chat (its template rendered, then encoded); no length check."""
     try:
         text = info.tokenizer.apply_chat_template(
-            rendered, add_generation_prompt=add_generation_prompt
+            template_messages(messages), add_generation_prompt=add_generation_prompt
         )
     except ChatTemplateError as exc:
         raise invalid(

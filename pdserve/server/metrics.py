@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.api.errors import ErrorType
 from pdserve.core.request import FinishReason
 from pdserve.core.scheduler import EngineStats
-from pdserve.server.errors import ErrorType
 
 # Bucket edges in seconds: CPU decode steps are tens of ms, long CPU prefills seconds.
 _LATENCY_BUCKETS = (

@@ -8,14 +8,13 @@ how logprobs are laid out, which the subclasses define.
 
 from __future__ import annotations
 
-import json
 import time
 
+from pdserve.api.asgi import sse_event
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.server.inputs import Tokenizer
 from pdserve.server.worker_timing import WorkerTiming
 
-DONE_EVENT = "data: [DONE]\n\n"
 # JSON has no -Infinity: masked tokens get this floor instead (vLLM does the same).
 MIN_LOGPROB = -9999.0
 
@@ -35,10 +34,6 @@ class TokenTexts:
             text = self._tokenizer.decode([token_id], skip_special_tokens=False)
             self._cache[token_id] = text
         return text
-
-
-def sse_event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 def finite_logprob(value: float) -> float:
@@ -61,6 +56,9 @@ class Responses:
 
     object_name = ""
     chunk_object_name = ""
+    # Response ids are `{id_prefix}-{hex}`; `endpoint` names the request in logs.
+    id_prefix = ""
+    endpoint = ""
 
     def __init__(
         self,
@@ -142,6 +140,8 @@ class Responses:
 class CompletionResponses(Responses):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
+    id_prefix = "cmpl"
+    endpoint = "completions"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -180,6 +180,8 @@ class CompletionResponses(Responses):
 class ChatResponses(Responses):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+    endpoint = "chat"
 
     def opening_chunks(self) -> list[str]:
         choice = {

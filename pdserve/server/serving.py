@@ -2,8 +2,8 @@
 
 Both endpoints go through `serve()`; they differ only in their `Responses` renderer. A client
 that goes away aborts its request: for a stream, Starlette cancels the body iterator; for a
-plain response, a watcher notices the disconnect. Either way the engine drops the request
-before its next step and its KV blocks return to the pool.
+plain response, `until_disconnected` cancels the collection. Either way the engine drops the
+request before its next step and its KV blocks return to the pool.
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from pdserve.api.asgi import DONE_EVENT, ManagedStreamingResponse, sse_event, until_disconnected
+from pdserve.api.errors import APIError, ErrorType, invalid
 from pdserve.core.request import FinishReason
 from pdserve.core.sampling_params import InvalidParameterError
 from pdserve.engine.async_engine import (
@@ -27,10 +29,9 @@ from pdserve.engine.async_engine import (
     RequestStream,
 )
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
-from pdserve.server.errors import APIError, ErrorType, invalid
 from pdserve.server.inputs import ModelInfo, PreparedRequest
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.responses import DONE_EVENT, Responses, TokenTexts
+from pdserve.server.responses import Responses, TokenTexts
 from pdserve.server.settings import ServerSettings
 from pdserve.server.tracking import RequestTracker
 
@@ -63,50 +64,30 @@ async def serve(
     responses: Responses,
     *,
     stream: bool,
-    endpoint: str,
     arrival_time: float,
 ) -> Response:
     """Admit the request (errors become 4xx/503 before any byte is sent) and answer it."""
     engine_stream = await _admit(state.engine, responses.request_id, prepared, arrival_time)
-    tracker = RequestTracker(responses.request_id, endpoint, state.metrics, arrival_time)
+    tracker = RequestTracker(responses.request_id, responses.endpoint, state.metrics, arrival_time)
     headers = {"X-Request-Id": responses.request_id}
     if stream:
-        return _EngineStreamingResponse(
+
+        async def on_close() -> None:
+            # A no-op after the stream's own clean-up ran (both are idempotent).
+            engine_stream.close()
+            tracker.finish("client_disconnected")
+
+        return ManagedStreamingResponse(
             _stream(engine_stream, responses, tracker, state.metrics),
-            on_close=lambda: _close(engine_stream, tracker),
+            on_close,
             media_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    body = await _collect(
-        http_request,
-        state.engine,
-        engine_stream,
-        responses,
-        tracker,
-        prepared.sampling_params.logprobs is not None,
+    wants_logprobs = prepared.sampling_params.logprobs is not None
+    body = await until_disconnected(
+        http_request, _collect(engine_stream, responses, tracker, wants_logprobs)
     )
     return JSONResponse(body, headers=headers)
-
-
-class _EngineStreamingResponse(StreamingResponse):
-    """A stream that always releases its engine request, even when the client vanished
-    before the body iterator ever started (then its own `finally` never runs)."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs) -> None:
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-def _close(engine_stream: RequestStream, tracker: RequestTracker) -> None:
-    """Idempotent: a no-op after the stream's own clean-up ran."""
-    engine_stream.close()
-    tracker.finish("client_disconnected")
 
 
 async def _admit(
@@ -140,7 +121,7 @@ async def _stream(
     responses: Responses,
     tracker: RequestTracker,
     metrics: ServerMetrics,
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     status = "ok"
     try:
         for event in responses.opening_chunks():
@@ -163,7 +144,7 @@ async def _stream(
         status = "error"
         error = _engine_failure(exc)
         metrics.count_error(error.error_type.type_name)
-        yield error.sse_event()
+        yield sse_event(error.body())
         yield DONE_EVENT
     except (asyncio.CancelledError, GeneratorExit):
         status = "client_disconnected"
@@ -174,16 +155,11 @@ async def _stream(
 
 
 async def _collect(
-    http_request: Request,
-    engine: AsyncLLMEngine,
     engine_stream: RequestStream,
     responses: Responses,
     tracker: RequestTracker,
     wants_logprobs: bool,
 ) -> dict:
-    watcher = asyncio.create_task(
-        _abort_on_disconnect(http_request, engine, engine_stream.request_id)
-    )
     texts: list[str] = []
     logprobs: list[TokenLogprob] | None = [] if wants_logprobs else None
     final: RequestOutput | None = None
@@ -201,21 +177,14 @@ async def _collect(
     except (RequestFailedError, EngineDeadError) as exc:
         status = "error"
         raise _engine_failure(exc) from exc
+    except asyncio.CancelledError:
+        status = "client_disconnected"
+        raise
     finally:
-        watcher.cancel()
         engine_stream.close()
         tracker.finish(status)
     assert final is not None  # a stream always ends with a finished output or an error
     return responses.full("".join(texts), logprobs, final)
-
-
-async def _abort_on_disconnect(
-    http_request: Request, engine: AsyncLLMEngine, request_id: str
-) -> None:
-    """The body is read already, so the next ASGI message is the disconnect."""
-    while (await http_request.receive())["type"] != "http.disconnect":
-        pass
-    engine.abort(request_id)
 
 
 def _raise_if_failed(output: RequestOutput) -> None:

@@ -14,10 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.router.policies import PoolRole, make_policy
-from pdserve.router.pool import Lease, WorkerPool, WorkerRegistry
-from pdserve.router.prefix_index import PrefixIndex
-from pdserve.router.prompt import PromptInfo
-from pdserve.router.worker import ScrapedLoad, WorkerState
+from pdserve.router.pool import Lease, ScrapedLoad, WorkerPool, WorkerRegistry, WorkerState
+from pdserve.router.prefix_index import PrefixIndex, PromptInfo
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.worker import SimWorker
 

@@ -118,12 +118,11 @@ def start_stubs(*specs: tuple[str, int | None]) -> list[StubWorker]:
     return stubs
 
 
-class RouterThread:
-    """The router app under uvicorn on a thread of the test process."""
+class AppThread:
+    """An ASGI app under uvicorn on a thread of the test process, on a free port."""
 
-    def __init__(self, config: RouterConfig) -> None:
-        self.app = build_app(config)
-        self.runtime = self.app.state.runtime
+    def __init__(self, app) -> None:
+        self.app = app
         # proto IPPROTO_TCP, else asyncio skips TCP_NODELAY on accepted connections and every
         # response waits out a delayed ACK (~40 ms).
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -136,15 +135,23 @@ class RouterThread:
             target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True
         )
 
-    def __enter__(self) -> RouterThread:
+    def __enter__(self):
         self._thread.start()
-        wait_until(lambda: self._server.started, 30.0, "router startup")
+        wait_until(lambda: self._server.started, 60.0, "app startup")
         return self
 
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=30)
         self._socket.close()
+
+
+class RouterThread(AppThread):
+    """The router app on a thread of the test process."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(build_app(config))
+        self.runtime = self.app.state.runtime
 
     def workers(self, headers: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
         listing = httpx.get(f"{self.url}/workers", headers=headers, trust_env=False).json()

@@ -8,11 +8,11 @@ import json
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, pre_tokenizers
 
-from pdserve.router.legs import decode_leg_body, prefill_leg_body, wants_usage
-from pdserve.router.load_scrape import parse_worker_load
-from pdserve.router.prompt import PromptInfo, literal_token_ids, tokenize_request_body
-from pdserve.router.sse import is_done_event, iter_sse_events
-from pdserve.router.tokenizer import LocalTokenizer
+from pdserve.router.handoff import decode_leg_body, prefill_leg_body, wants_usage
+from pdserve.router.health import parse_worker_load
+from pdserve.router.prefix_index import PromptInfo
+from pdserve.router.relay import is_done_event, iter_sse_events
+from pdserve.router.tokenizer import LocalTokenizer, literal_token_ids, tokenize_request_body
 
 
 def test_load_scrape_sums_label_sets_and_ignores_look_alikes():
@@ -109,7 +109,7 @@ def test_prompt_token_ids_given_literally_and_tokenize_bodies():
 
 def test_prompt_info_hashes_full_blocks_or_estimates_length():
     info = PromptInfo.from_token_ids(list(range(40)), block_size=16)
-    assert (info.num_tokens, len(info.block_hashes), info.is_exact) == (40, 2, True)
+    assert (info.num_tokens, len(info.block_hashes)) == (40, 2)
     guess = PromptInfo.estimate({"prompt": "x" * 400})
     assert guess.block_hashes == () and 90 <= guess.num_tokens <= 110
 

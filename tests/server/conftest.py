@@ -24,6 +24,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
+from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.gguf_file import GGUFModelFile
 from pdserve.model.llama import hf_weight_shapes
 from pdserve.model.loader import default_model_path
@@ -161,6 +162,18 @@ def write_tiny_model(out_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+def tiny_engine(model_dir: Path) -> LLMEngine:
+    """An in-process engine over the tiny model (256-token context), for `create_app`."""
+    return LLMEngine.from_args(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=64,
+        max_model_len=256,
+        num_threads=1,
+    )
 
 
 @pytest.fixture(scope="session")

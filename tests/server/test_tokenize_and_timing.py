@@ -15,10 +15,10 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from pdserve.engine.llm_engine import LLMEngine
 from pdserve.router.tokenizer import LocalTokenizer
 from pdserve.server.app import create_app
 from pdserve.server.settings import ServerSettings
+from tests.server.conftest import tiny_engine
 
 MESSAGES = [
     {"role": "developer", "content": "Be brief."},
@@ -32,15 +32,7 @@ GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir):
-    engine = LLMEngine.from_args(
-        model=str(tiny_model_dir),
-        dtype="float32",
-        device="cpu",
-        num_kv_blocks=64,
-        max_model_len=256,
-        num_threads=1,
-    )
-    app = create_app(engine, ServerSettings(served_model_names=("tiny",)))
+    app = create_app(tiny_engine(tiny_model_dir), ServerSettings(served_model_names=("tiny",)))
     with TestClient(app) as test_client:
         yield test_client
 

@@ -1,13 +1,17 @@
-"""Request bodies of the OpenAI-compatible endpoints (pydantic, strict types).
+"""Request bodies of the OpenAI-compatible endpoints (pydantic, strict types), for the server
+and the router alike.
 
 Field names and meanings follow the OpenAI API plus vLLM's extensions (`top_k`, `ignore_eos`,
 `min_tokens`, `stop_token_ids`, `kv_transfer_params`). Types are strict so a wrong-typed field
 is a 400 naming it rather than a silent coercion; unknown fields are ignored, as vLLM does.
-Range checks that depend on the model (context length, vocabulary) live in `sampling.py`.
+Checks that depend on the model (name, context length, vocabulary) live in
+`pdserve.server.inputs`. The router checks only `RoutedRequest` itself and relays the
+worker's answer to the rest, so both give the same 400 for the same body.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,7 +33,14 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _GenerationRequest(_Body):
+class RoutedRequest(_Body):
+    """What the router reads of a generation request before it relays the body untouched
+    (it branches on `stream`); the workers validate the rest."""
+
+    stream: bool | None = False
+
+
+class _GenerationRequest(RoutedRequest):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = Field(None, description="served model name; omitted means the default")
@@ -41,7 +52,6 @@ class _GenerationRequest(_Body):
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = None
     n: int | None = Field(None, ge=1, le=1, description="only n=1 is supported")
-    stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
@@ -50,7 +60,7 @@ class _GenerationRequest(_Body):
     user: str | None = None
     # Disaggregated serving (docs/architecture.md): passed to the engine untouched.
     kv_transfer_params: dict | None = None
-    # Set by the router on a decode leg; echoed back in `pdserve_timing` (worker_timing.py).
+    # Set by the router on a decode leg; echoed back in `pdserve_timing` (server/worker_timing.py).
     router_timing: dict | None = None
 
     @property
@@ -98,3 +108,22 @@ class ChatCompletionRequest(_GenerationRequest):
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
     tools: list[dict] | None = Field(None, max_length=0, description="not supported")
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's shape): exactly one of `prompt` and `messages`."""
+
+    model: str | None = None
+    prompt: str | None = Field(None, min_length=1)
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as a chat template takes them: text parts joined, and "developer" (OpenAI's
+    newer name for the system role) spelled "system". The server and the router's tokenizer
+    both render through this, so their prompt ids agree."""
+    return [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        for m in messages
+    ]

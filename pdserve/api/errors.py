@@ -1,18 +1,19 @@
-"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right status.
+"""The one error envelope of both apps: `{"error": {"message", "type", "param", "code"}}`.
 
 Every failure a client can cause maps to a 4xx naming the offending field; handlers never let
-an exception escape as a bare 500.
+an exception escape as a bare 500. The server and the router answer the same bad request with
+the same body.
 """
 
 from __future__ import annotations
 
 import enum
-import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
@@ -23,9 +24,12 @@ class ErrorType(enum.Enum):
     AUTHENTICATION = ("authentication_error", 401)
     NOT_FOUND = ("not_found_error", 404)
     METHOD_NOT_ALLOWED = ("method_not_allowed", 405)
+    CONFLICT = ("conflict_error", 409)
     REQUEST_TOO_LARGE = ("request_too_large", 413)
     RATE_LIMIT = ("rate_limit_exceeded", 429)
     INTERNAL = ("internal_error", 500)
+    # The router's worker failed in a way the client cannot fix.
+    BAD_GATEWAY = ("upstream_error", 502)
     UNAVAILABLE = ("service_unavailable", 503)
 
     @property
@@ -77,16 +81,31 @@ class APIError(Exception):
             self.body(), status_code=self.error_type.status_code, headers=self.headers
         )
 
-    def sse_event(self) -> str:
-        """The error as a server-sent event, for failures after a stream has started."""
-        return f"data: {json.dumps(self.body())}\n\n"
+
+class _ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """The envelope, for the OpenAPI schema."""
+
+    error: _ErrorDetail
+
+
+# `responses=` of a route: its error answers in the OpenAPI schema.
+ERROR_RESPONSES = {t.status_code: {"model": ErrorBody} for t in ErrorType}
+
+OnError = Callable[[APIError, str], None]
 
 
 def invalid(param: str | None, message: str) -> APIError:
     return APIError(ErrorType.INVALID_REQUEST, message, param)
 
 
-def param_from_loc(loc: Sequence[str | int]) -> str | None:
+def _param_from_loc(loc: Sequence[str | int]) -> str | None:
     """pydantic's error location to OpenAI's param spelling: ("body", "messages", 0, "role")
     becomes "messages[0].role"."""
     param = ""
@@ -109,7 +128,7 @@ def _is_type_tag(part: str) -> bool:
     return part in {"str", "int", "float", "bool", "list", "dict"} or "[" in part
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
+def _validation_error(exc: RequestValidationError) -> APIError:
     """The most specific pydantic error about the first bad field, phrased for a client.
 
     A union field reports one error per member; the deepest location (e.g. inside the list
@@ -122,14 +141,14 @@ def validation_error(exc: RequestValidationError) -> APIError:
     first = max(same_field, key=lambda e: len(_field_parts(e.get("loc", ()))))
     if first.get("type") == "json_invalid":
         return invalid(None, f"request body is not valid JSON: {first.get('msg')}")
-    param = param_from_loc(first.get("loc", ()))
+    param = _param_from_loc(first.get("loc", ()))
     message = first.get("msg", "invalid value")
     if param is None:
         return invalid(None, f"request body: {message}")
     return invalid(param, f"{param}: {message}")
 
 
-def install_handlers(app, on_error) -> None:
+def install_handlers(app, on_error: OnError) -> None:
     """Route every exception class a request can raise to an OpenAI error response.
 
     `on_error(error, path)` is called for each error response (metrics, logging)."""
@@ -142,7 +161,7 @@ def install_handlers(app, on_error) -> None:
         return respond(request, exc)
 
     async def request_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return respond(request, validation_error(exc))
+        return respond(request, _validation_error(exc))
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error_type = ErrorType.from_status(exc.status_code)
