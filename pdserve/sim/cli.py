@@ -16,6 +16,7 @@ from pdserve.bench.report import write_report
 from pdserve.bench.summary import format_summary
 from pdserve.sim.calibration import fit_efficiency, load_samples, save_samples
 from pdserve.sim.cost_model import CostModel
+from pdserve.sim.efficiency import calibration_for
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import get_hardware
 from pdserve.sim.model_spec import load_model_spec
@@ -29,7 +30,7 @@ from pdserve.sim.options import (
     workload_from_args,
 )
 from pdserve.sim.plan_report import explain, format_ranking, plot_goodput_vs_split
-from pdserve.sim.planner import PlanInputs, gpus_for_rate, search
+from pdserve.sim.planner import PlanInputs, band_of, gpus_for_rate, search
 from pdserve.sim.profile_fit import (
     calibrate_points,
     calibration_of,
@@ -37,7 +38,7 @@ from pdserve.sim.profile_fit import (
     load_profile,
     point_rows,
 )
-from pdserve.sim.report import bench_result, result_json
+from pdserve.sim.report import bench_result, result_json, simulate_band
 from pdserve.sim.simulator import simulate
 
 
@@ -152,6 +153,8 @@ def _simulate(args: argparse.Namespace) -> int:
     deployment = Deployment.from_args(args)
     planned = workload_from_args(args, deployment.max_model_len)
     slos = slos_from_text(args.goodput)
+    calibration = calibration_for(args.calibration, deployment.hardware.name)
+    print(f"calibration: {calibration.describe()}")
     results, payload = [], {}
     for mode in parse_modes(args.mode):
         config = layout_config(deployment, mode, max_concurrency=planned.max_concurrency)
@@ -167,6 +170,10 @@ def _simulate(args: argparse.Namespace) -> int:
         results.append(result)
         payload[result.label] = result_json(sim, result)
         print(format_summary(result))
+        band = simulate_band(config, planned.specs, calibration, slos)
+        if band is not None:
+            print("\n".join(band.lines(result.metrics)))
+            payload[result.label]["pdserve"]["simulation"]["band"] = band.to_dict()
         print(
             f"simulated {sim.duration_s:.1f} s of {config.num_devices} × "
             f"{config.hardware.name} in {sim.wall_time_s:.1f} s ({sim.num_events} events)\n"
@@ -257,13 +264,19 @@ def _plan(args: argparse.Namespace) -> int:
     slos = slos_from_text(args.slo)
     if not slos:
         raise SimConfigError("--slo: give at least one of ttft:MS, tpot:MS, e2el:MS")
-    inputs = PlanInputs(deployment, planned, slos)
+    calibration = calibration_for(args.calibration, deployment.hardware.name)
+    print(f"calibration: {calibration.describe()}")
+    inputs = PlanInputs(deployment, planned, slos, calibration.band)
     progress = _progress(args.quiet)
     evaluations = search(inputs, args.gpus, progress)
-    print(format_ranking(evaluations, args.top))
+    shown = evaluations[: args.top]
+    bands = [band_of(inputs, e, progress) for e in shown]
+    print(format_ranking(shown, bands=bands))
+    if calibration.band:
+        print(f"(latencies in ms, in parentheses with every step ±{calibration.band:.0%})")
     print()
     best = evaluations[0]
-    print(explain(best, evaluations))
+    print(explain(best, evaluations, band_of(inputs, best, progress, with_capacity=True)))
     target = args.target_rate or planned.request_rate
     if target is not None and math.isfinite(target):
         _inverse(args, inputs, evaluations, target, progress)

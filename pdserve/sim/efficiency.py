@@ -221,5 +221,11 @@ def default_calibration(hardware_name: str) -> Calibration:
     return Calibration("typical", Efficiency(), metadata={"stack": "typical GPU defaults"})
 
 
+def calibration_for(spec: str | None, hardware_name: str) -> Calibration:
+    """What `--calibration SPEC` means on `hardware_name`: that calibration (a shipped name or
+    a file), or without one the device's default."""
+    return Calibration.load(spec) if spec else default_calibration(hardware_name)
+
+
 def default_efficiency(hardware_name: str) -> Efficiency:
     return default_calibration(hardware_name).efficiency
