@@ -111,3 +111,68 @@ def test_profile_of_a_server_with_a_known_law_recovers_the_law(tmp_path):
     # mostly the stub's HTTP time, which varies by a few ms).
     assert all(abs(p["residual"]) < 0.05 + p["spread"] for p in saved["points"])
     assert MAX_MODEL_LEN > 2048
+
+
+# The held-back workload's figures the simulation must reach (CI noise: 25%).
+HELD_BACK_FIGURES = ("median_ttft_ms", "p90_ttft_ms", "median_itl_ms", "p90_itl_ms")
+REAL_SERVER_BUDGET = 128
+SMALL_SHAPE = dict(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+)
+
+
+@pytest.mark.slow
+def test_real_server_calibrated_from_outside_predicts_a_held_back_workload(tmp_path, capsys):
+    """`pdserve serve` on a tiny model: profile it, calibrate, then simulate another
+    workload measured on the same server."""
+    server_conftest = pytest.importorskip("tests.server.conftest")
+    from pdserve.bench.tokenizer import load_tokenizer
+
+    # Wide enough that a step (~10 ms) outlasts the timer noise of a busy 2-core machine.
+    model = server_conftest.write_tiny_model(tmp_path / "small", **SMALL_SHAPE)
+    engine_args = ["--max-model-len", "1024", "--max-num-batched-tokens"]
+    server = server_conftest.start_server(
+        tmp_path, "--model", str(model), *engine_args, str(REAL_SERVER_BUDGET)
+    )
+    tokenizer = load_tokenizer(str(model))
+    try:
+        profile = ProfileWorkload(
+            prompt_lens=(16, 64, 128, 256, 512, 900),
+            num_streams=(1, 2, 4, 8),
+            contexts=(64, 256),
+            decode_len=16,
+        )
+        spec = BenchSpec(EndpointConfig(server.url), profile, show_progress=False)
+        save_results(run_benchmark(spec, tokenizer), tmp_path / "profile.json")
+        held_back = tmp_path / "held_back.json"
+        bench = ["bench", "--base-url", server.url, "--tokenizer", str(model), "--no-progress"]
+        # Below saturation: a few requests overlap, none queues for long.
+        workload = ["--workload", "random", "--num-prompts", "20", "--input-len", "200"]
+        workload += ["--output-len", "32", "--range-ratio", "0.5", "--request-rate", "2"]
+        assert main([*bench, *workload, "--save-result", str(held_back)]) == 0
+    finally:
+        server.stop()
+    cal = tmp_path / "cal.json"
+    deployment = ["--model", str(model), "--hardware", "cpu-local"]
+    budget = ["--max-num-batched-tokens", str(REAL_SERVER_BUDGET)]
+    argv = ["simulate", "calibrate", "--bench", str(tmp_path / "profile.json"), *deployment]
+    assert main([*argv, *budget, "--output", str(cal)]) == 0
+    fit_report = capsys.readouterr().out
+    predicted = tmp_path / "predicted.json"
+    argv = ["simulate", "--mode", "chunked", *deployment, *budget, "--calibration", str(cal)]
+    argv += ["--workload-from", str(held_back), "--num-kv-blocks", "256"]
+    assert main([*argv, "--max-model-len", "1024", "--save-result", str(predicted)]) == 0
+    capsys.readouterr()
+    measured, simulated = (json.loads(p.read_text()) for p in (held_back, predicted))
+    errors = {k: simulated[k] / measured[k] - 1 for k in HELD_BACK_FIGURES}
+    with capsys.disabled():
+        print(f"\n{fit_report}")
+        print("held-back workload, measured vs simulated from the profile's calibration:")
+        for key, error in errors.items():
+            print(f"  {key:<15} {measured[key]:8.1f} ms  {simulated[key]:8.1f} ms  {error:+.0%}")
+    assert all(abs(e) <= 0.25 for e in errors.values()), errors
