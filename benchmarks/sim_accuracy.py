@@ -12,9 +12,14 @@
 4. Report TTFT p50/p99 and ITL p50/p99, predicted vs measured, per mode (target: within 15%).
    The measurement is repeated (`--repeats`, same workload and seed) and the prediction judged
    against the mean: tail figures of one run on a 2-vCPU VM move 20-30% between repeats.
+5. With `--profile`, the servers are also calibrated from outside, as any server could be:
+   `pdserve bench --workload profile` against a chunked `pdserve serve` on two threads and on
+   one, `pdserve simulate calibrate --bench`; every mode is predicted again with those
+   calibrations, and both predictions are written beside each other (profile_vs_steps.json,
+   read by benchmarks/gpu_calibration.py --cpu-from DIR).
 
     .venv/bin/python benchmarks/sim_accuracy.py [--out DIR] [--num-prompts N]
-        [--request-rate R] [--workload NAME] [--seed S] [--repeats N] [--reuse]
+        [--request-rate R] [--workload NAME] [--seed S] [--repeats N] [--reuse] [--profile]
 
 `--reuse` skips runs whose outputs already exist in DIR (the step logs, compare*.json) and
 refits the calibrations from the saved step logs.
@@ -121,8 +126,54 @@ def measure(out: Path, workload: list[str], reuse: bool, repeats: int) -> list[d
     return runs
 
 
-def predict(out: Path, mode: str, measured_run: Path, calibration: Path) -> dict:
-    path = out / f"predicted-{mode}.json"
+# The profile: prompts up to the mixed workload's longest documents; the servers' own budget.
+PROFILE_LONGEST_PROMPT = 6000
+SERVER_BUDGET = 512
+
+
+def profile_calibrations(out: Path, reuse: bool) -> dict[int, Path]:
+    """Each thread count's server profiled from outside and calibrated from its profile."""
+    from pdserve.bench.launcher import LaunchConfig, launch_server
+
+    calibrations = {}
+    for threads in sorted(set(THREADS.values())):
+        profile = out / f"profile-{threads}-thread.json"
+        if not (reuse and profile.exists()):
+            config = LaunchConfig(
+                extra_args=("--num-threads", str(threads)), log_dir=out / "profile-logs"
+            )
+            with launch_server(config, "chunked") as server:
+                pdserve(
+                    "bench",
+                    "--base-url",
+                    server.base_url,
+                    "--workload",
+                    "profile",
+                    "--input-len",
+                    str(PROFILE_LONGEST_PROMPT),
+                    "--save-result",
+                    str(profile),
+                    "--no-progress",
+                )
+        path = out / f"calibration-profile-{threads}-thread.json"
+        pdserve(
+            "simulate",
+            "calibrate",
+            "--hardware",
+            hardware(threads),
+            "--bench",
+            str(profile),
+            "--max-num-batched-tokens",
+            str(SERVER_BUDGET),
+            "--output",
+            str(path),
+        )
+        calibrations[threads] = path
+    return calibrations
+
+
+def predict(out: Path, mode: str, measured_run: Path, calibration: Path, tag: str = "") -> dict:
+    path = out / f"predicted{tag}-{mode}.json"
     pdserve(
         "simulate",
         *LAYOUTS[mode],
@@ -153,6 +204,9 @@ def main() -> int:
         "against their mean (default: %(default)s)",
     )
     parser.add_argument("--reuse", action="store_true")
+    parser.add_argument(
+        "--profile", action="store_true", help="also calibrate from a profile taken from outside"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     workload = [
@@ -168,7 +222,8 @@ def main() -> int:
     )
     workload += ["--seed", str(args.seed)]
     repeats = measure(args.out, workload, args.reuse, args.repeats)
-    rows = []
+    profiled = profile_calibrations(args.out, args.reuse) if args.profile else None
+    rows, both = [], []
     for mode in LAYOUTS:
         measured = [runs[mode] for runs in repeats if mode in runs]
         if not measured:
@@ -178,9 +233,24 @@ def main() -> int:
         measured_path = args.out / f"measured-{mode}.json"
         measured_path.write_text(json.dumps(measured[0]))
         predicted = predict(args.out, mode, measured_path, calibrations[THREADS[mode]])
+        from_profile = None
+        if profiled:
+            calibration = profiled[THREADS[mode]]
+            from_profile = predict(args.out, mode, measured_path, calibration, "-profile")
         for name, key in FIGURES:
             values = [run[key] for run in measured]
             rows.append(Row(mode, name, values, predicted[key]))
+            if from_profile:
+                mean = sum(values) / len(values)
+                both.append(
+                    {
+                        "mode": mode,
+                        "figure": name,
+                        "measured": mean,
+                        "steps": predicted[key],
+                        "profile": from_profile[key],
+                    }
+                )
     table = format_table(rows)
     if rows:
         within = sum(abs(r.error) <= TARGET for r in rows)
@@ -189,6 +259,9 @@ def main() -> int:
             f"\n\nMean absolute error {mean:.1%}; {within} of {len(rows)} figures within "
             f"{TARGET:.0%}."
         )
+    if both:
+        (args.out / "profile_vs_steps.json").write_text(json.dumps(both, indent=1))
+        table += "\n\n" + format_both(both)
     print(table)
     (args.out / "sim_accuracy.md").write_text(
         "# Simulator accuracy\n\n"
@@ -219,6 +292,27 @@ class Row:
     def spread(self) -> float:
         """(max − min) / mean of the repeats: how far the real system disagrees with itself."""
         return (max(self.measured) - min(self.measured)) / self.mean if self.mean else 0.0
+
+
+def format_both(rows: list[dict]) -> str:
+    """Each figure predicted from the step-log and from the profile calibration."""
+    lines = [
+        "| mode | figure | measured ms (mean) | step-log calibration | profile calibration "
+        "| profile vs step-log |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {r['figure']} | {r['measured']:.1f} | {r['steps']:.1f} "
+            f"({r['steps'] / r['measured'] - 1:+.1%}) | {r['profile']:.1f} "
+            f"({r['profile'] / r['measured'] - 1:+.1%}) | {r['profile'] / r['steps'] - 1:+.1%} |"
+        )
+    within = sum(abs(r["profile"] / r["steps"] - 1) <= TARGET for r in rows)
+    lines.append(
+        f"\nProfile-calibrated predictions within {TARGET:.0%} of the step-log-calibrated ones: "
+        f"{within} of {len(rows)}."
+    )
+    return "\n".join(lines)
 
 
 def format_table(rows: list[Row]) -> str:
