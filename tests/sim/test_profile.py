@@ -66,6 +66,19 @@ def test_steady_window_excludes_prefill_and_tail():
     assert all(o == pytest.approx(0.2) for o in point["observations"])
 
 
+def test_calibrating_from_a_run_that_is_no_profile_is_one_clear_line(tmp_path, capsys):
+    run = {"pdserve": {"records": [RequestRecord(0, "chat", 10, 4, 0.0).to_dict()]}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(run))
+    argv = ["simulate", "calibrate", "--bench", str(path), "--output", str(tmp_path / "c.json")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "not a profile run" in err and "Traceback" not in err
+    path.write_text("{}")
+    assert main(argv) == 2
+    assert "is not a pdserve bench result" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_profile_of_a_server_with_a_known_law_recovers_the_law(tmp_path):
     """The law server's steps take exactly what a cost model says; profiling it from outside
