@@ -171,8 +171,8 @@ def test_fp8_gemms_have_their_own_share_and_time_scale_stretches_every_step():
     fp8 = dataclasses.replace(IDEAL, fp8_linear_compute=0.5)
     bf16_s = CostModel(LLAMA_8B, H100, efficiency=fp8).step_cost(prefill).linear_s
     fp8_s = CostModel(LLAMA_8B, H100, dtype="fp8", efficiency=fp8).step_cost(prefill).linear_s
-    # FP8's peak is twice bf16's; at half its share the FP8 GEMMs take as long.
-    assert fp8_s == pytest.approx(bf16_s)
+    # FP8's peak is twice bf16's (1,979 and 989 TFLOP/s): at half its share, as long.
+    assert fp8_s == pytest.approx(bf16_s, rel=1e-3)
     slower = CostModel(LLAMA_8B, H100, efficiency=dataclasses.replace(IDEAL, time_scale=1.25))
     assert slower.step_time(prefill) == pytest.approx(1.25 * ideal().step_time(prefill))
     with pytest.raises(SimConfigError, match="fp8_linear_compute"):
