@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pdserve.kv_transfer import KVLayout, KVTransferConfig, KVTransferParams, plan_units
-from pdserve.kv_transfer.factory import create_kv_transport
+from pdserve.kv_transfer.connector import create_kv_transport
 
 
 @dataclass(frozen=True)
@@ -110,9 +110,7 @@ def sender_main(conn, threads: int, sender: Sender) -> None:
             config = KVTransferConfig(
                 transport=transport, kv_role="kv_producer", kv_host=sender.host
             )
-            producer = create_kv_transport(
-                config, case.layout, cache_blocks(case), free_blocks=lambda rid, ids: None
-            )
+            producer = create_kv_transport(config, case.layout, cache_blocks(case))
             producer.kv_cache.normal_()
             producers[index, transport] = producer
     conn.send("ready")

@@ -4,6 +4,10 @@ A connector lets KV computed elsewhere enter this scheduler's cache (a decode wo
 a prefill worker's blocks) and lets finished requests keep their blocks while another worker
 reads them (a prefill worker sending). The worker side, which moves the bytes, lives in
 `pdserve.kv_transfer`; this interface is pure Python so the simulator can implement it too.
+
+What a request's KV hand-off says (where its KV comes from, or that it should be kept for
+another worker) the connector learns from its owner when the request is added, keyed by
+request id; the scheduler passes only `Request`s, and never reads or writes hand-off data.
 """
 
 from __future__ import annotations
@@ -35,17 +39,25 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """How many tokens past `num_computed_tokens` (computed or cached locally) will arrive
-        from elsewhere; 0 to compute them here."""
+        from elsewhere; 0 to compute them here.
+
+        A query without side effects: the scheduler asks again, step after step, while the
+        request waits for free blocks, and the same state gets the same answer."""
 
     @abstractmethod
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
-        """Blocks for the external tokens are in `request.block_table`: start receiving them
-        into positions `[num_computed_tokens, num_computed_tokens + num_external_tokens)`."""
+        """The request was admitted and its blocks are in `request.block_table`. With
+        `num_external_tokens` > 0: start receiving them into positions
+        `[num_computed_tokens, num_computed_tokens + num_external_tokens)`. With 0 it is
+        computed here (nothing remote, or its local prefix cache holds all of it): any
+        remote copy may be given up. Called on every admission, also after a preemption."""
 
     @abstractmethod
-    def request_finished(self, request: Request) -> bool:
-        """A request ends (finished, aborted). True keeps its blocks allocated until its id
-        appears in `finished_sending` or `finished_recving`/`failed_recving`."""
+    def request_finished(self, request: Request) -> tuple[bool, dict | None]:
+        """A request ends (finished, aborted); the request is not modified. Returns
+        `(delay_free_blocks, kv_transfer_params)`: True keeps its blocks allocated until its
+        id appears in `finished_sending` or `finished_recving`/`failed_recving`; the params
+        (JSON-ready, or None) are what its final output hands to the next leg."""
 
     @abstractmethod
     def get_finished(self) -> KVTransferEvents:

@@ -65,8 +65,9 @@ class Request:
     # size of the block manager holding the request, which alone extends it). Tokens never
     # change once appended, so the hashes are computed once per block, not per lookup.
     block_hashes: list[int] = field(default_factory=list)
-    # Free-form per-request data carried for KV connectors (vLLM's kv_transfer_params).
-    kv_transfer_params: dict | None = None
+    # Set by the scheduler when the request finishes: the `kv_transfer_params` its KV
+    # connector hands to the next leg (a prefill leg's: where its leased blocks wait).
+    kv_hand_off: dict | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

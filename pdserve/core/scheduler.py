@@ -124,10 +124,12 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if self.connector is not None and self.connector.request_finished(request):
-            self.held[request_id] = request
-        else:
-            self.block_manager.free(request)
+        if self.connector is not None:
+            is_held, request.kv_hand_off = self.connector.request_finished(request)
+            if is_held:
+                self.held[request_id] = request
+                return request
+        self.block_manager.free(request)
         return request
 
     def has_unfinished_requests(self) -> bool:
@@ -206,6 +208,8 @@ class Scheduler:
                 num_new = remaining
             if not self.block_manager.allocate_slots(request, num_new, computed):
                 return
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(request, 0)
             self.waiting.popleft()
             self.running.append(request)
             scheduled = ScheduledRequest(request, num_new)

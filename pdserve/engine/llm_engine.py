@@ -7,7 +7,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,13 +20,10 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import KVTransferOutcome, RequestOutput
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.step_log import StepLog, StepRecord, step_batch
-from pdserve.kv_transfer.errors import KVTransferError
-from pdserve.kv_transfer.protocol import KVLayout, KVTransferParams
+from pdserve.kv_transfer.connector import KVConnector, add_kv_request
+from pdserve.kv_transfer.protocol import KVLayout
 from pdserve.model.attention import kv_bytes_per_token
 from pdserve.model.loader import LoadedModel, load_model
-
-if TYPE_CHECKING:
-    from pdserve.kv_transfer.connector import KVConnector
 
 logger = logging.getLogger(__name__)
 # How long an idle step waits when only KV transfers are in flight.
@@ -40,8 +36,6 @@ class _Tracked:
 
     request: Request
     detokenizer: Detokenizer
-    # A disaggregated prefill leg: its final output says where its KV blocks wait.
-    is_prefill_leg: bool = False
     # How this request's KV arrived from a prefill worker (decode legs only).
     transfer: KVTransferOutcome | None = None
 
@@ -112,8 +106,6 @@ class LLMEngine:
     def _make_connector(self, num_blocks: int) -> KVConnector | None:
         if self.config.kv_transfer is None:
             return None
-        from pdserve.kv_transfer.connector import KVConnector
-
         return KVConnector(
             self.config.kv_transfer,
             self.kv_layout(),
@@ -159,7 +151,11 @@ class LLMEngine:
             raise InvalidParameterError(
                 "stop_token_ids", f"must be below the vocabulary size {vocab_size}"
             )
-        first_tokens = self._validate_kv_transfer_params(kv_transfer_params, prompt_token_ids)
+        if request_id in self._tracked:  # refused before the connector records it
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        first_tokens = add_kv_request(
+            self.connector, request_id, kv_transfer_params, len(prompt_token_ids)
+        )
         request = Request(
             request_id,
             list(prompt_token_ids),
@@ -167,14 +163,9 @@ class LLMEngine:
             eos_token_ids=self._eos_token_ids,
             metrics=RequestMetrics() if arrival_time is None else RequestMetrics(arrival_time),
             output_token_ids=first_tokens,
-            kv_transfer_params=kv_transfer_params,
         )
         self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(
-            request,
-            Detokenizer(self.tokenizer, params.stop),
-            is_prefill_leg=bool(kv_transfer_params and kv_transfer_params.get("do_remote_decode")),
-        )
+        self._tracked[request_id] = _Tracked(request, Detokenizer(self.tokenizer, params.stop))
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -188,40 +179,6 @@ class LLMEngine:
         vocab_size = self.model_config.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise InvalidParameterError("prompt", f"token ids must be in [0, {vocab_size})")
-
-    def _validate_kv_transfer_params(self, data: dict | None, prompt: list[int]) -> list[int]:
-        """Check a disaggregated leg's params; returns the output tokens the request starts
-        with (the prefill worker's first token, for a decode leg)."""
-        if not data:
-            return []
-        if self.connector is None:
-            raise InvalidParameterError(
-                "kv_transfer_params",
-                "this worker takes no part in KV transfer (start it with "
-                "--role prefill or --role decode)",
-            )
-        try:
-            params = KVTransferParams.from_dict(data)
-        except KVTransferError as exc:
-            raise InvalidParameterError("kv_transfer_params", str(exc)) from exc
-        if not params.do_remote_prefill:
-            return []
-        layout = self.kv_layout()
-        if params.layout_hash != layout.layout_hash():
-            raise InvalidParameterError(
-                "kv_transfer_params",
-                "layout_hash differs from this worker's KV layout "
-                f"(model {layout.model_id}, {layout.dtype}, block_size {layout.block_size}, "
-                f"{layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
-                f"{layout.head_dim}): the prefill worker runs another model, dtype or layout",
-            )
-        if params.remote_num_tokens != len(prompt) or params.first_token_id is None:
-            raise InvalidParameterError(
-                "kv_transfer_params",
-                f"remote_num_tokens must equal the prompt's {len(prompt)} "
-                "tokens and first_token_id must be set",
-            )
-        return [params.first_token_id]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request now; returns its final output (None if it is not in flight)."""
@@ -316,9 +273,7 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             metrics=metrics,
             logprobs=[token.logprob] if token is not None and token.logprob else None,
-            kv_transfer_params=request.kv_transfer_params
-            if is_finished and tracked.is_prefill_leg
-            else None,
+            kv_transfer_params=request.kv_hand_off,
             kv_transfer=tracked.transfer,
         )
 

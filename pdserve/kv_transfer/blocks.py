@@ -12,8 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pdserve.kv_transfer.errors import KVProtocolError
-from pdserve.kv_transfer.protocol import KVLayout
+from pdserve.kv_transfer.protocol import KVLayout, KVProtocolError
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

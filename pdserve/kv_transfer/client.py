@@ -12,15 +12,16 @@ import select
 import socket
 from typing import Any
 
-from pdserve.kv_transfer.errors import (
+from pdserve.kv_transfer.protocol import (
     FrameError,
     KVIncompatibleError,
     KVLeaseError,
     KVProtocolError,
     KVTransferError,
+    KVTransferParams,
+    check_protocol_version,
+    get_str,
 )
-from pdserve.kv_transfer.fields import get_str
-from pdserve.kv_transfer.protocol import KVTransferParams, check_protocol_version
 from pdserve.kv_transfer.wire import (
     ConnectionClosed,
     MessageType,

@@ -1,12 +1,15 @@
 """`KVConnector`: the scheduler's KV connector (core.kv_connector) backed by a `KVTransport`.
 
-One per worker. On a prefill worker (`kv_producer`) a request that arrived with
-``kv_transfer_params: {"do_remote_decode": true}`` and finished by length (the router's
-``max_tokens=1`` leg) keeps its blocks under a lease; its `kv_transfer_params` become the
-hand-off (`KVTransferParams.to_dict()`), which the engine returns in the final output. On a
-decode worker (`kv_consumer`) a request with ``do_remote_prefill`` waits in
-`WAITING_FOR_REMOTE_KV` while a background thread fetches the blocks it does not already
-have in its prefix cache.
+One per worker. `add_request` is the one parse of a leg's ``kv_transfer_params`` on this
+worker: the typed result is kept here by request id, for the scheduler's hooks to act on. On
+a prefill worker (`kv_producer`) a request that arrived with ``{"do_remote_decode": true}``
+and finished by length (the router's ``max_tokens=1`` leg) keeps its blocks under a lease, and
+`request_finished` returns the hand-off (`KVTransferParams.to_dict()`) for its final output.
+On a decode worker (`kv_consumer`) a request with ``do_remote_prefill`` waits in
+`WAITING_FOR_REMOTE_KV` while a `BackgroundReceiver` fetches the blocks it does not already
+have in its prefix cache; the engine keeps stepping other requests and polls for results.
+Writes go only to the submitted blocks, which the engine does not touch until the transfer
+is polled.
 
 Threading: every method runs on the engine thread; transfers run on the receiver's pool and
 the lease server's threads, and reach the scheduler only through `get_finished()`.
@@ -15,17 +18,122 @@ the lease server's threads, and reach the scheduler only through `get_finished()
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from pdserve.core.kv_connector import KVConnectorScheduler, KVTransferEvents
 from pdserve.core.request import FinishReason, Request
-from pdserve.kv_transfer.background import BackgroundReceiver, FinishedTransfer
+from pdserve.core.sampling_params import InvalidParameterError
+from pdserve.kv_transfer.blocks import TORCH_DTYPES
 from pdserve.kv_transfer.config import KVTransferConfig
-from pdserve.kv_transfer.errors import KVTransferError
-from pdserve.kv_transfer.factory import create_kv_transport
-from pdserve.kv_transfer.protocol import KVLayout, KVTransferParams
-from pdserve.kv_transfer.transport import KVTransport
+from pdserve.kv_transfer.lease import LeaseManager
+from pdserve.kv_transfer.protocol import KVLayout, KVTransferError, KVTransferParams
+from pdserve.kv_transfer.shm import SharedKVCache, ShmTransport
+from pdserve.kv_transfer.transport import KVTransport, TcpTransport, TransferStats
 
 logger = logging.getLogger(__name__)
+
+
+def create_kv_transport(config: KVTransferConfig, layout: KVLayout, num_blocks: int) -> KVTransport:
+    """Allocate the engine's KV cache (CPU memory) and the transport that moves it.
+
+    The engine must use `transport.kv_cache` as its KV cache tensor (for a shm producer it
+    lives in shared memory).
+    """
+    leases = LeaseManager(config.kv_lease_timeout) if config.is_producer else None
+    if config.transport == "tcp":
+        # zero_() rather than torch.zeros: writing every page now means no transfer ever pays
+        # for first-touch page faults (torch.zeros may hand back lazily-zeroed pages).
+        cache = torch.empty(
+            layout.cache_shape(num_blocks), dtype=TORCH_DTYPES[layout.dtype]
+        ).zero_()
+        return TcpTransport(cache, layout, config, leases)
+    return ShmTransport(SharedKVCache.create(layout, num_blocks), layout, config, leases)
+
+
+@dataclass(frozen=True)
+class FinishedTransfer:
+    """Outcome of one submitted transfer: `stats` on success, else `error`."""
+
+    request_id: str
+    stats: TransferStats | None
+    error: BaseException | None
+
+    @property
+    def is_ok(self) -> bool:
+        return self.error is None
+
+
+class BackgroundReceiver:
+    """A small thread pool around `KVTransport.receive`."""
+
+    def __init__(self, transport: KVTransport) -> None:
+        self._transport = transport
+        # One transfer at a time, in submission order: they share one link anyway.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-recv")
+        self._lock = threading.Lock()
+        self._finished: list[FinishedTransfer] = []
+
+    def submit(
+        self,
+        request_id: str,
+        params: KVTransferParams,
+        local_block_ids: Sequence[int],
+        skip_blocks: int = 0,
+    ) -> None:
+        """Start fetching `params`' blocks into `local_block_ids` (see `KVTransport.receive`)."""
+        future = self._pool.submit(
+            self._transport.receive, params, tuple(local_block_ids), skip_blocks=skip_blocks
+        )
+        future.add_done_callback(lambda f: self._done(request_id, f))
+
+    def submit_release(self, params: KVTransferParams) -> None:
+        """Release a lease without fetching (the data is not needed), off the engine thread.
+        A failure is only logged: the sender's lease timeout frees the blocks anyway."""
+        self._pool.submit(self._transport.release_quietly, params)
+
+    def poll(self) -> list[FinishedTransfer]:
+        """Transfers finished since the last poll."""
+        with self._lock:
+            finished, self._finished = self._finished, []
+            return finished
+
+    def close(self) -> None:
+        """Wait for running transfers (bounded by the transfer timeout) and stop the pool."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _done(self, request_id: str, future: Future) -> None:
+        if future.cancelled():
+            error: BaseException | None = RuntimeError("KV transfer cancelled at shutdown")
+        else:
+            error = future.exception()
+        stats = future.result() if error is None else None
+        with self._lock:
+            self._finished.append(FinishedTransfer(request_id, stats, error))
+
+
+def add_kv_request(
+    connector: KVConnector | None,
+    request_id: str,
+    kv_transfer_params: Mapping[str, Any] | None,
+    num_prompt_tokens: int,
+) -> list[int]:
+    """Admit a request's ``kv_transfer_params`` (None or empty: an ordinary request) on a
+    worker with `connector` (None: it takes no part in KV transfer); returns the output tokens
+    the request starts with. Raises `InvalidParameterError` naming ``kv_transfer_params``."""
+    if not kv_transfer_params:
+        return []
+    if connector is None:
+        raise _invalid(
+            "this worker takes no part in KV transfer (start it with "
+            "--role prefill or --role decode)"
+        )
+    return connector.add_request(request_id, kv_transfer_params, num_prompt_tokens)
 
 
 class KVConnector(KVConnectorScheduler):
@@ -39,65 +147,95 @@ class KVConnector(KVConnectorScheduler):
         *,
         recompute_on_failure: bool = True,
     ) -> None:
-        self._freed: list[str] = []
-        self.transport: KVTransport = create_kv_transport(
-            config, layout, num_blocks, free_blocks=lambda rid, ids: self._freed.append(rid)
-        )
+        self.transport: KVTransport = create_kv_transport(config, layout, num_blocks)
         self._receiver = BackgroundReceiver(self.transport) if config.is_consumer else None
         self._recompute_on_failure = recompute_on_failure
+        # Prefill legs this worker leases when they finish.
+        self._sending: set[str] = set()
+        # Decode legs whose remote KV is neither fetched nor given up yet: entries leave at
+        # their first admission, so a request that comes back (recompute after a failure,
+        # preemption) is computed here.
+        self._remote: dict[str, KVTransferParams] = {}
         self._receiving: set[str] = set()
         # Finished (aborted) while their fetch ran: its result has no reader.
         self._abandoned: set[str] = set()
-        # Requests whose remote KV was tried or declined: if they come back (recompute after
-        # a failure, preemption) they are computed here.
-        self._settled: set[str] = set()
         self._results: dict[str, FinishedTransfer] = {}
 
     @property
     def recompute_on_failure(self) -> bool:
         return self._recompute_on_failure
 
+    def add_request(
+        self, request_id: str, kv_transfer_params: Mapping[str, Any], num_prompt_tokens: int
+    ) -> list[int]:
+        """Parse and check a leg's params and remember what they ask of this worker; returns
+        the output tokens the request starts with (a decode leg: the prefill worker's first
+        token). Raises `InvalidParameterError` naming ``kv_transfer_params``."""
+        try:
+            params = KVTransferParams.from_dict(kv_transfer_params)
+        except KVTransferError as exc:
+            raise _invalid(str(exc)) from exc
+        if params.do_remote_decode:
+            if self.transport.server is not None:
+                self._sending.add(request_id)
+            return []
+        if not params.do_remote_prefill:
+            return []
+        self._check_hand_off(params, num_prompt_tokens)
+        if self._receiver is not None:
+            self._remote[request_id] = params
+        return [params.first_token_id]
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        params = self._remote_params(request)
+        params = self._remote.get(request.request_id)
         if params is None:
             return 0
-        num_external = params.remote_num_tokens - num_computed_tokens
-        if num_external <= 0:
-            # The local prefix cache already holds all of it: free the sender's copy now.
-            self._settled.add(request.request_id)
-            self._receiver.submit_release(params)
-            return 0
-        return num_external
+        return max(params.remote_num_tokens - num_computed_tokens, 0)
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
-        params = self._remote_params(request)
+        params = self._remote.pop(request.request_id, None)
+        if params is None:
+            return
+        if num_external_tokens == 0:
+            # The local prefix cache already holds all of it: free the sender's copy now.
+            self._receiver.submit_release(params)
+            return
         layout = self.transport.layout
         # Tokens before the external ones are local prefix-cache hits: whole blocks.
         skip_blocks = (params.remote_num_tokens - num_external_tokens) // layout.block_size
         local_block_ids = request.block_table[
             skip_blocks : layout.num_blocks_for(params.remote_num_tokens)
         ]
-        self._settled.add(request.request_id)
         self._receiving.add(request.request_id)
         self._receiver.submit(request.request_id, params, local_block_ids, skip_blocks)
 
-    def request_finished(self, request: Request) -> bool:
+    def request_finished(self, request: Request) -> tuple[bool, dict | None]:
         request_id = request.request_id
-        self._settled.discard(request_id)
+        is_prefill_leg = request_id in self._sending
+        self._sending.discard(request_id)
+        unfetched = self._remote.pop(request_id, None)
+        if unfetched is not None:  # ended before its admission: nobody will fetch it
+            self._receiver.submit_release(unfetched)
         if request_id in self._receiving:
             self._abandoned.add(request_id)
-            return True  # the fetch still writes into its blocks
-        if not self._should_send(request):
-            return False
+            return True, None  # the fetch still writes into its blocks
+        # Only the router's prefill leg ended by its max_tokens (core checks length before
+        # stop tokens, so an EOS first token is leased too: the decode leg decides); an
+        # aborted leg has nobody to fetch it.
+        if not (
+            is_prefill_leg
+            and request.finish_reason is FinishReason.LENGTH
+            and request.num_computed_tokens >= request.num_prompt_tokens
+        ):
+            return False, None
         num_tokens = request.num_prompt_tokens
         block_ids = request.block_table[: self.transport.layout.num_blocks_for(num_tokens)]
         first_token = request.output_token_ids[0] if request.output_token_ids else None
         params = self.transport.expose(request_id, block_ids, num_tokens, first_token)
-        request.kv_transfer_params = params.to_dict()
-        return True
+        return True, params.to_dict()
 
     def get_finished(self) -> KVTransferEvents:
-        events = KVTransferEvents()
+        events = KVTransferEvents(finished_sending=set(self.transport.collect()))
         for finished in self._receiver.poll() if self._receiver is not None else []:
             self._receiving.discard(finished.request_id)
             if finished.request_id in self._abandoned:
@@ -111,9 +249,6 @@ class KVConnector(KVConnectorScheduler):
                     "KV transfer for request %r failed: %s", finished.request_id, finished.error
                 )
                 events.failed_recving.add(finished.request_id)
-        self.transport.collect()
-        events.finished_sending = set(self._freed)
-        self._freed.clear()
         return events
 
     def pop_transfer_result(self, request_id: str) -> FinishedTransfer | None:
@@ -126,32 +261,21 @@ class KVConnector(KVConnectorScheduler):
             self._receiver.close()
         self.transport.close()
 
-    def _remote_params(self, request: Request) -> KVTransferParams | None:
-        data = request.kv_transfer_params
-        if (
-            self._receiver is None
-            or not data
-            or not data.get("do_remote_prefill")
-            or request.request_id in self._settled
-        ):
-            return None
-        try:
-            return KVTransferParams.from_dict(data)
-        except KVTransferError as exc:
-            # The server validates params at the HTTP layer; anything else is computed here.
-            logger.warning("request %r: ignoring kv_transfer_params: %s", request.request_id, exc)
-            self._settled.add(request.request_id)
-            return None
+    def _check_hand_off(self, params: KVTransferParams, num_prompt_tokens: int) -> None:
+        layout = self.transport.layout
+        if params.layout_hash != layout.layout_hash():
+            raise _invalid(
+                "layout_hash differs from this worker's KV layout "
+                f"(model {layout.model_id}, {layout.dtype}, block_size {layout.block_size}, "
+                f"{layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
+                f"{layout.head_dim}): the prefill worker runs another model, dtype or layout"
+            )
+        if params.remote_num_tokens != num_prompt_tokens or params.first_token_id is None:
+            raise _invalid(
+                f"remote_num_tokens must equal the prompt's {num_prompt_tokens} "
+                "tokens and first_token_id must be set"
+            )
 
-    def _should_send(self, request: Request) -> bool:
-        data = request.kv_transfer_params
-        # Only the router's prefill leg ended by its max_tokens (core checks length before
-        # stop tokens, so an EOS first token is leased too: the decode leg decides); an
-        # aborted leg has nobody to fetch it.
-        return (
-            self.transport.server is not None
-            and bool(data)
-            and data.get("do_remote_decode") is True
-            and request.finish_reason is FinishReason.LENGTH
-            and request.num_computed_tokens >= request.num_prompt_tokens
-        )
+
+def _invalid(message: str) -> InvalidParameterError:
+    return InvalidParameterError("kv_transfer_params", message)

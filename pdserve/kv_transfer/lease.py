@@ -2,10 +2,10 @@
 releases them or `lease_timeout` seconds pass, then go back to the engine.
 
 Threads: `grant`/`collect` run on the engine thread; `reading`/`release` run on the KV
-server's connection threads. Blocks are returned only inside `collect()`, on the caller's
-thread, so the engine's (single-threaded) block manager is never touched from another thread.
-An expired lease is refused at once, but its blocks are only freed by the next `collect()`,
-and never while a sender-side read of them is in flight.
+server's connection threads. A lease ends only inside `collect()`, which returns the ended
+request ids to the engine thread, so the engine's (single-threaded) block manager is never
+touched from another thread. An expired lease is refused at once, but it only ends at the next
+`collect()`, and never while a sender-side read of its blocks is in flight.
 
 A lease never comes back to life, and its blocks are reused only after it ends: so a
 `release()` that finds the lease live proves every read made since `grant()` saw the leased
@@ -21,19 +21,15 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from pdserve.kv_transfer.errors import KVLeaseError
+from pdserve.kv_transfer.protocol import KVLeaseError
 
 logger = logging.getLogger(__name__)
-
-# free_blocks(request_id, block_ids): give a finished lease's blocks back to the block manager.
-FreeBlocksFn = Callable[[str, list[int]], None]
 
 
 @dataclass
 class Lease:
     request_id: str
     block_ids: tuple[int, ...]
-    num_tokens: int
     deadline: float  # clock() value after which the lease is expired
     num_readers: int = 0  # sender-side reads in flight (tcp FETCH); pin the blocks
     is_released: bool = False
@@ -42,30 +38,21 @@ class Lease:
 class LeaseManager:
     """Thread-safe registry of leased KV blocks with timeout."""
 
-    def __init__(
-        self,
-        free_blocks: FreeBlocksFn,
-        lease_timeout: float,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, lease_timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
         if not lease_timeout > 0:
             raise ValueError(f"kv_lease_timeout must be positive, got {lease_timeout!r}")
-        self._free_blocks = free_blocks
         self.lease_timeout = float(lease_timeout)
         self._clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
 
-    def grant(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> Lease:
+    def grant(self, request_id: str, block_ids: Sequence[int]) -> None:
         """Hold `block_ids` for `request_id`; the engine must not free them itself."""
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id!r} already holds a KV lease")
-            lease = Lease(
-                request_id, tuple(block_ids), num_tokens, self._clock() + self.lease_timeout
-            )
-            self._leases[request_id] = lease
-            return lease
+            deadline = self._clock() + self.lease_timeout
+            self._leases[request_id] = Lease(request_id, tuple(block_ids), deadline)
 
     @contextlib.contextmanager
     def reading(self, request_id: str) -> Iterator[Lease]:
@@ -89,18 +76,9 @@ class LeaseManager:
             lease.is_released = True
             return self._clock() < lease.deadline and set(block_ids) <= set(lease.block_ids)
 
-    def revoke(self, request_id: str) -> bool:
-        """Engine-side abort: stop serving the lease; its blocks go back at the next collect."""
-        with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is None:
-                return False
-            lease.is_released = True
-            return True
-
     def collect(self) -> list[str]:
-        """Return released and expired leases' blocks through `free_blocks`; call from the
-        thread that owns the block manager. Returns the freed request ids."""
+        """End released and expired leases; returns their request ids, whose blocks the
+        caller (the thread that owns the block manager) may now free."""
         now = self._clock()
         with self._lock:
             done = [
@@ -118,20 +96,14 @@ class LeaseManager:
                     self.lease_timeout,
                     len(lease.block_ids),
                 )
-        self._return_blocks(done)
         return [lease.request_id for lease in done]
 
-    def close(self) -> list[str]:
-        """Release every lease and return all blocks (shutdown; serve no more reads first)."""
+    def close(self) -> None:
+        """End every lease (shutdown; serve no more reads first)."""
         with self._lock:
             for lease in self._leases.values():
                 lease.is_released = True
-        return self.collect()
-
-    @property
-    def num_leases(self) -> int:
-        with self._lock:
-            return len(self._leases)
+        self.collect()
 
     @property
     def num_held_blocks(self) -> int:
@@ -150,16 +122,3 @@ class LeaseManager:
                 f"(kv_lease_timeout {self.lease_timeout:g}s)"
             )
         return lease
-
-    def _return_blocks(self, leases: list[Lease]) -> None:
-        # Every lease's blocks are returned even if one callback fails: a raise must not leak
-        # the rest. The first failure is re-raised afterwards.
-        first_error: BaseException | None = None
-        for lease in leases:
-            try:
-                self._free_blocks(lease.request_id, list(lease.block_ids))
-            except Exception as exc:
-                logger.exception("free_blocks failed for request %r", lease.request_id)
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error

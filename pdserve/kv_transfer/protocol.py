@@ -1,6 +1,7 @@
-"""The versioned hand-off schema between a prefill worker and a decode worker.
+"""What crosses between a prefill worker and a decode worker, and how it is checked.
 
-Flow (after vLLM's disaggregated serving, so a router can front other engines too):
+The versioned hand-off schema (after vLLM's disaggregated serving, so a router can front
+other engines too):
 
 1. The router sends the prefill leg with ``max_tokens=1`` and
    ``kv_transfer_params = {"do_remote_decode": true}``.
@@ -8,11 +9,13 @@ Flow (after vLLM's disaggregated serving, so a router can front other engines to
    ``kv_transfer_params`` naming where the blocks are (`KVTransferParams.to_dict()` with
    ``do_remote_prefill: true``).
 3. The router sends the decode leg with those params; the decode worker fetches the blocks into
-   its own cache and tells the prefill worker to release them.
+   its own cache, in `KVTransferUnit`s, and tells the prefill worker to release them.
 
 Both ends refuse a different `KV_TRANSFER_PROTOCOL_VERSION`, model, dtype or block layout with
-a `KVIncompatibleError` naming what differs. This module is pure Python (no torch) so the
-router and the scheduler can use it.
+a `KVIncompatibleError` naming what differs. Every decoder of untrusted JSON in this package
+(these params, frame metadata) reads it through the typed getters here, which raise
+`KVProtocolError` naming ``where.key``; every error a caller can see is a `KVTransferError`.
+This module is pure Python (no torch) so the router and the scheduler can use it.
 """
 
 from __future__ import annotations
@@ -20,18 +23,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
-
-from pdserve.kv_transfer.errors import KVIncompatibleError, KVProtocolError
-from pdserve.kv_transfer.fields import (
-    get_bool,
-    get_int,
-    get_int_list,
-    get_str,
-    reject_unknown,
-)
 
 # Bump on any change to `KVTransferParams`, `KVLayout` hashing or the wire format (wire.py).
 KV_TRANSFER_PROTOCOL_VERSION = 1
@@ -43,6 +37,120 @@ DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # Upper bound on blocks one request may name (a 1M-token prompt at block_size 16 is 65,536).
 MAX_BLOCKS_PER_REQUEST = 1 << 20
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+class KVTransferError(RuntimeError):
+    """A KV transfer could not be completed. The subclasses say what went wrong, so the
+    connector can choose between recomputing, failing the request, or reporting a bad
+    deployment."""
+
+
+class KVProtocolError(KVTransferError, ValueError):
+    """Malformed `kv_transfer_params`, frame or message field; the message names the field."""
+
+
+class FrameError(KVProtocolError):
+    """A wire frame violated the framing rules (bad magic, oversized, truncated, wrong size)."""
+
+
+class KVIncompatibleError(KVTransferError):
+    """The two workers cannot exchange KV: protocol version, model, dtype or block layout differ.
+
+    `differences` lists each mismatch as a human-readable phrase.
+    """
+
+    def __init__(self, message: str, differences: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.differences = list(differences or [])
+
+
+class KVLeaseError(KVTransferError):
+    """The sender holds no live lease for the request (unknown, released or expired)."""
+
+
+# ---- typed field access for untrusted JSON -----------------------------------------------
+
+_MISSING = object()
+
+
+def _raw(data: Mapping[str, Any], key: str, where: str, required: bool) -> Any:
+    value = data.get(key, _MISSING)
+    if value is _MISSING or value is None:
+        if required:
+            raise KVProtocolError(f"{where}.{key} is required")
+        return None
+    return value
+
+
+def get_bool(data: Mapping[str, Any], key: str, where: str) -> bool:
+    value = _raw(data, key, where, required=False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise KVProtocolError(f"{where}.{key} must be a boolean, got {type(value).__name__}")
+    return value
+
+
+def get_int(
+    data: Mapping[str, Any],
+    key: str,
+    where: str,
+    *,
+    required: bool = True,
+    min_value: int = 0,
+    max_value: int | None = None,
+) -> int | None:
+    value = _raw(data, key, where, required)
+    if value is None:
+        return None
+    return check_int(value, f"{where}.{key}", min_value=min_value, max_value=max_value)
+
+
+def check_int(value: Any, name: str, *, min_value: int = 0, max_value: int | None = None) -> int:
+    # bool is an int subclass; a JSON `true` where a count belongs is a bug, not a 1.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise KVProtocolError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < min_value or (max_value is not None and value > max_value):
+        bound = f"[{min_value}, {max_value}]" if max_value is not None else f">= {min_value}"
+        raise KVProtocolError(f"{name} must be in {bound}, got {value}")
+    return value
+
+
+def get_str(
+    data: Mapping[str, Any], key: str, where: str, *, required: bool = True, max_len: int = 256
+) -> str | None:
+    value = _raw(data, key, where, required)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise KVProtocolError(f"{where}.{key} must be a non-empty string")
+    if len(value) > max_len:
+        raise KVProtocolError(f"{where}.{key} is longer than {max_len} characters")
+    return value
+
+
+def get_int_list(
+    data: Mapping[str, Any], key: str, where: str, *, max_len: int, max_value: int | None = None
+) -> tuple[int, ...]:
+    value = _raw(data, key, where, required=True)
+    if not isinstance(value, list | tuple):
+        raise KVProtocolError(f"{where}.{key} must be a list of integers")
+    if len(value) > max_len:
+        raise KVProtocolError(f"{where}.{key} has {len(value)} entries, more than {max_len}")
+    name = f"{where}.{key}[]"
+    return tuple(check_int(v, name, max_value=max_value) for v in value)
+
+
+def reject_unknown(data: Mapping[str, Any], known: set[str], where: str) -> None:
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise KVProtocolError(f"{where} has unknown field(s): {', '.join(map(str, unknown))}")
+
+
+# ---- the hand-off: block layout and params -----------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -245,3 +353,64 @@ def _validate_hand_off(data: Mapping[str, Any], where: str) -> None:
         raise KVProtocolError(f"{where}.remote_num_tokens must be at least 1")
     if len(set(data["remote_block_ids"])) != len(data["remote_block_ids"]):
         raise KVProtocolError(f"{where}.remote_block_ids has duplicates")
+
+
+# ---- transfer units ----------------------------------------------------------------------
+# A whole-request transfer is one unit covering every layer. The same type expresses the
+# overlapped transfers to come: one unit per layer (or layer group) as prefill finishes that
+# layer, or one unit per prompt chunk's blocks as chunked prefill completes them.
+
+
+@dataclass(frozen=True)
+class KVTransferUnit:
+    """Layers ``[layer_start, layer_end)`` of blocks: ``remote_block_ids[i]`` on the sender
+    goes to ``local_block_ids[i]`` on the receiver, for K and V."""
+
+    layer_start: int
+    layer_end: int
+    remote_block_ids: tuple[int, ...]
+    local_block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "remote_block_ids", tuple(self.remote_block_ids))
+        object.__setattr__(self, "local_block_ids", tuple(self.local_block_ids))
+        check_int(self.layer_start, "unit.layer_start")
+        check_int(self.layer_end, "unit.layer_end", min_value=self.layer_start + 1)
+        if len(self.remote_block_ids) != len(self.local_block_ids):
+            raise KVProtocolError(
+                f"unit has {len(self.remote_block_ids)} remote block ids but "
+                f"{len(self.local_block_ids)} local block ids"
+            )
+        if not self.remote_block_ids:
+            raise KVProtocolError("unit names no blocks")
+        for name, ids in (("remote", self.remote_block_ids), ("local", self.local_block_ids)):
+            for block_id in ids:
+                check_int(block_id, f"unit.{name}_block_ids[]")
+            if len(set(ids)) != len(ids):
+                raise KVProtocolError(f"unit.{name}_block_ids has duplicates")
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.remote_block_ids)
+
+
+def plan_units(
+    num_layers: int,
+    remote_block_ids: Sequence[int],
+    local_block_ids: Sequence[int],
+    layers_per_unit: int | None = None,
+) -> list[KVTransferUnit]:
+    """Split a request's transfer into units: one for all layers (`layers_per_unit` None),
+    else consecutive layer groups of that size."""
+    step = num_layers if layers_per_unit is None else layers_per_unit
+    check_int(step, "layers_per_unit", min_value=1)
+    return [
+        KVTransferUnit(
+            start, min(start + step, num_layers), tuple(remote_block_ids), tuple(local_block_ids)
+        )
+        for start in range(0, num_layers, step)
+    ]

@@ -18,10 +18,16 @@ from typing import Any
 import torch
 
 from pdserve.kv_transfer.blocks import StagedBlocks, StagingBuffer, byte_view, dtype_name
-from pdserve.kv_transfer.errors import KVLeaseError, KVProtocolError
-from pdserve.kv_transfer.fields import get_int, get_int_list, get_str
 from pdserve.kv_transfer.lease import LeaseManager
-from pdserve.kv_transfer.protocol import KV_TRANSFER_PROTOCOL_VERSION, KVLayout
+from pdserve.kv_transfer.protocol import (
+    KV_TRANSFER_PROTOCOL_VERSION,
+    KVLayout,
+    KVLeaseError,
+    KVProtocolError,
+    get_int,
+    get_int_list,
+    get_str,
+)
 from pdserve.kv_transfer.wire import (
     REQUEST_TYPES,
     ConnectionClosed,
@@ -69,8 +75,6 @@ class KVServer:
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._is_closed = False
-        self.num_rejected_frames = 0
-        self.num_bytes_sent = 0
         self._handlers: dict[MessageType, Callable[[socket.socket, dict, Any], None]] = {
             MessageType.HELLO: self._on_hello,
             MessageType.FETCH: self._on_fetch,
@@ -156,8 +160,6 @@ class KVServer:
             return True
 
     def _reject(self, conn: socket.socket, peer: Any, code: str, reason: str) -> bool:
-        with self._lock:
-            self.num_rejected_frames += 1
         logger.warning("KV server rejected a frame from %s: %s", peer, reason)
         with contextlib.suppress(OSError):
             send_frame(conn, MessageType.ERROR, {"code": code, "error": reason})
@@ -221,8 +223,6 @@ class KVServer:
         for index in range(start, end):
             blocks.gather(self._kv_cache[index : index + 1], layer)
             conn.sendall(byte_view(layer))
-        with self._lock:
-            self.num_bytes_sent += payload_len
 
 
 def _request_id(meta: dict, where: str) -> str:

@@ -4,7 +4,7 @@ Sender (prefill worker, `kv_producer`)::
 
     params = transport.expose(request_id, block_ids, num_tokens)   # lease + hand-off params
     ...                                                             # router carries params
-    transport.collect()        # on the engine thread, each step: frees released/expired leases
+    freed = transport.collect()    # engine thread, each step: request ids whose leases ended
 
 Receiver (decode worker, `kv_consumer`)::
 
@@ -15,7 +15,8 @@ range of blocks, see `unit.py`), then `release(params)`.
 
 A transport talks to each remote engine over one `KVClient` (control, and data for tcp),
 opened on first use with a HELLO that checks protocol version, model, dtype and block layout.
-Subclasses implement only how a unit's bytes reach the local cache (`_read_units`).
+Subclasses implement only how a unit's bytes reach the local cache (`_read_units`):
+`TcpTransport` here, `shm.ShmTransport` beside the shared segment it reads.
 """
 
 from __future__ import annotations
@@ -32,24 +33,26 @@ from typing import Any, ClassVar
 
 import torch
 
-from pdserve.kv_transfer.blocks import StagingBuffer, check_cache
+from pdserve.kv_transfer.blocks import StagedBlocks, StagingBuffer, byte_view, check_cache
 from pdserve.kv_transfer.client import KVClient, release_lease, release_over
 from pdserve.kv_transfer.config import KVTransferConfig
-from pdserve.kv_transfer.errors import (
+from pdserve.kv_transfer.lease import LeaseManager
+from pdserve.kv_transfer.protocol import (
+    FrameError,
     KVIncompatibleError,
+    KVLayout,
     KVLeaseError,
     KVProtocolError,
     KVTransferError,
-)
-from pdserve.kv_transfer.fields import check_int, get_int, get_str
-from pdserve.kv_transfer.lease import LeaseManager
-from pdserve.kv_transfer.protocol import (
-    KVLayout,
     KVTransferParams,
+    KVTransferUnit,
     check_compatible,
+    check_int,
+    get_int,
+    get_str,
+    plan_units,
 )
 from pdserve.kv_transfer.server import KVServer
-from pdserve.kv_transfer.unit import KVTransferUnit, plan_units
 from pdserve.kv_transfer.wire import MessageType
 
 logger = logging.getLogger(__name__)
@@ -62,10 +65,6 @@ class TransferStats:
     num_bytes: int
     num_units: int
     seconds: float
-
-    @property
-    def gbytes_per_second(self) -> float:
-        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
 @dataclass
@@ -87,8 +86,7 @@ class KVTransport(ABC):
 
     `kv_cache` is the engine's cache tensor,
     ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``. A producer needs a
-    `LeaseManager` (its `free_blocks` callback returns blocks to the engine) and starts a
-    background `KVServer`.
+    `LeaseManager` and starts a background `KVServer`.
     """
 
     name: ClassVar[str]
@@ -162,7 +160,7 @@ class KVTransport(ABC):
             )
         for block_id in block_ids:
             check_int(block_id, "block_ids[]", max_value=self.num_blocks - 1)
-        self.leases.grant(request_id, block_ids, num_tokens)
+        self.leases.grant(request_id, block_ids)
         return KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.engine_id,
@@ -178,7 +176,8 @@ class KVTransport(ABC):
         )
 
     def collect(self) -> list[str]:
-        """Free released and expired leases through the engine's callback (engine thread)."""
+        """End released and expired leases (engine thread); returns their request ids, whose
+        blocks the engine may now reuse."""
         return self.leases.collect() if self.leases is not None else []
 
     # ---- receiver (decode worker) ----
@@ -206,13 +205,13 @@ class KVTransport(ABC):
                 params, plan_units(self.layout.num_layers, remote_ids, local_block_ids)
             )
         except KVTransferError:
-            self._release_quietly(params)
+            self.release_quietly(params)
             raise
         if not self.release(params):
             raise KVLeaseError(
                 f"the prefill worker's lease on request {params.remote_request_id!r} ended "
-                "before the transfer was confirmed (kv_lease_timeout passed, or it was revoked "
-                "or released already); the received KV is discarded"
+                "before the transfer was confirmed (kv_lease_timeout passed, or it was released "
+                "already); the received KV is discarded"
             )
         return TransferStats(fetched.num_bytes, fetched.num_units, time.perf_counter() - start)
 
@@ -251,6 +250,14 @@ class KVTransport(ABC):
             return release_lease(params, self.config.kv_transfer_timeout)
         with self._using(remote):
             return release_over(remote.client, params)
+
+    def release_quietly(self, params: KVTransferParams) -> None:
+        """`release`, logging a failure: the sender's lease timeout frees the blocks anyway
+        (after a failed fetch, or for KV the decode side turned out not to need)."""
+        try:
+            self.release(params)
+        except KVTransferError as exc:
+            logger.info("could not release KV lease %r: %s", params.remote_request_id, exc)
 
     def close(self) -> None:
         """Stop serving, free every lease, drop remote connections."""
@@ -374,14 +381,51 @@ class KVTransport(ABC):
                 if value is remote:
                     del self._remotes[key]
 
-    def _release_quietly(self, params: KVTransferParams) -> None:
-        # After a failed fetch the lease is released if the sender is reachable; if not, its
-        # lease timeout frees the blocks.
-        try:
-            self.release(params)
-        except KVTransferError as exc:
-            logger.info("could not release KV lease %r: %s", params.remote_request_id, exc)
-
 
 def _remote_key(params: KVTransferParams) -> tuple[str, str, int]:
     return (params.remote_engine_id, params.remote_host, params.remote_port)
+
+
+class TcpTransport(KVTransport):
+    """KV transfer across hosts as framed raw tensor bytes (see wire.py); any `kv_cache`
+    works.
+
+    For each unit the receiver sends FETCH and the producer's KV server answers one DATA
+    frame: the unit's blocks layer by layer, each layer
+    ``[2, num_blocks, block_size, num_kv_heads, head_dim]``. The receiver takes one layer at a
+    time into a small reusable staging buffer and scatters it into its cache, so memory stays
+    bounded and the scatter reads from CPU cache.
+    """
+
+    name: ClassVar[str] = "tcp"
+
+    def _read_units(
+        self, remote: RemoteEngine, request_id: str, units: Sequence[KVTransferUnit]
+    ) -> int:
+        return sum(self._read_unit(remote, request_id, unit) for unit in units)
+
+    def _read_unit(self, remote: RemoteEngine, request_id: str, unit: KVTransferUnit) -> int:
+        num_bytes = self.layout.nbytes(unit.num_blocks, unit.num_layers)
+        meta = remote.client.call(
+            MessageType.FETCH,
+            {
+                "request_id": request_id,
+                "layer_start": unit.layer_start,
+                "layer_end": unit.layer_end,
+                "block_ids": list(unit.remote_block_ids),
+            },
+            expect=MessageType.DATA,
+            payload_len=num_bytes,
+        )
+        layer = remote.staging.layer(unit.num_blocks)
+        expected = {"dtype": self.layout.dtype, "shape": [unit.num_layers, *layer.shape[1:]]}
+        if meta != expected:
+            remote.client.close()  # the payload is still on the wire
+            raise FrameError(
+                f"KV server {remote.client.address} sent DATA {meta}, expected {expected}"
+            )
+        blocks = StagedBlocks(unit.local_block_ids)
+        for index in range(unit.layer_start, unit.layer_end):
+            remote.client.recv_into(byte_view(layer))
+            blocks.scatter(self.kv_cache[index : index + 1], layer)
+        return num_bytes

@@ -22,8 +22,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.kv_transfer.errors import FrameError
-from pdserve.kv_transfer.protocol import KV_TRANSFER_PROTOCOL_VERSION
+from pdserve.kv_transfer.protocol import KV_TRANSFER_PROTOCOL_VERSION, FrameError
 
 MAGIC = b"PDKV"
 HEADER = struct.Struct("!4sHHIQ")

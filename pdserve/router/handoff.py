@@ -14,8 +14,7 @@ import logging
 from typing import Any
 
 from pdserve.kv_transfer.client import release_lease
-from pdserve.kv_transfer.errors import KVTransferError
-from pdserve.kv_transfer.protocol import KVTransferParams
+from pdserve.kv_transfer.protocol import KVTransferError, KVTransferParams
 
 logger = logging.getLogger("pdserve.router")
 

@@ -22,7 +22,7 @@ from pdserve.core.config import CacheConfig
 from pdserve.core.request import Request, RequestMetrics
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.sim.config import PoolConfig, SimConfig
-from pdserve.sim.connector import SimKVConnector, decode_leg_params, prefill_leg_params
+from pdserve.sim.connector import SimKVConnector
 from pdserve.sim.cost_model import CostModel
 from pdserve.sim.network import NETWORKS, Interconnect
 from pdserve.sim.router import Route, SimRouter
@@ -220,8 +220,8 @@ class Simulation:
         if route.prefill is None:
             self._submit(route.decode, self._request(spec, token_ids, spec.output_len))
         else:
-            leg = self._request(spec, token_ids, 1, prefill_leg_params())
-            self._submit(route.prefill, leg)
+            route.prefill.connector.add_prefill_leg(spec.request_id)
+            self._submit(route.prefill, self._request(spec, token_ids, 1))
 
     def _end_request(self) -> None:
         self._num_in_flight -= 1
@@ -252,20 +252,13 @@ class Simulation:
             ids += [_FILL_TOKEN_ID] * (num_own - 1)
         return ids
 
-    def _request(
-        self,
-        spec: SimRequestSpec,
-        token_ids: list[int],
-        max_tokens: int,
-        kv_transfer_params: dict | None = None,
-    ) -> Request:
+    def _request(self, spec: SimRequestSpec, token_ids: list[int], max_tokens: int) -> Request:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         return Request(
             spec.request_id,
             token_ids,
             params,
             metrics=RequestMetrics(arrival_time=self.now),
-            kv_transfer_params=kv_transfer_params,
         )
 
     # ---- workers -----------------------------------------------------------------------
@@ -323,15 +316,15 @@ class Simulation:
         _add_extra(record, "num_preemptions", leg.num_preemptions)
         route = self._routes[leg.request_id]
         route.prefill_lease.release()
-        params = decode_leg_params(leg.num_prompt_tokens, prefill_worker)
+        route.decode.connector.add_decode_leg(leg.request_id, leg.num_prompt_tokens, prefill_worker)
         spec = self.specs[record.index]
-        request = self._request(spec, leg.prompt_token_ids, spec.output_len, params)
-        self._submit(route.decode, request)
+        self._submit(route.decode, self._request(spec, leg.prompt_token_ids, spec.output_len))
 
-    def _start_kv_transfer(self, destination: SimWorker, request: Request, num_tokens: int) -> None:
+    def _start_kv_transfer(
+        self, destination: SimWorker, request: Request, num_tokens: int, source: SimWorker
+    ) -> None:
         """The decode worker allocated blocks for `num_tokens` remote tokens: pull them."""
         record = self.records[request.request_id]
-        source = request.kv_transfer_params["source"]
         cost = source.cost_model
         num_bytes = num_tokens * cost.kv_bytes_per_token
         record.server_extra["kv_transfer_bytes"] = num_bytes

@@ -14,20 +14,26 @@ class ScriptedConnector(KVConnectorScheduler):
         self.remote: dict[str, int] = {}  # request id -> tokens available remotely
         self.loading: dict[str, list[int]] = {}
         self.events = KVTransferEvents()
+        self.num_queries = 0
+        self.admitted: list[tuple[str, int]] = []  # (request id, num_external_tokens)
 
     @property
     def recompute_on_failure(self):
         return self._recompute
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        self.num_queries += 1
         return max(self.remote.get(request.request_id, 0) - num_computed_tokens, 0)
 
     def update_state_after_alloc(self, request, num_external_tokens):
-        del self.remote[request.request_id]  # asked for once; a recompute runs locally
-        self.loading[request.request_id] = list(request.block_table)
+        self.admitted.append((request.request_id, num_external_tokens))
+        self.remote.pop(request.request_id, None)  # decided once; a recompute runs locally
+        if num_external_tokens:
+            self.loading[request.request_id] = list(request.block_table)
 
     def request_finished(self, request):
-        return self.hold_finished or request.request_id in self.loading
+        is_held = self.hold_finished or request.request_id in self.loading
+        return is_held, {"held": request.request_id} if is_held else None
 
     def get_finished(self):
         events, self.events = self.events, KVTransferEvents()
@@ -118,9 +124,11 @@ def test_abort_while_receiving_holds_blocks_until_transfer_ends():
 def test_sender_holds_finished_blocks_until_released():
     connector = ScriptedConnector(hold_finished=True)
     scheduler = _scheduler(connector)
-    scheduler.add_request(make_request("p", 10, max_tokens=1))
+    request = make_request("p", 10, max_tokens=1)
+    scheduler.add_request(request)
     run_to_completion(scheduler)
     assert scheduler.block_manager.num_free_blocks == 32 - 3
+    assert request.kv_hand_off == {"held": "p"}  # what request_finished returned
     connector.events.finished_sending.add("p")
     scheduler.update_kv_transfers()
     assert scheduler.block_manager.num_free_blocks == 32
@@ -141,3 +149,23 @@ def test_remote_request_that_does_not_fit_waits_instead_of_recomputing():
         step(scheduler)
     assert request.status is RequestStatus.WAITING_FOR_REMOTE_KV
     assert request.request_id in connector.loading
+    # Asked on every blocked step; told of the admission once.
+    assert connector.num_queries >= 3
+    assert [a for a in connector.admitted if a[0] == request.request_id] == [
+        (request.request_id, 10)
+    ]
+
+
+def test_local_admissions_are_reported_with_no_external_tokens():
+    connector = ScriptedConnector()
+    scheduler = _scheduler(connector)
+    request = _remote_request(connector, num_prompt=8)
+    scheduler.add_request(make_request("local", 5, first_token=300))
+    scheduler.add_request(request)
+    step(scheduler)
+    connector.events.finished_recving.add("r")
+    scheduler.update_kv_transfers()
+    run_to_completion(scheduler)
+    # The received request re-enters as local work: told so, and never asked to fetch again.
+    assert connector.admitted == [("local", 0), ("r", 8), ("r", 0)]
+    assert request.kv_hand_off is None and request.finish_reason is FinishReason.LENGTH

@@ -9,6 +9,7 @@ from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
 from pdserve.engine.args import engine_config_from_kwargs
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.config import KVTransferConfig
+from tests.kv_transfer.helpers import count_parses
 
 pytestmark = pytest.mark.slow
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -68,14 +69,18 @@ def reference(loaded_fp32, chat_token_ids):
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_decode_from_transferred_kv_matches_local(
-    loaded_fp32, chat_token_ids, reference, transport
+    loaded_fp32, chat_token_ids, reference, transport, monkeypatch
 ):
     prefill = _engine(loaded_fp32, "kv_producer", transport)
     decode = _engine(loaded_fp32, "kv_consumer", transport)
     for i, prompt in enumerate(chat_token_ids[:2]):
         params = _prefill_leg(prefill, f"p{i}", prompt)
-        outputs = _run(decode, f"d{i}", prompt, PARAMS, params)
+        with monkeypatch.context() as patch:
+            parsed = count_parses(patch)
+            outputs = _run(decode, f"d{i}", prompt, PARAMS, params)
+        assert parsed == [params]  # once, at admission
         assert _tokens(outputs) == reference[i]
+        assert all(o.kv_transfer_params is None for o in outputs)  # a decode leg hands nothing on
         assert outputs[0].kv_transfer.num_bytes > 0
         # The decode side computed only the first token's KV, never the prompt.
         assert outputs[-1].num_output_tokens == PARAMS.max_tokens

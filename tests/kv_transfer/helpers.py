@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kv_transfer import KVLayout, KVTransferConfig
+from pdserve.kv_transfer import KVLayout, KVTransferConfig, KVTransferParams
 from pdserve.kv_transfer.blocks import TORCH_DTYPES
-from pdserve.kv_transfer.factory import create_kv_transport
+from pdserve.kv_transfer.connector import create_kv_transport
 
 NUM_BLOCKS = 64
 
@@ -35,6 +35,19 @@ def reference_cache(layout: KVLayout, num_blocks: int = NUM_BLOCKS, seed: int = 
     return values.to(TORCH_DTYPES[layout.dtype])
 
 
+def count_parses(monkeypatch) -> list:
+    """Every `KVTransferParams.from_dict` call from now on, by its input."""
+    parse = KVTransferParams.from_dict.__func__
+    parsed = []
+
+    def counting_parse(cls, data, *args):
+        parsed.append(data)
+        return parse(cls, data, *args)
+
+    monkeypatch.setattr(KVTransferParams, "from_dict", classmethod(counting_parse))
+    return parsed
+
+
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     """Raw bytes, so comparisons are bit-exact (and NaN-proof)."""
     return tensor.contiguous().view(torch.uint8)
@@ -51,19 +64,13 @@ class SenderSpec:
 def run_sender(conn, specs: list[SenderSpec]) -> None:
     """Child process: one producer transport per spec, serving until told to stop."""
     torch.set_num_threads(1)
-    freed: dict[str, list] = {spec.key: [] for spec in specs}
     transports = {}
     for spec in specs:
         layout = tiny_layout(spec.dtype)
         config = KVTransferConfig(
             transport=spec.transport, kv_role="kv_producer", kv_lease_timeout=spec.lease_timeout
         )
-        transport = create_kv_transport(
-            config,
-            layout,
-            NUM_BLOCKS,
-            free_blocks=lambda rid, ids, key=spec.key: freed[key].append((rid, ids)),
-        )
+        transport = create_kv_transport(config, layout, NUM_BLOCKS)
         transport.kv_cache.copy_(reference_cache(layout))
         transports[spec.key] = transport
     conn.send("ready")
@@ -75,16 +82,9 @@ def run_sender(conn, specs: list[SenderSpec]) -> None:
         if command == "expose":
             conn.send(transport.expose(*args).to_dict())
         elif command == "collect":
-            transport.collect()
-            conn.send(freed[key][:])
-            freed[key].clear()
-        elif command == "stats":
-            conn.send(
-                {
-                    "num_rejected_frames": transport.server.num_rejected_frames,
-                    "num_held_blocks": transport.leases.num_held_blocks,
-                }
-            )
+            conn.send(transport.collect())
+        elif command == "num_held_blocks":
+            conn.send(transport.leases.num_held_blocks)
     for transport in transports.values():
         transport.close()
     conn.send("stopped")

@@ -17,7 +17,7 @@ from pdserve.kv_transfer import (
     plan_units,
 )
 from pdserve.kv_transfer.client import KVClient
-from pdserve.kv_transfer.factory import create_kv_transport
+from pdserve.kv_transfer.connector import create_kv_transport
 from pdserve.kv_transfer.wire import HEADER, MAGIC, MessageType, encode_frame, read_frame
 from tests.kv_transfer.helpers import NUM_BLOCKS, tiny_layout
 

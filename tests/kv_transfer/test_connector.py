@@ -1,9 +1,11 @@
 """The connector between two real core `Scheduler`s: the prefill side leases a finished
 prompt's blocks, the decode side fetches them and decodes on; failures recompute; nothing
-leaks. The model is replaced by a deterministic KV writer (this tests the data plane)."""
+leaks; the scheduler's queries change nothing. The model is replaced by a deterministic KV
+writer (this tests the data plane)."""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -11,11 +13,11 @@ import torch
 
 from pdserve.core.config import CacheConfig, SchedulerConfig
 from pdserve.core.request import FinishReason, Request, RequestStatus
-from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
 from pdserve.core.scheduler import Scheduler
-from pdserve.kv_transfer import KVLeaseError, KVTransferConfig
-from pdserve.kv_transfer.connector import KVConnector
-from tests.kv_transfer.helpers import bits, tiny_layout
+from pdserve.kv_transfer import KVLeaseError, KVTransferConfig, KVTransferParams
+from pdserve.kv_transfer.connector import KVConnector, add_kv_request
+from tests.kv_transfer.helpers import bits, count_parses, tiny_layout
 
 LAYOUT = tiny_layout()
 NUM_BLOCKS = 32
@@ -24,16 +26,24 @@ PROMPT = list(range(100, 110))  # 10 tokens: 2 full blocks of 4 and a partial on
 
 
 class Worker:
-    def __init__(self, transport: str, role: str) -> None:
+    def __init__(self, transport: str, role: str, num_blocks: int = NUM_BLOCKS) -> None:
         config = KVTransferConfig(transport=transport, kv_role=role)
-        self.connector = KVConnector(config, LAYOUT, NUM_BLOCKS)
+        self.connector = KVConnector(config, LAYOUT, num_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_batched_tokens=64),
-            CacheConfig(LAYOUT.block_size, NUM_BLOCKS),
+            CacheConfig(LAYOUT.block_size, num_blocks),
             self.connector,
         )
         self.kv_cache = self.connector.transport.kv_cache
         self.num_computed_per_step: list[int] = []
+
+    def add(self, request: Request, kv_transfer_params: dict | None = None) -> None:
+        """What the engine does: the connector parses the params, then the request queues."""
+        if kv_transfer_params:
+            request.output_token_ids = self.connector.add_request(
+                request.request_id, kv_transfer_params, request.num_prompt_tokens
+            )
+        self.scheduler.add_request(request)
 
     def step(self) -> list[Request]:
         """One engine step: apply transfers, schedule, 'compute' KV, sample."""
@@ -83,26 +93,24 @@ def _prompt_kv(worker: Worker, request: Request, num_tokens: int) -> torch.Tenso
     return torch.stack([worker.kv_cache[:, :, b, o] for b, o in slots])
 
 
-def _request(request_id: str, max_tokens: int, **kwargs) -> Request:
-    return Request(
-        request_id, list(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kwargs
-    )
+def _request(request_id: str, max_tokens: int, prompt: list[int] = PROMPT) -> Request:
+    return Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
 def _prefill_leg(prefill: Worker, request_id: str = "p") -> Request:
-    request = _request(request_id, 1, kv_transfer_params={"do_remote_decode": True})
-    prefill.scheduler.add_request(request)
+    request = _request(request_id, 1)
+    prefill.add(request, {"do_remote_decode": True})
     prefill.run_until(lambda: request.is_finished)
     assert request.finish_reason is FinishReason.LENGTH
-    assert request.kv_transfer_params["do_remote_prefill"] is True
-    assert request.kv_transfer_params["first_token_id"] == FIRST_TOKEN
+    assert request.kv_hand_off["do_remote_prefill"] is True
+    assert request.kv_hand_off["first_token_id"] == FIRST_TOKEN
     return request
 
 
 def _decode_leg(decode: Worker, sent: Request, request_id: str = "d") -> Request:
-    request = _request(request_id, 3, kv_transfer_params=sent.kv_transfer_params)
-    request.output_token_ids = [FIRST_TOKEN]
-    decode.scheduler.add_request(request)
+    request = _request(request_id, 3)
+    decode.add(request, sent.kv_hand_off)
+    assert request.output_token_ids == [FIRST_TOKEN]
     return request
 
 
@@ -143,7 +151,7 @@ def test_decode_continues_from_remote_kv_and_nothing_leaks(workers):
 def test_failed_transfer_recomputes_locally(workers):
     prefill, decode = workers
     sent = _prefill_leg(prefill)
-    prefill.connector.transport.leases.revoke("p")
+    prefill.connector.transport.leases.release("p")  # the fetch will be refused
     received = _decode_leg(decode, sent)
     decode.run_until(lambda: received.is_finished)
     assert max(decode.num_computed_per_step) == len(PROMPT) + 1  # prompt recomputed here
@@ -156,7 +164,7 @@ def test_failed_transfer_recomputes_locally(workers):
 def test_local_prefix_hit_fetches_only_the_rest(workers):
     prefill, decode = workers
     local = _request("local", 1)
-    decode.scheduler.add_request(local)
+    decode.add(local)
     decode.run_until(lambda: local.is_finished)  # caches blocks 0 and 1 of the prompt
 
     sent = _prefill_leg(prefill)
@@ -174,12 +182,12 @@ def test_local_prefix_hit_fetches_only_the_rest(workers):
 
 def test_aborted_prefill_leg_is_not_leased(workers):
     prefill, _ = workers
-    request = _request("gone", 1, kv_transfer_params={"do_remote_decode": True})
-    prefill.scheduler.add_request(request)
+    request = _request("gone", 1)
+    prefill.add(request, {"do_remote_decode": True})
     prefill.scheduler.schedule()  # admitted, blocks allocated
     prefill.scheduler.abort_request("gone")
-    assert request.kv_transfer_params == {"do_remote_decode": True}
-    assert prefill.connector.transport.leases.num_leases == 0
+    assert request.kv_hand_off is None
+    assert prefill.connector.transport.leases.num_held_blocks == 0
     assert prefill.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
 
 
@@ -195,3 +203,103 @@ def test_abort_while_receiving_holds_blocks_until_the_fetch_ends(workers):
     assert decode.connector.pop_transfer_result("d") is None
     prefill.run_until(lambda: not prefill.scheduler.held)
     assert prefill.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+def _spy(monkeypatch, obj, name: str) -> list:
+    """Record each call of `obj.name` as (args, result); the real method still runs."""
+    calls = []
+    real = getattr(obj, name)
+
+    def spy(*args):
+        result = real(*args)
+        calls.append((args, result))
+        return result
+
+    monkeypatch.setattr(obj, name, spy)
+    return calls
+
+
+def test_the_query_is_pure(workers):
+    """Asking how many tokens arrive, however often and with whatever local hit, neither
+    releases the sender's lease nor uses up the request's remote KV."""
+    prefill, decode = workers
+    sent = _prefill_leg(prefill)
+    received = _request("d", 3)
+    received.output_token_ids = decode.connector.add_request("d", sent.kv_hand_off, len(PROMPT))
+    answers = [decode.connector.get_num_new_matched_tokens(received, n) for n in (0, 0, 8, 12, 0)]
+    assert answers == [10, 10, 2, 0, 10]
+    decode.scheduler.add_request(received)
+    decode.run_until(lambda: received.is_finished)
+    # A release queued by a query would have run before this fetch and made it fail.
+    assert decode.connector.pop_transfer_result("d").stats.num_bytes == LAYOUT.nbytes(3)
+    assert max(decode.num_computed_per_step) == 1
+
+
+def test_a_remote_request_blocked_on_blocks_is_asked_again_and_nothing_happens(monkeypatch):
+    prefill = Worker("tcp", "kv_producer")
+    decode = Worker("tcp", "kv_consumer", num_blocks=4)
+    try:
+        local = _request("local", 4, prompt=list(range(200, 208)))  # holds 2-3 of 4 blocks
+        decode.add(local)
+        decode.step()
+        queries = _spy(monkeypatch, decode.connector, "get_num_new_matched_tokens")
+        received = _decode_leg(decode, _prefill_leg(prefill))  # needs 3 blocks
+        while not local.is_finished:
+            decode.step()
+            assert received.status is RequestStatus.WAITING
+        assert len(queries) >= 2 and {answer for _, answer in queries} == {10}
+        assert prefill.connector.transport.leases.num_held_blocks == 3
+        decode.run_until(lambda: received.is_finished)
+        assert decode.connector.pop_transfer_result("d").stats.num_bytes == LAYOUT.nbytes(3)
+        prefill.run_until(lambda: not prefill.scheduler.held)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_request_finished_returns_the_hand_off_and_leaves_the_request_alone(workers, monkeypatch):
+    prefill, _ = workers
+    seen = []
+    real = prefill.connector.request_finished
+
+    def spy(request):
+        before = copy.deepcopy(vars(request))
+        result = real(request)
+        seen.append((before, copy.deepcopy(vars(request)), result))
+        return result
+
+    monkeypatch.setattr(prefill.connector, "request_finished", spy)
+    sent = _prefill_leg(prefill)
+    [(before, after, (is_held, hand_off))] = seen
+    assert before == after and before["kv_hand_off"] is None
+    assert is_held and hand_off == sent.kv_hand_off  # the scheduler put it on the output
+    params = KVTransferParams.from_dict(hand_off)
+    assert params.remote_block_ids == tuple(sent.block_table[:3])
+    assert params.remote_num_tokens == len(PROMPT)
+
+
+def test_a_decode_leg_is_parsed_once(workers, monkeypatch):
+    prefill, decode = workers
+    sent = _prefill_leg(prefill)
+    parsed = count_parses(monkeypatch)
+    received = _decode_leg(decode, sent)
+    decode.run_until(lambda: received.is_finished)
+    assert parsed == [sent.kv_hand_off]
+    assert decode.connector.pop_transfer_result("d").is_ok
+
+
+def test_bad_params_are_refused_naming_the_field(workers):
+    prefill, decode = workers
+    hand_off = _prefill_leg(prefill).kv_hand_off
+    cases = {
+        "unknown field": {"forged": True},
+        "layout_hash differs": {**hand_off, "layout_hash": "0" * 16},
+        "remote_num_tokens must equal": {**hand_off, "remote_num_tokens": 3},
+    }
+    for message, params in cases.items():
+        with pytest.raises(InvalidParameterError, match=message) as info:
+            decode.connector.add_request("bad", params, len(PROMPT))
+        assert info.value.param == "kv_transfer_params"
+    with pytest.raises(InvalidParameterError, match="takes no part in KV transfer"):
+        add_kv_request(None, "x", {"do_remote_decode": True}, len(PROMPT))
+    assert add_kv_request(None, "x", None, len(PROMPT)) == []

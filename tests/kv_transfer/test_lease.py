@@ -1,4 +1,4 @@
-"""Leases: released or expired blocks go back exactly once, never while being read, and
+"""Leases: released or expired leases end exactly once, never while being read, and
 concurrent releases leak nothing."""
 
 from __future__ import annotations
@@ -19,70 +19,53 @@ class FakeClock:
         return self.now
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.freed: list[tuple[str, list[int]]] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, request_id: str, block_ids: list[int]) -> None:
-        with self._lock:
-            self.freed.append((request_id, block_ids))
-
-
 @pytest.fixture
 def clock():
     return FakeClock()
 
 
-@pytest.fixture
-def freed():
-    return Recorder()
-
-
-def test_release_frees_blocks_once_at_collect(clock, freed):
-    leases = LeaseManager(freed, lease_timeout=10, clock=clock)
-    leases.grant("a", [1, 2], num_tokens=20)
+def test_release_ends_the_lease_once_at_collect(clock):
+    leases = LeaseManager(lease_timeout=10, clock=clock)
+    leases.grant("a", [1, 2])
     assert leases.collect() == []
     assert leases.release("a") is True
-    assert freed.freed == []  # only collect() returns blocks, on the engine's thread
+    assert leases.num_held_blocks == 2  # only collect() ends it, on the engine's thread
     assert leases.collect() == ["a"]
-    assert freed.freed == [("a", [1, 2])]
     assert leases.collect() == [] and leases.release("a") is False
     assert leases.num_held_blocks == 0
 
 
-def test_timeout_frees_unfetched_blocks(clock, freed):
-    leases = LeaseManager(freed, lease_timeout=10, clock=clock)
-    leases.grant("a", [7], num_tokens=1)
+def test_timeout_frees_unfetched_blocks(clock):
+    leases = LeaseManager(lease_timeout=10, clock=clock)
+    leases.grant("a", [7])
     clock.now += 9.9
     assert leases.collect() == []
     clock.now += 0.2
     with pytest.raises(KVLeaseError, match="expired"), leases.reading("a"):
         pass
     assert leases.collect() == ["a"]
-    assert freed.freed == [("a", [7])]
 
 
-def test_release_after_expiry_reports_stale(clock, freed):
-    leases = LeaseManager(freed, lease_timeout=10, clock=clock)
-    leases.grant("a", [7], num_tokens=1)
+def test_release_after_expiry_reports_stale(clock):
+    leases = LeaseManager(lease_timeout=10, clock=clock)
+    leases.grant("a", [7])
     clock.now += 11
     assert leases.release("a") is False
     assert leases.collect() == ["a"]
 
 
-def test_release_confirms_only_leased_blocks(clock, freed):
-    leases = LeaseManager(freed, lease_timeout=10, clock=clock)
-    leases.grant("a", [7, 8], num_tokens=5)
-    leases.grant("b", [9], num_tokens=1)
+def test_release_confirms_only_leased_blocks(clock):
+    leases = LeaseManager(lease_timeout=10, clock=clock)
+    leases.grant("a", [7, 8])
+    leases.grant("b", [9])
     assert leases.release("a", [8, 7]) is True
     assert leases.release("b", [9, 10]) is False  # read a block it was never given
     assert sorted(leases.collect()) == ["a", "b"]
 
 
-def test_blocks_being_read_are_not_freed_even_when_expired(clock, freed):
-    leases = LeaseManager(freed, lease_timeout=10, clock=clock)
-    leases.grant("a", [7], num_tokens=1)
+def test_blocks_being_read_are_not_freed_even_when_expired(clock):
+    leases = LeaseManager(lease_timeout=10, clock=clock)
+    leases.grant("a", [7])
     with leases.reading("a"):
         clock.now += 11
         leases.release("a")
@@ -90,39 +73,23 @@ def test_blocks_being_read_are_not_freed_even_when_expired(clock, freed):
     assert leases.collect() == ["a"]
 
 
-def test_refusals_name_the_reason(clock, freed):
-    leases = LeaseManager(freed, lease_timeout=10, clock=clock)
+def test_refusals_name_the_reason(clock):
+    leases = LeaseManager(lease_timeout=10, clock=clock)
     with pytest.raises(KVLeaseError, match="unknown"), leases.reading("nope"):
         pass
-    leases.grant("a", [1], num_tokens=1)
+    leases.grant("a", [1])
     with pytest.raises(ValueError, match="already holds"):
-        leases.grant("a", [2], num_tokens=1)
+        leases.grant("a", [2])
     leases.release("a")
     with pytest.raises(KVLeaseError, match="already released"), leases.reading("a"):
         pass
 
 
-def test_a_failing_callback_does_not_leak_the_others(clock):
-    returned = []
-
-    def free_blocks(request_id, block_ids):
-        if request_id == "bad":
-            raise RuntimeError("boom")
-        returned.append(request_id)
-
-    leases = LeaseManager(free_blocks, lease_timeout=10, clock=clock)
-    for rid in ("a", "bad", "c"):
-        leases.grant(rid, [1], num_tokens=1)
-    with pytest.raises(RuntimeError, match="boom"):
-        leases.close()
-    assert sorted(returned) == ["a", "c"] and leases.num_leases == 0
-
-
-def test_concurrent_releases_and_collects_leak_nothing(freed):
-    leases = LeaseManager(freed, lease_timeout=60)
+def test_concurrent_releases_and_collects_leak_nothing():
+    leases = LeaseManager(lease_timeout=60)
     num_requests = 400
     for i in range(num_requests):
-        leases.grant(f"r{i}", [2 * i, 2 * i + 1], num_tokens=2)
+        leases.grant(f"r{i}", [2 * i, 2 * i + 1])
     collected: list[str] = []
 
     def receiver(offset: int) -> None:
@@ -138,22 +105,19 @@ def test_concurrent_releases_and_collects_leak_nothing(freed):
         collected += leases.collect()
     collected += leases.collect()
     assert sorted(collected) == sorted(f"r{i}" for i in range(num_requests))
-    blocks = sorted(b for _, ids in freed.freed for b in ids)
-    assert blocks == list(range(2 * num_requests))
     assert leases.num_held_blocks == 0
 
 
 def test_real_clock_expiry():
-    freed = Recorder()
-    leases = LeaseManager(freed, lease_timeout=0.05)
-    leases.grant("a", [1], num_tokens=1)
+    leases = LeaseManager(lease_timeout=0.05)
+    leases.grant("a", [1])
     deadline = time.monotonic() + 5
-    while not leases.collect():
+    while not (collected := leases.collect()):
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert freed.freed == [("a", [1])]
+    assert collected == ["a"]
 
 
-def test_timeout_must_be_positive(freed):
+def test_timeout_must_be_positive():
     with pytest.raises(ValueError, match="kv_lease_timeout"):
-        LeaseManager(freed, lease_timeout=0)
+        LeaseManager(lease_timeout=0)

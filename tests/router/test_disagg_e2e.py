@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from pdserve.kv_transfer.shm_segment import remove_stale_segments
+from pdserve.kv_transfer.shm import remove_stale_segments
 from pdserve.kv_transfer.wire import HEADER, MAGIC, MessageType, encode_frame, read_frame
 from pdserve.router.config import RouterConfig
 from tests.router.harness import (
