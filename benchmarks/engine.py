@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.engine.args import engine_config_from_kwargs
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.attention import kv_bytes_per_token
 from pdserve.model.loader import load_model
@@ -118,7 +118,7 @@ def hf_decode(model, batch: int) -> float:
 def bench_dtype(dtype: str, bandwidth: float, hf_folder: Path | None) -> dict:
     loaded = load_model(None, dtype=dtype, device="cpu")
     engine = LLMEngine(
-        engine_config_from_kwargs(
+        EngineConfig.from_kwargs(
             mode="colocated",
             dtype=dtype,
             device="cpu",

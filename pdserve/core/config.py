@@ -1,9 +1,16 @@
-"""Frozen, validated configs for the scheduling core (vLLM's public names)."""
+"""Frozen, validated configs for the scheduling core (vLLM's public names).
+
+Their fields' defaults are pdserve's defaults: the engine's and the simulator's command lines
+take theirs from here.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+# The per-step token budget of chunked prefill when none is given.
+DEFAULT_CHUNKED_BUDGET = 512
 
 
 class SchedulingPolicy(enum.Enum):
@@ -16,10 +23,16 @@ class SchedulingPolicy(enum.Enum):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """`max_num_batched_tokens` None takes the policy's budget: `DEFAULT_CHUNKED_BUDGET` when
+    chunked; `max_model_len` when colocated (prompts are taken whole, so the budget only bounds
+    how many share a step). `max_model_len` None is the model's context length: the engine
+    sets it when it loads the model (then a colocated budget follows it); a `Scheduler` needs
+    both set."""
+
     scheduling: SchedulingPolicy = SchedulingPolicy.CHUNKED
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
-    max_model_len: int = 8192
+    max_model_len: int | None = None
     # Cap on one request's chunk in a step (None: no cap beyond the budget).
     long_prefill_token_threshold: int | None = None
     # How many requests may be part-way through their prefill at once.
@@ -28,23 +41,36 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.scheduling, str):
             object.__setattr__(self, "scheduling", SchedulingPolicy(self.scheduling))
-        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_batched_tokens is None:
+            budget = (
+                DEFAULT_CHUNKED_BUDGET
+                if self.scheduling is SchedulingPolicy.CHUNKED
+                else self.max_model_len
+            )
+            object.__setattr__(self, "max_num_batched_tokens", budget)
+        for name in ("max_num_batched_tokens", "max_model_len", "long_prefill_token_threshold"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
         _positive("max_num_seqs", self.max_num_seqs)
-        _positive("max_model_len", self.max_model_len)
         _positive("max_num_partial_prefills", self.max_num_partial_prefills)
-        if self.long_prefill_token_threshold is not None:
-            _positive("long_prefill_token_threshold", self.long_prefill_token_threshold)
 
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """The paged KV cache: `num_blocks` blocks of `block_size` tokens. `num_blocks` None sizes
+    it to `kv_cache_memory_gb` when the engine knows the model's bytes per token."""
+
     block_size: int = 16
-    num_blocks: int = 1024
+    num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_memory_gb: float = 1.0
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
-        _positive("num_blocks", self.num_blocks)
+        if self.num_blocks is not None:
+            _positive("num_blocks", self.num_blocks)
+        if not (isinstance(self.kv_cache_memory_gb, int | float) and self.kv_cache_memory_gb > 0):
+            raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
 
 
 def _positive(name: str, value: int) -> None:

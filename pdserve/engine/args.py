@@ -1,10 +1,12 @@
-"""Command-line flags for the engine, shared by `pdserve generate`, `serve` and workers."""
+"""The engine's command-line flags (`pdserve generate`, `serve` and its workers) and the one
+way from parsed flags to an `EngineConfig`. Every default is its config field's."""
 
 from __future__ import annotations
 
 import argparse
 
-from pdserve.core.config import SchedulerConfig, SchedulingPolicy
+from pdserve.cli import flag
+from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, SchedulerConfig
 from pdserve.engine.config import DTYPES, KV_FAILURE_POLICIES, EngineConfig
 from pdserve.kv_transfer.config import KVRole, KVTransferConfig
 from pdserve.kv_transfer.protocol import TRANSPORT_NAMES
@@ -12,152 +14,123 @@ from pdserve.kv_transfer.protocol import TRANSPORT_NAMES
 # A worker's --role to its part in KV transfer (both: a plain server, no transfer).
 ROLE_TO_KV_ROLE = {"prefill": KVRole.PRODUCER, "decode": KVRole.CONSUMER, "both": None}
 
-DEFAULT_CHUNKED_BUDGET = 512
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    group.add_argument(
+_KV = KVTransferConfig
+ENGINE_FLAGS = (
+    flag(
         "--model",
-        default=None,
+        default=EngineConfig.model,
         help="'default' (SmolLM2-135M-Instruct GGUF), a .gguf file or a Hugging "
         "Face folder (config.json + safetensors + tokenizer.json)",
-    )
-    group.add_argument("--dtype", default="auto", choices=DTYPES)
-    group.add_argument("--device", default="auto", help="cpu, cuda or auto")
-    group.add_argument(
+    ),
+    flag("--dtype", default=EngineConfig.dtype, choices=DTYPES),
+    flag("--device", default=EngineConfig.device, help="cpu, cuda or auto"),
+    flag(
         "--max-num-batched-tokens",
         type=int,
-        default=None,
+        default=SchedulerConfig.max_num_batched_tokens,
         help=f"per-step token budget (default {DEFAULT_CHUNKED_BUDGET} when "
         "chunked; the context length when colocated)",
-    )
-    group.add_argument("--max-num-seqs", type=int, default=64)
-    group.add_argument("--long-prefill-token-threshold", type=int, default=None)
-    group.add_argument("--max-num-partial-prefills", type=int, default=1)
-    group.add_argument("--block-size", type=int, default=16)
-    group.add_argument("--num-kv-blocks", type=int, default=None)
-    group.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--seed", type=int, default=0)
-    group.add_argument(
+    ),
+    flag("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs),
+    flag(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=SchedulerConfig.long_prefill_token_threshold,
+    ),
+    flag("--max-num-partial-prefills", type=int, default=SchedulerConfig.max_num_partial_prefills),
+    flag("--block-size", type=int, default=CacheConfig.block_size),
+    flag("--num-kv-blocks", type=int, default=CacheConfig.num_blocks),
+    flag(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=CacheConfig.kv_cache_memory_gb,
+        help="KV cache size unless --num-kv-blocks (default: %(default)s)",
+    ),
+    flag(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=CacheConfig.enable_prefix_caching,
+    ),
+    flag(
+        "--max-model-len",
+        type=int,
+        default=SchedulerConfig.max_model_len,
+        help="longest prompt + output (default: the model's context, as the KV cache holds)",
+    ),
+    flag("--seed", type=int, default=EngineConfig.seed),
+    flag(
         "--num-threads",
         type=int,
-        default=None,
+        default=EngineConfig.num_threads,
         help="torch threads for the forward pass (default: all cores)",
-    )
-    group.add_argument(
+    ),
+    flag(
         "--step-log",
-        default=None,
+        default=EngineConfig.step_log,
         metavar="FILE.jsonl",
         help="append one JSON line per engine step (batch composition, wall "
         "time): calibration data for `pdserve simulate calibrate --steps`",
-    )
-    add_kv_transfer_args(parser)
-
-
-def add_kv_transfer_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("disaggregated worker")
-    group.add_argument(
+    ),
+)
+KV_TRANSFER_FLAGS = (
+    flag(
         "--role",
         choices=tuple(ROLE_TO_KV_ROLE),
         default="both",
         help="prefill: run prompts and lease their KV blocks to decode workers; "
         "decode: receive KV blocks and decode; both: a plain server",
-    )
-    group.add_argument("--kv-transport", choices=TRANSPORT_NAMES, default="shm")
-    group.add_argument(
-        "--kv-host", default="127.0.0.1", help="where a prefill worker's KV server binds"
-    )
-    group.add_argument("--kv-port", type=int, default=0, help="0: any free port")
-    group.add_argument(
+    ),
+    flag(
+        "--kv-transport",
+        choices=TRANSPORT_NAMES,
+        default=_KV.transport,
+        help="how KV blocks move between workers: shared memory (same host) or TCP",
+    ),
+    flag("--kv-host", default=_KV.kv_host, help="where a prefill worker's KV server binds"),
+    flag("--kv-port", type=int, default=_KV.kv_port, help="0: any free port"),
+    flag(
         "--kv-advertise-host",
-        default=None,
+        default=_KV.kv_advertise_host,
         help="the address decode workers reach the KV server at",
-    )
-    group.add_argument(
+    ),
+    flag(
         "--kv-lease-timeout",
         type=float,
-        default=30.0,
+        default=_KV.kv_lease_timeout,
         help="seconds a prefill worker holds KV blocks nobody fetched",
-    )
-    group.add_argument(
+    ),
+    flag(
         "--kv-transfer-timeout",
         type=float,
-        default=10.0,
+        default=_KV.kv_transfer_timeout,
         help="seconds a decode worker waits on a KV transfer operation",
-    )
-    group.add_argument(
+    ),
+    flag(
         "--kv-failure-policy",
         choices=KV_FAILURE_POLICIES,
-        default="recompute",
+        default=EngineConfig.kv_failure_policy,
         help="when KV never arrives: recompute the prompt here, or fail",
-    )
+    ),
+)
+# KV transfer flags that are KVTransferConfig's fields of the same name.
+_KV_FIELDS = ("kv_host", "kv_port", "kv_advertise_host", "kv_lease_timeout", "kv_transfer_timeout")
 
 
-def engine_config_from_args(args: argparse.Namespace, mode: str) -> EngineConfig:
-    """`mode` is the scheduling of this engine: colocated or chunked."""
-    return engine_config_from_kwargs(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        mode=mode,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        max_num_partial_prefills=args.max_num_partial_prefills,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        num_threads=args.num_threads,
-        kv_transfer=kv_transfer_config(args),
-        kv_failure_policy=args.kv_failure_policy,
-        step_log=args.step_log,
-    )
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine `args` (`ENGINE_FLAGS`, `--mode`, and `KV_TRANSFER_FLAGS` where the command
+    has them) describe."""
+    kwargs = {option.dest: getattr(args, option.dest) for option in ENGINE_FLAGS}
+    if hasattr(args, "role"):
+        kwargs.update(
+            kv_transfer=kv_transfer_config(args), kv_failure_policy=args.kv_failure_policy
+        )
+    return EngineConfig.from_kwargs(mode=args.mode, **kwargs)
 
 
 def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
     kv_role = ROLE_TO_KV_ROLE[args.role]
     if kv_role is None:
         return None
-    return KVTransferConfig(
-        transport=args.kv_transport,
-        kv_role=kv_role,
-        kv_host=args.kv_host,
-        kv_port=args.kv_port,
-        kv_advertise_host=args.kv_advertise_host,
-        kv_lease_timeout=args.kv_lease_timeout,
-        kv_transfer_timeout=args.kv_transfer_timeout,
-    )
-
-
-def engine_config_from_kwargs(
-    *,
-    mode: str = "chunked",
-    max_num_batched_tokens: int | None = None,
-    max_num_seqs: int = 64,
-    long_prefill_token_threshold: int | None = None,
-    max_num_partial_prefills: int = 1,
-    **engine_kwargs,
-) -> EngineConfig:
-    """Flat keyword arguments (the CLI's names) to an `EngineConfig`."""
-    scheduling = SchedulingPolicy(mode)
-    if max_num_batched_tokens is None:
-        # Colocated takes prompts whole; its budget only bounds how many share a step.
-        max_num_batched_tokens = (
-            DEFAULT_CHUNKED_BUDGET
-            if scheduling is SchedulingPolicy.CHUNKED
-            else engine_kwargs.get("max_model_len") or 8192
-        )
-    scheduler = SchedulerConfig(
-        scheduling=scheduling,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs,
-        long_prefill_token_threshold=long_prefill_token_threshold,
-        max_num_partial_prefills=max_num_partial_prefills,
-    )
-    return EngineConfig(scheduler=scheduler, **engine_kwargs)
+    fields = {name: getattr(args, name) for name in _KV_FIELDS}
+    return KVTransferConfig(transport=args.kv_transport, kv_role=kv_role, **fields)

@@ -1,37 +1,48 @@
-"""The engine's frozen configuration (everything a `pdserve` process is started with)."""
+"""The engine's frozen configuration: one tree for everything a `pdserve` engine starts with.
+
+    EngineConfig: model, dtype, device, seed, num_threads, kv_failure_policy, step_log
+    ├── scheduler: core.config.SchedulerConfig   (max_num_batched_tokens, max_num_seqs, ...)
+    ├── cache: core.config.CacheConfig           (block_size, num_blocks, ...)
+    └── kv_transfer: KVTransferConfig | None     (disaggregated workers only)
+
+Every default is its field's, defined once; `EngineConfig.from_kwargs` (the command line, the
+offline `LLM(...)` and `LLMEngine.from_args`) builds the tree from flat keyword arguments.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
-from pdserve.core.config import SchedulerConfig
+from pdserve.core.config import CacheConfig, SchedulerConfig
 from pdserve.kv_transfer.config import KVTransferConfig
 
-DEFAULT_KV_CACHE_MEMORY_GB = 1.0
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_FAILURE_POLICIES = ("recompute", "fail")
+# Flat names that differ from their field's: the command line's `--mode` and `--num-kv-blocks`.
+_ALIASES = {"mode": "scheduling", "num_kv_blocks": "num_blocks"}
+_BRANCHES = {"scheduler": SchedulerConfig, "cache": CacheConfig}
+# Which branch holds each of their fields (leaf names are unique across the tree).
+_BRANCH_OF = {f.name: name for name, cls in _BRANCHES.items() for f in dataclasses.fields(cls)}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Model, device and KV-cache settings plus the scheduler's.
+    """Model and device settings, the scheduler's and the KV cache's.
 
-    `scheduler.max_model_len` is resolved at load time to the smallest of the model's context,
-    the user's `max_model_len` and what the KV cache holds. KV capacity comes from
-    `num_kv_blocks`, else from `kv_cache_memory_gb` (default 1 GB).
+    At load time the engine resolves `scheduler.max_model_len` to the smallest of the model's
+    context, the user's `max_model_len` and what the KV cache holds, and `cache.num_blocks`
+    (when None) from `cache.kv_cache_memory_gb`.
     """
 
     model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float | None = None
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
     seed: int = 0
     num_threads: int | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     # Disaggregated serving: how this worker sends or receives KV (None: it does neither).
     kv_transfer: KVTransferConfig | None = None
     kv_failure_policy: str = "recompute"
@@ -43,14 +54,27 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        for name in ("block_size", "num_kv_blocks", "max_model_len", "num_threads"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_threads is not None and (
+            not isinstance(self.num_threads, int) or self.num_threads < 1
+        ):
+            raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
         if self.kv_failure_policy not in KV_FAILURE_POLICIES:
             raise ValueError(
                 f"kv_failure_policy must be one of {', '.join(KV_FAILURE_POLICIES)}"
                 f", got {self.kv_failure_policy!r}"
             )
-        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
-            raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """The tree from flat keyword arguments named as the fields anywhere in it (vLLM's
+        names: `max_num_batched_tokens`, `block_size`, ...; `mode` for the scheduling policy,
+        `num_kv_blocks` for the cache's blocks). Fields not named keep their defaults."""
+        branches: dict[str, dict[str, Any]] = {name: {} for name in _BRANCHES}
+        top: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            name = _ALIASES.get(name, name)
+            branch = _BRANCH_OF.get(name)
+            (branches[branch] if branch else top)[name] = value
+        # An unknown name is left to EngineConfig's own TypeError.
+        built = {name: _BRANCHES[name](**values) for name, values in branches.items()}
+        return cls(**built, **top)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdserve.cli import add_flags
+from pdserve.core.config import SchedulerConfig, SchedulingPolicy
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
-from pdserve.engine.args import add_engine_args
+from pdserve.engine.args import ENGINE_FLAGS
 
 
 def add_parser(subparsers) -> None:
@@ -18,8 +20,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[])
-    parser.add_argument("--mode", choices=("colocated", "chunked"), default="chunked")
-    add_engine_args(parser)
+    parser.add_argument(
+        "--mode",
+        choices=[policy.value for policy in SchedulingPolicy],
+        default=SchedulerConfig.scheduling.value,
+    )
+    add_flags(parser, "engine", ENGINE_FLAGS)
     parser.set_defaults(run=run)
 
 
@@ -37,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         seed=args.seed,
     )
-    llm = LLM.from_config(engine_config_from_args(args, args.mode))
+    llm = LLM.from_config(engine_config_from_args(args))
     if args.chat:
         result = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
     else:

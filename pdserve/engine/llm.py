@@ -31,7 +31,11 @@ class GenerationResult:
 
 
 class LLM:
-    """Run many prompts through one engine with continuous batching."""
+    """Run many prompts through one engine with continuous batching.
+
+    `engine_kwargs` are `EngineConfig.from_kwargs`'s flat names, e.g. `LLM(mode="colocated",
+    max_num_seqs=8, num_kv_blocks=256)`.
+    """
 
     def __init__(
         self, model: str | None = None, *, engine: LLMEngine | None = None, **engine_kwargs

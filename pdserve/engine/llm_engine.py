@@ -10,11 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.core.config import CacheConfig
 from pdserve.core.request import FinishReason, Request, RequestMetrics
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
 from pdserve.core.scheduler import EngineStats, Scheduler
-from pdserve.engine.config import DEFAULT_KV_CACHE_MEMORY_GB, EngineConfig
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import KVTransferOutcome, RequestOutput
@@ -63,17 +62,17 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         self.max_model_len = min(
             self.model_config.max_position_embeddings,
-            config.max_model_len or self.model_config.max_position_embeddings,
-            num_blocks * config.block_size,
+            config.scheduler.max_model_len or self.model_config.max_position_embeddings,
+            num_blocks * config.cache.block_size,
         )
         scheduler_config = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
-        cache_config = CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
+        cache_config = dataclasses.replace(config.cache, num_blocks=num_blocks)
         self.connector = self._make_connector(num_blocks)
         self.scheduler = Scheduler(scheduler_config, cache_config, self.connector)
         self.runner = ModelRunner(
             self.loaded,
             num_blocks,
-            config.block_size,
+            config.cache.block_size,
             config.seed,
             self.connector.transport.kv_cache if self.connector else None,
         )
@@ -91,17 +90,15 @@ class LLMEngine:
             self.loaded.dtype,
             self.loaded.device,
             num_blocks,
-            config.block_size,
+            config.cache.block_size,
             self.max_model_len,
             config.scheduler.scheduling.value,
         )
 
     @classmethod
     def from_args(cls, **kwargs) -> LLMEngine:
-        """Build from flat keyword arguments (the CLI's names); see `engine.args`."""
-        from pdserve.engine.args import engine_config_from_kwargs
-
-        return cls(engine_config_from_kwargs(**kwargs))
+        """Build from flat keyword arguments (the CLI's names); see `EngineConfig.from_kwargs`."""
+        return cls(EngineConfig.from_kwargs(**kwargs))
 
     def _make_connector(self, num_blocks: int) -> KVConnector | None:
         if self.config.kv_transfer is None:
@@ -121,18 +118,18 @@ class LLMEngine:
             num_layers=config.num_hidden_layers,
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
-            block_size=self.config.block_size,
+            block_size=self.config.cache.block_size,
             dtype=str(self.loaded.dtype).removeprefix("torch."),
         )
 
     def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        gigabytes = self.config.kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB
+        cache = self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
         bytes_per_block = (
-            kv_bytes_per_token(self.model_config, self.loaded.dtype) * self.config.block_size
+            kv_bytes_per_token(self.model_config, self.loaded.dtype) * cache.block_size
         )
-        return max(int(gigabytes * 2**30 // bytes_per_block), 1)
+        return max(int(cache.kv_cache_memory_gb * 2**30 // bytes_per_block), 1)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(

@@ -22,7 +22,8 @@ class KVTransferConfig:
     a consumer's socket timeout per operation; `kv_idle_timeout`: a producer drops
     connections silent this long."""
 
-    transport: str = "tcp"
+    # Shared memory: the one-host deployment; workers on other hosts need tcp.
+    transport: str = "shm"
     kv_role: KVRole = KVRole.BOTH
     kv_host: str = "127.0.0.1"
     kv_port: int = 0

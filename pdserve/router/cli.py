@@ -1,19 +1,105 @@
-"""`pdserve router`: the disaggregated-serving gateway in front of prefill and decode workers."""
+"""`pdserve router`: the disaggregated-serving gateway in front of prefill and decode workers.
+
+`ROUTING_FLAGS` are the routing group of both `pdserve router` and `pdserve serve --mode
+disagg`; every default is its `RouterConfig` field's.
+"""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 from collections.abc import Sequence
-from functools import partial
 
+from pdserve.cli import add_flags, flag
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import POLICY_NAMES
 from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer
 
 # Seconds uvicorn lets in-flight streams finish after SIGINT/SIGTERM.
 GRACEFUL_SHUTDOWN_S = 30
+
+ROUTING_FLAGS = (
+    flag(
+        "--policy",
+        choices=POLICY_NAMES,
+        default=RouterConfig.prefill_policy,
+        help="policy of both pools unless --prefill-policy/--decode-policy",
+    ),
+    flag("--prefill-policy", choices=POLICY_NAMES, default=None),
+    flag("--decode-policy", choices=POLICY_NAMES, default=None),
+    flag(
+        "--local-prefill-threshold",
+        type=int,
+        default=RouterConfig.local_prefill_threshold,
+        metavar="N",
+        help="prompts with fewer uncached tokens skip the prefill worker (0: all go through one)",
+    ),
+    flag(
+        "--balance-factor",
+        type=float,
+        default=RouterConfig.balance_factor,
+        help="prefix_aware leaves the best match when its load exceeds this "
+        "times the least loaded worker's",
+    ),
+    flag(
+        "--health-check-interval",
+        type=float,
+        default=RouterConfig.health_interval_s,
+        metavar="SECONDS",
+        help="seconds between GET /health rounds over the workers",
+    ),
+    flag(
+        "--health-check-timeout",
+        type=float,
+        default=RouterConfig.health_timeout_s,
+        metavar="SECONDS",
+    ),
+    flag(
+        "--unhealthy-threshold",
+        type=int,
+        default=RouterConfig.unhealthy_threshold,
+        help="failed health checks in a row that take a worker out of rotation",
+    ),
+    flag(
+        "--request-timeout",
+        type=float,
+        default=RouterConfig.request_timeout_s,
+        metavar="SECONDS",
+        help="bound on each leg's reads (default: none)",
+    ),
+)
+# The router command's own: its workers, address and key (`serve` has its own of those).
+ROUTER_FLAGS = (
+    flag(
+        "--prefill",
+        nargs="*",
+        default=[],
+        metavar="URL",
+        help="prefill worker URLs (none: decode workers prefill everything)",
+    ),
+    flag("--decode", nargs="+", required=True, metavar="URL", help="decode worker URLs"),
+    flag("--host", default=RouterConfig.host),
+    flag("--port", type=int, default=RouterConfig.port),
+    flag(
+        "--api-key",
+        default=RouterConfig.api_key,
+        help="require 'Authorization: Bearer KEY' on /v1/* and /workers",
+    ),
+    flag(
+        "--block-size",
+        type=int,
+        default=RouterConfig.block_size,
+        help="the workers' KV block size (prefix matching)",
+    ),
+    flag(
+        "--tokenizer",
+        default=None,
+        metavar="MODEL",
+        help="tokenize prompts in the router with this model's tokenizer "
+        "('default', a .gguf file or a Hugging Face folder); without it "
+        "a worker's POST /tokenize is asked",
+    ),
+)
 
 
 def add_parser(subparsers) -> None:
@@ -23,96 +109,15 @@ def add_parser(subparsers) -> None:
         description="Serve the OpenAI API in front of prefill and decode workers "
         "(pdserve serve --role prefill|decode).",
     )
-    parser.add_argument(
-        "--prefill",
-        nargs="*",
-        default=[],
-        metavar="URL",
-        help="prefill worker URLs (none: decode workers prefill everything)",
-    )
-    parser.add_argument(
-        "--decode", nargs="+", required=True, metavar="URL", help="decode worker URLs"
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /workers"
-    )
-    parser.add_argument(
-        "--block-size", type=int, default=16, help="the workers' KV block size (prefix matching)"
-    )
-    parser.add_argument(
-        "--tokenizer",
-        default=None,
-        metavar="MODEL",
-        help="tokenize prompts in the router with this model's tokenizer "
-        "('default', a .gguf file or a Hugging Face folder); without it "
-        "a worker's POST /tokenize is asked",
-    )
-    add_routing_args(parser)
+    add_flags(parser, None, ROUTER_FLAGS)
+    add_flags(parser, "routing", ROUTING_FLAGS)
     parser.set_defaults(run=run)
-
-
-def add_routing_args(parser: argparse.ArgumentParser) -> None:
-    """Policy, threshold and health flags, shared with `pdserve serve --mode disagg`."""
-    group = parser.add_argument_group("routing")
-    add = partial(add_once, group)
-    add(
-        "--policy",
-        choices=POLICY_NAMES,
-        default="least_loaded",
-        help="policy of both pools unless --prefill-policy/--decode-policy",
-    )
-    add("--prefill-policy", choices=POLICY_NAMES, default=None)
-    add("--decode-policy", choices=POLICY_NAMES, default=None)
-    add(
-        "--local-prefill-threshold",
-        type=int,
-        default=0,
-        metavar="N",
-        help="prompts with fewer uncached tokens skip the prefill worker (0: all go through one)",
-    )
-    add(
-        "--balance-factor",
-        type=float,
-        default=2.0,
-        help="prefix_aware leaves the best match when its load exceeds this "
-        "times the least loaded worker's",
-    )
-    add(
-        "--health-check-interval",
-        type=float,
-        default=2.0,
-        metavar="SECONDS",
-        help="seconds between GET /health rounds over the workers",
-    )
-    add("--health-check-timeout", type=float, default=5.0, metavar="SECONDS")
-    add(
-        "--unhealthy-threshold",
-        type=int,
-        default=2,
-        help="failed health checks in a row that take a worker out of rotation",
-    )
-    add(
-        "--request-timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="bound on each leg's reads (default: none)",
-    )
-
-
-def add_once(group, *flags: str, **kwargs) -> None:
-    """Add an option unless the parser already has one of its flags (parsers are composed:
-    `pdserve serve` has worker flags of its own)."""
-    with contextlib.suppress(argparse.ArgumentError):
-        group.add_argument(*flags, **kwargs)
 
 
 def router_config_from_args(
     args: argparse.Namespace, prefill_urls: Sequence[str], decode_urls: Sequence[str]
 ) -> RouterConfig:
-    """A `RouterConfig` from `add_routing_args` flags plus host/port/api-key/block-size."""
+    """A `RouterConfig` from `ROUTING_FLAGS` plus --host, --port, --api-key and --block-size."""
     return RouterConfig(
         prefill_urls=tuple(prefill_urls),
         decode_urls=tuple(decode_urls),

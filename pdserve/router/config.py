@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from pdserve.core.config import CacheConfig
 from pdserve.router.policies import POLICY_NAMES
 
 
@@ -42,7 +43,7 @@ class RouterConfig:
     port: int = 8000
     api_key: str | None = None
     # Must equal the workers' --block-size for prefix matching to mean anything.
-    block_size: int = 16
+    block_size: int = CacheConfig.block_size
     # Blocks remembered per worker by the prefix index (about a worker's KV cache size).
     prefix_index_blocks: int = 1 << 16
     # prefix_aware leaves the best-matching worker when its load exceeds this times the least.

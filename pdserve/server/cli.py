@@ -1,4 +1,5 @@
-"""`pdserve serve`: the OpenAI-compatible server on one engine, under uvicorn.
+"""The server's part of `pdserve serve` (registered by `pdserve.launch.cli`): its flags, and the
+OpenAI-compatible server on one engine, under uvicorn.
 
 SIGTERM (or Ctrl-C) stops accepting connections, gives in-flight requests `--shutdown-grace`
 seconds, aborts the rest with a final `finish_reason: abort` event, and exits 0.
@@ -14,75 +15,64 @@ from collections.abc import Callable
 
 import uvicorn
 
-from pdserve.engine.args import add_engine_args
-from pdserve.router.launcher import add_disagg_args, launch_disagg
-from pdserve.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
+from pdserve.cli import flag
+from pdserve.core.config import SchedulerConfig, SchedulingPolicy
+from pdserve.server.settings import ServerSettings
 
 DEFAULT_PORT = 8000
+MODES = (*(policy.value for policy in SchedulingPolicy), "disagg")
 
-
-def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_server_args(parser)
-    add_engine_args(parser)
-    add_disagg_args(parser)
-    parser.set_defaults(run=run)
-
-
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("server")
-    group.add_argument(
+SERVER_FLAGS = (
+    flag(
         "--mode",
-        choices=("colocated", "chunked", "disagg"),
-        default="chunked",
+        choices=MODES,
+        default=SchedulerConfig.scheduling.value,
         help="colocated: whole-prompt continuous batching; chunked: chunked "
         "prefill; disagg: a router plus prefill and decode worker "
         "processes (see --prefill-workers, --decode-workers)",
-    )
-    group.add_argument("--host", default="127.0.0.1")
-    group.add_argument("--port", type=int, default=DEFAULT_PORT)
-    group.add_argument(
+    ),
+    flag("--host", default="127.0.0.1"),
+    flag("--port", type=int, default=DEFAULT_PORT),
+    flag(
         "--api-key",
         default=os.environ.get("PDSERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY)",
-    )
-    group.add_argument(
+    ),
+    flag(
         "--served-model-name",
         nargs="+",
         default=None,
         help="names clients may use for the model (default: the model's name)",
-    )
-    group.add_argument(
+    ),
+    flag(
         "--max-queue",
         type=int,
         default=ServerSettings.max_queue,
         help="waiting requests beyond which new ones get 429",
-    )
-    group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    group.add_argument(
+    ),
+    flag("--max-body-bytes", type=int, default=ServerSettings.max_body_bytes),
+    flag(
         "--shutdown-grace",
         type=float,
         default=ServerSettings.shutdown_grace_s,
         help="seconds in-flight requests get to finish on SIGTERM",
-    )
-    group.add_argument(
+    ),
+    flag(
         "--health-timeout",
         type=float,
         default=ServerSettings.health_timeout_s,
         help="/health is 503 when the engine loop stalls this long",
-    )
+    ),
+)
 
 
-def run(args: argparse.Namespace) -> int:
+def run_server(args: argparse.Namespace) -> int:
+    """Serve one engine (`--mode colocated` or `chunked`) until SIGINT/SIGTERM."""
     from pdserve.engine.args import engine_config_from_args
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.server.app import create_app
 
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.mode == "disagg":
-        return launch_disagg(args)
-    llm_engine = LLMEngine(engine_config_from_args(args, args.mode))
+    llm_engine = LLMEngine(engine_config_from_args(args))
     settings = ServerSettings(
         served_model_names=tuple(args.served_model_name or (llm_engine.model_name,)),
         api_key=args.api_key,

@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 from pdserve.engine.async_engine import DEFAULT_HEALTH_TIMEOUT_S, DEFAULT_MAX_QUEUE
 
-DEFAULT_MAX_BODY_BYTES = 4 * 2**20
-
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -17,7 +15,7 @@ class ServerSettings:
     served_model_names: tuple[str, ...]
     api_key: str | None = None
     max_queue: int = DEFAULT_MAX_QUEUE
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: int = 4 * 2**20
     # On SIGTERM, in-flight requests get this long to finish before they are aborted.
     shutdown_grace_s: float = 5.0
     # /health turns 503 when the engine loop has not made progress for this long.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 
-from pdserve.core.config import SchedulerConfig, SchedulingPolicy
+from pdserve.core.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from pdserve.sim.efficiency import Efficiency, default_efficiency
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import Hardware
@@ -57,8 +57,8 @@ class SimConfig:
     efficiency: Efficiency | None = None
     dtype: str = "bf16"
     kv_dtype: str = "bf16"
-    block_size: int = 16
-    enable_prefix_caching: bool = True
+    block_size: int = CacheConfig.block_size
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     memory_utilization: float = 0.9
     # Override the KV blocks per worker computed from memory (e.g. to match a real engine):
     # a block count, or a KV budget in GiB per worker (the engine's --kv-cache-memory-gb).
@@ -127,18 +127,12 @@ class SimConfig:
         return label
 
 
-def scheduler_config_for(
-    mode: Mode, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, **kwargs
-) -> SchedulerConfig:
-    """The core scheduler config a worker of `mode` runs (disagg workers chunk)."""
+def scheduler_config_for(mode: Mode, *fields, **named_fields) -> SchedulerConfig:
+    """The core scheduler config a worker of `mode` runs (disagg workers chunk): `fields` are
+    `SchedulerConfig`'s after `scheduling` (`max_num_batched_tokens`, `max_num_seqs`,
+    `max_model_len`, ...), with its defaults."""
     scheduling = SchedulingPolicy.COLOCATED if mode is Mode.COLOCATED else SchedulingPolicy.CHUNKED
-    return SchedulerConfig(
-        scheduling=scheduling,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-        **kwargs,
-    )
+    return SchedulerConfig(scheduling, *fields, **named_fields)
 
 
 def with_scheduler(pool: PoolConfig, **changes) -> PoolConfig:

@@ -24,6 +24,7 @@ from pdserve.bench.workloads import (
     make_workload,
 )
 from pdserve.bench.workloads.trace_file import TraceEntry
+from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, SchedulerConfig
 from pdserve.router.policies import POLICY_NAMES
 from pdserve.sim.config import Mode, PoolConfig, SimConfig, scheduler_config_for
 from pdserve.sim.efficiency import Efficiency
@@ -33,11 +34,8 @@ from pdserve.sim.model_spec import ModelSpec, load_model_spec
 from pdserve.sim.network import get_network
 from pdserve.sim.workload import SimRequestSpec, plan_requests, specs_from_bench_result
 
-# The engine's defaults on the local CPU (pdserve.engine.args / config).
-CPU_CHUNKED_BUDGET = 512
-CPU_MAX_NUM_SEQS = 64
-CPU_KV_CACHE_MEMORY_GB = 1.0
-# Datacenter defaults: vLLM's chunked budget and sequence cap on large GPUs.
+# On cpu-local the engine's own defaults (core.config) apply. Datacenter defaults: vLLM's
+# chunked budget and sequence cap on large GPUs.
 GPU_CHUNKED_BUDGET = 2048
 GPU_MAX_NUM_SEQS = 256
 
@@ -66,8 +64,8 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
         "roce-400, eth-25, ... or a number of Gb/s "
         "(default: ib-8x400; shm on cpu-local)",
     )
-    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp8"], help="weights")
-    g.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"])
+    g.add_argument("--dtype", default=SimConfig.dtype, choices=["bf16", "fp8"], help="weights")
+    g.add_argument("--kv-dtype", default=SimConfig.kv_dtype, choices=["bf16", "fp8"])
     g.add_argument(
         "--calibration",
         metavar="FILE.json",
@@ -77,23 +75,30 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
     g.add_argument(
         "--max-num-seqs",
         type=int,
-        help=f"default {CPU_MAX_NUM_SEQS} on cpu-local, {GPU_MAX_NUM_SEQS} otherwise",
+        help=f"default {SchedulerConfig.max_num_seqs} on cpu-local, {GPU_MAX_NUM_SEQS} otherwise",
     )
-    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--max-model-len", type=int, help="default: the model's context")
     g.add_argument("--long-prefill-token-threshold", type=int)
-    g.add_argument("--max-num-partial-prefills", type=int, default=1)
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument(
+        "--max-num-partial-prefills", type=int, default=SchedulerConfig.max_num_partial_prefills
+    )
+    g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     g.add_argument("--num-kv-blocks", type=int, help="per worker (default: from memory)")
     g.add_argument(
         "--kv-cache-memory-gb",
         type=float,
-        help=f"KV budget per worker (default {CPU_KV_CACHE_MEMORY_GB} on cpu-local, "
+        help=f"KV budget per worker (default {CacheConfig.kv_cache_memory_gb} on cpu-local, "
         "else device memory minus weights)",
     )
-    g.add_argument("--memory-utilization", type=float, default=0.9)
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--prefill-policy", default="least_loaded", choices=POLICY_NAMES)
-    g.add_argument("--decode-policy", default="least_loaded", choices=POLICY_NAMES)
+    g.add_argument("--memory-utilization", type=float, default=SimConfig.memory_utilization)
+    g.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=CacheConfig.enable_prefix_caching,
+    )
+    g.add_argument("--prefill-policy", default=SimConfig.prefill_policy, choices=POLICY_NAMES)
+    g.add_argument("--decode-policy", default=SimConfig.decode_policy, choices=POLICY_NAMES)
     if not with_layout:
         return
     lay = parser.add_argument_group("layout")
@@ -112,7 +117,7 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
     lay.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        help=f"chunked token budget (default {CPU_CHUNKED_BUDGET} on cpu-local, "
+        help=f"chunked token budget (default {DEFAULT_CHUNKED_BUDGET} on cpu-local, "
         f"{GPU_CHUNKED_BUDGET} otherwise; colocated: the context length)",
     )
     lay.add_argument("--prefill-workers", type=int, default=1, help="disagg")
@@ -122,7 +127,7 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
     lay.add_argument(
         "--local-prefill-threshold",
         type=int,
-        default=0,
+        default=SimConfig.local_prefill_threshold,
         help="disagg: prompts with fewer uncached tokens prefill on decode",
     )
     lay.add_argument(
@@ -184,12 +189,12 @@ class Deployment:
 
     @property
     def max_num_seqs(self) -> int:
-        default = CPU_MAX_NUM_SEQS if is_local_cpu(self.hardware) else GPU_MAX_NUM_SEQS
+        default = SchedulerConfig.max_num_seqs if is_local_cpu(self.hardware) else GPU_MAX_NUM_SEQS
         return self.args.max_num_seqs or default
 
     @property
     def default_budget(self) -> int:
-        return CPU_CHUNKED_BUDGET if is_local_cpu(self.hardware) else GPU_CHUNKED_BUDGET
+        return DEFAULT_CHUNKED_BUDGET if is_local_cpu(self.hardware) else GPU_CHUNKED_BUDGET
 
     @property
     def max_model_len(self) -> int:
@@ -212,8 +217,9 @@ class Deployment:
         (workers, tp) pools (disagg), the decode pool on `decode_budget` when given."""
         a = self.args
         if mode is Mode.COLOCATED:
-            budget = self.max_model_len
-        budget = self.default_budget if budget is None else budget
+            budget = None  # prompts whole: the scheduler's colocated budget, the context length
+        elif budget is None:
+            budget = self.default_budget
         for flag, value in (
             ("--max-num-batched-tokens", budget),
             ("--decode-max-num-batched-tokens", decode_budget),
@@ -239,7 +245,7 @@ class Deployment:
             pool, prefill_pool = PoolConfig(num_workers, tp, sched), None
         kv_gb = a.kv_cache_memory_gb
         if kv_gb is None and a.num_kv_blocks is None and is_local_cpu(self.hardware):
-            kv_gb = CPU_KV_CACHE_MEMORY_GB
+            kv_gb = CacheConfig.kv_cache_memory_gb
         network = a.network or ("shm" if is_local_cpu(self.hardware) else "ib-8x400")
         efficiency = Efficiency.load(a.calibration) if a.calibration else None
         fields = dict(

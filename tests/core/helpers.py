@@ -8,6 +8,8 @@ from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.scheduler import Scheduler
 
 EOS = 2
+# A Scheduler's max_model_len is set (the engine resolves it from the model).
+MAX_MODEL_LEN = 8192
 
 
 def make_request(
@@ -20,7 +22,8 @@ def make_request(
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, **kwargs) -> Scheduler:
     prefix = kwargs.pop("enable_prefix_caching", True)
-    return Scheduler(SchedulerConfig(**kwargs), CacheConfig(block_size, num_blocks, prefix))
+    config = SchedulerConfig(**{"max_model_len": MAX_MODEL_LEN, **kwargs})
+    return Scheduler(config, CacheConfig(block_size, num_blocks, prefix))
 
 
 def fake_token(request: Request) -> int:

@@ -4,7 +4,7 @@ from pdserve.core.config import CacheConfig, SchedulerConfig
 from pdserve.core.kv_connector import KVConnectorScheduler, KVTransferEvents
 from pdserve.core.request import FinishReason, RequestStatus
 from pdserve.core.scheduler import Scheduler
-from tests.core.helpers import make_request, run_to_completion, step
+from tests.core.helpers import MAX_MODEL_LEN, make_request, run_to_completion, step
 
 
 class ScriptedConnector(KVConnectorScheduler):
@@ -44,7 +44,9 @@ class ScriptedConnector(KVConnectorScheduler):
 
 def _scheduler(connector, num_blocks=32):
     return Scheduler(
-        SchedulerConfig(max_num_batched_tokens=64), CacheConfig(4, num_blocks), connector
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN),
+        CacheConfig(4, num_blocks),
+        connector,
     )
 
 
@@ -136,7 +138,8 @@ def test_sender_holds_finished_blocks_until_released():
 
 def test_remote_request_that_does_not_fit_waits_instead_of_recomputing():
     connector = ScriptedConnector()
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=8), CacheConfig(4, 4), connector)
+    config = SchedulerConfig(max_num_batched_tokens=8, max_model_len=MAX_MODEL_LEN)
+    scheduler = Scheduler(config, CacheConfig(4, 4), connector)
     scheduler.add_request(make_request("big", 8, max_tokens=3, first_token=300))
     step(scheduler)  # holds 2 of the 4 blocks
     # Its 10 tokens need 3 blocks; a 7-token local chunk would fit in 2, but must not be run.

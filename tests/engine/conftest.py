@@ -24,10 +24,10 @@ def loaded_fp32():
 @pytest.fixture(scope="session")
 def make_llm(loaded_fp32):
     """Build an `LLM` over the already-loaded default model with any engine settings."""
-    from pdserve.engine.args import engine_config_from_kwargs
+    from pdserve.engine.config import EngineConfig
 
     def build(**kwargs) -> LLM:
-        config = engine_config_from_kwargs(dtype="float32", device="cpu", **kwargs)
+        config = EngineConfig.from_kwargs(dtype="float32", device="cpu", **kwargs)
         return LLM(engine=LLMEngine(config, loaded=loaded_fp32))
 
     return build

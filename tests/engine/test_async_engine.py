@@ -9,13 +9,13 @@ import pytest
 
 from pdserve.core.request import FinishReason
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
-from pdserve.engine.args import engine_config_from_kwargs
 from pdserve.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
     EngineOverloadedError,
     RequestFailedError,
 )
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.config import KVTransferConfig
 
@@ -29,7 +29,7 @@ LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 @pytest.fixture
 def make_engine(loaded_fp32):
     def build(**kwargs) -> LLMEngine:
-        config = engine_config_from_kwargs(
+        config = EngineConfig.from_kwargs(
             dtype="float32", device="cpu", num_kv_blocks=NUM_KV_BLOCKS, **kwargs
         )
         return LLMEngine(config, loaded=loaded_fp32)
@@ -215,7 +215,7 @@ def test_kv_transfer_params_reach_the_engine_and_come_back(loaded_fp32, chat_tok
     kv = KVTransferConfig(
         transport="shm", kv_role="kv_producer", kv_lease_timeout=10.0, kv_transfer_timeout=2.0
     )
-    config = engine_config_from_kwargs(
+    config = EngineConfig.from_kwargs(
         dtype="float32", device="cpu", num_kv_blocks=NUM_KV_BLOCKS, kv_transfer=kv
     )
     prefill = LLMEngine(config, loaded=loaded_fp32)

@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.core.request import FinishReason
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
-from pdserve.engine.args import engine_config_from_kwargs
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv_transfer.config import KVTransferConfig
 from tests.kv_transfer.helpers import count_parses
@@ -23,7 +23,7 @@ def _engine(loaded, role=None, transport="tcp", policy="recompute", **kwargs):
         if role
         else None
     )
-    config = engine_config_from_kwargs(
+    config = EngineConfig.from_kwargs(
         dtype="float32",
         device="cpu",
         num_kv_blocks=64,

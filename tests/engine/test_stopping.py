@@ -4,7 +4,7 @@ import dataclasses
 
 from pdserve.core.request import FinishReason
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.engine.args import engine_config_from_kwargs
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 
@@ -13,7 +13,7 @@ def test_every_eos_id_of_the_model_stops_generation(loaded_fp32, chat_token_ids)
     """Models such as Llama-3 instruct end turns with one of several EOS ids."""
 
     def generate(loaded):
-        engine = LLMEngine(engine_config_from_kwargs(dtype="float32", device="cpu"), loaded)
+        engine = LLMEngine(EngineConfig.from_kwargs(dtype="float32", device="cpu"), loaded)
         return LLM(engine=engine).generate(
             [chat_token_ids[0]], SamplingParams(max_tokens=6), use_tqdm=False
         )[0]

@@ -101,7 +101,9 @@ def test_bad_replies_raise_cleanly(reply, error, phrase):
 
 
 def _consumer():
-    return create_kv_transport(KVTransferConfig(kv_role="kv_consumer"), LAYOUT, NUM_BLOCKS)
+    return create_kv_transport(
+        KVTransferConfig(transport="tcp", kv_role="kv_consumer"), LAYOUT, NUM_BLOCKS
+    )
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ class Worker:
         config = KVTransferConfig(transport=transport, kv_role=role)
         self.connector = KVConnector(config, LAYOUT, num_blocks)
         self.scheduler = Scheduler(
-            SchedulerConfig(max_num_batched_tokens=64),
+            SchedulerConfig(max_num_batched_tokens=64, max_model_len=8192),
             CacheConfig(LAYOUT.block_size, num_blocks),
             self.connector,
         )

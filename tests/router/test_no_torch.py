@@ -8,7 +8,7 @@ import pytest
 def test_router_and_its_tokenizer_do_not_import_torch():
     code = (
         "import asyncio, sys\n"
-        "import pdserve.router.app, pdserve.router.launcher, pdserve.router.cli\n"
+        "import pdserve.router.app, pdserve.launch.local, pdserve.router.cli\n"
         "from pdserve.router.tokenizer import LocalTokenizer\n"
         "tokenizer = LocalTokenizer.load(None)\n"
         "body = {'messages': [{'role': 'user', 'content': 'Hi'}]}\n"

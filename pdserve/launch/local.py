@@ -4,11 +4,8 @@
 separate processes, each pinned to its own cores with one torch thread per core, waits until
 all answer /health, then runs the router in this process until SIGINT/SIGTERM and stops every
 child. A worker that dies during startup stops the rest; the launcher exits 1 with its log tail.
-
-Workers get every engine/server flag the user gave `pdserve serve` (introspected from the
-serve parser) except the ones the launcher owns: mode, host, port, api key, threads, the
-step log (one file per worker, named after it), and the disaggregation flags below (but
---kv-transport, which workers need).
+Workers get the flags `launch.cli.worker_argv` gives them, plus their own role, loopback
+address, thread count and step log (one file per worker, named after it).
 """
 
 from __future__ import annotations
@@ -18,98 +15,21 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import shlex
 import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from pdserve.router.cli import (
-    add_once,
-    add_routing_args,
-    router_config_from_args,
-    serve_router,
-)
-from pdserve.router.cores import assign_cores
+from pdserve.launch.cli import worker_argv
+from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
+from pdserve.router.cli import router_config_from_args, serve_router
 from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer
-from pdserve.router.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
 
-logger = logging.getLogger("pdserve.router")
+logger = logging.getLogger("pdserve.launch")
 
 WORKER_HOST = "127.0.0.1"
-KV_TRANSPORTS = ("shm", "tcp")
-# Serve flags the launcher sets per worker itself, or keeps for the router.
-_NOT_FORWARDED = frozenset(
-    {
-        "help",
-        "mode",
-        "host",
-        "port",
-        "api_key",
-        "role",
-        "num_threads",
-        "run",
-        "command",
-        "log_level",
-        "step_log",
-    }
-)
-# Disaggregation flags workers need too.
-_WORKER_DISAGG_FLAGS = frozenset({"kv_transport"})
-
-
-def add_disagg_args(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``pdserve serve --mode disagg``, plus the router's routing flags. A flag the
-    parser already has (e.g. a worker's --kv-transport) is left as it is."""
-    group = parser.add_argument_group("disaggregated serving (--mode disagg)")
-    add_once(group, "--prefill-workers", type=int, default=1)
-    add_once(group, "--decode-workers", type=int, default=1)
-    add_once(
-        group,
-        "--kv-transport",
-        choices=KV_TRANSPORTS,
-        default="shm",
-        help="how KV blocks move between workers: shared memory (same host) or TCP",
-    )
-    add_once(
-        group,
-        "--worker-base-port",
-        type=int,
-        default=None,
-        help="workers listen on consecutive ports from here (default: free ports)",
-    )
-    add_once(
-        group,
-        "--worker-log-dir",
-        default=None,
-        help="one log file per worker (default: a new temporary directory)",
-    )
-    add_once(group, "--startup-timeout", type=float, default=600.0, metavar="SECONDS")
-    add_once(
-        group,
-        "--worker-args",
-        default="",
-        help="extra flags for every worker, one shell-quoted string",
-    )
-    # One pool's flags come after --worker-args, so they win.
-    add_once(
-        group,
-        "--prefill-worker-args",
-        default="",
-        metavar="FLAGS",
-        help="extra flags for prefill workers only, e.g. '--max-num-batched-tokens 2048'",
-    )
-    add_once(
-        group,
-        "--decode-worker-args",
-        default="",
-        metavar="FLAGS",
-        help="extra flags for decode workers only, e.g. '--max-num-batched-tokens 128' "
-        "to chunk their local prefills finely",
-    )
-    add_routing_args(parser)
 
 
 def launch_disagg(args: argparse.Namespace) -> int:
@@ -128,9 +48,7 @@ def launch_disagg(args: argparse.Namespace) -> int:
             group.start()
             wait = lambda: group.wait_healthy(args.startup_timeout)  # noqa: E731
             tokenizer = (
-                _load_tokenizer_while(wait, getattr(args, "model", None))
-                if config.needs_token_ids
-                else wait()
+                _load_tokenizer_while(wait, args.model) if config.needs_token_ids else wait()
             )
             print(f"pdserve disagg: serving on http://{config.host}:{config.port}", flush=True)
             serve_router(config, tokenizer)
@@ -144,9 +62,7 @@ def launch_disagg(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_workers(
-    args: argparse.Namespace, serve_parser: argparse.ArgumentParser | None = None
-) -> list[WorkerSpec]:
+def plan_workers(args: argparse.Namespace) -> list[WorkerSpec]:
     """Prefill workers then decode workers: ports, cores, commands and log files."""
     num_prefill, num_decode = args.prefill_workers, args.decode_workers
     if num_prefill < 0 or num_decode < 1:
@@ -156,7 +72,7 @@ def plan_workers(
     ports = _worker_ports(args.worker_base_port, len(roles))
     log_dir = Path(args.worker_log_dir or tempfile.mkdtemp(prefix="pdserve-disagg-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    shared = worker_flags(args, serve_parser) + shlex.split(args.worker_args)
+    flags = {role: worker_argv(args, role) for role in set(roles)}
     specs, counts = [], {"prefill": 0, "decode": 0}
     for role, port, worker_cores in zip(roles, ports, cores, strict=True):
         name = f"{role}-{counts[role]}"
@@ -174,12 +90,34 @@ def plan_workers(
             str(port),
             "--num-threads",
             str(len(worker_cores)),
-            *shared,
-            *shlex.split(getattr(args, f"{role}_worker_args", "")),
-            *_step_log_flags(getattr(args, "step_log", None), name),
+            *flags[role],
+            *_step_log_flags(args.step_log, name),
         )
         specs.append(WorkerSpec(name, role, port, worker_cores, command, log_dir / f"{name}.log"))
     return specs
+
+
+def assign_cores(cores: Sequence[int], num_workers: int) -> list[tuple[int, ...]]:
+    """Split `cores` among `num_workers` workers, in order (prefill workers come first).
+
+    With at least one core per worker each gets a contiguous share and the first workers take
+    the leftovers (2 cores, 2 workers: core 0 and core 1; 3 cores: (0, 1) and (2,)). With fewer
+    cores than workers they share round robin, one core each.
+    """
+    if num_workers < 1:
+        raise ValueError(f"need at least one worker, got {num_workers}")
+    if not cores:
+        raise ValueError("no CPU cores to pin workers to")
+    cores = sorted(cores)
+    if len(cores) < num_workers:
+        return [(cores[i % len(cores)],) for i in range(num_workers)]
+    share, extra = divmod(len(cores), num_workers)
+    shares, start = [], 0
+    for i in range(num_workers):
+        size = share + (1 if i < extra else 0)
+        shares.append(tuple(cores[start : start + size]))
+        start += size
+    return shares
 
 
 def _step_log_flags(path: str | None, worker_name: str) -> list[str]:
@@ -188,47 +126,6 @@ def _step_log_flags(path: str | None, worker_name: str) -> list[str]:
         return []
     path = Path(path)
     return ["--step-log", str(path.with_name(f"{path.stem}.{worker_name}{path.suffix}"))]
-
-
-def worker_flags(
-    args: argparse.Namespace, serve_parser: argparse.ArgumentParser | None = None
-) -> list[str]:
-    """The flags of `args` that differ from `serve_parser`'s defaults and belong to workers."""
-    parser = serve_parser if serve_parser is not None else _serve_parser()
-    launcher_only = _dests(add_disagg_args) - _WORKER_DISAGG_FLAGS
-    flags: list[str] = []
-    for action in parser._actions:  # argparse has no public listing of a parser's options
-        dest = action.dest
-        if not action.option_strings or dest in _NOT_FORWARDED or dest in launcher_only:
-            continue
-        value = getattr(args, dest, action.default)
-        if value == action.default:
-            continue
-        flags += _as_flags(action, value)
-    return flags
-
-
-def _as_flags(action: argparse.Action, value: object) -> list[str]:
-    flag = action.option_strings[-1]
-    if action.nargs == 0:  # store_true / store_false / store_const
-        return [flag]
-    if isinstance(value, list | tuple):
-        return [flag, *map(str, value)]
-    return [flag, str(value)]
-
-
-def _serve_parser() -> argparse.ArgumentParser:
-    from pdserve.server.cli import add_parser
-
-    subparsers = argparse.ArgumentParser().add_subparsers()
-    add_parser(subparsers)
-    return subparsers.choices["serve"]
-
-
-def _dests(add_args: Callable[[argparse.ArgumentParser], None]) -> set[str]:
-    parser = argparse.ArgumentParser(add_help=False)
-    add_args(parser)
-    return {action.dest for action in parser._actions}
 
 
 def _worker_ports(base_port: int | None, count: int) -> list[int]:

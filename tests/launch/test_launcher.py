@@ -1,4 +1,4 @@
-"""The one-command launcher's parts: core assignment, worker flags, pinned worker processes,
+"""The one-host launcher's parts: core assignment, worker flags, pinned worker processes,
 startup failure."""
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import textwrap
 import httpx
 import pytest
 
-from pdserve.engine.args import add_engine_args
-from pdserve.router.cores import assign_cores
-from pdserve.router.launcher import add_disagg_args, plan_workers, worker_flags
-from pdserve.router.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
+from pdserve.launch.cli import worker_argv
+from pdserve.launch.local import assign_cores, plan_workers
+from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
 from tests.router.harness import REPO_ROOT, free_port, wait_until
 
 
@@ -36,23 +35,17 @@ def test_more_workers_than_cores_share_round_robin():
         assign_cores([0], 0)
 
 
-def serve_like_parser() -> argparse.ArgumentParser:
-    """What `pdserve serve` looks like with --mode disagg wired in."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", default="chunked")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--max-queue", type=int, default=128)
-    parser.add_argument("--served-model-name", nargs="+", default=None)
-    add_engine_args(parser)
-    add_disagg_args(parser)
-    return parser
+def serve_parser() -> argparse.ArgumentParser:
+    """The `pdserve serve` parser."""
+    from pdserve.launch.cli import add_parser
+
+    subparsers = argparse.ArgumentParser().add_subparsers()
+    add_parser(subparsers)
+    return subparsers.choices["serve"]
 
 
 def test_workers_get_engine_and_server_flags_but_not_the_launchers():
-    parser = serve_like_parser()
-    args = parser.parse_args(
+    args = serve_parser().parse_args(
         [
             "--mode",
             "disagg",
@@ -80,8 +73,7 @@ def test_workers_get_engine_and_server_flags_but_not_the_launchers():
             "4",
         ]
     )
-    flags = worker_flags(args, parser)
-    assert flags == [
+    assert worker_argv(args, "decode") == [
         "--served-model-name",
         "a",
         "b",
@@ -95,16 +87,8 @@ def test_workers_get_engine_and_server_flags_but_not_the_launchers():
     ]
 
 
-def test_an_existing_flag_is_not_added_twice():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--kv-transport", choices=("shm", "tcp", "rdma"), default="tcp")
-    add_disagg_args(parser)  # no conflict error
-    assert parser.parse_args([]).kv_transport == "tcp"
-
-
 def test_plan_pins_prefill_then_decode_workers(tmp_path):
-    parser = serve_like_parser()
-    args = parser.parse_args(
+    args = serve_parser().parse_args(
         [
             "--mode",
             "disagg",
@@ -116,7 +100,7 @@ def test_plan_pins_prefill_then_decode_workers(tmp_path):
             "3",
         ]
     )
-    prefill, decode = plan_workers(args, parser)
+    prefill, decode = plan_workers(args)
     assert (prefill.name, prefill.port, decode.name, decode.port) == (
         "prefill-0",
         9100,
@@ -132,8 +116,7 @@ def test_plan_pins_prefill_then_decode_workers(tmp_path):
 
 
 def test_role_worker_args_reach_only_that_role_and_win_over_worker_args(tmp_path):
-    parser = serve_like_parser()
-    args = parser.parse_args(
+    args = serve_parser().parse_args(
         [
             "--mode",
             "disagg",
@@ -145,16 +128,15 @@ def test_role_worker_args_reach_only_that_role_and_win_over_worker_args(tmp_path
             "--max-num-batched-tokens 128",
         ]
     )
-    prefill, decode = plan_workers(args, parser)
-    parsed = {w.role: serve_like_parser().parse_args(w.command[4:]) for w in (prefill, decode)}
+    prefill, decode = plan_workers(args)
+    parsed = {w.role: serve_parser().parse_args(w.command[4:]) for w in (prefill, decode)}
     assert parsed["prefill"].max_num_batched_tokens == 512
     assert parsed["decode"].max_num_batched_tokens == 128
     assert parsed["prefill"].max_num_seqs == parsed["decode"].max_num_seqs == 4
 
 
 def test_each_worker_logs_its_steps_to_its_own_file(tmp_path):
-    parser = serve_like_parser()
-    args = parser.parse_args(
+    args = serve_parser().parse_args(
         [
             "--mode",
             "disagg",
@@ -164,7 +146,7 @@ def test_each_worker_logs_its_steps_to_its_own_file(tmp_path):
             str(tmp_path / "steps.jsonl"),
         ]
     )
-    logs = [w.command[w.command.index("--step-log") + 1] for w in plan_workers(args, parser)]
+    logs = [w.command[w.command.index("--step-log") + 1] for w in plan_workers(args)]
     assert logs == [str(tmp_path / "steps.prefill-0.jsonl"), str(tmp_path / "steps.decode-0.jsonl")]
 
 
@@ -221,9 +203,9 @@ def test_a_worker_dying_at_startup_is_reported_with_its_log_tail(tmp_path):
 def test_launch_disagg_exits_1_when_a_worker_cannot_start(tmp_path):
     script = textwrap.dedent(f"""
         import sys
-        from tests.router.test_launcher import serve_like_parser
-        from pdserve.router.launcher import launch_disagg
-        args = serve_like_parser().parse_args([
+        from tests.launch.test_launcher import serve_parser
+        from pdserve.launch.local import launch_disagg
+        args = serve_parser().parse_args([
             "--mode", "disagg", "--worker-log-dir", {str(tmp_path)!r},
             "--worker-args=--no-such-flag", "--startup-timeout", "120"])
         sys.exit(launch_disagg(args))
@@ -245,9 +227,9 @@ def test_launch_disagg_serves_through_stub_workers_and_stops_them_on_sigterm(tmp
     script = textwrap.dedent(f"""
         import sys
         from pathlib import Path
-        import pdserve.router.launcher as launcher
-        from pdserve.router.worker_group import WorkerSpec
-        from tests.router.test_launcher import serve_like_parser
+        import pdserve.launch.local as launcher
+        from pdserve.launch.worker_group import WorkerSpec
+        from tests.launch.test_launcher import serve_parser
 
         def stub(role, port, core):
             command = (sys.executable, "-m", "tests.router.stub_worker", "--role", role,
@@ -258,7 +240,7 @@ def test_launch_disagg_serves_through_stub_workers_and_stops_them_on_sigterm(tmp
         cores = sorted(launcher.os.sched_getaffinity(0))
         launcher.plan_workers = lambda args: [stub("prefill", {prefill_port}, cores[0]),
                                               stub("decode", {decode_port}, cores[-1])]
-        args = serve_like_parser().parse_args(["--mode", "disagg", "--port", "{router_port}"])
+        args = serve_parser().parse_args(["--mode", "disagg", "--port", "{router_port}"])
         sys.exit(launcher.launch_disagg(args))
     """)
     launcher_process = subprocess.Popen(

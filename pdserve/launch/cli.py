@@ -1,0 +1,94 @@
+"""`pdserve serve`: one OpenAI-compatible server, or a disaggregated deployment of them.
+
+`--mode colocated|chunked` (and every worker, `--role prefill|decode`) runs the server on one
+engine (`server.cli.run_server`); `--mode disagg` starts prefill and decode workers and a
+router in front (`launch.local`). Each flag is declared once, in its package; `WORKER_FLAGS`
+says which of them a deployment hands on to its workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from pdserve.cli import add_flags, flag
+from pdserve.engine.args import ENGINE_FLAGS, KV_TRANSFER_FLAGS
+from pdserve.router.cli import ROUTING_FLAGS
+from pdserve.server.cli import SERVER_FLAGS, run_server
+
+DISAGG_FLAGS = (
+    flag("--prefill-workers", type=int, default=1),
+    flag("--decode-workers", type=int, default=1),
+    flag(
+        "--worker-base-port",
+        type=int,
+        default=None,
+        help="workers listen on consecutive ports from here (default: free ports)",
+    ),
+    flag(
+        "--worker-log-dir",
+        default=None,
+        help="one log file per worker (default: a new temporary directory)",
+    ),
+    flag("--startup-timeout", type=float, default=600.0, metavar="SECONDS"),
+    flag("--worker-args", default="", help="extra flags for every worker, one shell-quoted string"),
+    # One pool's flags come after --worker-args, so they win.
+    flag(
+        "--prefill-worker-args",
+        default="",
+        metavar="FLAGS",
+        help="extra flags for prefill workers only, e.g. '--max-num-batched-tokens 2048'",
+    ),
+    flag(
+        "--decode-worker-args",
+        default="",
+        metavar="FLAGS",
+        help="extra flags for decode workers only, e.g. '--max-num-batched-tokens 128' "
+        "to chunk their local prefills finely",
+    ),
+)
+# Set by the launcher for each worker (its role, address, threads and step log) or kept for
+# the router (the mode, the API key: workers listen on loopback behind it).
+PER_WORKER_FLAGS = frozenset(
+    {"--mode", "--host", "--port", "--api-key", "--role", "--num-threads", "--step-log"}
+)
+# What every worker of a deployment is started with, where the user gave it: the server's
+# limits, the engine's flags and the KV transfer's. The disaggregation and routing flags are
+# the launcher's and the router's alone.
+WORKER_FLAGS = tuple(
+    option
+    for option in (*SERVER_FLAGS, *ENGINE_FLAGS, *KV_TRANSFER_FLAGS)
+    if option.name not in PER_WORKER_FLAGS
+)
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_flags(parser, "server", SERVER_FLAGS)
+    add_flags(parser, "engine", ENGINE_FLAGS)
+    add_flags(parser, "KV transfer (disaggregated workers)", KV_TRANSFER_FLAGS)
+    add_flags(parser, "disaggregation (--mode disagg)", DISAGG_FLAGS)
+    add_flags(parser, "routing (--mode disagg)", ROUTING_FLAGS)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.mode != "disagg":
+        return run_server(args)
+    from pdserve.launch.local import launch_disagg  # the deployment, only when it is one
+
+    return launch_disagg(args)
+
+
+def worker_argv(args: argparse.Namespace, role: str) -> list[str]:
+    """The flags each `role` worker is started with besides its role, address, threads and
+    step log: `WORKER_FLAGS` the user gave, then --worker-args, then the role's own (the last
+    of a flag given twice wins)."""
+    forwarded = [arg for option in WORKER_FLAGS for arg in option.argv(getattr(args, option.dest))]
+    return [
+        *forwarded,
+        *shlex.split(args.worker_args),
+        *shlex.split(getattr(args, f"{role}_worker_args")),
+    ]

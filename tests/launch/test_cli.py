@@ -1,0 +1,171 @@
+"""`pdserve serve`'s flags: grouped, each declared once, defaults from their config fields,
+and every one a worker needs handed on to it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+
+from pdserve.engine.args import ENGINE_FLAGS, KV_TRANSFER_FLAGS, engine_config_from_args
+from pdserve.launch.cli import DISAGG_FLAGS, PER_WORKER_FLAGS, WORKER_FLAGS
+from pdserve.launch.local import plan_workers
+from pdserve.router.cli import ROUTER_FLAGS, ROUTING_FLAGS
+from pdserve.router.cli import add_parser as add_router_parser
+from pdserve.server.cli import SERVER_FLAGS
+from tests.launch.test_launcher import serve_parser
+
+GROUPS = (
+    "server",
+    "engine",
+    "KV transfer (disaggregated workers)",
+    "disaggregation (--mode disagg)",
+    "routing (--mode disagg)",
+)
+
+
+def help_sections(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
+    """Each heading of `parser`'s help and the options listed under it, in order."""
+    sections: dict[str, list[str]] = {}
+    heading = None
+    for line in parser.format_help().splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            heading = line[:-1]
+            sections[heading] = []
+        elif heading and (match := re.match(r"  (--[\w-]+)", line)):
+            sections[heading].append(match.group(1))
+    return sections
+
+
+def test_serve_help_is_grouped_and_lists_each_flag_once():
+    sections = help_sections(serve_parser())
+    assert [h for h in sections if h != "options"] == list(GROUPS)
+    listed = [name for options in sections.values() for name in options]
+    assert len(listed) == len(set(listed)), sorted(n for n in listed if listed.count(n) > 1)
+    declared = (SERVER_FLAGS, ENGINE_FLAGS, KV_TRANSFER_FLAGS, DISAGG_FLAGS, ROUTING_FLAGS)
+    for heading, flags in zip(GROUPS, declared, strict=True):
+        assert sections[heading] == [f.name for f in flags]
+
+
+def test_router_help_shares_the_routing_declarations():
+    subparsers = argparse.ArgumentParser().add_subparsers()
+    add_router_parser(subparsers)
+    sections = help_sections(subparsers.choices["router"])
+    assert sections["routing"] == [f.name for f in ROUTING_FLAGS]
+    assert sections["options"] == [f.name for f in ROUTER_FLAGS]
+
+
+def test_no_flags_give_the_default_config():
+    from pdserve.engine.config import EngineConfig
+
+    assert engine_config_from_args(serve_parser().parse_args([])) == EngineConfig()
+
+
+# Each (module, class, field) whose default a command line shows, with a value unlike any
+# default, and where it must show up.
+PATCHES = [
+    ("pdserve.core.config", "SchedulerConfig", "max_num_seqs", 7),
+    ("pdserve.core.config", "SchedulerConfig", "max_num_partial_prefills", 3),
+    ("pdserve.core.config", "CacheConfig", "block_size", 32),
+    ("pdserve.core.config", "CacheConfig", "kv_cache_memory_gb", 2.5),
+    ("pdserve.kv_transfer.config", "KVTransferConfig", "transport", "tcp"),
+    ("pdserve.kv_transfer.config", "KVTransferConfig", "kv_lease_timeout", 12.5),
+    ("pdserve.engine.config", "EngineConfig", "seed", 5),
+    ("pdserve.engine.config", "EngineConfig", "kv_failure_policy", "fail"),
+    ("pdserve.server.settings", "ServerSettings", "max_queue", 9),
+    ("pdserve.router.config", "RouterConfig", "balance_factor", 3.5),
+    ("pdserve.router.config", "RouterConfig", "unhealthy_threshold", 4),
+    ("pdserve.sim.config", "SimConfig", "memory_utilization", 0.5),
+]
+CHANGED = """
+import importlib, json, sys
+for module, cls, field, value in json.loads(sys.argv[1]):
+    setattr(getattr(importlib.import_module(module), cls), field, value)
+from pdserve.cli import build_parser
+parser = build_parser()
+serve = parser.parse_args(["serve"])
+router = parser.parse_args(["router", "--decode", "http://127.0.0.1:1"])
+simulate = parser.parse_args(["simulate"])
+from pdserve.router.config import RouterConfig
+from pdserve.sim.config import SimConfig
+print(json.dumps({
+    "serve": vars(serve),
+    "router": vars(router),
+    "simulate": vars(simulate),
+    "RouterConfig.block_size": RouterConfig.block_size,
+    "SimConfig.block_size": SimConfig.block_size,
+}, default=str))
+"""
+
+
+def test_a_default_changed_in_its_field_shows_in_every_command_line():
+    """Each field is patched before the command lines are built (a fresh interpreter): no
+    flag keeps a literal of its own."""
+    result = subprocess.run(
+        [sys.executable, "-c", CHANGED, json.dumps(PATCHES)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    serve, router, simulate = seen["serve"], seen["router"], seen["simulate"]
+    assert (serve["max_num_seqs"], serve["max_num_partial_prefills"]) == (7, 3)
+    assert (serve["block_size"], router["block_size"], simulate["block_size"]) == (32, 32, 32)
+    assert seen["RouterConfig.block_size"] == seen["SimConfig.block_size"] == 32
+    assert serve["kv_cache_memory_gb"] == 2.5
+    assert (serve["kv_transport"], serve["kv_lease_timeout"]) == ("tcp", 12.5)
+    assert (serve["seed"], serve["kv_failure_policy"], serve["max_queue"]) == (5, "fail", 9)
+    assert serve["balance_factor"] == router["balance_factor"] == 3.5
+    assert serve["unhealthy_threshold"] == router["unhealthy_threshold"] == 4
+    assert simulate["max_num_partial_prefills"] == 3
+    assert simulate["memory_utilization"] == 0.5
+
+
+def test_workers_take_the_engine_kv_and_server_limit_flags_and_nothing_else():
+    names = [f.name for f in WORKER_FLAGS]
+    assert len(names) == len(set(names))
+    for flags in (ENGINE_FLAGS, KV_TRANSFER_FLAGS, SERVER_FLAGS):
+        assert {f.name for f in flags} <= set(names) | PER_WORKER_FLAGS
+    assert not {f.name for f in (*DISAGG_FLAGS, *ROUTING_FLAGS)} & set(names)
+
+
+# Every worker flag at a value other than its default, and the launcher's own.
+EVERY_WORKER_FLAG = [
+    *("--served-model-name", "a", "b", "--max-queue", "3", "--max-body-bytes", "1000"),
+    *("--shutdown-grace", "1.5", "--health-timeout", "2.5", "--model", "m.gguf"),
+    *("--dtype", "float16", "--device", "cpu", "--max-num-batched-tokens", "256"),
+    *("--max-num-seqs", "8", "--long-prefill-token-threshold", "100"),
+    *("--max-num-partial-prefills", "2", "--block-size", "32", "--num-kv-blocks", "99"),
+    *("--kv-cache-memory-gb", "2.5", "--no-prefix-caching", "--max-model-len", "1000"),
+    *("--seed", "7", "--kv-transport", "tcp", "--kv-host", "0.0.0.0", "--kv-port", "5555"),
+    *("--kv-advertise-host", "h", "--kv-lease-timeout", "3", "--kv-transfer-timeout", "4"),
+    "--kv-failure-policy",
+    "fail",
+]
+LAUNCHER_FLAGS = [
+    *("--mode", "disagg", "--port", "9000", "--api-key", "k", "--num-threads", "4"),
+    *("--policy", "prefix_aware", "--local-prefill-threshold", "64", "--prefill-workers", "2"),
+]
+
+
+def test_each_worker_gets_every_flag_the_user_gave_it(tmp_path):
+    assert {f.name for f in WORKER_FLAGS} <= set(EVERY_WORKER_FLAG)  # this test stays complete
+    argv = [*EVERY_WORKER_FLAG, *LAUNCHER_FLAGS, "--worker-log-dir", str(tmp_path)]
+    args = serve_parser().parse_args(argv)
+    workers = plan_workers(args)
+    assert [w.role for w in workers] == ["prefill", "prefill", "decode"]
+    for worker in workers:
+        assert worker.command[3] == "serve"
+        parsed = serve_parser().parse_args(worker.command[4:])
+        for option in WORKER_FLAGS:
+            assert getattr(parsed, option.dest) == getattr(args, option.dest), option.name
+        # The engine each worker builds is the user's, in its role and on its own cores.
+        own = {"role": worker.role, "mode": parsed.mode, "num_threads": parsed.num_threads}
+        expected = argparse.Namespace(**{**vars(args), **own})
+        assert engine_config_from_args(parsed) == engine_config_from_args(expected)
+        assert parsed.num_threads == len(worker.cores)
+        launchers = {"--mode", "--api-key", "--policy", "--local-prefill-threshold"}
+        assert not launchers & set(worker.command)
