@@ -12,9 +12,15 @@
 4. Report TTFT p50/p99 and ITL p50/p99, predicted vs measured, per mode (target: within 15%).
    The measurement is repeated (`--repeats`, same workload and seed) and the prediction judged
    against the mean: tail figures of one run on a 2-vCPU VM move 20-30% between repeats.
+5. With `--profile`, the servers are also calibrated from outside, as any server could be:
+   `pdserve bench --workload profile` against a chunked `pdserve serve` on two threads and on
+   one, `pdserve simulate calibrate --bench`; and from the step log that same server wrote
+   during its profile (inside: same server, same minutes). Every mode is predicted again with
+   both, written beside the first predictions (profile_vs_steps.json, read by
+   benchmarks/gpu_calibration.py --cpu-from DIR).
 
     .venv/bin/python benchmarks/sim_accuracy.py [--out DIR] [--num-prompts N]
-        [--request-rate R] [--workload NAME] [--seed S] [--repeats N] [--reuse]
+        [--request-rate R] [--workload NAME] [--seed S] [--repeats N] [--reuse] [--profile]
 
 `--reuse` skips runs whose outputs already exist in DIR (the step logs, compare*.json) and
 refits the calibrations from the saved step logs.
@@ -121,8 +127,62 @@ def measure(out: Path, workload: list[str], reuse: bool, repeats: int) -> list[d
     return runs
 
 
-def predict(out: Path, mode: str, measured_run: Path, calibration: Path) -> dict:
-    path = out / f"predicted-{mode}.json"
+# The profile: prompts up to the mixed workload's longest documents; the servers' own budget.
+PROFILE_LONGEST_PROMPT = 6000
+SERVER_BUDGET = 512
+
+
+def profile_calibrations(out: Path, reuse: bool) -> dict[str, dict[int, Path]]:
+    """Each thread count's server profiled from outside while it logs its own steps; both
+    calibrated: "profile" from outside, "inside" from the same run's step log (the same
+    server at the same time: what tells the two ways apart, whatever the machine does)."""
+    from pdserve.bench.launcher import LaunchConfig, launch_server
+
+    calibrations: dict[str, dict[int, Path]] = {"profile": {}, "inside": {}}
+    for threads in sorted(set(THREADS.values())):
+        profile = out / f"profile-{threads}-thread.json"
+        steps = out / f"profile-steps-{threads}-thread.jsonl"
+        if not (reuse and profile.exists() and steps.exists()):
+            steps.unlink(missing_ok=True)  # step logs append
+            config = LaunchConfig(
+                extra_args=("--num-threads", str(threads), "--step-log", str(steps)),
+                log_dir=out / "profile-logs",
+            )
+            with launch_server(config, "chunked") as server:
+                pdserve(
+                    "bench",
+                    "--base-url",
+                    server.base_url,
+                    "--workload",
+                    "profile",
+                    "--input-len",
+                    str(PROFILE_LONGEST_PROMPT),
+                    "--save-result",
+                    str(profile),
+                    "--no-progress",
+                )
+        for kind, source in (
+            ("profile", ["--bench", str(profile)]),
+            ("inside", ["--steps", str(steps)]),
+        ):
+            path = out / f"calibration-{kind}-{threads}-thread.json"
+            budget = ["--max-num-batched-tokens", str(SERVER_BUDGET)] if kind == "profile" else []
+            pdserve(
+                "simulate",
+                "calibrate",
+                "--hardware",
+                hardware(threads),
+                *source,
+                *budget,
+                "--output",
+                str(path),
+            )
+            calibrations[kind][threads] = path
+    return calibrations
+
+
+def predict(out: Path, mode: str, measured_run: Path, calibration: Path, tag: str = "") -> dict:
+    path = out / f"predicted{tag}-{mode}.json"
     pdserve(
         "simulate",
         *LAYOUTS[mode],
@@ -153,6 +213,9 @@ def main() -> int:
         "against their mean (default: %(default)s)",
     )
     parser.add_argument("--reuse", action="store_true")
+    parser.add_argument(
+        "--profile", action="store_true", help="also calibrate from a profile taken from outside"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     workload = [
@@ -168,7 +231,8 @@ def main() -> int:
     )
     workload += ["--seed", str(args.seed)]
     repeats = measure(args.out, workload, args.reuse, args.repeats)
-    rows = []
+    profiled = profile_calibrations(args.out, args.reuse) if args.profile else None
+    rows, both = [], []
     for mode in LAYOUTS:
         measured = [runs[mode] for runs in repeats if mode in runs]
         if not measured:
@@ -178,9 +242,28 @@ def main() -> int:
         measured_path = args.out / f"measured-{mode}.json"
         measured_path.write_text(json.dumps(measured[0]))
         predicted = predict(args.out, mode, measured_path, calibrations[THREADS[mode]])
+        from_profile = inside = None
+        if profiled:
+            threads = THREADS[mode]
+            from_profile = predict(
+                args.out, mode, measured_path, profiled["profile"][threads], "-profile"
+            )
+            inside = predict(args.out, mode, measured_path, profiled["inside"][threads], "-inside")
         for name, key in FIGURES:
             values = [run[key] for run in measured]
             rows.append(Row(mode, name, values, predicted[key]))
+            if from_profile:
+                mean = sum(values) / len(values)
+                both.append(
+                    {
+                        "mode": mode,
+                        "figure": name,
+                        "measured": mean,
+                        "steps": predicted[key],
+                        "profile": from_profile[key],
+                        "inside": inside[key],
+                    }
+                )
     table = format_table(rows)
     if rows:
         within = sum(abs(r.error) <= TARGET for r in rows)
@@ -189,6 +272,9 @@ def main() -> int:
             f"\n\nMean absolute error {mean:.1%}; {within} of {len(rows)} figures within "
             f"{TARGET:.0%}."
         )
+    if both:
+        (args.out / "profile_vs_steps.json").write_text(json.dumps(both, indent=1))
+        table += "\n\n" + format_both(both)
     print(table)
     (args.out / "sim_accuracy.md").write_text(
         "# Simulator accuracy\n\n"
@@ -219,6 +305,30 @@ class Row:
     def spread(self) -> float:
         """(max − min) / mean of the repeats: how far the real system disagrees with itself."""
         return (max(self.measured) - min(self.measured)) / self.mean if self.mean else 0.0
+
+
+def format_both(rows: list[dict]) -> str:
+    """Each figure predicted from the calibration run's step logs, from the profile (outside)
+    and from the step log of the profile's own run (inside, same server, same time)."""
+    lines = [
+        "| mode | figure | measured ms (mean) | served steps | profile (outside) | profile's "
+        "steps (inside) | outside vs inside |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [
+            f"{r[k]:.1f} ({r[k] / r['measured'] - 1:+.1%})" for k in ("steps", "profile", "inside")
+        ]
+        lines.append(
+            f"| {r['mode']} | {r['figure']} | {r['measured']:.1f} | {' | '.join(cells)} | "
+            f"{r['profile'] / r['inside'] - 1:+.1%} |"
+        )
+    within = sum(abs(r["profile"] / r["inside"] - 1) <= TARGET for r in rows)
+    lines.append(
+        f"\nCalibrated from outside (profile) within {TARGET:.0%} of calibrated from the same "
+        f"run's step log: {within} of {len(rows)} figures."
+    )
+    return "\n".join(lines)
 
 
 def format_table(rows: list[Row]) -> str:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import httpx
 import numpy as np
+from tqdm import tqdm
 
 from pdserve.bench.client import EndpointConfig, make_http_client
 from pdserve.bench.errors import BenchError
@@ -184,19 +186,56 @@ async def run_rate(
     stop_when: StopWhen | None = None,
 ) -> BenchResult:
     """One run of the planned workload at `rate` (see `run_requests` for `stop_when`)."""
-    records, t0 = await run_requests(
-        http,
-        spec.endpoint,
-        server.model,
-        list(plan.requests),
-        plan.arrivals(rate, spec.burstiness),
-        spec.max_concurrency,
-        spec.show_progress,
-        label,
-        stop_when,
-    )
+    phases = plan.workload.phases(list(plan.requests))
+    if phases is None:
+        records, t0 = await run_requests(
+            http,
+            spec.endpoint,
+            server.model,
+            list(plan.requests),
+            plan.arrivals(rate, spec.burstiness),
+            spec.max_concurrency,
+            spec.show_progress,
+            label,
+            stop_when,
+        )
+    else:
+        records, t0 = await _run_phases(http, spec, server.model, plan, phases, label)
     resolved = plan.workload.resolve_rate(rate)
     return summarize(label, server.model, spec, resolved, records, t0, warmups)
+
+
+async def _run_phases(
+    http, spec: BenchSpec, model: str, plan: WorkloadPlan, phases: list[list[int]], label: str
+) -> tuple[list[RequestRecord], float]:
+    """Each phase's requests sent together once the previous phase has finished; the records
+    in request order, on one clock."""
+    records: list[RequestRecord | None] = [None] * len(plan.requests)
+    t0 = time.perf_counter()
+    for phase in tqdm(phases, desc=label or "phases", disable=not spec.show_progress):
+        requests = [plan.requests[i] for i in phase]
+        phase_records, phase_t0 = await run_requests(
+            http, spec.endpoint, model, requests, np.zeros(len(requests)), None, False
+        )
+        for i, record in zip(phase, phase_records, strict=True):
+            records[i] = _shifted(record, i, phase_t0 - t0)
+    return records, t0
+
+
+def _shifted(record: RequestRecord, index: int, offset: float) -> RequestRecord:
+    """`record` as request `index`, its times moved `offset` seconds later."""
+
+    def later(t: float | None) -> float | None:
+        return None if t is None else t + offset
+
+    return replace(
+        record,
+        index=index,
+        arrival_time=later(record.arrival_time),
+        send_time=later(record.send_time),
+        end_time=later(record.end_time),
+        token_times=[t + offset for t in record.token_times],
+    )
 
 
 async def probe(spec: BenchSpec) -> ServerInfo:

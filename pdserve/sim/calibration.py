@@ -1,16 +1,20 @@
-"""Fit the cost model's efficiency factors and overheads to measured engine step times.
+"""Fit the cost model's efficiency factors and overheads to measured times.
 
-Samples are steps of the real engine: the batch composition (new tokens and context per
-sequence) and the wall time of the step. The fit searches a log-spaced grid of the three
-efficiencies (linear compute, attention compute, memory bandwidth) and, for each point,
-solves the two overheads (per step, per sequence) by least squares on relative error; a
-few finer grids around the best point refine it.
+A measurement is a measured time that the cost model predicts as a sum of engine steps: one
+step of a step log, a prompt's prefill chunks (a profile's time to first token), a decode step
+at some batch (its inter-token latency), or a whole static-batch run (a published
+throughput). The fit searches a log-spaced grid of the three efficiencies (linear compute,
+attention compute, memory bandwidth) and, for each point, solves the overheads (per step,
+sequence, request and all-reduce: `efficiency.OVERHEADS`) by non-negative least squares on
+relative error; a few finer grids around the best point refine it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.sim.cost_model import CostModel, SeqWork
-from pdserve.sim.efficiency import Efficiency
+from pdserve.sim.efficiency import OVERHEADS, Efficiency
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.linear_curve import CurveFit
 
@@ -32,9 +36,49 @@ _MIN_OUTLIER_ERROR = 0.25
 # Reweighting rounds, and the error below which a sample's weight stops growing.
 _REWEIGHTINGS = 4
 _MIN_WEIGHTED_ERROR = 0.01
-# Step-time jitter: quantiles kept (every 1%), and the samples needed to estimate them.
+# Step-time jitter: quantiles kept (every 1%), and the observations needed to estimate them.
 _JITTER_QUANTILES = 101
 _MIN_JITTER_SAMPLES = 20
+# The calibration's band: this quantile of the fitting points' |relative residual|.
+BAND_QUANTILE = 0.9
+
+Steps = tuple[tuple[int, tuple[SeqWork, ...]], ...]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A measured time the cost model predicts as a sum of steps on one deployment.
+
+    `steps` holds (count, batch) pairs; `seconds` is the measured total, which includes the
+    front end's overhead `num_requests` times (a time to first token holds one). `cost_model`
+    is the deployment it was measured on (None: the fit's own). `observations` are the
+    single values behind `seconds` where each is one step (a stream's token gaps, a logged
+    step): the step-time jitter is how they spread around the model. `linear_only` marks a
+    measurement of the decoder layers' linears alone (a kernel-level profile): no attention,
+    LM head, communication or overhead is in it.
+    """
+
+    steps: Steps
+    seconds: float
+    num_requests: int = 0
+    cost_model: CostModel | None = None
+    label: str = ""
+    observations: tuple[float, ...] = ()
+    linear_only: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.steps or any(count < 1 or not batch for count, batch in self.steps):
+            raise SimConfigError(f"measurement {self.label!r}: needs steps with batches")
+        if not self.seconds > 0:
+            raise SimConfigError(f"measurement {self.label!r}: seconds must be positive")
+
+    @property
+    def num_steps(self) -> int:
+        return sum(count for count, _ in self.steps)
+
+    @property
+    def num_seqs(self) -> int:
+        return sum(count * len(batch) for count, batch in self.steps)
 
 
 @dataclass(frozen=True)
@@ -47,6 +91,9 @@ class StepSample:
     def to_dict(self) -> dict:
         return {"batch": [list(seq) for seq in self.batch], "step_s": self.step_s}
 
+    def measurement(self) -> Measurement:
+        return Measurement(((1, self.batch),), self.step_s, observations=(self.step_s,))
+
 
 @dataclass(frozen=True)
 class Fit:
@@ -57,6 +104,10 @@ class Fit:
     num_samples: int
     # Samples set aside as disturbed (see `fit_efficiency`); errors are over the rest.
     num_outliers: int = 0
+    # predicted / measured − 1 of every sample (set-aside ones too), in the order given.
+    residuals: tuple[float, ...] = ()
+    # BAND_QUANTILE of the kept samples' |residual|: how far a figure may be off.
+    band: float = 0.0
 
     def metadata(self) -> dict:
         return {
@@ -113,208 +164,341 @@ def _engine_bench_samples(result: dict) -> list[StepSample]:
 
 
 def fit_efficiency(
-    cost_model: CostModel, samples: Sequence[StepSample], network: float = 1.0
+    cost_model: CostModel,
+    samples: Sequence[StepSample | Measurement],
+    network: float = 1.0,
+    *,
+    allow_curve: bool = True,
+    memory: float | None = None,
 ) -> Fit:
-    """The efficiency that best predicts `samples` on `cost_model`'s model and hardware.
+    """The efficiency that best predicts `samples` on `cost_model`'s model and hardware
+    (or on each measurement's own deployment).
 
     Steps slowed by something else on the machine (another process taking a core) would
     drag a least-squares fit, so it is made robust: a few rounds of reweighting each sample
     by the inverse of its error (approaching least absolute relative error), then samples
     off by more than `_OUTLIER_FACTOR` × the median error are set aside for a last fit.
-    The jitter the simulator draws from is how the kept samples' measured times spread
-    around the model's (the set-aside steps stay out of it too: they are the calibration
-    machine's accidents, not the served engine's normal variation).
+    The jitter the simulator draws from is how the kept samples' single-step observations
+    spread around the model's (the set-aside ones stay out of it too: they are the
+    calibration machine's accidents, not the served engine's normal variation).
+    `allow_curve` False keeps the roofline (a few published points cannot pin a curve's
+    knots down across models); `memory` fixes the bandwidth share instead of fitting it
+    (one source tells it, another the rest).
     """
-    if len(samples) < 3:
-        raise SimConfigError(f"calibration needs at least 3 step samples, got {len(samples)}")
-    weights = np.ones(len(samples))
+    measurements = [s.measurement() if isinstance(s, StepSample) else s for s in samples]
+    if len(measurements) < 3:
+        raise SimConfigError(f"calibration needs at least 3 measurements, got {len(samples)}")
+    weights = np.ones(len(measurements))
     for _ in range(_REWEIGHTINGS):
-        fit = _fit(cost_model, samples, network, weights)
-        errors = _errors(cost_model, fit, samples)
+        fit = _fit(cost_model, measurements, network, weights, allow_curve, memory)
+        errors = _errors(cost_model, fit, measurements)
         weights = 1.0 / np.sqrt(np.maximum(errors, _MIN_WEIGHTED_ERROR))
     limit = max(_OUTLIER_FACTOR * float(np.median(errors)), _MIN_OUTLIER_ERROR)
-    kept = [s for s, e in zip(samples, errors, strict=True) if e <= limit]
-    if len(samples) > len(kept) >= 3:
-        fit = _fit(cost_model, kept, network, np.ones(len(kept)))
+    kept = [m for m, e in zip(measurements, errors, strict=True) if e <= limit]
+    if len(measurements) > len(kept) >= 3:
+        fit = _fit(cost_model, kept, network, np.ones(len(kept)), allow_curve, memory)
+    fit = _with_jitter(cost_model, fit, kept)
+    residuals = [
+        p / m.seconds - 1
+        for m, p in zip(measurements, _predictions(cost_model, fit, measurements), strict=True)
+    ]
     errors = _errors(cost_model, fit, kept)
-    if len(kept) >= _MIN_JITTER_SAMPLES:
-        predicted = np.array(_predictions(cost_model, fit, kept))
-        ratios = np.array([s.step_s for s in kept]) / predicted
-        quantiles = np.quantile(ratios, np.linspace(0, 1, _JITTER_QUANTILES))
-        fit = dataclasses.replace(
-            fit,
-            step_jitter=tuple(round(float(q), 4) for q in quantiles),
-            jitter_step_s=float(np.median(predicted)),
-        )
     return Fit(
-        fit, float(np.mean(errors)), float(np.max(errors)), len(kept), len(samples) - len(kept)
+        fit,
+        float(np.mean(errors)),
+        float(np.max(errors)),
+        len(kept),
+        len(measurements) - len(kept),
+        tuple(residuals),
+        float(np.quantile(errors, BAND_QUANTILE)),
+    )
+
+
+def _with_jitter(
+    cost_model: CostModel, efficiency: Efficiency, kept: Sequence[Measurement]
+) -> Efficiency:
+    """`efficiency` with the quantiles of observed / modelled single steps, where enough
+    single-step observations were kept."""
+    ratios, typical = [], []
+    for m, predicted in zip(kept, _predictions(cost_model, efficiency, kept), strict=True):
+        if m.observations:
+            one_step = predicted / m.num_steps
+            ratios += [o / one_step for o in m.observations]
+            typical += [one_step] * len(m.observations)
+    if len(ratios) < _MIN_JITTER_SAMPLES:
+        return efficiency
+    quantiles = np.quantile(ratios, np.linspace(0, 1, _JITTER_QUANTILES))
+    return dataclasses.replace(
+        efficiency,
+        step_jitter=tuple(round(float(q), 4) for q in quantiles),
+        jitter_step_s=float(np.median(typical)),
     )
 
 
 def _fit(
-    cost_model: CostModel, samples: Sequence[StepSample], network: float, weights: np.ndarray
+    cost_model: CostModel,
+    samples: Sequence[Measurement],
+    network: float,
+    weights: np.ndarray,
+    allow_curve: bool,
+    memory: float | None,
 ) -> Efficiency:
     """The roofline efficiencies; then, keeping its attention terms (refitting them beside a
     curve this flexible trades attention against negative curve values), the linear curve,
     if it predicts the samples better (it cannot where few row counts were measured)."""
-    terms = _Terms(cost_model, samples, weights)
-    best = terms.search(_COARSE_GRID, _COARSE_GRID, _COARSE_GRID)
+    terms = _Terms(cost_model, samples, network, weights)
+    memory_grid = _COARSE_GRID if memory is None else np.array([memory])
+    best = terms.search(_COARSE_GRID, _COARSE_GRID, memory_grid)
     for factor in _REFINEMENTS:
-        best = terms.search(*(_around(v, factor) for v in best[:3]))
-    linear, attention, memory, step_overhead, per_seq = best
+        linear_grid, attention_grid = (_around(v, factor) for v in best[:2])
+        memory_grid = memory_grid if memory is not None else _around(best[2], factor)
+        best = terms.search(linear_grid, attention_grid, memory_grid)
+    (linear, attention, memory), overheads = best[:3], best[3]
     roofline = Efficiency(
         linear_compute=linear,
         attention_compute=attention,
         memory=memory,
         network=network,
-        step_overhead_s=step_overhead,
-        per_seq_overhead_s=per_seq,
+        **dict(zip(OVERHEADS, overheads, strict=True)),
     )
+    # The curve absorbs the per-step overhead (a constant is linear time at a row count).
     curve = CurveFit(
-        cost_model,
+        [_model_of(cost_model, m) for m in samples],
         samples,
+        terms.counts[:, 1:],
         weights / terms.times,
-        lambda a, m: terms.attention_s(np.array([a]), np.array([m]))[:, 0, 0],
+        lambda a, m: terms.attention_s(np.array([a]), np.array([m]))[:, 0, 0] + terms.comm_s,
     )
-    if not curve.is_possible:
+    if not (allow_curve and curve.is_possible):
         return roofline
-    knots, per_seq = curve.solve(attention, memory)
+    knots, rest, curve_loss = curve.solve(attention, memory)
     curved = dataclasses.replace(
-        roofline, step_overhead_s=0.0, per_seq_overhead_s=per_seq, linear_curve=knots
+        roofline,
+        linear_curve=knots,
+        **dict(zip(OVERHEADS, (0.0, *rest), strict=True)),
     )
-    losses = [
-        float(np.sum((weights * _errors(cost_model, e, samples)) ** 2)) for e in (roofline, curved)
-    ]
-    return curved if losses[1] < losses[0] else roofline
+    # The curve is judged on samples it did not see (its leave-one-out loss), the roofline's
+    # few factors on those it fitted.
+    roofline_loss = float(np.sum((weights * _errors(cost_model, roofline, samples)) ** 2))
+    return curved if curve_loss < roofline_loss else roofline
 
 
 def _around(value: float, factor: float) -> np.ndarray:
     return np.geomspace(max(value / factor, 1e-4), min(value * factor, 1.0), _FINE_STEPS)
 
 
+def _model_of(cost_model: CostModel, measurement: Measurement) -> CostModel:
+    return measurement.cost_model or cost_model
+
+
 def _errors(
-    cost_model: CostModel, efficiency: Efficiency, samples: Sequence[StepSample]
+    cost_model: CostModel, efficiency: Efficiency, samples: Sequence[Measurement]
 ) -> list[float]:
     """|predicted − measured| / measured per sample."""
     return [
-        abs(p - s.step_s) / s.step_s
+        abs(p - s.seconds) / s.seconds
         for s, p in zip(samples, _predictions(cost_model, efficiency, samples), strict=True)
     ]
 
 
 def _predictions(
-    cost_model: CostModel, efficiency: Efficiency, samples: Sequence[StepSample]
+    cost_model: CostModel, efficiency: Efficiency, samples: Sequence[Measurement]
 ) -> list[float]:
-    model = CostModel(
-        cost_model.model,
-        cost_model.hardware,
-        cost_model.tp,
-        dtype=cost_model.dtype,
-        kv_dtype=cost_model.kv_dtype,
-        efficiency=efficiency,
-        inter_node_link=cost_model.tp_link,
-    )
-    return [model.step_time(s.batch) for s in samples]
+    models: dict[int, CostModel] = {}
+    out = []
+    for sample in samples:
+        base = _model_of(cost_model, sample)
+        if id(base) not in models:
+            models[id(base)] = base.with_efficiency(efficiency)
+        out.append(predict(models[id(base)], sample))
+    return out
+
+
+def predict(model: CostModel, measurement: Measurement) -> float:
+    """Seconds `model` predicts for `measurement` (its steps, and its requests' overhead)."""
+    if measurement.linear_only:
+        return sum(
+            count * model.layers_linear_s(sum(q.num_new_tokens for q in batch))
+            for count, batch in measurement.steps
+        )
+    steps = sum(count * model.step_time(batch) for count, batch in measurement.steps)
+    return steps + measurement.num_requests * model.efficiency.request_overhead_s
+
+
+def overhead_counts(model: CostModel, measurement: Measurement) -> tuple[int, ...]:
+    """How many times `measurement` pays each of `OVERHEADS`."""
+    if measurement.linear_only:
+        return (0, 0, 0, 0)
+    all_reduces = sum(count * model.num_all_reduces(batch) for count, batch in measurement.steps)
+    return (measurement.num_steps, measurement.num_seqs, measurement.num_requests, all_reduces)
 
 
 class _Terms:
     """Per-sample seconds at 100% of each peak, to evaluate a grid of efficiencies at once."""
 
     def __init__(
-        self, cost_model: CostModel, samples: Sequence[StepSample], weights: np.ndarray
+        self,
+        cost_model: CostModel,
+        samples: Sequence[Measurement],
+        network: float,
+        weights: np.ndarray,
     ) -> None:
-        peak_flops, peak_attn = cost_model.peak_linear_flops, cost_model.peak_attention_flops
-        bandwidth = cost_model.hardware.memory_bandwidth
-        self.samples = samples
-        self.works = []
-        for sample in samples:
-            work = cost_model.step_work(sample.batch)
-            attention = np.array(work.attention).reshape(-1, 2)
-            self.works.append(
-                (
-                    (work.linear[0] / peak_flops, work.linear[1] / bandwidth),
-                    (work.lm_head[0] / peak_flops, work.lm_head[1] / bandwidth),
-                    (attention[:, 0] / peak_attn, attention[:, 1] / bandwidth),
-                )
-            )
-        self.times = np.array([s.step_s for s in samples])
+        self.works = [self._work(_model_of(cost_model, s), s) for s in samples]
+        self.times = np.array([s.seconds for s in samples])
+        # Communication at the given link efficiency: fixed, not searched.
+        self.comm_s = np.array(
+            [
+                _comm_s(_model_of(cost_model, s).with_efficiency(Efficiency(network=network)), s)
+                for s in samples
+            ]
+        )
         # Relative error, each sample scaled by its robustness weight.
         self.weights = weights / self.times
-        self.num_seqs = np.array([len(s.batch) for s in samples], dtype=float)
+        # Overhead columns [k, OVERHEADS]: how often each sample pays each one.
+        self.counts = np.array(
+            [overhead_counts(_model_of(cost_model, s), s) for s in samples], dtype=float
+        )
+
+    @staticmethod
+    def _work(model: CostModel, sample: Measurement):
+        """(dense [steps, 4] with weights, attention [seqs, 2] with weights) at 100% peak."""
+        peak_flops, peak_attn = model.peak_linear_flops, model.peak_attention_flops
+        bandwidth = model.hardware.memory_bandwidth
+        dense, counts, attention = [], [], Counter()
+        for count, batch in sample.steps:
+            work = model.step_work(batch)
+            head = (0.0, 0.0) if sample.linear_only else work.lm_head
+            dense.append(
+                (
+                    work.linear[0] / peak_flops,
+                    work.linear[1] / bandwidth,
+                    head[0] / peak_flops,
+                    head[1] / bandwidth,
+                )
+            )
+            counts.append(count)
+            for flops, num_bytes in () if sample.linear_only else work.attention:
+                attention[(flops / peak_attn, num_bytes / bandwidth)] += count
+        att = np.array(list(attention), dtype=float).reshape(-1, 2)
+        return (np.array(dense), np.array(counts, dtype=float)), (
+            att,
+            np.array(list(attention.values()), dtype=float),
+        )
 
     def attention_s(self, attention: np.ndarray, memory: np.ndarray) -> np.ndarray:
         """[k, a, m]: attention seconds of sample k at efficiencies (a, m)."""
-        inv_a, inv_m = 1 / attention, 1 / memory
-        return np.stack(
-            [
-                np.maximum(
-                    att_c[:, None, None] * inv_a[None, :, None],
-                    att_m[:, None, None] * inv_m[None, None, :],
-                ).sum(axis=0)
-                for _, _, (att_c, att_m) in self.works
-            ]
+        return np.stack([self._attention(att, attention, memory) for _, att in self.works])
+
+    @staticmethod
+    def _attention(att, attention: np.ndarray, memory: np.ndarray) -> np.ndarray:
+        (pairs, counts), inv_a, inv_m = att, 1 / attention, 1 / memory
+        seconds = np.maximum(
+            pairs[:, 0, None, None] * inv_a[None, :, None],
+            pairs[:, 1, None, None] * inv_m[None, None, :],
         )
+        return np.tensordot(counts, seconds, axes=1)
 
     def search(
         self, linear: np.ndarray, attention: np.ndarray, memory: np.ndarray
-    ) -> tuple[float, float, float, float, float]:
-        """Best (linear, attention, memory, step overhead, per-seq overhead) on the grid."""
+    ) -> tuple[float, float, float, tuple[float, ...]]:
+        """Best (linear, attention, memory, (each of OVERHEADS))."""
         # predicted[k, l, a, m]: roofline seconds of sample k at efficiencies (l, a, m).
         predicted = np.stack([self._roofline(w, linear, attention, memory) for w in self.works])
         weights = self.weights
-        residual = (self.times[:, None, None, None] - predicted) * weights[:, None, None, None]
-        overhead, per_seq, loss = _fit_overheads(residual, weights, self.num_seqs * weights)
+        target = self.times - self.comm_s
+        residual = (target[:, None, None, None] - predicted) * weights[:, None, None, None]
+        overheads, loss = fit_overheads(residual, self.counts * weights[:, None])
         index = np.unravel_index(np.argmin(loss), loss.shape)
         return (
             float(linear[index[0]]),
             float(attention[index[1]]),
             float(memory[index[2]]),
-            float(overhead[index]),
-            float(per_seq[index]),
+            tuple(float(o[index]) for o in overheads),
         )
 
-    @staticmethod
-    def _roofline(work, linear, attention, memory) -> np.ndarray:
-        (lin_c, lin_m), (head_c, head_m), (att_c, att_m) = work
-        inv_l, inv_a, inv_m = 1 / linear, 1 / attention, 1 / memory
-        dense = np.maximum.outer(lin_c * inv_l, lin_m * inv_m) + np.maximum.outer(
-            head_c * inv_l, head_m * inv_m
-        )  # [l, m]
-        attn = np.maximum(
-            att_c[:, None, None] * inv_a[None, :, None], att_m[:, None, None] * inv_m[None, None, :]
-        ).sum(axis=0)  # [a, m]
-        return dense[:, None, :] + attn[None, :, :]
+    @classmethod
+    def _roofline(cls, work, linear, attention, memory) -> np.ndarray:
+        (dense, counts), att = work
+        inv_l, inv_m = 1 / linear, 1 / memory
+        seconds = np.maximum(
+            dense[:, 0, None, None] * inv_l[None, :, None],
+            dense[:, 1, None, None] * inv_m[None, None, :],
+        ) + np.maximum(
+            dense[:, 2, None, None] * inv_l[None, :, None],
+            dense[:, 3, None, None] * inv_m[None, None, :],
+        )  # [steps, l, m]
+        dense_s = np.tensordot(counts, seconds, axes=1)
+        return dense_s[:, None, :] + cls._attention(att, attention, memory)[None, :, :]
 
 
-def _fit_overheads(residual: np.ndarray, a: np.ndarray, b: np.ndarray):
-    """Least squares of residual ≈ a·overhead + b·per_seq (both >= 0), per grid point.
+def _comm_s(model: CostModel, sample: Measurement) -> float:
+    if sample.linear_only:
+        return 0.0
+    return sum(count * model.step_cost(batch).communication_s for count, batch in sample.steps)
 
-    `residual` is [k, ...grid]; `a`, `b` are [k]. Returns overhead, per_seq and the loss,
-    each shaped like the grid.
+
+def fit_overheads(residual: np.ndarray, columns: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """Non-negative least squares of residual ≈ columns · overheads, per grid point.
+
+    `residual` is [k, ...grid]; `columns` is [k, j] (the same at every grid point). Every
+    subset of the j unknowns is solved by its normal equations and the best one with no
+    negative value kept (exact for the few unknowns here). Returns the j overheads and the
+    loss, each shaped like the grid.
     """
-    saa, sab, sbb = a @ a, a @ b, b @ b
-    ya = np.tensordot(a, residual, axes=1)
-    yb = np.tensordot(b, residual, axes=1)
-    det = saa * sbb - sab * sab
-    if det > 1e-12 * saa * sbb:
-        overhead = (sbb * ya - sab * yb) / det
-        per_seq = (saa * yb - sab * ya) / det
-    else:  # every sample has the same batch size: the per-seq term is not identifiable
-        overhead, per_seq = ya / saa, np.zeros_like(ya)
-    # Where the joint solution is negative, fit the other term alone; then clamp.
-    only_overhead = np.maximum(ya / saa, 0.0)
-    only_per_seq = np.maximum(yb / sbb, 0.0)
-    negative_per_seq = per_seq < 0
-    negative_overhead = overhead < 0
-    overhead = np.where(negative_per_seq, only_overhead, overhead)
-    per_seq = np.where(negative_per_seq, 0.0, per_seq)
-    per_seq = np.where(negative_overhead & ~negative_per_seq, only_per_seq, per_seq)
-    overhead = np.where(negative_overhead & ~negative_per_seq, 0.0, overhead)
-    loss = (
-        (residual**2).sum(axis=0)
-        - 2 * (overhead * ya + per_seq * yb)
-        + overhead**2 * saa
-        + 2 * overhead * per_seq * sab
-        + per_seq**2 * sbb
+    gram = columns.T @ columns
+    projected = np.tensordot(columns.T, residual, axes=1)  # [j, ...grid]
+    total = (residual**2).sum(axis=0)
+    num_terms = columns.shape[1]
+    best_loss = total.copy()
+    best = [np.zeros_like(total) for _ in range(num_terms)]
+    for size in range(1, num_terms + 1):
+        for subset in itertools.combinations(range(num_terms), size):
+            sub_gram = gram[np.ix_(subset, subset)]
+            if abs(np.linalg.det(sub_gram)) <= 1e-12 * np.prod(np.diag(sub_gram)):
+                continue  # an unknown no sample tells apart (e.g. no requests measured)
+            values = np.tensordot(np.linalg.inv(sub_gram), projected[list(subset)], axes=1)
+            loss = total - (values * projected[list(subset)]).sum(axis=0)
+            better = (values >= 0).all(axis=0) & (loss < best_loss)
+            best_loss = np.where(better, loss, best_loss)
+            for i, term in enumerate(subset):
+                best[term] = np.where(better, values[i], best[term])
+            for term in set(range(num_terms)) - set(subset):
+                best[term] = np.where(better, 0.0, best[term])
+    return best, best_loss
+
+
+# An all-reduce's latency below this many GPUs follows another NCCL algorithm (two GPUs
+# exchange directly): the link's one latency is fitted where tensor parallelism pays most.
+LINK_FIT_MIN_GPUS = 4
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """A link's measured latency and share of its line rate, from timed all-reduces."""
+
+    latency_s: float
+    efficiency: float
+    # predicted / measured − 1 per point, in the order given (those not fitted too).
+    residuals: tuple[float, ...]
+
+
+def fit_link(line_bandwidth: float, points: Sequence[dict]) -> LinkFit:
+    """Least squares (relative error) of a ring all-reduce, t = latency + 2(n−1)/n · bytes /
+    (line_bandwidth · efficiency), over points {"num_gpus", "bytes", "seconds"} of at least
+    `LINK_FIT_MIN_GPUS` GPUs."""
+    rows = np.array(
+        [
+            [1.0, 2 * (p["num_gpus"] - 1) / p["num_gpus"] * p["bytes"] / line_bandwidth]
+            for p in points
+        ]
     )
-    return overhead, per_seq, loss
+    seconds = np.array([p["seconds"] for p in points])
+    used = np.array([p["num_gpus"] >= LINK_FIT_MIN_GPUS for p in points])
+    if used.sum() < 2:
+        raise SimConfigError(f"a link fit needs 2 points of >= {LINK_FIT_MIN_GPUS} GPUs")
+    design = rows / seconds[:, None]
+    (latency, inverse_efficiency), *_ = np.linalg.lstsq(
+        design[used], np.ones(int(used.sum())), rcond=None
+    )
+    residuals = tuple(float(r) for r in design @ [latency, inverse_efficiency] - 1)
+    return LinkFit(float(latency), float(1 / inverse_efficiency), residuals)

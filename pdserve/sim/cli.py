@@ -16,6 +16,7 @@ from pdserve.bench.report import write_report
 from pdserve.bench.summary import format_summary
 from pdserve.sim.calibration import fit_efficiency, load_samples, save_samples
 from pdserve.sim.cost_model import CostModel
+from pdserve.sim.efficiency import calibration_for
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import get_hardware
 from pdserve.sim.model_spec import load_model_spec
@@ -29,8 +30,15 @@ from pdserve.sim.options import (
     workload_from_args,
 )
 from pdserve.sim.plan_report import explain, format_ranking, plot_goodput_vs_split
-from pdserve.sim.planner import PlanInputs, gpus_for_rate, search
-from pdserve.sim.report import bench_result, result_json
+from pdserve.sim.planner import PlanInputs, band_of, gpus_for_rate, search
+from pdserve.sim.profile_fit import (
+    calibrate_points,
+    calibration_of,
+    format_rows,
+    load_profile,
+    point_rows,
+)
+from pdserve.sim.report import bench_result, result_json, simulate_band
 from pdserve.sim.simulator import simulate
 
 
@@ -67,10 +75,23 @@ def add_parsers(subparsers) -> None:
         "or benchmarks/engine.py --json output",
     )
     source.add_argument(
+        "--bench",
+        metavar="PROFILE.json",
+        help="a profile of any OpenAI-compatible server, measured from outside: "
+        "`pdserve bench --workload profile --save-result PROFILE.json`",
+    )
+    source.add_argument(
         "--measure",
         action="store_true",
         help="run the real engine on this machine to measure steps",
     )
+    cal.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="--bench: the server's chunked-prefill token budget (default: prompts prefill "
+        "whole, as in colocated serving)",
+    )
+    cal.add_argument("--stack", help="what was measured, for the record (default: the URL)")
     cal.add_argument("--num-threads", type=int, help="--measure: torch threads (cores)")
     cal.add_argument("--save-steps", metavar="FILE.jsonl", help="--measure: keep the samples")
     cal.add_argument("--output", default="calibration.json", help="(default: %(default)s)")
@@ -132,6 +153,8 @@ def _simulate(args: argparse.Namespace) -> int:
     deployment = Deployment.from_args(args)
     planned = workload_from_args(args, deployment.max_model_len)
     slos = slos_from_text(args.goodput)
+    calibration = calibration_for(args.calibration, deployment.hardware.name)
+    print(f"calibration: {calibration.describe()}")
     results, payload = [], {}
     for mode in parse_modes(args.mode):
         config = layout_config(deployment, mode, max_concurrency=planned.max_concurrency)
@@ -147,6 +170,10 @@ def _simulate(args: argparse.Namespace) -> int:
         results.append(result)
         payload[result.label] = result_json(sim, result)
         print(format_summary(result))
+        band = simulate_band(config, planned.specs, calibration, slos)
+        if band is not None:
+            print("\n".join(band.lines(result.metrics)))
+            payload[result.label]["pdserve"]["simulation"]["band"] = band.to_dict()
         print(
             f"simulated {sim.duration_s:.1f} s of {config.num_devices} × "
             f"{config.hardware.name} in {sim.wall_time_s:.1f} s ({sim.num_events} events)\n"
@@ -170,25 +197,51 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     model, hardware = load_model_spec(args.model), get_hardware(args.hardware)
-    if args.measure:
-        from pdserve.sim.measure import measure_step_samples
-
-        samples = measure_step_samples(num_threads=args.num_threads)
-        if args.save_steps:
-            save_samples(samples, args.save_steps)
+    cost_model = CostModel(model, hardware, args.tp, dtype=args.dtype)
+    name = Path(args.output).stem
+    deployment = {"model": model.name, "hardware": hardware.name, "tp": args.tp}
+    if args.bench:
+        points, provenance = load_profile(args.bench)
+        fit, measurements = calibrate_points(points, cost_model, args.max_num_batched_tokens)
+        rows = point_rows(fit, measurements, points, cost_model)
+        stack = args.stack or f"{provenance['model_id']} at {provenance['base_url']}"
+        calibration = calibration_of(
+            fit,
+            name,
+            rows,
+            stack=f"measured from outside: {stack}",
+            sources=[str(args.bench)],
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            **deployment,
+        )
+        print(f"fit per point (profile of {stack}):\n{format_rows(rows)}")
     else:
-        samples = [s for path in args.steps for s in load_samples(path)]
-    fit = fit_efficiency(CostModel(model, hardware, args.tp, dtype=args.dtype), samples)
-    fit.efficiency.save(
-        args.output, model=model.name, hardware=hardware.name, tp=args.tp, **fit.metadata()
-    )
+        if args.measure:
+            from pdserve.sim.measure import measure_step_samples
+
+            samples = measure_step_samples(num_threads=args.num_threads)
+            if args.save_steps:
+                save_samples(samples, args.save_steps)
+        else:
+            samples = [s for path in args.steps for s in load_samples(path)]
+        fit = fit_efficiency(cost_model, samples)
+        calibration = calibration_of(
+            fit,
+            name,
+            None,
+            stack=args.stack or "pdserve's engine, its own step times",
+            sources=args.steps or ["--measure"],
+            **deployment,
+        )
+    calibration.save(args.output)
     e = fit.efficiency
     print(
-        f"fitted on {fit.num_samples} steps ({fit.num_outliers} set aside as disturbed): "
+        f"fitted on {fit.num_samples} measurements ({fit.num_outliers} set aside as disturbed): "
         f"linear {e.linear_compute:.3f}, attention {e.attention_compute:.3f}, memory "
-        f"{e.memory:.3f} of peak; overhead "
-        f"{e.step_overhead_s * 1e3:.2f} ms/step + {e.per_seq_overhead_s * 1e3:.3f} ms/seq; "
-        f"error mean {fit.mean_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}"
+        f"{e.memory:.3f} of peak; overhead {e.step_overhead_s * 1e3:.2f} ms/step + "
+        f"{e.per_seq_overhead_s * 1e3:.3f} ms/seq + {e.request_overhead_s * 1e3:.2f} ms/request; "
+        f"error mean {fit.mean_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}; "
+        f"band ±{fit.band:.1%}"
     )
     if e.linear_curve:
         print(
@@ -211,13 +264,19 @@ def _plan(args: argparse.Namespace) -> int:
     slos = slos_from_text(args.slo)
     if not slos:
         raise SimConfigError("--slo: give at least one of ttft:MS, tpot:MS, e2el:MS")
-    inputs = PlanInputs(deployment, planned, slos)
+    calibration = calibration_for(args.calibration, deployment.hardware.name)
+    print(f"calibration: {calibration.describe()}")
+    inputs = PlanInputs(deployment, planned, slos, calibration.band)
     progress = _progress(args.quiet)
     evaluations = search(inputs, args.gpus, progress)
-    print(format_ranking(evaluations, args.top))
+    shown = evaluations[: args.top]
+    bands = [band_of(inputs, e, progress) for e in shown]
+    print(format_ranking(shown, bands=bands))
+    if calibration.band:
+        print(f"(latencies in ms, in parentheses with every step ±{calibration.band:.0%})")
     print()
     best = evaluations[0]
-    print(explain(best, evaluations))
+    print(explain(best, evaluations, band_of(inputs, best, progress, with_capacity=True)))
     target = args.target_rate or planned.request_rate
     if target is not None and math.isfinite(target):
         _inverse(args, inputs, evaluations, target, progress)

@@ -108,13 +108,25 @@ class CostModel:
         self.tp_link = NETWORKS[hardware.intra_node_link] if within_node else inter_node_link
         self._init_constants()
 
+    def with_efficiency(self, efficiency: Efficiency) -> CostModel:
+        """The same deployment at other efficiencies."""
+        return CostModel(
+            self.model,
+            self.hardware,
+            self.tp,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
+            efficiency=efficiency,
+            inter_node_link=self.tp_link,
+        )
+
     def _init_constants(self) -> None:
         # Everything below is per device and fixed for the deployment; step_cost only sums.
         m, eff, tp = self.model, self.efficiency, self.tp
         self.peak_linear_flops = self.hardware.peak_flops(self.dtype)
         # Attention runs in bf16 whatever the weights' dtype.
         self.peak_attention_flops = self.hardware.peak_flops("bf16")
-        self._flops_per_s = self.peak_linear_flops * eff.linear_compute
+        self._flops_per_s = self.peak_linear_flops * eff.linear_share(self.dtype)
         self._attn_flops_per_s = self.peak_attention_flops * eff.attention_compute
         self._bytes_per_s = self.hardware.memory_bandwidth * eff.memory
         self._weight_bytes = dtype_bytes(self.dtype)
@@ -149,7 +161,8 @@ class CostModel:
         )
         eff = self.efficiency
         overhead = eff.step_overhead_s + eff.per_seq_overhead_s * len(batch)
-        return StepCost(linear, attention, self._all_reduces_s(num_tokens), overhead)
+        cost = StepCost(linear, attention, self._all_reduces_s(num_tokens), overhead)
+        return cost if eff.time_scale == 1 else cost.scaled(eff.time_scale)
 
     def step_time(self, batch: Sequence[SeqWork]) -> float:
         return self.step_cost(batch).total_s
@@ -164,6 +177,10 @@ class CostModel:
             tuple(self._attention_work(seq) for seq in batch),
             len(batch),
         )
+
+    def layers_linear_s(self, num_rows: int) -> float:
+        """Seconds of the decoder layers' linears (all layers, no LM head) over `num_rows`."""
+        return self._linear_s(num_rows, self.layer_params)
 
     def _linear_s(self, num_rows: int, num_params: float) -> float:
         """Seconds of linear layers holding `num_params` parameters (per device) over
@@ -192,18 +209,23 @@ class CostModel:
         kv_bytes = (context + 2 * new) * self._kv_bytes_per_token_device
         return pairs * self._attn_flops_per_pair, kv_bytes
 
+    def num_all_reduces(self, batch: Sequence[SeqWork]) -> int:
+        """Two all-reduces per layer (after attention's o_proj and the MLP's down_proj) in a
+        tensor-parallel step."""
+        has_tokens = any(seq.num_new_tokens for seq in batch)
+        return 2 * self.model.num_layers if self.tp > 1 and has_tokens else 0
+
     def _all_reduces_s(self, num_tokens: int) -> float:
-        # Two all-reduces per layer (after attention's o_proj and the MLP's down_proj).
         if self.tp == 1 or num_tokens == 0:
             return 0.0
         link = self.tp_link
         one = ring_all_reduce_s(
             num_tokens * self._all_reduce_bytes_per_token,
             self.tp,
-            link.bandwidth * self.efficiency.network,
+            link.achieved_bandwidth * self.efficiency.network,
             link.latency_s,
         )
-        return 2 * self.model.num_layers * one
+        return 2 * self.model.num_layers * (one + self.efficiency.all_reduce_overhead_s)
 
     def prefill_time(self, num_tokens: int, chunk_size: int | None = None) -> float:
         """Seconds to prefill a lone prompt, whole or in chunks of `chunk_size` tokens."""

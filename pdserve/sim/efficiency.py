@@ -1,19 +1,31 @@
-"""Fractions of peak reached in practice plus fixed costs: the cost model's free parameters.
+"""Fractions of peak reached in practice plus fixed costs: the cost model's free parameters,
+and the calibrations that set them.
 
-Defaults are typical of well-tuned serving stacks on GPUs (large GEMMs at ~60% of peak
-FLOP/s, streaming reads at ~80% of peak bandwidth); `pdserve simulate calibrate` replaces
-them with a fit to measured step times and saves them as JSON.
+`Efficiency()`'s defaults are typical of well-tuned serving stacks on GPUs (large GEMMs at
+~60% of peak FLOP/s, streaming reads at ~80% of peak bandwidth). A `Calibration` is an
+efficiency fitted to measurements (`pdserve simulate calibrate`, or the published profiles
+shipped in `sim/data/calibrations/`, docs/calibrations.md) with the stack it describes and
+the band its residuals imply; a GPU with a shipped calibration runs at it by default.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from pdserve.sim.errors import SimConfigError
+
+# The fixed costs a fit solves for, each paid per unit of what `Measurement` counts.
+OVERHEADS = (
+    "step_overhead_s",
+    "per_seq_overhead_s",
+    "request_overhead_s",
+    "all_reduce_overhead_s",
+)
 
 
 @dataclass(frozen=True)
@@ -21,13 +33,24 @@ class Efficiency:
     """Achieved fraction of each peak, and the per-step costs no roofline accounts for."""
 
     linear_compute: float = 0.6
+    # FP8 GEMMs' share of the FP8 peak, where it differs from 16-bit ones' (None: the same).
+    fp8_linear_compute: float | None = None
     attention_compute: float = 0.5
     memory: float = 0.8
-    network: float = 0.9
+    # On top of each link's own measured (or assumed) share of its line rate (sim/network).
+    network: float = 1.0
     # Scheduling, batch preparation, sampling, kernel launches: paid once per step.
     step_overhead_s: float = 2e-3
     # The part of that overhead that grows with the number of sequences in the batch.
     per_seq_overhead_s: float = 1e-5
+    # Paid once per request before its first step: the front end's HTTP handling and
+    # tokenization (the simulator admits each request this long after it is sent).
+    request_overhead_s: float = 0.0
+    # Paid by every tensor-parallel all-reduce beyond what the link's bandwidth and latency
+    # explain: the stack's collective implementation (launches, synchronisation).
+    all_reduce_overhead_s: float = 0.0
+    # Every modelled step × this: 1, except in the runs that bound a calibration's band.
+    time_scale: float = 1.0
     # Measured linear-layer speed in place of the roofline: (rows, seconds per parameter)
     # knots, rows increasing; a layer of P parameters over M rows takes P × curve(M),
     # interpolated between knots and growing in proportion to M past the last. Kernels switch
@@ -43,13 +66,18 @@ class Efficiency:
     jitter_step_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("linear_compute", "attention_compute", "memory", "network"):
+        factors = ("linear_compute", "fp8_linear_compute", "attention_compute", "memory")
+        for name in (*factors, "network"):
             value = getattr(self, name)
+            if value is None and name == "fp8_linear_compute":
+                continue
             if not 0 < value <= 1:
                 raise SimConfigError(f"efficiency {name} must be in (0, 1], got {value!r}")
-        for name in ("step_overhead_s", "per_seq_overhead_s"):
+        for name in OVERHEADS:
             if getattr(self, name) < 0:
                 raise SimConfigError(f"efficiency {name} must be >= 0")
+        if not self.time_scale > 0:
+            raise SimConfigError("efficiency time_scale must be positive")
         object.__setattr__(
             self, "linear_curve", tuple((int(m), float(t)) for m, t in self.linear_curve)
         )
@@ -66,6 +94,12 @@ class Efficiency:
             )
         if self.step_jitter and not self.jitter_step_s > 0:
             raise SimConfigError("efficiency jitter_step_s must be positive with step_jitter")
+
+    def linear_share(self, dtype: str) -> float:
+        """The share of the peak a GEMM on weights stored in `dtype` reaches."""
+        if dtype == "fp8" and self.fp8_linear_compute is not None:
+            return self.fp8_linear_compute
+        return self.linear_compute
 
     def draw_jitter(self, rng: random.Random, step_s: float) -> float:
         """A factor for a step modelled at `step_s`, drawn from `step_jitter` (1.0 without
@@ -86,19 +120,81 @@ class Efficiency:
         Path(path).write_text(json.dumps({"efficiency": asdict(self), **metadata}, indent=2))
 
     @classmethod
-    def load(cls, path: str | Path) -> Efficiency:
-        """Read factors written by `save` (extra metadata keys are ignored)."""
-        try:
-            data = json.loads(Path(path).read_text())["efficiency"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise SimConfigError(
-                f"--calibration: cannot read efficiency from {path}: {exc}"
-            ) from None
+    def load(cls, spec: str | Path) -> Efficiency:
+        """The factors of a calibration: a shipped one's name or a file `save` wrote."""
+        return Calibration.load(spec).efficiency
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str) -> Efficiency:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise SimConfigError(f"--calibration: {path} has unknown keys {sorted(unknown)}")
+            raise SimConfigError(f"--calibration: {where} has unknown keys {sorted(unknown)}")
         return cls(**data)
+
+
+SHIPPED_DIR = Path(__file__).parent / "data" / "calibrations"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """An efficiency with its provenance: the stack it describes, what it was fitted to, and
+    `band`, the relative error its own fitting points imply (None: not calibrated).
+
+    The file is `Efficiency.save`'s JSON; the keys beside "efficiency" are `metadata`
+    ("stack", "sources", "points" with their residuals, "default_for" hardware names).
+    """
+
+    name: str
+    efficiency: Efficiency
+    band: float | None = None
+    metadata: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def stack(self) -> str:
+        return self.metadata.get("stack", "")
+
+    def describe(self) -> str:
+        """One line: the name, the stack, the band."""
+        band = "no band: uncalibrated" if self.band is None else f"band ±{self.band:.0%}"
+        summary = self.metadata.get("summary") or self.stack
+        return f"{self.name} ({summary}; {band})"
+
+    def save(self, path: str | Path) -> None:
+        self.efficiency.save(path, name=self.name, band=self.band, **self.metadata)
+
+    @classmethod
+    def load(cls, spec: str | Path) -> Calibration:
+        """A shipped calibration by name (`shipped_calibrations`) or a calibration file."""
+        path = Path(spec)
+        if not path.is_file() and (SHIPPED_DIR / f"{spec}.json").is_file():
+            return _shipped(str(spec))
+        return cls._read(path)
+
+    @classmethod
+    def _read(cls, path: Path) -> Calibration:
+        try:
+            data = json.loads(path.read_text())
+            efficiency = Efficiency.from_dict(data.pop("efficiency"), str(path))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise SimConfigError(
+                f"--calibration: cannot read a calibration from {path} (a file written by "
+                f"`pdserve simulate calibrate`, or one of {', '.join(shipped_calibrations())}):"
+                f" {exc}"
+            ) from None
+        name = data.pop("name", path.stem)
+        band = data.pop("band", None)
+        return cls(name, efficiency, None if band is None else float(band), data)
+
+
+@functools.cache
+def _shipped(name: str) -> Calibration:
+    return Calibration._read(SHIPPED_DIR / f"{name}.json")
+
+
+def shipped_calibrations() -> list[str]:
+    """Names of the calibrations that ship with pdserve (docs/calibrations.md)."""
+    return sorted(p.stem for p in SHIPPED_DIR.glob("*.json"))
 
 
 # The local CPU before calibration: matmuls reach a fraction of the nominal peak, and a
@@ -113,5 +209,23 @@ CPU_DEFAULT = Efficiency(
 )
 
 
+def default_calibration(hardware_name: str) -> Calibration:
+    """What a device runs at unless told otherwise: the shipped calibration made its
+    default, else the local CPU's or typical GPU defaults (no band)."""
+    if hardware_name.startswith("cpu-local"):
+        return Calibration("cpu-default", CPU_DEFAULT, metadata={"stack": "uncalibrated CPU"})
+    for name in shipped_calibrations():
+        calibration = _shipped(name)
+        if hardware_name in calibration.metadata.get("default_for", ()):
+            return calibration
+    return Calibration("typical", Efficiency(), metadata={"stack": "typical GPU defaults"})
+
+
+def calibration_for(spec: str | None, hardware_name: str) -> Calibration:
+    """What `--calibration SPEC` means on `hardware_name`: that calibration (a shipped name or
+    a file), or without one the device's default."""
+    return Calibration.load(spec) if spec else default_calibration(hardware_name)
+
+
 def default_efficiency(hardware_name: str) -> Efficiency:
-    return CPU_DEFAULT if hardware_name.startswith("cpu-local") else Efficiency()
+    return default_calibration(hardware_name).efficiency

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from pdserve.sim.calibration import StepSample
+    from pdserve.sim.calibration import Measurement
     from pdserve.sim.cost_model import CostModel
 
 Curve = tuple[tuple[int, float], ...]
@@ -47,28 +47,38 @@ def seconds_per_param(curve: Curve, rows: int) -> float:
 
 
 class CurveFit:
-    """Least squares for a curve and the per-sequence overhead, given attention seconds.
+    """Least squares for a curve and overheads, given the other seconds (attention,
+    communication).
 
     The curve absorbs any fixed per-step cost (a constant is indistinguishable from linear
     time at a row count). `scale` weighs each sample's residual (1 / its time: relative
-    error, times a robustness weight); `attention_s(attention, memory)` gives every sample's
-    attention seconds [k] at those efficiencies.
+    error, times a robustness weight); `fixed_s(attention, memory)` gives every sample's
+    seconds outside the linear layers [k] at those efficiencies. `models` holds each
+    sample's cost model (its parameter counts per device); `overheads` [k, j] how often each
+    sample pays each of j overheads fitted beside the curve.
     """
 
     def __init__(
         self,
-        cost_model: CostModel,
-        samples: Sequence[StepSample],
+        models: Sequence[CostModel],
+        samples: Sequence[Measurement],
+        overheads: np.ndarray,
         scale: np.ndarray,
-        attention_s: Callable[[float, float], np.ndarray],
+        fixed_s: Callable[[float, float], np.ndarray],
     ) -> None:
-        self.times = np.array([s.step_s for s in samples])
-        self.layer_rows = [sum(q.num_new_tokens for q in s.batch) for s in samples]
-        self.head_rows = [sum(q.is_sampling for q in s.batch) for s in samples]
-        self.num_seqs = np.array([len(s.batch) for s in samples], dtype=float)
-        self.params = (cost_model.layer_params, cost_model.head_params)
+        self.times = np.array([s.seconds for s in samples])
+        # Per sample, per step: (count, layer rows, head rows), and the parameter counts.
+        self.steps = [
+            [
+                (count, sum(q.num_new_tokens for q in batch), sum(q.is_sampling for q in batch))
+                for count, batch in s.steps
+            ]
+            for s in samples
+        ]
+        self.params = [(m.layer_params, m.head_params) for m in models]
+        self.overheads = overheads
         self.scale = scale
-        self.attention_s = attention_s
+        self.fixed_s = fixed_s
         self.knots, self.design = self._select_knots()
 
     @property
@@ -79,52 +89,68 @@ class CurveFit:
     def _select_knots(self) -> tuple[list[int] | None, np.ndarray | None]:
         """Candidate knots up to the largest row count, less those fewer than
         `_MIN_KNOT_SAMPLES` samples inform (repeated until all are); None when too few."""
-        largest = max(self.layer_rows)
+        largest = max(rows for steps in self.steps for _, rows, _ in steps)
         knots = list(range(1, min(largest, _SMALL_ROWS) + 1))
         while knots[-1] < largest:
             knots.append(max(knots[-1] + 1, round(knots[-1] * _KNOT_GROWTH)))
         while True:
             design = self._design(knots)
-            used = (design[:, :-1] != 0).sum(axis=0) >= _MIN_KNOT_SAMPLES
+            used = (design[:, : len(knots)] != 0).sum(axis=0) >= _MIN_KNOT_SAMPLES
             if used.all():
                 break
             knots = [k for k, keep in zip(knots, used, strict=True) if keep]
-        if len(self.layer_rows) <= len(knots) + 1:
+        if len(self.steps) <= len(knots) + self.overheads.shape[1]:
             return None, None
         return knots, design
 
     def _design(self, knots: list[int]) -> np.ndarray:
-        """[k, knots + 1]: seconds per unit of each knot's value, then of per-seq overhead."""
-        layer_params, head_params = self.params
-        columns = np.zeros((len(self.layer_rows), len(knots) + 1))
-        for i, (rows, sampled) in enumerate(zip(self.layer_rows, self.head_rows, strict=True)):
-            for params, count in ((layer_params, rows), (head_params, sampled)):
-                if count:
-                    for knot, weight in hat_weights(knots, count):
-                        columns[i, knot] += params * weight
-        columns[:, -1] = self.num_seqs
+        """[k, knots + j]: seconds per unit of each knot's value, then of each overhead."""
+        columns = np.zeros((len(self.steps), len(knots) + self.overheads.shape[1]))
+        for i, (steps, (layer_params, head_params)) in enumerate(
+            zip(self.steps, self.params, strict=True)
+        ):
+            for count, rows, sampled in steps:
+                for params, num in ((layer_params, rows), (head_params, sampled)):
+                    if num:
+                        for knot, weight in hat_weights(knots, num):
+                            columns[i, knot] += count * params * weight
+        columns[:, len(knots) :] = self.overheads
         return columns * self.scale[:, None]
 
-    def solve(self, attention: float, memory: float) -> tuple[Curve, float]:
-        """The curve and per-seq overhead at (attention, memory), every value positive: a
-        knot fitted non-positive is dropped (its neighbours interpolate over it), and a
-        negative per-seq overhead is fixed at zero. (Where every step is a decode, sequences
-        and rows are the same count and only this keeps the two apart.)"""
-        target = (self.times - self.attention_s(attention, memory)) * self.scale
-        knots, design, has_per_seq = self.knots, self.design, True
+    def solve(self, attention: float, memory: float) -> tuple[Curve, list[float], float]:
+        """The curve and the overheads at (attention, memory), every value positive: a knot
+        fitted non-positive is dropped (its neighbours interpolate over it), and a negative
+        overhead is fixed at zero. (Where every step is a decode, sequences and rows are the
+        same count and only this keeps the two apart.) Also returns the leave-one-out loss:
+        the sum of squared scaled residuals, each sample predicted without itself, which
+        tells a curve that follows the measurements from one that only fits those few
+        points (a knot that a single sample decides predicts it perfectly, and nothing
+        else)."""
+        target = (self.times - self.fixed_s(attention, memory)) * self.scale
+        knots, design = self.knots, self.design
+        has_overhead = [bool(column.any()) for column in self.overheads.T]
         while True:
-            columns = design if has_per_seq else design[:, :-1]
+            keep_columns = [True] * len(knots) + has_overhead
+            columns = design[:, keep_columns]
             # Columns scaled to unit norm: knots at many rows and the per-seq count differ
             # by orders of magnitude.
             norms = np.linalg.norm(columns, axis=0)
-            values = np.linalg.lstsq(columns / norms, target, rcond=None)[0] / norms
-            curve_values, per_seq = values[: len(knots)], values[-1] if has_per_seq else 0.0
+            unit = columns / norms
+            values = np.linalg.lstsq(unit, target, rcond=None)[0] / norms
+            curve_values, rest = values[: len(knots)], list(values[len(knots) :])
+            overheads = [rest.pop(0) if has else 0.0 for has in has_overhead]
             keep = curve_values > 0
-            if (keep.all() and per_seq >= 0) or not keep.any():
+            if (keep.all() and min(overheads) >= 0) or not keep.any():
                 break
-            has_per_seq = has_per_seq and per_seq >= 0
+            has_overhead = [
+                has and value >= 0 for has, value in zip(has_overhead, overheads, strict=True)
+            ]
             if not keep.all():
                 knots = [k for k, ok in zip(knots, keep, strict=True) if ok]
                 design = self._design(knots)
         curve = tuple((k, float(v)) for k, v in zip(knots, curve_values, strict=True) if v > 0)
-        return curve, max(float(per_seq), 0.0)
+        # Leave-one-out residuals of a linear least-squares fit: r / (1 − leverage).
+        leverage = (np.linalg.qr(unit)[0] ** 2).sum(axis=1)
+        residual = target - columns @ values
+        loo = residual / np.maximum(1 - leverage, 1e-9)
+        return curve, [max(float(value), 0.0) for value in overheads], float(np.sum(loo**2))

@@ -185,6 +185,29 @@ MODELS: dict[str, ModelSpec] = {
             vocab_size=32768,
             max_position_embeddings=32768,
         ),
+        # meta-llama/Llama-2-7b-hf config.json (multi-head attention: 32 KV heads); the
+        # shape of TensorRT-LLM's published "LLaMA 7B" figures (docs/calibrations.md).
+        _catalog_entry(
+            "Llama-2-7B",
+            num_hidden_layers=32,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            vocab_size=32000,
+            max_position_embeddings=4096,
+        ),
+        # meta-llama/Llama-2-70b-hf config.json: Llama-3-70B's layers with a 32k vocabulary.
+        _catalog_entry(
+            "Llama-2-70B",
+            num_hidden_layers=80,
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            vocab_size=32000,
+            max_position_embeddings=4096,
+        ),
         # HuggingFaceTB/SmolLM2-135M-Instruct config.json
         _catalog_entry(
             "SmolLM2-135M",

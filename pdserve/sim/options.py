@@ -69,7 +69,8 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
     g.add_argument(
         "--calibration",
         metavar="FILE.json",
-        help="efficiency factors from `pdserve simulate calibrate`",
+        help="a calibration: a file from `pdserve simulate calibrate`, or a shipped one's "
+        "name (docs/calibrations.md); default: the device's shipped one, if any",
     )
     g.add_argument(
         "--max-num-seqs",

@@ -7,7 +7,7 @@ from pathlib import Path
 from statistics import fmean
 
 from pdserve.sim.config import Mode
-from pdserve.sim.planner import ATTAINMENT_TARGET, Evaluation
+from pdserve.sim.planner import ATTAINMENT_TARGET, Banded, Evaluation
 
 _COLUMNS = (
     "#",
@@ -23,24 +23,33 @@ _COLUMNS = (
 )
 
 
-def format_ranking(evaluations: Sequence[Evaluation], limit: int | None = None) -> str:
+def format_ranking(
+    evaluations: Sequence[Evaluation],
+    limit: int | None = None,
+    bands: Sequence[Banded | None] = (),
+) -> str:
     """The ranked table (capacity and goodput in req/s per GPU, latencies in ms); goodput
-    and latencies at the planned rate, capacity for the finalists only."""
-    rows = [
-        [
-            str(i),
-            e.label,
-            _capacity(e),
-            f"{e.goodput_per_gpu:.4f}",
-            f"{e.attainment:.0%}",
-            f"{e.result.metrics.ttft.median:.0f}",
-            f"{e.result.metrics.ttft.p99:.0f}",
-            f"{e.result.metrics.tpot.p99:.1f}",
-            f"{e.result.metrics.itl.p99:.1f}",
-            e.binding_slo(),
-        ]
-        for i, e in enumerate(evaluations[:limit], start=1)
-    ]
+    and latencies at the planned rate, capacity for the finalists only. Where `bands` has a
+    row's band, each latency shows it in parentheses (its value with every step ± the
+    calibration's band)."""
+    rows = []
+    for i, e in enumerate(evaluations[:limit], start=1):
+        band = bands[i - 1] if i <= len(bands) else None
+        m = e.result.metrics
+        rows.append(
+            [
+                str(i),
+                e.label,
+                _capacity(e),
+                f"{e.goodput_per_gpu:.4f}",
+                f"{e.attainment:.0%}",
+                _with_band(m.ttft.median, band, "ttft", "median", "{:.0f}"),
+                _with_band(m.ttft.p99, band, "ttft", "p99", "{:.0f}"),
+                _with_band(m.tpot.p99, band, "tpot", "p99", "{:.1f}"),
+                _with_band(m.itl.p99, band, "itl", "p99", "{:.1f}"),
+                e.binding_slo(),
+            ]
+        )
     widths = [max(len(c) for c in column) for column in zip(_COLUMNS, *rows, strict=True)]
 
     def line(cells):
@@ -55,18 +64,33 @@ def format_ranking(evaluations: Sequence[Evaluation], limit: int | None = None) 
     return "\n".join(line(cells) for cells in [list(_COLUMNS), *rows])
 
 
+def _with_band(value: float, band: Banded | None, metric: str, stat: str, fmt: str) -> str:
+    text = fmt.format(value)
+    if band is None:
+        return text
+    low, high = (getattr(getattr(b.result.metrics, metric), stat) for b in (band.low, band.high))
+    return f"{text} ({fmt.format(low)}–{fmt.format(high)})"
+
+
 def _capacity(evaluation: Evaluation) -> str:
     per_gpu = evaluation.capacity_per_gpu
     return "-" if per_gpu is None else f"{per_gpu:.4f}"
 
 
-def explain(best: Evaluation, evaluations: Sequence[Evaluation]) -> str:
-    """Why the recommendation: its margin, which SLO binds, where its time goes."""
+def explain(best: Evaluation, evaluations: Sequence[Evaluation], band: Banded | None = None) -> str:
+    """Why the recommendation: its margin (and the calibration band's range of it), which
+    SLO binds, where its time goes."""
     lines = [
         f"Recommended: {best.label} — carries {_rate(best.capacity)} req/s "
         f"({_capacity(best)} per GPU) with >= {ATTAINMENT_TARGET:.0%} of requests within "
         f"the SLOs; at the planned rate {best.attainment:.0%} are."
     ]
+    if band is not None and band.capacity is not None:
+        slow, fast = band.capacity[1], band.capacity[0]
+        lines.append(
+            f"  within the calibration band it carries {_rate(slow)} to {_rate(fast)} req/s "
+            "(every step slower, faster by the band)"
+        )
     for mode in Mode:
         rival = next((e for e in evaluations if e.layout.mode is mode), None)
         if rival is not None and mode is not best.layout.mode:

@@ -21,7 +21,7 @@ from pdserve.sim.config import Mode
 from pdserve.sim.cost_model import CostModel
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.layout import Layout
-from pdserve.sim.report import bench_result
+from pdserve.sim.report import bench_result, scaled
 from pdserve.sim.simulator import SimResult, simulate
 
 ATTAINMENT_TARGET = 0.9
@@ -95,6 +95,37 @@ class PlanInputs:
     deployment: object  # options.Deployment
     planned: object  # options.PlannedWorkload
     slos: dict[str, float]
+    # The calibration the deployment runs at: its band bounds the answers (None: no band).
+    band: float | None = None
+
+
+@dataclass(frozen=True)
+class Banded:
+    """A layout's figures at both ends of the calibration band: every step (1 − band) and
+    (1 + band) times as long; capacities for the recommendation only."""
+
+    low: Evaluation
+    high: Evaluation
+    capacity: tuple[float, float] | None = None
+
+
+def band_of(
+    inputs: PlanInputs, evaluation: Evaluation, progress: Progress, with_capacity: bool = False
+) -> Banded | None:
+    """`evaluation` re-simulated at the band's two ends (None without a band)."""
+    if not inputs.band:
+        return None
+    scales = (1 - inputs.band, 1 + inputs.band)
+    low, high = (
+        evaluate(inputs, evaluation.layout, evaluation.num_gpus, time_scale=s) for s in scales
+    )
+    capacity = None
+    if with_capacity:
+        capacity = tuple(
+            find_capacity(inputs, evaluation.layout, evaluation.num_gpus, progress, s)
+            for s in scales
+        )
+    return Banded(low, high, capacity)
 
 
 def candidate_layouts(inputs: PlanInputs, num_gpus: int) -> list[Layout]:
@@ -147,13 +178,21 @@ def _split_counts(num_workers: int) -> list[int]:
 
 
 def evaluate(
-    inputs: PlanInputs, layout: Layout, num_gpus: int, specs=None, request_rate=None
+    inputs: PlanInputs,
+    layout: Layout,
+    num_gpus: int,
+    specs=None,
+    request_rate=None,
+    time_scale: float = 1.0,
 ) -> Evaluation | None:
-    """Simulate `layout` on `num_gpus` (None if it does not divide them)."""
+    """Simulate `layout` on `num_gpus` (None if it does not divide them), every step
+    `time_scale` times as long as modelled (the calibration band's bounds)."""
     planned = inputs.planned
     config = layout.config(inputs.deployment, num_gpus, max_concurrency=planned.max_concurrency)
     if config is None:
         return None
+    if time_scale != 1:
+        config = scaled(config, time_scale)
     sim = simulate(config, specs if specs is not None else planned.specs)
     result = bench_result(
         sim,
@@ -268,14 +307,21 @@ def at_rate(specs, base_rate: float, rate: float) -> list:
     return [replace(s, arrival_time=s.arrival_time * base_rate / rate) for s in specs]
 
 
-def find_capacity(inputs: PlanInputs, layout: Layout, num_gpus: int, progress: Progress) -> float:
+def find_capacity(
+    inputs: PlanInputs,
+    layout: Layout,
+    num_gpus: int,
+    progress: Progress,
+    time_scale: float = 1.0,
+) -> float:
     """The highest rate (req/s, within a few percent) at which `layout` carries the planned
     requests; 0 when it does not carry them even at 1/32 of the planned rate."""
     base = planned_rate(inputs)
     specs = inputs.planned.specs
 
     def carries(rate: float) -> bool:
-        evaluation = evaluate(inputs, layout, num_gpus, at_rate(specs, base, rate), rate)
+        scaled_specs = at_rate(specs, base, rate)
+        evaluation = evaluate(inputs, layout, num_gpus, scaled_specs, rate, time_scale)
         progress(
             f"[capacity] {layout.label(num_gpus)} at {rate:.3g} req/s: "
             f"{evaluation.attainment:.0%} within SLOs"

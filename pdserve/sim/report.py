@@ -7,13 +7,18 @@ a measured one. `simulation_summary` adds what only a simulation knows: where ti
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from pdserve.bench.benchmark import BenchResult, BenchSpec, summarize
 from pdserve.bench.client import EndpointConfig
+from pdserve.bench.metrics import BenchMetrics, compute_metrics
 from pdserve.bench.results import result_to_dict
 from pdserve.bench.workloads import Workload
-from pdserve.sim.simulator import SimResult
+from pdserve.sim.config import SimConfig
+from pdserve.sim.efficiency import Calibration
+from pdserve.sim.simulator import SimResult, simulate
+from pdserve.sim.workload import SimRequestSpec
 
 # Result files name the server they measured; a simulation names itself.
 SIMULATED_BASE_URL = "http://simulated"
@@ -84,3 +89,69 @@ def result_json(sim: SimResult, result: BenchResult) -> dict:
     out = result_to_dict(result)
     out["pdserve"]["simulation"] = simulation_summary(sim)
     return out
+
+
+# The figures printed with their band: (label, metric, statistic).
+BAND_FIGURES = (
+    ("TTFT p50", "ttft", "median"),
+    ("TTFT p99", "ttft", "p99"),
+    ("TPOT p50", "tpot", "median"),
+    ("TPOT p99", "tpot", "p99"),
+    ("ITL p50", "itl", "median"),
+    ("ITL p99", "itl", "p99"),
+    ("E2EL p50", "e2el", "median"),
+)
+
+
+def scaled(config: SimConfig, factor: float) -> SimConfig:
+    """`config` with every modelled step `factor` times as long."""
+    efficiency = config.resolved_efficiency
+    return replace(config, efficiency=replace(efficiency, time_scale=factor))
+
+
+@dataclass(frozen=True)
+class Band:
+    """A run's figures where the calibration's residuals say they may lie: the same run with
+    every step (1 − band) and (1 + band) times as long (so queueing amplifies the error as
+    it would the real one). `low`/`high` hold the faster and the slower run's metrics."""
+
+    calibration: str
+    band: float
+    low: BenchMetrics
+    high: BenchMetrics
+
+    def figure(self, metric: str, stat: str) -> tuple[float, float]:
+        return getattr(getattr(self.low, metric), stat), getattr(getattr(self.high, metric), stat)
+
+    def lines(self, metrics: BenchMetrics) -> list[str]:
+        """One line per figure: its value and its band, in ms."""
+        out = [f"with the band of calibration {self.calibration} (every step ±{self.band:.0%}):"]
+        for label, metric, stat in BAND_FIGURES:
+            low, high = self.figure(metric, stat)
+            value = getattr(getattr(metrics, metric), stat)
+            out.append(f"  {label:<9} {value:>10,.1f} ms   band {low:,.1f} – {high:,.1f} ms")
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "calibration": self.calibration,
+            "band": self.band,
+            "low": self.low.to_vllm_dict(),
+            "high": self.high.to_vllm_dict(),
+        }
+
+
+def simulate_band(
+    config: SimConfig,
+    specs: Sequence[SimRequestSpec],
+    calibration: Calibration,
+    slos: Mapping[str, float] | None = None,
+) -> Band | None:
+    """The run's band (None where the calibration has none: uncalibrated)."""
+    if not calibration.band:
+        return None
+    low, high = (
+        compute_metrics(simulate(scaled(config, f), specs).records, dict(slos or {}))
+        for f in (1 - calibration.band, 1 + calibration.band)
+    )
+    return Band(calibration.name, calibration.band, low, high)

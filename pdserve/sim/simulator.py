@@ -206,6 +206,14 @@ class Simulation:
             record.error, record.end_time = f"rejected: {reason}", self.now
             self._end_request()
             return
+        delay = self.config.resolved_efficiency.request_overhead_s
+        if delay:
+            self._push(self.now + delay, self._admit, spec)
+        else:
+            self._admit(spec)
+
+    def _admit(self, spec: SimRequestSpec) -> None:
+        """The front end has parsed and tokenized the request: route it to a worker."""
         token_ids = self._prompt_token_ids(spec)
         route = self.router.route(token_ids)
         self._routes[spec.request_id] = route

@@ -131,11 +131,11 @@ def start_server(log_dir: Path, *args: str, api_key: str | None = None) -> Serve
     raise RuntimeError(f"server did not become healthy:\n{server.log()}")
 
 
-def write_tiny_model(out_dir: Path) -> Path:
-    """A 2-layer, 64-wide Llama with random weights and SmolLM2's tokenizer and template."""
+def write_tiny_model(out_dir: Path, **shape) -> Path:
+    """A 2-layer, 64-wide Llama with random weights and SmolLM2's tokenizer and template
+    (`shape`: other config fields, e.g. a wider one whose steps outlast timer noise)."""
     gguf = GGUFModelFile(default_model_path())
-    config = dataclasses.replace(
-        gguf.config,
+    tiny = dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -145,6 +145,7 @@ def write_tiny_model(out_dir: Path) -> Path:
         max_position_embeddings=1024,
         tie_word_embeddings=True,
     )
+    config = dataclasses.replace(gguf.config, **{**tiny, **shape})
     generator = torch.Generator().manual_seed(0)
     weights = {}
     for name, shape in hf_weight_shapes(config).items():

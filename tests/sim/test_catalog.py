@@ -5,7 +5,7 @@ import pytest
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import get_hardware
 from pdserve.sim.model_spec import MODELS, load_model_spec
-from pdserve.sim.network import get_network
+from pdserve.sim.network import ASSUMED_EFFICIENCY, get_network
 
 
 @pytest.mark.parametrize(
@@ -72,7 +72,7 @@ def test_lookup_aliases_and_numeric_network():
     assert get_hardware("h100").name == "H100-SXM"
     assert get_network("IB-400").bandwidth == 50e9
     assert get_network("200").bandwidth == 25e9
-    assert get_network("ib-8x400").node_bandwidth == 400e9
+    assert get_network("ib-8x400").node_bandwidth == pytest.approx(400e9 * ASSUMED_EFFICIENCY)
 
 
 def test_fp8_missing_on_a100():

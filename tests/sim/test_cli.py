@@ -95,7 +95,7 @@ def test_calibrate_from_step_file(tmp_path, capsys):
     assert abs(fitted.linear_compute - 0.3) / 0.3 < 0.2
     # The simulator takes the file.
     assert main(["simulate", "--calibration", str(out), *WORKLOAD]) == 0
-    assert "fitted on 6 steps (0 set aside" in capsys.readouterr().out
+    assert "fitted on 6 measurements (0 set aside" in capsys.readouterr().out
 
 
 def test_small_plan_search(tmp_path, capsys):
@@ -136,3 +136,30 @@ def test_workload_from_a_saved_run_replays_it(tmp_path):
     assert a["max_concurrency"] == b["max_concurrency"] == 3
     assert a["input_lens"] == b["input_lens"]
     assert a["p99_ttft_ms"] == b["p99_ttft_ms"]
+
+
+def test_simulate_prints_each_figure_with_its_calibration_band(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    args = ["simulate", "--hardware", "H100-SXM", "--model", "Llama-3.1-8B", *WORKLOAD]
+    assert main([*args, "--save-result", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "calibration: h100-sxm-trtllm" in printed
+    assert "with the band of calibration h100-sxm-trtllm" in printed
+    assert "TTFT p99" in printed and " band " in printed
+    band = json.loads(out.read_text())["pdserve"]["simulation"]["band"]
+    assert band["calibration"] == "h100-sxm-trtllm" and 0 < band["band"] < 0.5
+    # Every step faster by the band, then slower: the figures follow.
+    assert band["low"]["median_tpot_ms"] < band["high"]["median_tpot_ms"]
+    # Uncalibrated hardware says so and prints no band.
+    assert main(["simulate", "--hardware", "L40S", "--model", "Llama-3.1-8B", *WORKLOAD]) == 0
+    printed = capsys.readouterr().out
+    assert "no band: uncalibrated" in printed and "with the band" not in printed
+
+
+def test_plan_shows_bands_beside_latencies_and_capacity(capsys):
+    args = ["plan", "--hardware", "A100-80GB", "--model", "Llama-3.1-8B", "--gpus", "2"]
+    assert main([*args, "--slo", "ttft:3000,tpot:200", *WORKLOAD, "--quiet", "--top", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "calibration: a100-80gb-trtllm" in printed
+    assert "in parentheses with every step ±" in printed
+    assert "within the calibration band it carries" in printed

@@ -85,7 +85,8 @@ def test_colocated_stalls_streams_chunked_bounds_the_stall():
     specs = streams_plus_long_prompt()
     colocated = simulate(make_config(Mode.COLOCATED, budget=8192), specs)
     chunked = simulate(make_config(Mode.CHUNKED, budget=512), specs)
-    config = make_config()
+    # The long prompt alone, prefilled whole (chunks would add their steps' overheads).
+    config = make_config(Mode.COLOCATED, budget=8192)
     prefill_s = simulate(config, [specs[-1]]).records[0].ttft
 
     def worst_stream_gap(result):

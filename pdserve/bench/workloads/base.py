@@ -53,6 +53,12 @@ class Workload:
         process = ArrivalProcess(self.resolve_rate(request_rate), burstiness)
         return process.sample(len(requests), rng)
 
+    def phases(self, requests: list[BenchRequest]) -> list[list[int]] | None:
+        """Groups of request indices to run one after another, each group sent at once when
+        the one before has finished (a profile's measured points); None: every request at
+        its arrival time."""
+        return None
+
     def resolve_rate(self, request_rate: float | None) -> float | None:
         """The rate a run at `request_rate` (None: the default) actually uses."""
         return self.default_request_rate if request_rate is None else request_rate

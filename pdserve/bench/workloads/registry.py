@@ -12,6 +12,7 @@ from pdserve.bench.workloads.base import LengthRange, Workload
 from pdserve.bench.workloads.long_context import LongContextWorkload
 from pdserve.bench.workloads.mixed import MixedWorkload
 from pdserve.bench.workloads.prefix_repetition import PrefixRepetitionWorkload
+from pdserve.bench.workloads.profile import ProfileWorkload
 from pdserve.bench.workloads.random_lengths import RandomWorkload
 from pdserve.bench.workloads.trace import TraceWorkload
 from pdserve.bench.workloads.trace_file import TraceWindow, default_trace_path, load_trace
@@ -94,11 +95,26 @@ def _trace(o: WorkloadOptions, rng: np.random.Generator) -> Workload:
     return TraceWorkload(tuple(window.select(entries, rng)))
 
 
+def _profile(o: WorkloadOptions) -> Workload:
+    lengths = None if o.input_len is None else _half_octaves_to(o.input_len)
+    return ProfileWorkload(
+        **_given(repeats=o.num_prompts, prompt_lens=lengths, decode_len=o.output_len)
+    )
+
+
+def _half_octaves_to(longest: int) -> tuple[int, ...]:
+    """16, 64, then 128, 181, 256, ... (every half octave) up to `longest`, which ends it."""
+    octaves = (round(2 ** (k / 2)) for k in range(14, 64))
+    lengths = [n for n in (16, 64, *octaves) if n < longest]
+    return (*lengths, longest)
+
+
 _SIMPLE: dict[str, Callable[[WorkloadOptions], Workload]] = {
     "mixed": _mixed,
     "random": _random,
     "prefix-repetition": _prefix_repetition,
     "long-context": _long_context,
+    "profile": _profile,
 }
 WORKLOAD_NAMES = (*_SIMPLE, "trace")
 
