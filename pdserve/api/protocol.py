@@ -127,3 +127,13 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
         {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         for m in messages
     ]
+
+
+class RoleChange(_Body):
+    """``POST /role`` on a worker, ``POST /workers/{id}/role`` on the router: drain, then
+    serve as the other pool's worker (same process, same weights)."""
+
+    role: Literal["prefill", "decode"]
+    timeout_s: float = Field(
+        120.0, gt=0, le=3600, description="how long in-flight work may take to finish"
+    )
