@@ -32,7 +32,6 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from pdserve.cli import flag
 from pdserve.router.policies import PoolRole
 
 OTHER_ROLE = {PoolRole.PREFILL: PoolRole.DECODE, PoolRole.DECODE: PoolRole.PREFILL}
@@ -160,67 +159,6 @@ class AutoscaleConfig:
             "scale_down_intervals": self.scale_down_intervals,
             "allow_role_switch": self.allow_role_switch,
         }
-
-
-AUTOSCALE_FLAGS = (
-    flag(
-        "--autoscale",
-        action="store_true",
-        default=False,
-        help="size each pool on its own signal (TTFT and queues for prefill; ITL, KV usage "
-        "and queues for decode), adding, draining and switching workers between the pools",
-    ),
-    flag("--min-prefill-workers", type=int, default=AutoscaleConfig.min_prefill_workers),
-    flag("--max-prefill-workers", type=int, default=AutoscaleConfig.max_prefill_workers),
-    flag("--min-decode-workers", type=int, default=AutoscaleConfig.min_decode_workers),
-    flag("--max-decode-workers", type=int, default=AutoscaleConfig.max_decode_workers),
-    flag(
-        "--slo",
-        default=None,
-        metavar="ttft:MS,itl:MS",
-        help="latency targets: prefill workers are added above the TTFT p90, decode "
-        "workers above the ITL p90",
-    ),
-    flag(
-        "--autoscale-interval",
-        type=float,
-        default=AutoscaleConfig.interval_s,
-        metavar="SECONDS",
-        help="how often the planner decides (at most one change each time)",
-    ),
-    flag(
-        "--autoscale-grace",
-        type=float,
-        default=AutoscaleConfig.grace_s,
-        metavar="SECONDS",
-        help="no further change this long after adding a worker",
-    ),
-    flag(
-        "--no-role-switch",
-        dest="allow_role_switch",
-        action="store_false",
-        default=AutoscaleConfig.allow_role_switch,
-        help="never switch a worker between the pools (only add and drain)",
-    ),
-)
-
-
-def autoscale_config_from_args(args, max_workers: int | None = None) -> AutoscaleConfig | None:
-    """The config `AUTOSCALE_FLAGS` give (None without --autoscale); `max_workers` is the
-    room the caller has (cores), when it knows."""
-    if not args.autoscale:
-        return None
-    return AutoscaleConfig(
-        min_prefill_workers=args.min_prefill_workers,
-        max_prefill_workers=args.max_prefill_workers,
-        min_decode_workers=args.min_decode_workers,
-        max_decode_workers=args.max_decode_workers,
-        max_workers=max_workers,
-        slo=SLO.parse(args.slo),
-        interval_s=args.autoscale_interval,
-        grace_s=args.autoscale_grace,
-        allow_role_switch=args.allow_role_switch,
-    )
 
 
 # ---- samples and signals ---------------------------------------------------------------

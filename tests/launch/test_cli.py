@@ -12,7 +12,7 @@ import sys
 from pdserve.engine.args import ENGINE_FLAGS, KV_TRANSFER_FLAGS, engine_config_from_args
 from pdserve.launch.cli import DISAGG_FLAGS, PER_WORKER_FLAGS, WORKER_FLAGS
 from pdserve.launch.local import plan_workers
-from pdserve.router.cli import ROUTER_FLAGS, ROUTING_FLAGS
+from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTER_FLAGS, ROUTING_FLAGS
 from pdserve.router.cli import add_parser as add_router_parser
 from pdserve.server.cli import SERVER_FLAGS
 from tests.launch.test_launcher import serve_parser
@@ -23,6 +23,7 @@ GROUPS = (
     "KV transfer (disaggregated workers)",
     "disaggregation (--mode disagg)",
     "routing (--mode disagg)",
+    "autoscaling (--mode disagg)",
 )
 
 
@@ -44,7 +45,14 @@ def test_serve_help_is_grouped_and_lists_each_flag_once():
     assert [h for h in sections if h != "options"] == list(GROUPS)
     listed = [name for options in sections.values() for name in options]
     assert len(listed) == len(set(listed)), sorted(n for n in listed if listed.count(n) > 1)
-    declared = (SERVER_FLAGS, ENGINE_FLAGS, KV_TRANSFER_FLAGS, DISAGG_FLAGS, ROUTING_FLAGS)
+    declared = (
+        SERVER_FLAGS,
+        ENGINE_FLAGS,
+        KV_TRANSFER_FLAGS,
+        DISAGG_FLAGS,
+        ROUTING_FLAGS,
+        AUTOSCALE_FLAGS,
+    )
     for heading, flags in zip(GROUPS, declared, strict=True):
         assert sections[heading] == [f.name for f in flags]
 
@@ -78,6 +86,8 @@ PATCHES = [
     ("pdserve.router.config", "RouterConfig", "balance_factor", 3.5),
     ("pdserve.router.config", "RouterConfig", "unhealthy_threshold", 4),
     ("pdserve.sim.config", "SimConfig", "memory_utilization", 0.5),
+    ("pdserve.router.autoscale", "AutoscaleConfig", "interval_s", 4.5),
+    ("pdserve.router.autoscale", "AutoscaleConfig", "max_decode_workers", 6),
 ]
 CHANGED = """
 import importlib, json, sys
@@ -122,6 +132,7 @@ def test_a_default_changed_in_its_field_shows_in_every_command_line():
     assert serve["unhealthy_threshold"] == router["unhealthy_threshold"] == 4
     assert simulate["max_num_partial_prefills"] == 3
     assert simulate["memory_utilization"] == 0.5
+    assert (serve["autoscale_interval"], serve["max_decode_workers"]) == (4.5, 6)
 
 
 def test_workers_take_the_engine_kv_and_server_limit_flags_and_nothing_else():
@@ -129,7 +140,7 @@ def test_workers_take_the_engine_kv_and_server_limit_flags_and_nothing_else():
     assert len(names) == len(set(names))
     for flags in (ENGINE_FLAGS, KV_TRANSFER_FLAGS, SERVER_FLAGS):
         assert {f.name for f in flags} <= set(names) | PER_WORKER_FLAGS
-    assert not {f.name for f in (*DISAGG_FLAGS, *ROUTING_FLAGS)} & set(names)
+    assert not {f.name for f in (*DISAGG_FLAGS, *ROUTING_FLAGS, *AUTOSCALE_FLAGS)} & set(names)
 
 
 # Every worker flag at a value other than its default, and the launcher's own.
