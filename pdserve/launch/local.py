@@ -45,7 +45,7 @@ def launch_disagg(args: argparse.Namespace) -> int:
     """Run the deployment until SIGINT/SIGTERM; 0 after a clean stop, 1 if startup failed."""
     specs = plan_workers(args)
     slots = core_slots(args, len(specs))
-    autoscale = autoscale_config_from_args(args, max_workers=len(slots))
+    autoscale = autoscale_config_from_args(args, room=len(slots))
     config = router_config_from_args(
         args,
         [s.url for s in specs if s.role == "prefill"],

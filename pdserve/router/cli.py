@@ -7,6 +7,7 @@ disagg`; every default is its `RouterConfig` field's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -86,6 +87,13 @@ AUTOSCALE_FLAGS = (
     flag("--min-decode-workers", type=int, default=AutoscaleConfig.min_decode_workers),
     flag("--max-decode-workers", type=int, default=AutoscaleConfig.max_decode_workers),
     flag(
+        "--max-workers",
+        type=int,
+        default=AutoscaleConfig.max_workers,
+        help="both pools together (default: the sum of their maxima; on one host at most "
+        "one worker per core)",
+    ),
+    flag(
         "--slo",
         default=None,
         metavar="ttft:MS,itl:MS",
@@ -117,23 +125,26 @@ AUTOSCALE_FLAGS = (
 
 
 def autoscale_config_from_args(
-    args: argparse.Namespace, max_workers: int | None = None
+    args: argparse.Namespace, room: int | None = None
 ) -> AutoscaleConfig | None:
-    """The config `AUTOSCALE_FLAGS` give (None without --autoscale); `max_workers` is the
-    room the caller has (cores), when it knows."""
+    """The config `AUTOSCALE_FLAGS` give (None without --autoscale); `room`: how many
+    workers the caller can run at once (its cores), when it knows."""
     if not args.autoscale:
         return None
-    return AutoscaleConfig(
+    config = AutoscaleConfig(
         min_prefill_workers=args.min_prefill_workers,
         max_prefill_workers=args.max_prefill_workers,
         min_decode_workers=args.min_decode_workers,
         max_decode_workers=args.max_decode_workers,
-        max_workers=max_workers,
+        max_workers=args.max_workers,
         slo=SLO.parse(args.slo),
         interval_s=args.autoscale_interval,
         grace_s=args.autoscale_grace,
         allow_role_switch=args.allow_role_switch,
     )
+    if room is not None and room < config.total_limit:
+        config = dataclasses.replace(config, max_workers=room)
+    return config
 
 
 # The router command's own: its workers, address and key (`serve` has its own of those).

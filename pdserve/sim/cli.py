@@ -30,7 +30,7 @@ from pdserve.sim.options import (
 )
 from pdserve.sim.plan_report import explain, format_ranking, plot_goodput_vs_split
 from pdserve.sim.planner import PlanInputs, gpus_for_rate, search
-from pdserve.sim.report import bench_result, result_json
+from pdserve.sim.report import bench_result, format_decisions, result_json
 from pdserve.sim.simulator import simulate
 
 
@@ -147,6 +147,8 @@ def _simulate(args: argparse.Namespace) -> int:
         results.append(result)
         payload[result.label] = result_json(sim, result)
         print(format_summary(result))
+        if sim.autoscale is not None:
+            print(format_decisions(sim.autoscale))
         print(
             f"simulated {sim.duration_s:.1f} s of {config.num_devices} × "
             f"{config.hardware.name} in {sim.wall_time_s:.1f} s ({sim.num_events} events)\n"

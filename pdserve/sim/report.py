@@ -80,7 +80,21 @@ def simulation_summary(sim: SimResult) -> dict:
 
 def result_json(sim: SimResult, result: BenchResult) -> dict:
     """The benchmark's result JSON (vLLM keys), with the simulation summary under
-    "pdserve" → "simulation"."""
+    "pdserve" → "simulation" (and the autoscaler's log under "pdserve" → "autoscale")."""
     out = result_to_dict(result)
     out["pdserve"]["simulation"] = simulation_summary(sim)
+    if sim.autoscale is not None:
+        out["pdserve"]["autoscale"] = sim.autoscale
     return out
+
+
+def format_decisions(autoscale: dict) -> str:
+    """The autoscaler's decisions, one line each, and the worker-seconds the fleet held."""
+    lines = [f"autoscaler: {len(autoscale['decisions'])} decisions"]
+    for decision in autoscale["decisions"]:
+        lines.append(
+            f"  {decision['time_s']:8.1f} s  {decision['action']:<6} {decision['role']:<7} "
+            f"{decision['worker_id'] or '':<10} {decision['detail']}"
+        )
+    lines.append(f"worker-seconds: {autoscale['worker_seconds']:.1f}")
+    return "\n".join(lines)
