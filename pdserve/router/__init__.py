@@ -1,4 +1,4 @@
-"""pdserve.router: the disaggregated-serving gateway and the one-command launcher.
+"""pdserve.router: the disaggregated-serving gateway.
 
 - `pdserve router --prefill URL... --decode URL...` (`cli.add_parser` / `cli.run`): the
   OpenAI API of a worker in front of prefill and decode pools (`app.build_app`, with the
@@ -9,7 +9,7 @@
   prompts and prefix beliefs (`prefix_index`).
 - Prompt token ids: `tokenizer`. Health checks, circuit breaker, load scraping: `health`.
 - Timing breakdown and metrics: `timing`, `metrics`.
-- `pdserve serve --mode disagg`: `launcher.add_disagg_args` / `launcher.launch_disagg`.
+- The deployments that run a router beside their workers live in `pdserve.launch`.
 
 Nothing here imports torch.
 """

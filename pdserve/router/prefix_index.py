@@ -1,8 +1,8 @@
 """What routing knows about a prompt (its length and its full blocks' chained hashes), and the
 router's belief of which prompt prefixes each worker has cached.
 
-The index records the full-block chained hashes (`core.block_manager.chained_block_hash`, the
-same function the workers' block managers use) of every prompt routed to a worker. A later
+The index records the full-block chained hashes (`core.block_manager.extend_block_hashes`,
+the same chain the workers' block managers compute) of every prompt routed to a worker. A later
 prompt's cached prefix on that worker is the longest run of its block hashes, from the first,
 that the index holds. It is a belief, not the truth: a worker may have evicted blocks since, so
 each worker's entries are bounded and least recently routed ones are forgotten first.
@@ -16,18 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.core.block_manager import BlockHash, chained_block_hash
-
-
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """Chained hashes of the prompt's full blocks, in order (a partial last block has none)."""
-    hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chained_block_hash(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
-
+from pdserve.core.block_manager import BlockHash, extend_block_hashes
 
 # Rough bytes of text per token for English BPE vocabularies; used only when the prompt could
 # not be tokenized, to weigh prefill load.
@@ -42,7 +31,7 @@ class PromptInfo:
 
     @classmethod
     def from_token_ids(cls, token_ids: Sequence[int], block_size: int) -> PromptInfo:
-        return cls(len(token_ids), tuple(prompt_block_hashes(token_ids, block_size)))
+        return cls(len(token_ids), tuple(extend_block_hashes([], token_ids, block_size)))
 
     @classmethod
     def estimate(cls, body: dict[str, Any]) -> PromptInfo:

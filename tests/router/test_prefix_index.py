@@ -1,5 +1,9 @@
-from pdserve.core.block_manager import chained_block_hash
-from pdserve.router.prefix_index import PrefixIndex, prompt_block_hashes
+from pdserve.core.block_manager import chained_block_hash, extend_block_hashes
+from pdserve.router.prefix_index import PrefixIndex
+
+
+def prompt_block_hashes(token_ids, block_size):
+    return extend_block_hashes([], token_ids, block_size)
 
 
 def test_block_hashes_are_the_block_managers_chained_hashes_of_full_blocks():
