@@ -21,7 +21,14 @@ Each tick (every `interval_s`):
    - a HIGH pool below its maximum takes a worker of the other pool when that one is LOW and
      above its minimum (a role switch: no weights loaded, no core added), else gets a new
      worker when there is room (`max_workers`, and the provisioner's `can_start`);
+   - at the limit, small fleets rebalance by switching: a lone prefill worker that cannot keep
+     up while the decode pool idles becomes a decode worker (merge: every decode worker then
+     prefills its own prompts), and without a prefill pool, decode workers whose ITL suffers
+     give one of themselves to prefill (split: the others stop stalling on prefills);
    - otherwise a LOW pool above its minimum drains one worker (removal always drains first).
+   A switch, like an addition, is followed by the grace period, and undoing it within
+   `grace_s + REVERSAL_INTERVALS * interval_s` takes evidence `REVERSAL_MARGIN` times as
+   strong as what decided it (so a fleet where no layout meets the SLOs does not flap).
 """
 
 from __future__ import annotations
@@ -35,6 +42,10 @@ from dataclasses import dataclass, field, replace
 from pdserve.router.policies import PoolRole
 
 OTHER_ROLE = {PoolRole.PREFILL: PoolRole.DECODE, PoolRole.DECODE: PoolRole.PREFILL}
+# How much stronger the evidence must be to undo a switch, within the grace period plus this
+# many intervals of it.
+REVERSAL_MARGIN = 2.0
+REVERSAL_INTERVALS = 10
 
 
 # ---- configuration ---------------------------------------------------------------------
@@ -392,14 +403,26 @@ def assess(role: PoolRole, signals: PoolSignals, config: AutoscaleConfig) -> Ass
     if misses:
         severity, reason, detail = max(misses)
         return Assessment(Pressure.HIGH, reason, detail, severity)
-    is_quiet = signals.num_waiting == 0 and (
-        p90 is None or target is None or p90 <= config.low_fraction * target
-    )
-    if role is PoolRole.DECODE and n > 1:
-        is_quiet = is_quiet and signals.kv_cache_usage / (n - 1) <= config.kv_low
-    if is_quiet and n:
+    if n and is_quiet(role, signals, config):
         return Assessment(Pressure.LOW, "idle", f"quiet ({name} p90 {_fmt_s(p90)})")
     return Assessment(Pressure.NORMAL)
+
+
+def is_quiet(role: PoolRole, signals: PoolSignals, config: AutoscaleConfig) -> bool:
+    """Nothing queued, the p90 well under its SLO, and (decode) the KV in use would fit on
+    one worker less."""
+    target, p90 = (
+        (config.slo.ttft_s, signals.ttft_p90_s)
+        if role is PoolRole.PREFILL
+        else (config.slo.itl_s, signals.itl_p90_s)
+    )
+    quiet = signals.num_waiting == 0 and (
+        p90 is None or target is None or p90 <= config.low_fraction * target
+    )
+    n = signals.num_workers
+    if role is PoolRole.DECODE and n > 1:
+        quiet = quiet and signals.kv_cache_usage / (n - 1) <= config.kv_low
+    return quiet
 
 
 class Planner:
@@ -410,6 +433,8 @@ class Planner:
         self._high = dict.fromkeys(PoolRole, 0)
         self._low = dict.fromkeys(PoolRole, 0)
         self._hold_until = -math.inf
+        # The latest switch: (when, the pool it fed, the severity that decided it).
+        self._last_switch: tuple[float, PoolRole, float] | None = None
 
     def decide(
         self,
@@ -421,16 +446,26 @@ class Planner:
         if now < self._hold_until:
             return None  # a change is settling: its effect has to show first
         assessments = {role: assess(role, signals[role], self.config) for role in PoolRole}
+        prefill = signals[PoolRole.PREFILL]
+        if (
+            prefill.num_workers == 0
+            and assessments[PoolRole.DECODE].pressure is Pressure.LOW
+            and not is_quiet(PoolRole.PREFILL, prefill, self.config)
+        ):
+            # The decode workers prefill too: idle only if that demand is quiet as well.
+            assessments[PoolRole.DECODE] = Assessment(Pressure.NORMAL)
         for role, assessment in assessments.items():
             is_high = assessment.pressure is Pressure.HIGH
             is_low = assessment.pressure is Pressure.LOW
             self._high[role] = self._high[role] + 1 if is_high else 0
             self._low[role] = self._low[role] + 1 if is_low else 0
-        change = self._choose(signals, can_start, assessments)
+        change = self._choose(now, signals, can_start, assessments)
         if change is not None:
-            action = change[0]
+            action, role, evidence = change
+            if action is Action.SWITCH:
+                self._last_switch = (now, role, evidence.severity)
             hold = self.config.resolved_cooldown_s
-            if action is Action.ADD:
+            if action is not Action.REMOVE:  # a pool gained a worker: let it show its effect
                 hold = max(hold, self.config.grace_s)
             self._hold_until = now + hold
             self._high = dict.fromkeys(PoolRole, 0)
@@ -439,6 +474,7 @@ class Planner:
 
     def _choose(
         self,
+        now: float,
         signals: Mapping[PoolRole, PoolSignals],
         can_start: Mapping[PoolRole, bool],
         assessments: Mapping[PoolRole, Assessment],
@@ -450,17 +486,11 @@ class Planner:
             key=lambda r: -assessments[r].severity,
         )
         for role in pressing:
-            other = OTHER_ROLE[role]
-            if signals[role].num_workers >= config.bounds(role)[1]:
-                continue
-            if (
-                config.allow_role_switch
-                and self._low[other] >= config.scale_up_intervals
-                and signals[other].num_workers > config.bounds(other)[0]
-            ):
-                return Action.SWITCH, role, assessments[role]
-            if total < config.total_limit and can_start.get(role, False):
-                return Action.ADD, role, assessments[role]
+            change = self._grow(
+                role, signals, total < config.total_limit, can_start, assessments, now
+            )
+            if change is not None:
+                return change
         quiet = sorted(
             (r for r in PoolRole if self._low[r] >= config.scale_down_intervals),
             key=lambda r: -self._low[r],
@@ -469,6 +499,82 @@ class Planner:
             if signals[role].num_workers > config.bounds(role)[0]:
                 return Action.REMOVE, role, assessments[role]
         return None
+
+    def _grow(
+        self,
+        role: PoolRole,
+        signals: Mapping[PoolRole, PoolSignals],
+        has_room: bool,
+        can_start: Mapping[PoolRole, bool],
+        assessments: Mapping[PoolRole, Assessment],
+        now: float,
+    ) -> tuple[Action, PoolRole, Assessment] | None:
+        """Relief for a pressed pool: a worker of the idle other pool, else a new one; at the
+        limit, on small fleets, a merge or a split (below)."""
+        config = self.config
+        other = OTHER_ROLE[role]
+        num, num_other = signals[role].num_workers, signals[other].num_workers
+        is_other_idle = self._low[other] >= config.scale_up_intervals
+        severity = assessments[role].severity
+        can_switch = config.allow_role_switch
+        if num < config.bounds(role)[1]:
+            # Not into an empty prefill pool: the decode workers there all prefill already,
+            # and one of them on prefill alone would have less room for it, not more.
+            if (
+                can_switch
+                and is_other_idle
+                and num_other > config.bounds(other)[0]
+                and not (role is PoolRole.PREFILL and num == 0)
+                and self._may_switch_into(role, severity, now)
+            ):
+                return Action.SWITCH, role, assessments[role]
+            if has_room and can_start.get(role, False):
+                return Action.ADD, role, assessments[role]
+        if not can_switch:
+            return None
+        decode_bounds, prefill_bounds = (
+            config.bounds(PoolRole.DECODE),
+            config.bounds(PoolRole.PREFILL),
+        )
+        if (
+            role is PoolRole.PREFILL
+            and num == 1 > prefill_bounds[0]
+            and is_other_idle
+            and num_other < decode_bounds[1]
+            and self._may_switch_into(PoolRole.DECODE, severity, now)
+        ):
+            # Merge: a lone prefill worker cannot keep up while the decode pool idles at its
+            # minimum. As a decode worker it adds its core to the idle ones, and every decode
+            # worker prefills its own prompts.
+            evidence = assessments[role]
+            detail = f"{evidence.detail}; decode pool idle: it takes the prefills"
+            return Action.SWITCH, PoolRole.DECODE, replace(evidence, detail=detail)
+        if (
+            role is PoolRole.DECODE
+            and signals[PoolRole.PREFILL].num_workers == 0
+            and assessments[role].reason == "itl"
+            and num > decode_bounds[0]
+            and prefill_bounds[1] >= 1
+            and self._may_switch_into(PoolRole.PREFILL, severity, now)
+        ):
+            # Split: decode workers that prefill their own prompts stall their streams; one of
+            # them takes every prefill so the others stream undisturbed.
+            evidence = assessments[role]
+            detail = f"{evidence.detail}; local prefills stall the streams"
+            return Action.SWITCH, PoolRole.PREFILL, replace(evidence, detail=detail)
+        return None
+
+    def _may_switch_into(self, role: PoolRole, severity: float, now: float) -> bool:
+        """No flapping: undoing the latest switch soon after it needs evidence at least
+        `REVERSAL_MARGIN` times as strong as what decided it (when neither layout meets the
+        SLOs, the planner keeps the one whose miss is smaller)."""
+        if self._last_switch is None:
+            return True
+        when, fed, decided_by = self._last_switch
+        config = self.config
+        window = config.grace_s + REVERSAL_INTERVALS * config.interval_s
+        is_reversal = fed is not role and now - when < window
+        return not is_reversal or severity >= REVERSAL_MARGIN * decided_by
 
 
 @dataclass(frozen=True)

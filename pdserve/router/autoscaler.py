@@ -249,6 +249,11 @@ class Autoscaler:
         self.outcomes: list[dict[str, Any]] = []
 
     @property
+    def uptime_s(self) -> float:
+        """The planner's clock: seconds since it started (decisions' `time_s`)."""
+        return self._clock() - self._started_at
+
+    @property
     def is_busy(self) -> bool:
         return self._change is not None and not self._change.done()
 
@@ -264,7 +269,7 @@ class Autoscaler:
         """One planner round (`now`: seconds since the autoscaler started)."""
         if self.is_busy:
             return None
-        now = self._clock() - self._started_at if now is None else now
+        now = self.uptime_s if now is None else now
         samples = await self.samples()
         can_start = {role: self.actions.can_start(role) for role in PoolRole}
         decision = self.controller.tick(now, samples, can_start)
@@ -323,6 +328,7 @@ class Autoscaler:
         except Exception as exc:
             outcome["error"] = str(exc)
             logger.warning("autoscale: %s failed: %s", decision.describe(), exc)
+        outcome["done_s"] = self.uptime_s
         self.outcomes.append(outcome)
 
     def to_dict(self) -> dict[str, Any]:
@@ -334,6 +340,7 @@ class Autoscaler:
             "outcomes": self.outcomes,
             "last_tick": ticks[-1].to_dict() if ticks else None,
             "busy": self.is_busy,
+            "uptime_s": self.uptime_s,
         }
 
 

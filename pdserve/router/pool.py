@@ -131,6 +131,13 @@ class WorkerPool:
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self.workers.values()))
 
+    @property
+    def is_staffed(self) -> bool:
+        """Some worker belongs to the pool and is not draining (in rotation, or out of it
+        until its health returns). A pool whose every worker drains is being emptied on
+        purpose: its requests go elsewhere without counting as failures."""
+        return any(not w.is_draining for w in self.workers.values())
+
     def routable(self, exclude: Collection[str] = ()) -> list[Worker]:
         return [w for w in self.workers.values() if w.is_routable and w.worker_id not in exclude]
 

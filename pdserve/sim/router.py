@@ -102,9 +102,11 @@ class SimRouter:
             self._sim_workers[selection.worker.worker_id], registry.decode.acquire(selection.worker)
         )
         num_uncached = prompt.num_tokens - selection.num_cached_tokens
-        if not registry.prefill.workers or num_uncached < self.local_prefill_threshold:
+        if not registry.prefill.is_staffed or num_uncached < self.local_prefill_threshold:
             return route
         chosen = registry.prefill.select(prompt)
+        if chosen is None:  # every prefill worker out of rotation: the router's fallback
+            return route
         route.prefill = self._sim_workers[chosen.worker.worker_id]
         route.prefill_lease = registry.prefill.acquire(chosen.worker, prompt.num_tokens)
         return route

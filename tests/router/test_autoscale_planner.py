@@ -233,7 +233,8 @@ def test_a_saturated_pool_takes_a_worker_of_an_idle_pool():
     # Never the last decode worker, and not when switching is off.
     fleet = Fleet(p0=PREFILL, d0=DECODE)
     shift = {"p0": {"ttft": SLOW_TTFT}, "d0": {"itl": FAST_ITL}}
-    assert run(AutoscaleController(config()), fleet, [shift] * 4, can_start=NO_ROOM) == {}
+    one_decode = config(max_decode_workers=1)
+    assert run(AutoscaleController(one_decode), fleet, [shift] * 4, can_start=NO_ROOM) == {}
     fleet = Fleet(p0=PREFILL, d0=DECODE)
     shift = {"p0": {"ttft": FAST_TTFT}, "d0": {"itl": SLOW_ITL}}
     decisions = run(AutoscaleController(config(allow_role_switch=False)), fleet, [shift] * 2)
@@ -243,9 +244,68 @@ def test_a_saturated_pool_takes_a_worker_of_an_idle_pool():
 def test_without_prefill_workers_the_decode_workers_ttft_is_the_prefill_demand():
     fleet = Fleet(d0=DECODE, d1=DECODE)
     long_prompts = {"d0": {"ttft": SLOW_TTFT, "itl": FAST_ITL}, "d1": {"itl": FAST_ITL}}
+    decisions = run(AutoscaleController(config()), fleet, [long_prompts] * 2)
+    assert (decisions[1].action, decisions[1].role, decisions[1].reason) == (
+        Action.ADD,
+        PREFILL,
+        "ttft",
+    )
+    # Without room, a decode worker does not turn prefill worker for TTFT's sake: both decode
+    # workers prefill already, one on prefill alone would do less of it. Nor is the decode
+    # pool idle (to be drained) while its prompts wait.
+    assert run(AutoscaleController(config()), fleet, [long_prompts] * 8, can_start=NO_ROOM) == {}
+
+
+def test_a_lone_saturated_prefill_worker_merges_into_an_idle_decode_pool():
+    """1 + 1 at the limit, prompts piling up, decode idle: 0 + 2, both prefilling."""
+    fleet = Fleet(p0=PREFILL, d0=DECODE)
+    long_prompts = {"p0": {"ttft": SLOW_TTFT}, "d0": {"itl": FAST_ITL}}
     decisions = run(AutoscaleController(config()), fleet, [long_prompts] * 2, can_start=NO_ROOM)
     decision = decisions[1]
-    assert (decision.action, decision.role, decision.worker_id) == (Action.SWITCH, PREFILL, "d1")
+    assert (decision.action, decision.role, decision.worker_id, decision.reason) == (
+        Action.SWITCH,
+        DECODE,
+        "p0",
+        "ttft",
+    )
+    assert "decode pool idle" in decision.detail
+    # Not when the prefill pool's minimum is one worker.
+    keep_one = config(min_prefill_workers=1)
+    assert run(AutoscaleController(keep_one), fleet, [long_prompts] * 4, can_start=NO_ROOM) == {}
+
+
+def test_decode_workers_stalled_by_their_own_prefills_split_off_a_prefill_worker():
+    """0 + 2 at the limit, ITL over the SLO: one of them takes every prefill (1 + 1)."""
+    fleet = Fleet(d0=DECODE, d1=DECODE)
+    stalled = {"d0": {"itl": SLOW_ITL, "running": 2}, "d1": {"itl": SLOW_ITL}}
+    decisions = run(AutoscaleController(config()), fleet, [stalled] * 2, can_start=NO_ROOM)
+    decision = decisions[1]
+    assert (decision.action, decision.role, decision.worker_id, decision.reason) == (
+        Action.SWITCH,
+        PREFILL,
+        "d1",
+        "itl",
+    )
+    # A full KV cache is decode load, not stalls: no split for that.
+    full = {"d0": {"itl": FAST_ITL, "kv": 0.95}, "d1": {"itl": FAST_ITL, "kv": 0.95}}
+    assert run(AutoscaleController(config()), fleet, [full] * 4, can_start=NO_ROOM) == {}
+
+
+def test_a_switch_is_undone_soon_only_on_much_stronger_evidence():
+    """Neither 1 + 1 (prefill saturated) nor 0 + 2 (streams stalled) meets the SLOs: the
+    planner keeps the layout whose miss is smaller instead of flapping."""
+    controller = AutoscaleController(config(grace_s=2.0))
+    fleet = Fleet(p0=PREFILL, d0=DECODE)
+    merge = run(controller, fleet, [{"p0": {"ttft": [1.5] * 10}, "d0": {}}] * 2, NO_ROOM)
+    assert merge[1].action is Action.SWITCH and merge[1].role is DECODE  # severity 1.5
+    fleet.roles["p0"] = DECODE
+    # ITL 0.12 s over 0.1 s (severity ~1.2 < 2 x 1.5): kept, however long it lasts...
+    mild = {"p0": {"itl": [0.12] * 50}, "d0": {"itl": [0.12] * 50}}
+    assert run(controller, fleet, [mild] * 8, NO_ROOM, start=2) == {}
+    # ...and a much worse miss (ITL 0.4 s: severity 4) undoes it.
+    bad = {"p0": {"itl": SLOW_ITL}, "d0": {"itl": SLOW_ITL}}
+    split = run(controller, fleet, [bad] * 2, NO_ROOM, start=10)
+    assert [(d.action, d.role) for d in split.values()] == [(Action.SWITCH, PREFILL)]
 
 
 def test_the_tick_log_records_each_pools_signals():
