@@ -6,7 +6,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 # The CPU build of torch lies on local disk here; an unpinned torch would pull a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install install-test demo test lint clean
+.PHONY: install install-test install-redis demo test lint clean
 
 install: $(VENV)/.installed
 
@@ -17,11 +17,19 @@ $(VENV)/.installed: pyproject.toml
 	@$(PIP) -e .
 	@touch $@
 
-install-test: $(VENV)/.installed-test
+install-test: $(VENV)/.installed-test install-redis
 
 $(VENV)/.installed-test: $(VENV)/.installed
 	@$(PIP) -e '.[test]' $(TORCH_PIN)
 	@touch $@
+
+# The KV store tests start their own real redis-server (Debian's package); as root, install
+# it when it is missing. Checked on every run: the venv's stamp says nothing about the system.
+install-redis:
+	@command -v redis-server >/dev/null || { test "$$(id -u)" = 0 \
+		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		redis-server >/dev/null; } \
+		|| echo "redis-server is not installed (not root?): its tests will be skipped"
 
 # The head-to-head: colocated, chunked and disaggregated serving of the same mixed traffic
 # (short chats plus long documents) on this machine's cores; table, JSON and plots in

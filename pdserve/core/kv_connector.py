@@ -62,3 +62,59 @@ class KVConnectorScheduler(ABC):
     @abstractmethod
     def get_finished(self) -> KVTransferEvents:
         """Poll transfers that completed or failed since the last call."""
+
+
+class MultiConnector(KVConnectorScheduler):
+    """Several connectors as one (a disaggregated worker that also reads a shared KV store):
+    the first in order that offers a request's external tokens serves them, the others
+    hear of the admission with 0 tokens. `recompute_on_failure` is the first connector's
+    (failures come only from connectors that can fail)."""
+
+    def __init__(self, *connectors: KVConnectorScheduler) -> None:
+        if not connectors:
+            raise ValueError("MultiConnector needs at least one connector")
+        self.connectors = connectors
+
+    @property
+    def recompute_on_failure(self) -> bool:
+        return self.connectors[0].recompute_on_failure
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        for connector in self.connectors:
+            num_external = connector.get_num_new_matched_tokens(request, num_computed_tokens)
+            if num_external:
+                return num_external
+        return 0
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        # The positions before the external tokens: `allocate_slots` has moved
+        # `num_computed_tokens` past the local prefix-cache hits already.
+        num_local = request.num_computed_tokens
+        server = None
+        if num_external_tokens:
+            server = next(
+                c
+                for c in self.connectors
+                if c.get_num_new_matched_tokens(request, num_local) == num_external_tokens
+            )
+        for connector in self.connectors:
+            connector.update_state_after_alloc(
+                request, num_external_tokens if connector is server else 0
+            )
+
+    def request_finished(self, request: Request) -> tuple[bool, dict | None]:
+        is_held, hand_off = False, None
+        for connector in self.connectors:
+            held, params = connector.request_finished(request)
+            is_held = is_held or held
+            hand_off = hand_off if params is None else params
+        return is_held, hand_off
+
+    def get_finished(self) -> KVTransferEvents:
+        events = KVTransferEvents()
+        for connector in self.connectors:
+            part = connector.get_finished()
+            events.finished_recving |= part.finished_recving
+            events.failed_recving |= part.failed_recving
+            events.finished_sending |= part.finished_sending
+        return events

@@ -8,6 +8,7 @@ import argparse
 from pdserve.cli import flag
 from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, SchedulerConfig
 from pdserve.engine.config import DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS, EngineConfig
+from pdserve.kv_store.config import KVStoreConfig
 from pdserve.kv_transfer.config import KVRole, KVTransferConfig
 from pdserve.kv_transfer.protocol import TRANSPORT_NAMES
 from pdserve.model.config import KV_CACHE_DTYPES
@@ -129,18 +130,41 @@ KV_TRANSFER_FLAGS = (
         help="when KV never arrives: recompute the prompt here, or fail",
     ),
 )
+KV_STORE_FLAGS = (
+    flag(
+        "--kv-store",
+        default=EngineConfig.kv_store,
+        metavar="URL",
+        help="share computed KV blocks with every worker using the same store: 'local' "
+        "(shared memory on this host), 'local:DIR', or redis://[user:password@]host:port/db "
+        "(rediss:// for TLS); off when not given",
+    ),
+    flag(
+        "--kv-store-max-gb",
+        type=float,
+        default=KVStoreConfig.max_gb,
+        help="capacity of the local store (a Redis server's is its own maxmemory)",
+    ),
+    flag(
+        "--kv-store-namespace",
+        default=KVStoreConfig.namespace,
+        help="salts every key: workers in different namespaces never share blocks",
+    ),
+)
 # KV transfer flags that are KVTransferConfig's fields of the same name.
 _KV_FIELDS = ("kv_host", "kv_port", "kv_advertise_host", "kv_lease_timeout", "kv_transfer_timeout")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The engine `args` (`ENGINE_FLAGS`, `--mode`, and `KV_TRANSFER_FLAGS` where the command
-    has them) describe."""
+    """The engine `args` (`ENGINE_FLAGS`, `--mode`, and `KV_TRANSFER_FLAGS` and
+    `KV_STORE_FLAGS` where the command has them) describe."""
     kwargs = {option.dest: getattr(args, option.dest) for option in ENGINE_FLAGS}
     if hasattr(args, "role"):
         kwargs.update(
             kv_transfer=kv_transfer_config(args), kv_failure_policy=args.kv_failure_policy
         )
+    if hasattr(args, "kv_store"):
+        kwargs["kv_store"] = kv_store_config(args)
     return EngineConfig.from_kwargs(mode=args.mode, **kwargs)
 
 
@@ -150,3 +174,11 @@ def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
         return None
     fields = {name: getattr(args, name) for name in _KV_FIELDS}
     return KVTransferConfig(transport=args.kv_transport, kv_role=kv_role, **fields)
+
+
+def kv_store_config(args: argparse.Namespace) -> KVStoreConfig | None:
+    if args.kv_store is None:
+        return None
+    return KVStoreConfig(
+        args.kv_store, max_gb=args.kv_store_max_gb, namespace=args.kv_store_namespace
+    )

@@ -4,7 +4,8 @@
                   kv_failure_policy, step_log
     ├── scheduler: core.config.SchedulerConfig   (max_num_batched_tokens, max_num_seqs, ...)
     ├── cache: core.config.CacheConfig           (block_size, num_blocks, ...)
-    └── kv_transfer: KVTransferConfig | None     (disaggregated workers only)
+    ├── kv_transfer: KVTransferConfig | None     (disaggregated workers only)
+    └── kv_store: kv_store.KVStoreConfig | None  (--kv-store: the shared KV store)
 
 Every default is its field's, defined once; `EngineConfig.from_kwargs` (the command line, the
 offline `LLM(...)` and `LLMEngine.from_args`) builds the tree from flat keyword arguments.
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.core.config import CacheConfig, SchedulerConfig
+from pdserve.kv_store.config import KVStoreConfig
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.model.config import KV_CACHE_DTYPES, Quantization
 
@@ -55,6 +57,8 @@ class EngineConfig:
     # Disaggregated serving: how this worker sends or receives KV (None: it does neither).
     kv_transfer: KVTransferConfig | None = None
     kv_failure_policy: str = "recompute"
+    # The shared KV store every role reads and writes (None: none).
+    kv_store: KVStoreConfig | None = None
     # Append every step's batch and wall time here as JSONL (see `engine.step_log`).
     step_log: str | None = None
 

@@ -10,15 +10,19 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.core.kv_connector import MultiConnector
 from pdserve.core.request import FinishReason, Request, RequestMetrics
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
-from pdserve.core.scheduler import EngineStats, Scheduler
+from pdserve.core.scheduler import EngineStats, Scheduler, SchedulerOutput
 from pdserve.engine.config import DEFAULT_NUM_THREADS, EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import KVTransferOutcome, RequestOutput
+from pdserve.engine.outputs import KVStoreOutcome, KVTransferOutcome, RequestOutput
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.step_log import StepLog, StepRecord, step_batch
+from pdserve.kv_store import KVStore, KVStoreMetrics, LayoutFingerprint, cache_bytes
+from pdserve.kv_store.connector import KVStoreConnector
+from pdserve.kv_store.keys import model_identity
 from pdserve.kv_transfer.config import KVRole
 from pdserve.kv_transfer.connector import KVConnector, add_kv_request
 from pdserve.kv_transfer.protocol import KVLayout
@@ -38,6 +42,8 @@ class _Tracked:
     detokenizer: Detokenizer
     # How this request's KV arrived from a prefill worker (decode legs only).
     transfer: KVTransferOutcome | None = None
+    # What the shared KV store gave its prompt (requests it held blocks for).
+    store_fetch: KVStoreOutcome | None = None
 
 
 class LLMEngine:
@@ -73,7 +79,6 @@ class LLMEngine:
         scheduler_config = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         cache_config = dataclasses.replace(config.cache, num_blocks=num_blocks)
         self.connector = self._make_connector(num_blocks)
-        self.scheduler = Scheduler(scheduler_config, cache_config, self.connector)
         self.runner = ModelRunner(
             self.loaded,
             num_blocks,
@@ -81,6 +86,13 @@ class LLMEngine:
             config.seed,
             self.connector.transport.kv_cache if self.connector else None,
             self.kv_cache_dtype,
+        )
+        self.kv_store = self._make_store_connector()
+        connectors = [c for c in (self.connector, self.kv_store) if c is not None]
+        self.scheduler = Scheduler(
+            scheduler_config,
+            cache_config,
+            MultiConnector(*connectors) if len(connectors) > 1 else next(iter(connectors), None),
         )
         self._tracked: dict[str, _Tracked] = {}
         self._num_steps = 0
@@ -115,6 +127,29 @@ class LLMEngine:
             num_blocks,
             recompute_on_failure=self.config.kv_failure_policy == "recompute",
         )
+
+    def _make_store_connector(self) -> KVStoreConnector | None:
+        """The shared KV store's connector (`--kv-store`), over this engine's cache."""
+        if self.config.kv_store is None:
+            return None
+        cache = self.runner.kv_cache
+        if cache.device.type != "cpu":
+            # Reading and writing a GPU cache would need host staging buffers: not built yet.
+            raise ValueError("--kv-store needs the KV cache in CPU memory (--device cpu)")
+        identity = model_identity(self.model_name, self.loaded.path)
+        fingerprint = LayoutFingerprint.from_layout(
+            dataclasses.replace(self.kv_layout(), model_id=identity),
+            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            quantization=self.config.quantization,
+        )
+        store = KVStore(self.config.kv_store, fingerprint, metrics=KVStoreMetrics(self.model_name))
+        logger.info(
+            "KV store %s, namespace %r, keys pdserve:kv:%s:*",
+            self.config.kv_store.redacted_url,
+            self.config.kv_store.namespace,
+            store.keys.salt,
+        )
+        return KVStoreConnector(store, cache_bytes(cache.view(torch.uint8).numpy()))
 
     def kv_layout(self) -> KVLayout:
         """What this engine's KV blocks mean, for checking a transfer's other end."""
@@ -214,6 +249,8 @@ class LLMEngine:
         self._num_steps += 1
         for request in prefilling:
             request.metrics.prefill_time += self._last_step_time
+        if self.kv_store is not None:
+            self._save_to_store(scheduler_output, prefilling)
         finished_ids = {r.request_id for r in finished}
         now = time.monotonic()
         outputs += [
@@ -225,16 +262,35 @@ class LLMEngine:
             observe(record)
         return outputs
 
+    def _save_to_store(self, output: SchedulerOutput, prefilling: list[Request]) -> None:
+        """Write the prompt blocks this step completed; time the step's prefill tokens (the
+        store's fetch-or-recompute break-even)."""
+        num_prefill = sum(s.num_new_tokens for s in output.scheduled if s.request in prefilling)
+        self.kv_store.store.policy.observe_prefill(num_prefill, self._last_step_time)
+        for scheduled in output.scheduled:
+            if not scheduled.request.is_finished:  # finished ones were saved as they ended
+                self.kv_store.save_computed_blocks(scheduled.request)
+
     def _update_kv_transfers(self) -> list[RequestOutput]:
         """A decode leg's first token (sampled by the prefill worker) is emitted once its KV
-        has arrived, or once it will be recomputed here; a failed leg ends with an error."""
+        has arrived, or once it will be recomputed here; a failed leg ends with an error. A
+        prompt read from the KV store just goes on to compute the rest."""
         update = self.scheduler.update_kv_transfers()
         now = time.monotonic()
         outputs = []
         for request in update.settled:
             tracked = self._tracked[request.request_id]
+            if self.kv_store is not None:
+                fetch = self.kv_store.pop_fetch_result(request.request_id)
+                if fetch is not None:
+                    tracked.store_fetch = KVStoreOutcome(
+                        fetch.num_read * self.kv_store.block_size, fetch.seconds
+                    )
+            transfer = self._transfer_outcome(request.request_id)
+            if transfer is None:  # not a decode leg's transfer
+                continue
+            tracked.transfer = transfer
             token = SampledToken(request.output_token_ids[0])
-            tracked.transfer = self._transfer_outcome(request.request_id)
             outputs.append(self._output_for(tracked, token, now, is_finished=False))
         for request in update.failed:
             tracked = self._tracked[request.request_id]
@@ -243,6 +299,8 @@ class LLMEngine:
         return outputs
 
     def _transfer_outcome(self, request_id: str) -> KVTransferOutcome | None:
+        if self.connector is None:
+            return None
         result = self.connector.pop_transfer_result(request_id)
         if result is None:
             return None
@@ -273,11 +331,14 @@ class LLMEngine:
             finish_reason=request.finish_reason if is_finished else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
+            # Not computed here: found in the local prefix cache or read from the KV store.
+            num_cached_tokens=request.num_cached_tokens
+            + (tracked.store_fetch.num_hit_tokens if tracked.store_fetch else 0),
             metrics=metrics,
             logprobs=[token.logprob] if token is not None and token.logprob else None,
             kv_transfer_params=request.kv_hand_off,
             kv_transfer=tracked.transfer,
+            kv_store=tracked.store_fetch,
         )
 
     def _release(self, request_id: str) -> None:
@@ -301,6 +362,8 @@ class LLMEngine:
         """Stop the KV transport's threads and release its shared memory."""
         if self.connector is not None:
             self.connector.close()
+        if self.kv_store is not None:
+            self.kv_store.close()
         if self._step_log is not None:
             self._step_log.close()
 

@@ -25,6 +25,14 @@ class KVTransferOutcome:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class KVStoreOutcome:
+    """What the shared KV store gave a request's prompt: tokens read, and how long it took."""
+
+    num_hit_tokens: int
+    seconds: float
+
+
 @dataclass
 class RequestOutput:
     """The increment one `LLMEngine.step()` produced for one request.
@@ -47,3 +55,5 @@ class RequestOutput:
     kv_transfer_params: dict | None = None
     # Set on a decode worker's outputs once the request's KV arrived (or failed to).
     kv_transfer: KVTransferOutcome | None = None
+    # Set once the shared KV store's blocks for the prompt were read (or failed to be).
+    kv_store: KVStoreOutcome | None = None

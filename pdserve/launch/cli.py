@@ -13,7 +13,7 @@ import argparse
 import shlex
 
 from pdserve.cli import add_flags, flag
-from pdserve.engine.args import ENGINE_FLAGS, KV_TRANSFER_FLAGS
+from pdserve.engine.args import ENGINE_FLAGS, KV_STORE_FLAGS, KV_TRANSFER_FLAGS
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTING_FLAGS
 from pdserve.server.cli import SERVER_FLAGS, run_server
 
@@ -54,11 +54,11 @@ PER_WORKER_FLAGS = frozenset(
     {"--mode", "--host", "--port", "--api-key", "--role", "--num-threads", "--step-log"}
 )
 # What every worker of a deployment is started with, where the user gave it: the server's
-# limits, the engine's flags and the KV transfer's. The disaggregation and routing flags are
-# the launcher's and the router's alone.
+# limits, the engine's flags, the KV transfer's and the KV store's. The disaggregation and
+# routing flags are the launcher's and the router's alone.
 WORKER_FLAGS = tuple(
     option
-    for option in (*SERVER_FLAGS, *ENGINE_FLAGS, *KV_TRANSFER_FLAGS)
+    for option in (*SERVER_FLAGS, *ENGINE_FLAGS, *KV_TRANSFER_FLAGS, *KV_STORE_FLAGS)
     if option.name not in PER_WORKER_FLAGS
 )
 
@@ -68,6 +68,7 @@ def add_parser(subparsers) -> None:
     add_flags(parser, "server", SERVER_FLAGS)
     add_flags(parser, "engine", ENGINE_FLAGS)
     add_flags(parser, "KV transfer (disaggregated workers)", KV_TRANSFER_FLAGS)
+    add_flags(parser, "shared KV store", KV_STORE_FLAGS)
     add_flags(parser, "disaggregation (--mode disagg)", DISAGG_FLAGS)
     add_flags(parser, "routing (--mode disagg)", ROUTING_FLAGS)
     add_flags(parser, "autoscaling (--mode disagg)", AUTOSCALE_FLAGS)

@@ -41,6 +41,13 @@ ROUTING_FLAGS = (
         help="prompts with fewer uncached tokens skip the prefill worker (0: all go through one)",
     ),
     flag(
+        "--shared-kv-store",
+        action="store_true",
+        default=RouterConfig.shared_kv_store,
+        help="the workers share a KV store: count a prefix any worker computed as cached on "
+        "every worker (implied by serve --mode disagg --kv-store)",
+    ),
+    flag(
         "--balance-factor",
         type=float,
         default=RouterConfig.balance_factor,
@@ -203,6 +210,7 @@ def router_config_from_args(
         prefill_policy=args.prefill_policy or args.policy,
         decode_policy=args.decode_policy or args.policy,
         local_prefill_threshold=args.local_prefill_threshold,
+        shared_kv_store=args.shared_kv_store or getattr(args, "kv_store", None) is not None,
         host=args.host,
         port=args.port,
         api_key=args.api_key,

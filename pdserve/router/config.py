@@ -46,6 +46,9 @@ class RouterConfig:
     block_size: int = CacheConfig.block_size
     # Blocks remembered per worker by the prefix index (about a worker's KV cache size).
     prefix_index_blocks: int = 1 << 16
+    # The workers share a KV store (--kv-store): a prefix any of them computed counts as
+    # cached on all of them (for prefix_aware and local_prefill_threshold alike).
+    shared_kv_store: bool = False
     # prefix_aware leaves the best-matching worker when its load exceeds this times the least.
     balance_factor: float = 2.0
     health_interval_s: float = 2.0

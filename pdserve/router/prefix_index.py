@@ -42,17 +42,38 @@ class PromptInfo:
 
 
 class PrefixIndex:
-    """Per worker, an LRU set of block hashes of the prompts routed there."""
+    """Per worker, an LRU set of block hashes of the prompts routed there.
 
-    def __init__(self, block_size: int, max_blocks_per_worker: int) -> None:
+    With `shared_store` (the workers share a KV store, `--kv-store`; one index for all pools)
+    a prefix routed to any worker is believed cached on every worker too, up to what the store
+    index holds: every worker then matches equally, so load, not prefix affinity, picks among
+    them (no hot spot of all requests with one system prompt on one worker).
+    """
+
+    _STORE = "<kv store>"
+
+    def __init__(
+        self,
+        block_size: int,
+        max_blocks_per_worker: int,
+        shared_store: PrefixIndex | None = None,
+    ) -> None:
         if block_size < 1 or max_blocks_per_worker < 1:
             raise ValueError("block_size and max_blocks_per_worker must be positive")
         self.block_size = block_size
         self.max_blocks_per_worker = max_blocks_per_worker
+        self.shared_store = shared_store
         self._blocks: dict[str, OrderedDict[BlockHash, None]] = {}
 
     def num_cached_tokens(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> int:
-        """Tokens of the longest prefix of `block_hashes` believed cached on the worker."""
+        """Tokens of the longest prefix of `block_hashes` believed cached on the worker (or,
+        with a shared store, readable from it)."""
+        own = self._num_cached(worker_id, block_hashes)
+        if self.shared_store is None:
+            return own
+        return max(own, self.shared_store._num_cached(self._STORE, block_hashes))
+
+    def _num_cached(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> int:
         cached = self._blocks.get(worker_id)
         if not cached:
             return 0
@@ -64,7 +85,10 @@ class PrefixIndex:
         return num_blocks * self.block_size
 
     def record(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        """The prompt with these block hashes was routed to the worker (it will cache them)."""
+        """The prompt with these block hashes was routed to the worker (it will cache them,
+        and write them to the shared store)."""
+        if self.shared_store is not None:
+            self.shared_store.record(self._STORE, block_hashes)
         cached = self._blocks.setdefault(worker_id, OrderedDict())
         for block_hash in block_hashes:
             cached[block_hash] = None

@@ -31,6 +31,13 @@ DRAIN_TIMEOUT_S = 60.0
 def build_registry(config: RouterConfig) -> WorkerRegistry:
     """Both pools with their policies and the configured workers (not yet checked)."""
     pools = {}
+    # With a shared KV store, one belief of what it holds for both pools (prefill workers
+    # write, decode workers read).
+    store = (
+        PrefixIndex(config.block_size, config.prefix_index_blocks)
+        if config.shared_kv_store
+        else None
+    )
     for role, policy in (
         (PoolRole.PREFILL, config.prefill_policy),
         (PoolRole.DECODE, config.decode_policy),
@@ -38,7 +45,7 @@ def build_registry(config: RouterConfig) -> WorkerRegistry:
         pools[role] = WorkerPool(
             role,
             make_policy(policy, role, config.balance_factor),
-            PrefixIndex(config.block_size, config.prefix_index_blocks),
+            PrefixIndex(config.block_size, config.prefix_index_blocks, store),
         )
     registry = WorkerRegistry(pools[PoolRole.PREFILL], pools[PoolRole.DECODE])
     for url in config.prefill_urls:

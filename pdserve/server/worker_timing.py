@@ -9,6 +9,8 @@ usage chunk of a stream or the body of a plain response:
 kv_transfer_bytes        KV bytes this worker fetched from a prefill worker (0: none)
 kv_transfer_ms           how long that fetch took
 kv_transfer_error        only when the fetch failed (the prompt was recomputed here)
+kv_store_hit_tokens      prompt tokens read from the shared KV store (0: none)
+kv_store_fetch_ms        how long reading them took
 first_decode_step_ms     the engine emitting the first token to the second token reaching
                          the HTTP layer: the first decode step (for a remote prefill the two
                          tokens leave in one step, so it is also part of the TTFT)
@@ -56,6 +58,9 @@ class WorkerTiming:
         report["kv_transfer_ms"] = _ms(transfer.seconds) if transfer is not None else 0.0
         if transfer is not None and transfer.error is not None:
             report["kv_transfer_error"] = transfer.error
+        store = final.kv_store
+        report["kv_store_hit_tokens"] = store.num_hit_tokens if store is not None else 0
+        report["kv_store_fetch_ms"] = _ms(store.seconds) if store is not None else 0.0
         if self._first_token_time is not None:
             report["worker_ttft_ms"] = _ms(self._first_token_time - clock.arrival_time)
         if self._second_token_time is not None and clock.first_token_time is not None:

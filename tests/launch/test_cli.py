@@ -9,7 +9,12 @@ import re
 import subprocess
 import sys
 
-from pdserve.engine.args import ENGINE_FLAGS, KV_TRANSFER_FLAGS, engine_config_from_args
+from pdserve.engine.args import (
+    ENGINE_FLAGS,
+    KV_STORE_FLAGS,
+    KV_TRANSFER_FLAGS,
+    engine_config_from_args,
+)
 from pdserve.launch.cli import DISAGG_FLAGS, PER_WORKER_FLAGS, WORKER_FLAGS
 from pdserve.launch.local import plan_workers
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTER_FLAGS, ROUTING_FLAGS
@@ -21,6 +26,7 @@ GROUPS = (
     "server",
     "engine",
     "KV transfer (disaggregated workers)",
+    "shared KV store",
     "disaggregation (--mode disagg)",
     "routing (--mode disagg)",
     "autoscaling (--mode disagg)",
@@ -49,6 +55,7 @@ def test_serve_help_is_grouped_and_lists_each_flag_once():
         SERVER_FLAGS,
         ENGINE_FLAGS,
         KV_TRANSFER_FLAGS,
+        KV_STORE_FLAGS,
         DISAGG_FLAGS,
         ROUTING_FLAGS,
         AUTOSCALE_FLAGS,
@@ -81,6 +88,7 @@ PATCHES = [
     ("pdserve.kv_transfer.config", "KVTransferConfig", "transport", "tcp"),
     ("pdserve.kv_transfer.config", "KVTransferConfig", "kv_lease_timeout", 12.5),
     ("pdserve.engine.config", "EngineConfig", "seed", 5),
+    ("pdserve.kv_store.config", "KVStoreConfig", "max_gb", 7.5),
     ("pdserve.engine.config", "EngineConfig", "kv_failure_policy", "fail"),
     ("pdserve.server.settings", "ServerSettings", "max_queue", 9),
     ("pdserve.router.config", "RouterConfig", "balance_factor", 3.5),
@@ -126,6 +134,7 @@ def test_a_default_changed_in_its_field_shows_in_every_command_line():
     assert (serve["block_size"], router["block_size"], simulate["block_size"]) == (32, 32, 32)
     assert seen["RouterConfig.block_size"] == seen["SimConfig.block_size"] == 32
     assert serve["kv_cache_memory_gb"] == 2.5
+    assert serve["kv_store_max_gb"] == 7.5
     assert (serve["kv_transport"], serve["kv_lease_timeout"]) == ("tcp", 12.5)
     assert (serve["seed"], serve["kv_failure_policy"], serve["max_queue"]) == (5, "fail", 9)
     assert serve["balance_factor"] == router["balance_factor"] == 3.5
@@ -138,7 +147,7 @@ def test_a_default_changed_in_its_field_shows_in_every_command_line():
 def test_workers_take_the_engine_kv_and_server_limit_flags_and_nothing_else():
     names = [f.name for f in WORKER_FLAGS]
     assert len(names) == len(set(names))
-    for flags in (ENGINE_FLAGS, KV_TRANSFER_FLAGS, SERVER_FLAGS):
+    for flags in (ENGINE_FLAGS, KV_TRANSFER_FLAGS, KV_STORE_FLAGS, SERVER_FLAGS):
         assert {f.name for f in flags} <= set(names) | PER_WORKER_FLAGS
     assert not {f.name for f in (*DISAGG_FLAGS, *ROUTING_FLAGS, *AUTOSCALE_FLAGS)} & set(names)
 
@@ -154,8 +163,8 @@ EVERY_WORKER_FLAG = [
     *("--kv-cache-memory-gb", "2.5", "--no-prefix-caching", "--max-model-len", "1000"),
     *("--seed", "7", "--kv-transport", "tcp", "--kv-host", "0.0.0.0", "--kv-port", "5555"),
     *("--kv-advertise-host", "h", "--kv-lease-timeout", "3", "--kv-transfer-timeout", "4"),
-    "--kv-failure-policy",
-    "fail",
+    *("--kv-failure-policy", "fail", "--kv-store", "redis://:pw@cache:6379/2"),
+    *("--kv-store-max-gb", "0.5", "--kv-store-namespace", "team-a"),
 ]
 LAUNCHER_FLAGS = [
     *("--mode", "disagg", "--port", "9000", "--api-key", "k", "--num-threads", "4"),
@@ -181,3 +190,14 @@ def test_each_worker_gets_every_flag_the_user_gave_it(tmp_path):
         assert parsed.num_threads == len(worker.cores)
         launchers = {"--mode", "--api-key", "--policy", "--local-prefill-threshold"}
         assert not launchers & set(worker.command)
+
+
+def test_a_shared_kv_store_tells_the_router_so():
+    from pdserve.router.cli import router_config_from_args
+
+    def config(*argv: str):
+        return router_config_from_args(serve_parser().parse_args(list(argv)), [], ["http://d"])
+
+    assert not config("--mode", "disagg").shared_kv_store
+    assert config("--mode", "disagg", "--kv-store", "redis://cache:6379").shared_kv_store
+    assert config("--mode", "disagg", "--shared-kv-store").shared_kv_store

@@ -32,3 +32,24 @@ def test_least_recently_routed_blocks_are_forgotten_first():
     assert index.num_cached_tokens("a", old) == 0  # its first block was evicted
     index.remove_worker("a")
     assert index.num_cached_tokens("a", prompt_block_hashes([7, 8, 9, 10], 2)) == 0
+
+
+def test_with_a_shared_store_a_prefix_counts_on_every_worker_of_every_pool():
+    from pdserve.router.policies import PoolRole, PrefixAware, WorkerLoad
+
+    store = PrefixIndex(block_size=4, max_blocks_per_worker=100)
+    prefill = PrefixIndex(block_size=4, max_blocks_per_worker=100, shared_store=store)
+    decode = PrefixIndex(block_size=4, max_blocks_per_worker=100, shared_store=store)
+    system = list(range(16))
+    prefill.record("p0", prompt_block_hashes([*system, 90, 91, 92, 93], 4))
+    query = prompt_block_hashes([*system, 70, 71, 72, 73], 4)
+    # Written to the store by p0: readable by the other prefill worker and by decode workers.
+    assert prefill.num_cached_tokens("p1", query) == 16
+    assert decode.num_cached_tokens("d0", query) == 16
+    assert PrefixIndex(4, 100).num_cached_tokens("p1", query) == 0  # no store: no belief
+    # Every worker matches alike, so load decides: no hot spot on p0.
+    loads = [
+        WorkerLoad(num_running=3, num_cached_tokens=prefill.num_cached_tokens("p0", query)),
+        WorkerLoad(num_cached_tokens=prefill.num_cached_tokens("p1", query)),
+    ]
+    assert PrefixAware(PoolRole.DECODE).select(loads, 20) == 1

@@ -1,0 +1,259 @@
+"""`KVStore` on a real redis-server: blocks round-trip bit-exact, lookups take one round trip,
+and every fault (garbage, truncation, foreign writers, other tenants, a killed, restarted,
+slow or password-protected server, a full write queue) is a counted miss, never an error."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from pdserve.kv_store import ErrorKind, KVStore
+from pdserve.kv_store.codec import encode_block
+from tests.kv_store.conftest import (
+    TINY,
+    RedisServer,
+    blocks_equal,
+    empty_cache,
+    make_sequence,
+    sleep_past_backoff,
+)
+
+
+def _errors(store: KVStore, kind: ErrorKind) -> float:
+    return store.metrics.value("pdserve:kv_store_errors_total", kind=kind.value)
+
+
+def _write_all(store: KVStore, seq) -> None:
+    assert store.write(seq.blocks, seq.cache_bytes, seq.block_ids) == len(seq.blocks)
+    assert store.flush()
+
+
+def _fetch(store: KVStore, seq, num_blocks: int | None = None):
+    blocks = seq.blocks[:num_blocks]
+    dest = empty_cache()
+    dest_ids = list(range(len(blocks)))
+    return store.fetch(blocks, dest.view(np.uint8).reshape(4, 64, -1), dest_ids), dest, dest_ids
+
+
+def test_blocks_round_trip_bit_exact_with_metrics(redis_server, make_store):
+    writer, reader = make_store(redis_server.url), make_store(redis_server.url)
+    seq = make_sequence(6)
+    _write_all(writer, seq)
+    assert reader.lookup(seq.blocks) == 6
+    num_read, dest, dest_ids = _fetch(reader, seq)
+    assert num_read == 6
+    assert blocks_equal(seq.cache, seq.block_ids, dest, dest_ids)
+    value_bytes = 6 * writer.value_nbytes
+    assert writer.metrics.value("pdserve:kv_store_written_bytes_total") == value_bytes
+    assert reader.metrics.value("pdserve:kv_store_read_bytes_total") == value_bytes
+    assert reader.metrics.value("pdserve:kv_store_hit_tokens_total") == 6 * TINY.block_size
+    assert reader.metrics.value("pdserve:kv_store_lookup_tokens_total") == 6 * TINY.block_size
+    assert reader.metrics.value("pdserve:kv_store_fetch_seconds_count") == 1
+
+
+def test_writer_skips_keys_the_store_has(redis_server, make_store):
+    first, second = make_store(redis_server.url), make_store(redis_server.url)
+    seq = make_sequence(4)
+    _write_all(first, seq)
+    _write_all(second, seq)  # same blocks computed on another worker
+    assert second.metrics.value("pdserve:kv_store_written_bytes_total") == 0
+    assert redis_server.client().info("commandstats")["cmdstat_set"]["calls"] == 4
+
+
+def test_lookup_finds_the_longest_leading_run_in_one_round_trip(
+    redis_server, make_store, monkeypatch
+):
+    store = make_store(redis_server.url)
+    seq = make_sequence(8)
+    # Blocks 0-2 and 4-7 stored, 3 missing: only the leading run counts.
+    store.write(
+        seq.blocks[:3] + seq.blocks[4:], seq.cache_bytes, seq.block_ids[:3] + seq.block_ids[4:]
+    )
+    assert store.flush()
+    sends = []
+    original = redis.connection.AbstractConnection.send_packed_command
+
+    def counting(self, command, check_health=True):
+        sends.append(command)
+        return original(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting)
+    assert store.lookup(seq.blocks) == 3
+    assert len(sends) == 1  # every EXISTS in one write, answered together
+    assert store.lookup(seq.blocks[4:]) == 4
+    assert store.lookup([]) == 0
+
+
+def test_garbage_value_is_a_counted_miss_and_is_replaced(redis_server, make_store):
+    store = make_store(redis_server.url)
+    seq = make_sequence(5)
+    _write_all(store, seq)
+    redis_server.client().set(store.keys.key(seq.blocks[2].block_hash), b"\x00garbage" * 100)
+    num_read, dest, dest_ids = _fetch(store, seq)
+    assert num_read == 2  # blocks after the bad one are computed, not read
+    assert blocks_equal(seq.cache, seq.block_ids[:2], dest, dest_ids[:2])
+    assert _errors(store, ErrorKind.CORRUPT) == 1
+    # The bad value was deleted, so the next writer of that block replaces it.
+    assert store.lookup(seq.blocks) == 2
+    _write_all(store, seq)
+    assert _fetch(store, seq)[0] == 5
+
+
+@pytest.mark.parametrize(
+    ("damage", "kind"),
+    [
+        (lambda v: v[: len(v) // 2], ErrorKind.TRUNCATED),
+        (lambda v: v[:-1] + bytes([v[-1] ^ 1]), ErrorKind.CORRUPT),  # one flipped bit
+        (lambda v: v[:4] + b"\x09\x00" + v[6:], ErrorKind.VERSION),
+    ],
+    ids=["truncated", "bit-flip", "version"],
+)
+def test_damaged_value_is_rejected_by_kind(redis_server, make_store, damage, kind):
+    store = make_store(redis_server.url)
+    seq = make_sequence(2)
+    _write_all(store, seq)
+    raw = redis_server.client()
+    key = store.keys.key(seq.blocks[0].block_hash)
+    raw.set(key, damage(raw.get(key)))
+    assert _fetch(store, seq)[0] == 0
+    assert _errors(store, kind) == 1
+
+
+def test_value_for_another_block_under_the_key_is_a_mismatch(redis_server, make_store):
+    store = make_store(redis_server.url)
+    seq, other = make_sequence(2, seed=1), make_sequence(2, seed=2)
+    _write_all(store, other)
+    raw = redis_server.client()
+    raw.set(
+        store.keys.key(seq.blocks[0].block_hash),
+        raw.get(store.keys.key(other.blocks[0].block_hash)),
+    )
+    assert _fetch(store, seq)[0] == 0
+    assert _errors(store, ErrorKind.MISMATCH) == 1
+
+
+def test_foreign_fingerprint_never_hits(redis_server, make_store):
+    from dataclasses import replace
+
+    ours = make_store(redis_server.url)
+    foreign_fp = replace(TINY, dtype="float16", kv_dtype="float16")
+    foreign = make_store(redis_server.url, fingerprint=foreign_fp)
+    seq = make_sequence(3)
+    foreign_seq = make_sequence(3, fingerprint=foreign_fp)
+    assert foreign_seq.token_ids == seq.token_ids  # the same prompt...
+    _write_all(foreign, foreign_seq)
+    assert ours.lookup(seq.blocks) == 0  # ...under other keys
+    # Even a foreign value planted under our key is refused.
+    payload = np.ascontiguousarray(foreign_seq.cache_bytes[:, foreign_seq.block_ids[0]])
+    value = encode_block(foreign.keys.fingerprint_digest, seq.blocks[0], payload.tobytes())
+    redis_server.client().set(ours.keys.key(seq.blocks[0].block_hash), value)
+    assert _fetch(ours, seq)[0] == 0
+    assert _errors(ours, ErrorKind.FOREIGN) == 1
+
+
+def test_namespaces_are_isolated(redis_server, make_store):
+    tenant_a = make_store(redis_server.url, namespace="tenant-a")
+    tenant_b = make_store(redis_server.url, namespace="tenant-b")
+    also_a = make_store(redis_server.url, namespace="tenant-a")
+    seq = make_sequence(4)
+    _write_all(tenant_a, seq)
+    assert tenant_b.lookup(seq.blocks) == 0
+    assert also_a.lookup(seq.blocks) == 4
+
+
+def test_killed_server_means_misses_then_hits_after_restart(redis_server, make_store):
+    store = make_store(redis_server.url, timeout_s=0.2)
+    seq = make_sequence(4)
+    _write_all(store, seq)
+    redis_server.kill()
+    start = time.monotonic()
+    assert store.lookup(seq.blocks) == 0
+    assert _fetch(store, seq)[0] == 0  # backing off: not even tried
+    assert store.write(seq.blocks, seq.cache_bytes, seq.block_ids) == 0
+    assert time.monotonic() - start < 1.0  # misses are fast, never a stall
+    assert _errors(store, ErrorKind.CONNECTION) == 1
+    assert store.metrics.value("pdserve:kv_store_dropped_writes_total") == 4
+    redis_server.start()  # same port, empty
+    sleep_past_backoff(store)
+    assert store.lookup(seq.blocks) == 0  # reconnected; the blocks are gone
+    _write_all(store, seq)
+    assert store.lookup(seq.blocks) == 4
+    assert _fetch(store, seq)[0] == 4
+
+
+def test_slow_server_times_out_to_a_miss(redis_server, make_store):
+    store = make_store(redis_server.url, timeout_s=0.2)
+    seq = make_sequence(2)
+    _write_all(store, seq)
+    sleeper = threading.Thread(
+        target=lambda: redis_server.client().execute_command("DEBUG", "SLEEP", "1.0")
+    )
+    sleeper.start()
+    time.sleep(0.1)
+    start = time.monotonic()
+    assert store.lookup(seq.blocks) == 0
+    assert time.monotonic() - start < 0.6
+    assert _errors(store, ErrorKind.TIMEOUT) == 1
+    sleeper.join()
+    sleep_past_backoff(store)
+    assert store.lookup(seq.blocks) == 2
+
+
+def test_full_write_queue_drops_and_counts(redis_server, make_store):
+    # Room for three values; the server is frozen, so the write thread cannot drain.
+    store = make_store(redis_server.url, timeout_s=5.0, write_queue_mb=3.5 * 1108 / 2**20)
+    seq = make_sequence(20)
+    sleeper = threading.Thread(
+        target=lambda: redis_server.client().execute_command("DEBUG", "SLEEP", "1.0")
+    )
+    sleeper.start()
+    time.sleep(0.1)
+    start = time.monotonic()
+    queued = sum(
+        store.write([b], seq.cache_bytes, [i])
+        for b, i in zip(seq.blocks, seq.block_ids, strict=True)
+    )
+    assert time.monotonic() - start < 0.2  # never waits for the store
+    assert 1 <= queued <= 4
+    assert store.metrics.value("pdserve:kv_store_dropped_writes_total") == 20 - queued
+    sleeper.join()
+    assert store.flush()
+    assert store.lookup(seq.blocks) == queued
+
+
+def test_password_urls_work_and_a_wrong_password_is_a_miss(tmp_path, make_store, caplog):
+    server = RedisServer(tmp_path, "--requirepass", "s3cret")
+    try:
+        good = make_store(f"redis://:s3cret@127.0.0.1:{server.port}/2")
+        named = make_store(f"redis://default:s3cret@127.0.0.1:{server.port}/2")
+        bad = make_store(f"redis://default:wrong@127.0.0.1:{server.port}/2")
+        seq = make_sequence(2)
+        _write_all(good, seq)
+        assert named.lookup(seq.blocks) == 2
+        assert bad.lookup(seq.blocks) == 0
+        assert _errors(bad, ErrorKind.CONNECTION) == 1
+        assert "wrong" not in caplog.text and "s3cret" not in caplog.text
+    finally:
+        server.stop()
+
+
+def test_a_full_server_refuses_writes_but_still_serves_reads(tmp_path, make_store):
+    server = RedisServer(tmp_path, "--maxmemory-policy", "noeviction")
+    try:
+        store = make_store(server.url)
+        seq = make_sequence(2)
+        _write_all(store, seq)
+        server.client().config_set("maxmemory", 1)  # full: every write is refused (OOM)
+        more = make_sequence(3, seed=5)
+        assert store.write(more.blocks, more.cache_bytes, more.block_ids) == 3
+        assert store.flush()
+        assert _errors(store, ErrorKind.SERVER) >= 1  # once per write batch
+        assert store.metrics.value("pdserve:kv_store_dropped_writes_total") == 3
+        assert store.is_available  # a server that answers is not backed off
+        assert _fetch(store, seq)[0] == 2
+    finally:
+        server.stop()

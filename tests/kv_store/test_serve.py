@@ -1,0 +1,232 @@
+"""Real `pdserve serve` processes sharing a KV store (issue 12's end-to-end checks): a ~1,500-
+token prefix is computed once across servers and restarts, greedy output is unchanged, and a
+killed, restarted or corrupted store costs only recomputation. No test leaks a KV block."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.router.harness import wait_until
+from tests.server.conftest import NUM_KV_BLOCKS, ServerProcess, free_port, start_server
+
+pytestmark = pytest.mark.slow
+DASHBOARD = Path(__file__).parents[2] / "grafana" / "pdserve-dashboard.json"
+BLOCK_SIZE = 16
+PREFIX_TEXT = (
+    "You are the support assistant of a company that sells bicycles, spare parts and repairs. "
+    "Answer briefly and politely, name the part number when you know it. "
+) * 48
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from pdserve.model.gguf_file import GGUFModelFile
+    from pdserve.model.loader import default_model_path
+
+    return GGUFModelFile(default_model_path()).tokenizer()
+
+
+@pytest.fixture(scope="module")
+def prefix(tokenizer) -> list[int]:
+    ids = tokenizer.encode(PREFIX_TEXT)
+    assert 1300 <= len(ids) <= 1700
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """A server without a store: the outputs every store run must reproduce."""
+    server = start_server(tmp_path_factory.mktemp("reference"))
+    yield server
+    server.stop()
+
+
+def _complete(server, prompt: list[int]) -> list[int]:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 12}
+    # router_timing (as the router sends it) asks for the pdserve_timing breakdown.
+    body |= {"temperature": 0.0, "router_timing": {}}
+    response = server.post("/v1/completions", body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _tokens(response) -> str:
+    return response["choices"][0]["text"]
+
+
+def _question(tokenizer, prefix, text: str) -> list[int]:
+    return prefix + tokenizer.encode(f" Customer: {text}\nAssistant:")
+
+
+def _metric(server, name: str, **labels) -> float:
+    key = name + (
+        "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else ""
+    )
+    return server.metrics().get(key, 0.0)
+
+
+def _assert_no_leaks(*servers) -> None:
+    for server in servers:
+        wait_until(
+            lambda s=server: _metric(s, "pdserve:kv_cache_free_blocks") == NUM_KV_BLOCKS,
+            timeout=30,
+            what="every KV block free",
+        )
+
+
+def _assert_dashboard_shows_store_metrics(server) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    shown = {n for e in exprs for n in re.findall(r"pdserve:kv_store_[a-z0-9_]+", e)}
+    exported = {k.split("{")[0] for k in server.metrics() if k.startswith("pdserve:kv_store_")}
+    assert shown <= exported, shown - exported
+    families = {re.sub(r"_(bucket|sum|count|total|created)$", "", n) for n in exported}
+    assert families <= {re.sub(r"_(bucket|sum|count|total)$", "", n) for n in shown}
+
+
+def _serve(tmp_path, url: str, *args: str):
+    return start_server(tmp_path, "--kv-store", url, *args)
+
+
+def test_two_servers_share_a_prefix_through_redis(
+    tmp_path, redis_server, tokenizer, prefix, reference
+):
+    first = _serve(tmp_path, redis_server.url)
+    second = _serve(tmp_path, redis_server.url)
+    try:
+        _complete(first, _question(tokenizer, prefix, "Do you repair e-bikes?"))
+        prompt = _question(tokenizer, prefix, "How much is a new chain?")
+        wait_until(lambda: _metric(first, "pdserve:kv_store_written_bytes_total") > 0, timeout=30)
+        answer = _complete(second, prompt)
+        num_full_blocks = len(prefix) // BLOCK_SIZE * BLOCK_SIZE
+        assert _metric(second, "pdserve:kv_store_hit_tokens_total") >= num_full_blocks
+        timing = answer["pdserve_timing"]
+        assert timing["kv_store_hit_tokens"] >= num_full_blocks and timing["kv_store_fetch_ms"] > 0
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= num_full_blocks
+        assert _tokens(answer) == _tokens(_complete(reference, prompt))
+        _assert_dashboard_shows_store_metrics(second)
+        _assert_no_leaks(first, second)
+        # A restarted server starts with an empty cache but finds the prefix in the store.
+        first.stop()
+        restarted = _serve(tmp_path, redis_server.url)
+        try:
+            third = _question(tokenizer, prefix, "Are you open on Sundays?")
+            answer = _complete(restarted, third)
+            assert answer["pdserve_timing"]["kv_store_hit_tokens"] >= num_full_blocks
+            assert _tokens(answer) == _tokens(_complete(reference, third))
+            _assert_no_leaks(restarted)
+        finally:
+            restarted.stop()
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_store_faults_cost_only_recomputation(tmp_path, redis_server, tokenizer, prefix, reference):
+    server = _serve(tmp_path, redis_server.url)
+    try:
+        # Killed: requests complete by recomputing, /health stays 200, errors are counted.
+        redis_server.kill()
+        prompt = _question(tokenizer, prefix, "Do you sell helmets?")
+        answer = _complete(server, prompt)
+        assert _tokens(answer) == _tokens(_complete(reference, prompt))
+        assert answer["pdserve_timing"]["kv_store_hit_tokens"] == 0
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert _metric(server, "pdserve:kv_store_errors_total", kind="connection") >= 1
+        # Restarted (empty): once its backoff passes the server reconnects and writes again.
+        redis_server.start()
+        for attempt in range(30):
+            _complete(server, _question(tokenizer, prefix[:400], f"Hello {attempt}?"))
+            if _metric(server, "pdserve:kv_store_written_bytes_total") > 0:
+                break
+            time.sleep(0.5)
+        assert _metric(server, "pdserve:kv_store_written_bytes_total") > 0
+        # A value overwritten with garbage is a counted miss; the output stays right.
+        raw = redis_server.client()
+        for key in raw.scan_iter(match="pdserve:kv:*"):
+            raw.set(key, b"garbage" * 100)
+        prompt = _question(tokenizer, prefix[:400], "Which tyres fit a road bike?")
+        fresh = _serve(tmp_path, redis_server.url)  # no local cache: it must read the store
+        try:
+            answer = _complete(fresh, prompt)
+            assert _tokens(answer) == _tokens(_complete(reference, prompt))
+            assert _metric(fresh, "pdserve:kv_store_errors_total", kind="corrupt") >= 1
+            _assert_no_leaks(server, fresh)
+        finally:
+            fresh.stop()
+    finally:
+        server.stop()
+
+
+def test_another_dtype_never_reads_these_blocks(tmp_path, redis_server, tokenizer, prefix):
+    prompt = _question(tokenizer, prefix[:400], "What is a derailleur?")
+    writer = _serve(tmp_path, redis_server.url)
+    try:
+        _complete(writer, prompt)
+        wait_until(lambda: _metric(writer, "pdserve:kv_store_written_bytes_total") > 0, timeout=30)
+    finally:
+        writer.stop()
+    # start_server passes float32; a later --dtype wins.
+    other = _serve(tmp_path, redis_server.url, "--dtype", "bfloat16")
+    reference_bf16 = start_server(tmp_path, "--dtype", "bfloat16")
+    try:
+        answer = _complete(other, prompt)
+        assert answer["pdserve_timing"]["kv_store_hit_tokens"] == 0
+        assert _tokens(answer) == _tokens(_complete(reference_bf16, prompt))
+        _assert_no_leaks(other)
+    finally:
+        other.stop()
+        reference_bf16.stop()
+
+
+def test_local_store_is_shared_by_two_processes(tmp_path, tokenizer, prefix, reference):
+    url = f"local:{tmp_path}"
+    first = _serve(tmp_path, url, "--kv-store-max-gb", "0.5")
+    second = _serve(tmp_path, url, "--kv-store-max-gb", "0.5")
+    try:
+        _complete(first, _question(tokenizer, prefix, "Do you deliver?"))
+        prompt = _question(tokenizer, prefix, "Can I return a saddle?")
+        wait_until(lambda: _metric(first, "pdserve:kv_store_written_bytes_total") > 0, timeout=30)
+        answer = _complete(second, prompt)
+        assert (
+            answer["pdserve_timing"]["kv_store_hit_tokens"]
+            >= len(prefix) // BLOCK_SIZE * BLOCK_SIZE
+        )
+        assert _tokens(answer) == _tokens(_complete(reference, prompt))
+        _assert_no_leaks(first, second)
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_disaggregated_prefill_writes_and_the_decode_worker_reads(
+    tmp_path, redis_server, tokenizer, prefix, reference
+):
+    base = free_port()  # prefill worker on base, decode worker on base + 1
+    deployment = start_server(
+        tmp_path, "--mode", "disagg", "--kv-store", redis_server.url,
+        "--worker-base-port", str(base),
+    )  # fmt: skip
+    try:
+        prefill = ServerProcess(None, f"http://127.0.0.1:{base}", tmp_path, None)
+        decode = ServerProcess(None, f"http://127.0.0.1:{base + 1}", tmp_path, None)
+        # The prefill worker computes a prompt and writes its blocks...
+        _complete(prefill, _question(tokenizer, prefix, "Do you rent bikes?"))
+        wait_until(lambda: _metric(prefill, "pdserve:kv_store_written_bytes_total") > 0)
+        # ...which the decode worker, prefilling a short-suffixed prompt itself, reads.
+        prompt = _question(tokenizer, prefix, "What does a service cost?")
+        answer = _complete(decode, prompt)
+        assert answer["pdserve_timing"]["kv_store_hit_tokens"] >= len(prefix) // 16 * 16
+        assert _tokens(answer) == _tokens(_complete(reference, prompt))
+        # Through the router (prefill leg, KV transfer, decode leg) the output is unchanged.
+        routed = _question(tokenizer, prefix, "Can I pay by card?")
+        assert _tokens(_complete(deployment, routed)) == _tokens(_complete(reference, routed))
+        _assert_no_leaks(prefill, decode)
+    finally:
+        deployment.stop()
