@@ -305,7 +305,10 @@ def fleet_signals(
     if prefill.num_workers == 0:
         # No prefill pool: the decode workers prefill, so their TTFT and queue are its demand.
         signals[PoolRole.PREFILL] = replace(
-            prefill, num_waiting=decode.num_waiting, ttft_p90_s=decode.ttft_p90_s
+            prefill,
+            num_running=decode.num_running,
+            num_waiting=decode.num_waiting,
+            ttft_p90_s=decode.ttft_p90_s,
         )
     return signals
 
@@ -335,6 +338,9 @@ class Assessment:
     detail: str = ""
     # How far past its target the pool is (the larger HIGH pool is served first).
     severity: float = 0.0
+    # False when the interval says nothing: work in flight, but none of it reached a first
+    # token (prefill) or a next token (decode) to measure. The streaks then stay as they are.
+    is_news: bool = True
 
 
 @dataclass(frozen=True)
@@ -403,6 +409,9 @@ def assess(role: PoolRole, signals: PoolSignals, config: AutoscaleConfig) -> Ass
     if misses:
         severity, reason, detail = max(misses)
         return Assessment(Pressure.HIGH, reason, detail, severity)
+    in_flight = signals.num_running + signals.num_waiting + signals.num_pending_prompt_tokens
+    if p90 is None and target is not None and in_flight:
+        return Assessment(Pressure.NORMAL, is_news=False)
     if n and is_quiet(role, signals, config):
         return Assessment(Pressure.LOW, "idle", f"quiet ({name} p90 {_fmt_s(p90)})")
     return Assessment(Pressure.NORMAL)
@@ -455,6 +464,8 @@ class Planner:
             # The decode workers prefill too: idle only if that demand is quiet as well.
             assessments[PoolRole.DECODE] = Assessment(Pressure.NORMAL)
         for role, assessment in assessments.items():
+            if not assessment.is_news:
+                continue
             is_high = assessment.pressure is Pressure.HIGH
             is_low = assessment.pressure is Pressure.LOW
             self._high[role] = self._high[role] + 1 if is_high else 0

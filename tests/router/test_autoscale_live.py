@@ -102,7 +102,7 @@ def pool_sizes(server: Disagg) -> dict[str, int]:
     return sizes
 
 
-def wait_for(server: Disagg, what: str, predicate, timeout_s: float = 120.0) -> None:
+def wait_for(server: Disagg, what: str, predicate, timeout_s: float = 300.0) -> None:
     wait_until(
         predicate,
         timeout_s,

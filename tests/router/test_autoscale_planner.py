@@ -113,6 +113,20 @@ def test_sustained_prefill_pressure_adds_a_prefill_worker():
     assert decision.direction == "up" and "ttft p90" in decision.detail
 
 
+def test_an_interval_without_a_first_token_neither_builds_nor_breaks_the_evidence():
+    fleet = Fleet(p0=PREFILL, d0=DECODE)
+    busy = {"p0": {"ttft": SLOW_TTFT}, "d0": {"itl": FAST_ITL}}
+    # Long prompts still computing: nothing to measure this interval, but work in flight.
+    computing = {"p0": {"running": 1}, "d0": {"itl": FAST_ITL}}
+    decisions = run(AutoscaleController(config()), fleet, [busy, computing, busy])
+    assert [(t, d.action) for t, d in decisions.items()] == [(2, Action.ADD)]
+    # Nothing in flight and nothing measured is quiet, not missing news: it breaks the streak.
+    idle = {"d0": {"itl": FAST_ITL}}
+    assert (
+        run(AutoscaleController(config()), Fleet(p0=PREFILL, d0=DECODE), [busy, idle, busy]) == {}
+    )
+
+
 def test_a_blip_changes_nothing():
     fleet = Fleet(p0=PREFILL, d0=DECODE)
     normal = {"p0": {"ttft": [0.7] * 10}, "d0": {"itl": [0.07] * 50}}
