@@ -6,8 +6,13 @@ Azure conversation trace replayed with a traffic shift; and what the simulator p
    outputs <= --max-short-output, capped at --max-prompt), then the output-heavy requests of
    the next (prompts <= --max-short-prompt, outputs >= --min-long-output, capped at
    --max-output). Each phase keeps the trace's own arrival pattern, compressed by its own
-   --time-scale (a 2-core machine cannot keep the original pace for one and would idle
-   through the other at it).
+   time scale (a 2-core machine cannot keep the original pace for one and would idle through
+   the other at it). Unless given (--input-time-scale, --output-time-scale, --goodput,
+   --slo), the scales and SLOs are fitted to this machine: one core's measured prefill rate
+   and decode step (`probe`, the engine on one pinned core) set phase 1 to offer
+   --input-load times one core's prefill rate and phase 2 --output-load times one core's
+   decode rate at 16 streams; TTFT SLO = 3x the longest prompt's prefill, TPOT SLO = 2x the
+   16-stream decode step.
 2. Layouts, one core per worker (on 2 vCPU: at most two workers beside the router):
    1 prefill + 1 decode; 0 + 2 (decode workers prefill their prompts themselves, in chunks);
    and --autoscale starting at 1 + 1 within two workers, which may switch a worker between
@@ -86,8 +91,8 @@ def layouts(args: argparse.Namespace) -> list[Layout]:
 
 
 # ---- the trace ---------------------------------------------------------------------------
-def shifted_trace(args: argparse.Namespace) -> tuple[list[TraceEntry], float]:
-    """The two phases back to back; returns the entries and when the second phase starts."""
+def trace_phases(args: argparse.Namespace) -> tuple[list[TraceEntry], list[TraceEntry]]:
+    """The input-heavy and the output-heavy requests, at the trace's own pace."""
     entries = load_trace(args.trace)
     first = _window(entries, args.window_start, args.window)
     second = _window(entries, args.window_start + args.window, args.window)
@@ -101,9 +106,79 @@ def shifted_trace(args: argparse.Namespace) -> tuple[list[TraceEntry], float]:
         for e in second
         if e.prompt_len <= args.max_short_prompt and e.output_len >= args.min_long_output
     ]
+    return _rebased(inputs, 1.0, 0.0), _rebased(outputs, 1.0, 0.0)
+
+
+def shifted_trace(
+    phases: tuple[list[TraceEntry], list[TraceEntry]], args: argparse.Namespace
+) -> tuple[list[TraceEntry], float]:
+    """The two phases back to back at their time scales; the entries and when phase 2 starts."""
+    inputs, outputs = phases
     phase_a = _rebased(inputs, args.input_time_scale, 0.0)
     shift_s = phase_a[-1].timestamp + args.gap
     return phase_a + _rebased(outputs, args.output_time_scale, shift_s), shift_s
+
+
+PROBE = """
+import json, os, sys, time
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
+engine = LLMEngine.from_args(num_threads=1, max_num_seqs=64)
+steps = []
+engine.step_observers.append(lambda r: steps.append((r.batch, r.step_s)))
+def run(prompts, max_tokens):
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{len(steps)}-{i}", prompt, SamplingParams(max_tokens=max_tokens,
+                           ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+run([[1000 + i for i in range(600)]], 4)  # warm-up
+steps.clear()
+prompt_len = int(sys.argv[1])
+run([[2000 + i % 7000 for i in range(prompt_len)]], 1)
+prefill_s = sum(s for _, s in steps)
+steps.clear()
+run([[3000 + 97 * j + i for i in range(64)] for j in range(16)], 40)
+decode = sorted(s for batch, s in steps if len(batch) == 16 and all(n == 1 for n, _, _ in batch))
+print(json.dumps({"prefill_tokens_per_s": prompt_len / prefill_s,
+                  "decode_step_s": decode[len(decode) // 2]}))
+"""
+
+
+def probe(max_prompt: int) -> dict:
+    """One pinned core's prefill rate (a --max-prompt prompt, default chunks) and its decode
+    step with 16 streams."""
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, str(max_prompt)], check=True, capture_output=True, text=True
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def fit_to_machine(
+    args: argparse.Namespace, phases: tuple[list[TraceEntry], list[TraceEntry]]
+) -> dict:
+    """Fill the time scales and SLOs not given from the measured speed of one core."""
+    speed = probe(args.max_prompt)
+    inputs, outputs = phases
+    prompt_rate = sum(e.prompt_len for e in inputs) / max(inputs[-1].timestamp, 1.0)
+    output_rate = sum(e.output_len for e in outputs) / max(outputs[-1].timestamp, 1.0)
+    decode_rate = 16 / speed["decode_step_s"]
+    if args.input_time_scale is None:
+        args.input_time_scale = prompt_rate / (args.input_load * speed["prefill_tokens_per_s"])
+    if args.output_time_scale is None:
+        args.output_time_scale = output_rate / (args.output_load * decode_rate)
+    ttft_ms = 3000 * args.max_prompt / speed["prefill_tokens_per_s"]
+    tpot_ms = 2000 * speed["decode_step_s"]
+    if args.goodput is None:
+        args.goodput = [f"ttft:{ttft_ms:.0f}", f"tpot:{tpot_ms:.0f}"]
+    if args.slo is None:  # the planner holds the pools to the goodput SLOs
+        args.slo = ",".join(
+            item.replace("tpot:", "itl:")
+            for item in args.goodput
+            if item.split(":")[0] in ("ttft", "tpot")
+        )
+    return speed
 
 
 def _window(entries: list[TraceEntry], start: float, length: float) -> list[TraceEntry]:
@@ -385,10 +460,12 @@ def report(args, runs: dict, predicted: dict, shift_s: float) -> tuple[str, dict
         "# Autoscaling vs fixed layouts (2 vCPU: at most two one-core workers + the router)",
         "",
         f"Trace: {args.trace.name}; input-heavy phase from {args.window_start:g} s "
-        f"(x{args.input_time_scale:g} time), output-heavy phase from "
-        f"{args.window_start + args.window:g} s (x{args.output_time_scale:g} time), shift at "
+        f"(x{args.input_time_scale:.3g} time), output-heavy phase from "
+        f"{args.window_start + args.window:g} s (x{args.output_time_scale:.3g} time), shift at "
         f"{shift_s:.0f} s of the replay. SLOs: {' '.join(args.goodput)}; planner --slo "
         f"{args.slo}, interval {args.interval:g} s, grace {args.grace:g} s.",
+        f"One core here: prefill {args.speed['prefill_tokens_per_s']:.0f} tokens/s, decode "
+        f"step with 16 streams {args.speed['decode_step_s'] * 1000:.1f} ms.",
         "",
         "| layout | goodput (req/s) | good/completed | TTFT p99 ms | ITL p99 ms | "
         "worker-s | simulated goodput |",
@@ -431,25 +508,39 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("autoscale-bench"))
     parser.add_argument("--trace", type=Path, default=default_trace_path())
     parser.add_argument("--window-start", type=float, default=600.0, help="trace seconds")
-    parser.add_argument("--window", type=float, default=300.0, help="trace seconds per phase")
+    parser.add_argument("--window", type=float, default=200.0, help="trace seconds per phase")
     parser.add_argument("--min-long-prompt", type=int, default=1024)
     parser.add_argument("--max-short-output", type=int, default=64)
     parser.add_argument("--max-prompt", type=int, default=1536)
     parser.add_argument("--max-short-prompt", type=int, default=400)
     parser.add_argument("--min-long-output", type=int, default=150)
     parser.add_argument("--max-output", type=int, default=256)
-    parser.add_argument("--input-time-scale", type=float, default=1.0)
-    parser.add_argument("--output-time-scale", type=float, default=0.25)
+    parser.add_argument("--input-time-scale", type=float, help="default: fitted")
+    parser.add_argument("--output-time-scale", type=float, help="default: fitted")
+    parser.add_argument(
+        "--input-load", type=float, default=0.9, help="phase 1: x one core's prefill rate"
+    )
+    parser.add_argument(
+        "--output-load", type=float, default=1.4, help="phase 2: x one core's decode rate"
+    )
     parser.add_argument("--gap", type=float, default=5.0, help="seconds between the phases")
-    parser.add_argument("--goodput", nargs="+", default=["ttft:4000", "tpot:80"])
-    parser.add_argument("--slo", default="ttft:3000,itl:70", help="the planner's targets")
+    parser.add_argument("--goodput", nargs="+", help="SLOs (default: fitted)")
+    parser.add_argument("--slo", help="the planner's targets (default: the goodput SLOs)")
     parser.add_argument("--interval", type=float, default=5.0)
     parser.add_argument("--grace", type=float, default=15.0)
     parser.add_argument("--layouts", nargs="+", default=["1+1", "0+2", "autoscale"])
     parser.add_argument("--reuse", action="store_true", help="keep runs already in --out")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    entries, shift_s = shifted_trace(args)
+    phases = trace_phases(args)
+    fitted_path = args.out / "fitted.json"
+    if args.reuse and fitted_path.exists():
+        vars(args).update(json.loads(fitted_path.read_text()))
+    else:
+        args.speed = fit_to_machine(args, phases)
+        keys = ("speed", "input_time_scale", "output_time_scale", "goodput", "slo")
+        fitted_path.write_text(json.dumps({k: getattr(args, k) for k in keys}, indent=1))
+    entries, shift_s = shifted_trace(phases, args)
     trace = args.out / "shifted-trace.jsonl"
     write_trace_jsonl(entries, trace)
     num_input = sum(e.timestamp < shift_s for e in entries)

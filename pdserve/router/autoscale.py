@@ -110,6 +110,13 @@ class AutoscaleConfig:
     kv_low: float = 0.5
     # Pending prompt tokens per prefill worker that are HIGH (None: not a signal).
     prefill_tokens_high: int | None = None
+    # A prefill pool is LOW only if its busy time would fit on one worker less below this
+    # fraction; its last worker goes only if its prompts would take at most
+    # `local_prefill_share` of each decode worker's time (they stall its streams there).
+    # (Busy time says nothing of a decode worker's room: it steps back to back even for
+    # one stream, and batches more at little cost; decode LOW reads KV and queues.)
+    utilization_low: float = 0.6
+    local_prefill_share: float = 0.2
 
     def __post_init__(self) -> None:
         for role in PoolRole:
@@ -125,7 +132,15 @@ class AutoscaleConfig:
             raise ValueError(
                 f"max_workers {self.max_workers} is below the pools' minima ({self.min_total})"
             )
-        for name in ("interval_s", "low_fraction", "queue_high", "kv_high", "kv_low"):
+        for name in (
+            "interval_s",
+            "low_fraction",
+            "queue_high",
+            "kv_high",
+            "kv_low",
+            "utilization_low",
+            "local_prefill_share",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("scale_up_intervals", "scale_down_intervals"):
@@ -252,6 +267,8 @@ class WorkerSample:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     num_pending_prompt_tokens: int = 0
+    # Seconds the engine has spent in steps since it started (a counter).
+    busy_s: float = 0.0
     ttft: Histogram = field(default_factory=Histogram)
     itl: Histogram = field(default_factory=Histogram)
 
@@ -265,6 +282,8 @@ class PoolSignals:
     num_waiting: int = 0
     num_pending_prompt_tokens: int = 0
     kv_cache_usage: float = 0.0  # summed over the workers (2.0: two full caches)
+    # Busy fraction over the interval, summed over the workers (1.5: one and a half busy).
+    utilization: float = 0.0
     ttft_p90_s: float | None = None
     itl_p90_s: float | None = None
 
@@ -275,29 +294,34 @@ class PoolSignals:
             "num_waiting": self.num_waiting,
             "num_pending_prompt_tokens": self.num_pending_prompt_tokens,
             "kv_cache_usage": round(self.kv_cache_usage, 4),
+            "utilization": round(self.utilization, 4),
             "ttft_p90_ms": _ms(self.ttft_p90_s),
             "itl_p90_ms": _ms(self.itl_p90_s),
         }
 
 
 def fleet_signals(
-    previous: Mapping[str, WorkerSample], samples: Sequence[WorkerSample]
+    previous: Mapping[str, WorkerSample], samples: Sequence[WorkerSample], elapsed_s: float
 ) -> dict[PoolRole, PoolSignals]:
-    """Each pool's signals from this tick's samples and the previous tick's (by key)."""
+    """Each pool's signals from this tick's samples and the previous tick's (by key),
+    `elapsed_s` apart."""
     signals = {}
     for role in PoolRole:
         pool = [s for s in samples if s.role is role]
-        ttft, itl = Histogram(), Histogram()
+        ttft, itl, busy_s = Histogram(), Histogram(), 0.0
         for sample in pool:
             earlier = previous.get(sample.key)
             ttft = ttft.plus(sample.ttft.minus(earlier.ttft if earlier else None))
             itl = itl.plus(sample.itl.minus(earlier.itl if earlier else None))
+            since = earlier.busy_s if earlier and earlier.busy_s <= sample.busy_s else 0.0
+            busy_s += min(sample.busy_s - since, elapsed_s)
         signals[role] = PoolSignals(
             num_workers=len(pool),
             num_running=sum(s.num_running for s in pool),
             num_waiting=sum(s.num_waiting for s in pool),
             num_pending_prompt_tokens=sum(s.num_pending_prompt_tokens for s in pool),
             kv_cache_usage=sum(s.kv_cache_usage for s in pool),
+            utilization=busy_s / elapsed_s if elapsed_s > 0 else 0.0,
             ttft_p90_s=ttft.quantile(0.9),
             itl_p90_s=itl.quantile(0.9),
         )
@@ -418,8 +442,9 @@ def assess(role: PoolRole, signals: PoolSignals, config: AutoscaleConfig) -> Ass
 
 
 def is_quiet(role: PoolRole, signals: PoolSignals, config: AutoscaleConfig) -> bool:
-    """Nothing queued, the p90 well under its SLO, and (decode) the KV in use would fit on
-    one worker less."""
+    """Nothing queued, the p90 well under its SLO, and the load would fit on one worker
+    less: the KV in use (decode), the busy time (prefill; a lone prefill worker: mostly
+    idle)."""
     target, p90 = (
         (config.slo.ttft_s, signals.ttft_p90_s)
         if role is PoolRole.PREFILL
@@ -431,6 +456,8 @@ def is_quiet(role: PoolRole, signals: PoolSignals, config: AutoscaleConfig) -> b
     n = signals.num_workers
     if role is PoolRole.DECODE and n > 1:
         quiet = quiet and signals.kv_cache_usage / (n - 1) <= config.kv_low
+    if role is PoolRole.PREFILL and n:
+        quiet = quiet and signals.utilization / max(n - 1, 1) <= config.utilization_low
     return quiet
 
 
@@ -507,9 +534,19 @@ class Planner:
             key=lambda r: -self._low[r],
         )
         for role in quiet:
-            if signals[role].num_workers > config.bounds(role)[0]:
+            if signals[role].num_workers > config.bounds(role)[0] and self._may_remove(
+                role, signals
+            ):
                 return Action.REMOVE, role, assessments[role]
         return None
+
+    def _may_remove(self, role: PoolRole, signals: Mapping[PoolRole, PoolSignals]) -> bool:
+        """The last prefill worker goes only if its prompts fit the decode workers' share."""
+        prefill = signals[PoolRole.PREFILL]
+        if role is PoolRole.DECODE or prefill.num_workers > 1:
+            return True
+        num_decode = signals[PoolRole.DECODE].num_workers
+        return prefill.utilization <= self.config.local_prefill_share * num_decode
 
     def _grow(
         self,
@@ -613,6 +650,7 @@ class AutoscaleController:
         self.planner = Planner(config)
         self.ticks: list[Tick] = []
         self._previous: dict[str, WorkerSample] = {}
+        self._previous_time = 0.0  # the drivers' clocks start at 0 with the controller
 
     @property
     def decisions(self) -> list[Decision]:
@@ -625,8 +663,9 @@ class AutoscaleController:
         can_start: Mapping[PoolRole, bool],
     ) -> Decision | None:
         """`samples`: the routable workers, in the order they joined their pools."""
-        signals = fleet_signals(self._previous, samples)
+        signals = fleet_signals(self._previous, samples, now - self._previous_time)
         self._previous = {s.key: s for s in samples}
+        self._previous_time = now
         change = self.planner.decide(now, signals, can_start)
         decision = None
         if change is not None:

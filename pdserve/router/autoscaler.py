@@ -28,11 +28,7 @@ from pdserve.router.autoscale import (
     Decision,
     WorkerSample,
 )
-from pdserve.router.health import (
-    HealthMonitor,
-    parse_histogram,
-    parse_worker_load,
-)
+from pdserve.router.health import HealthMonitor, parse_histogram, parse_total, parse_worker_load
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import PoolRole
 from pdserve.router.pool import Worker, WorkerRegistry
@@ -42,9 +38,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pdserve.router.autoscale")
 
-# The worker histograms the planner reads (`pdserve.server.metrics`).
+# The worker histograms the planner reads (`pdserve.server.metrics`), and the busy seconds.
 TTFT_HISTOGRAM = "pdserve:time_to_first_token_seconds"
 ITL_HISTOGRAM = "pdserve:inter_token_latency_seconds"
+BUSY_SECONDS = "pdserve:engine_step_time_seconds_sum"
 # How often a drained worker's /metrics is polled until its engine is empty.
 _IDLE_POLL_S = 0.2
 
@@ -354,6 +351,7 @@ def _sample(worker: Worker, text: str) -> WorkerSample:
         num_waiting=load.num_waiting or 0,
         kv_cache_usage=load.kv_cache_usage or 0.0,
         num_pending_prompt_tokens=worker.num_inflight_prefill_tokens,
+        busy_s=parse_total(text, BUSY_SECONDS),
         ttft=parse_histogram(text, TTFT_HISTOGRAM),
         itl=parse_histogram(text, ITL_HISTOGRAM),
     )

@@ -156,6 +156,16 @@ def parse_histogram(text: str, name: str) -> Histogram:
     return Histogram(bounds, tuple(buckets[b] for b in bounds))
 
 
+def parse_total(text: str, name: str) -> float:
+    """Sample `name` (a counter, a histogram's ``_sum``) summed over its label sets; 0 when
+    the worker does not export it."""
+    total = 0.0
+    for line in text.splitlines():
+        value = _sample_value(line, name) if line.startswith(name) else None
+        total += value or 0.0
+    return total
+
+
 def _sample_value(line: str, name: str) -> float | None:
     """The value of a sample line ``name{labels} value [timestamp]`` of metric `name`."""
     if not line.startswith(name):

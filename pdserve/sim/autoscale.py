@@ -1,10 +1,10 @@
 """`pdserve simulate --autoscale`: the router's autoscaler on simulated pools.
 
 Every `interval_s` of simulated time, unless a change is under way, each routable worker's
-`WorkerSample` (what its /metrics would say: the scheduler's gauges, TTFT and ITL histograms
-in the server's own buckets, plus the router's pending prompt tokens on it) goes to the same
-`router.autoscale.AutoscaleController` the live router runs, and its decision is carried out
-on the simulated fleet as the router's `FleetActions` would:
+`WorkerSample` (what its /metrics would say: the scheduler's gauges, its busy seconds, TTFT
+and ITL histograms in the server's own buckets, plus the router's pending prompt tokens) goes
+to the same `router.autoscale.AutoscaleController` the live router runs, and its decision is
+carried out on the simulated fleet as the router's `FleetActions` would:
 
 - add: a new worker joins its pool `startup_s` later (its model loads meanwhile);
 - remove: the router stops routing to the worker; it leaves once nothing of it is in flight
@@ -137,6 +137,7 @@ class SimAutoscaler:
                     num_waiting=stats.num_waiting,
                     kv_cache_usage=stats.kv_cache_usage,
                     num_pending_prompt_tokens=entry.num_inflight_prefill_tokens,
+                    busy_s=worker.stats.busy_s,
                     ttft=self._recorder(self._ttft, worker).snapshot(),
                     itl=self._recorder(self._itl, worker).snapshot(),
                 )

@@ -53,6 +53,7 @@ class Fleet:
         self.roles = dict(workers)
         self._ttft = {name: HistogramRecorder(BOUNDS) for name in workers}
         self._itl = {name: HistogramRecorder(BOUNDS) for name in workers}
+        self._busy: dict[str, float] = {}
 
     def add(self, name: str, role: PoolRole) -> None:
         self.roles[name] = role
@@ -60,10 +61,12 @@ class Fleet:
         self._itl[name] = HistogramRecorder(BOUNDS)
 
     def samples(self, **observed: dict) -> list[WorkerSample]:
-        """One tick: `observed[name]` = dict(ttft=[...], itl=[...], waiting=N, kv=F, running=N)."""
+        """One tick (1 s): `observed[name]` = dict(ttft=[...], itl=[...], waiting=N, kv=F,
+        running=N, busy=seconds busy in the tick)."""
         out = []
         for name, role in self.roles.items():
             seen = observed.get(name, {})
+            self._busy[name] = self._busy.get(name, 0.0) + seen.get("busy", 0.0)
             for value in seen.get("ttft", ()):
                 self._ttft[name].observe(value)
             for value in seen.get("itl", ()):
@@ -76,6 +79,7 @@ class Fleet:
                     num_running=seen.get("running", 0),
                     num_waiting=seen.get("waiting", 0),
                     kv_cache_usage=seen.get("kv", 0.0),
+                    busy_s=self._busy.setdefault(name, 0.0),
                     ttft=self._ttft[name].snapshot(),
                     itl=self._itl[name].snapshot(),
                 )
@@ -177,6 +181,21 @@ def test_quiet_pools_shrink_to_their_minimum_one_worker_at_a_time():
     del fleet.roles["p0"]
     quiet.pop("p0")
     assert run(controller, fleet, [quiet] * 10, start=6) == {}
+
+
+def test_a_busy_prefill_pool_is_not_quiet_however_fast_its_prompts():
+    # Prompts answered well within the SLO, but the workers are busy most of the time: one
+    # less would queue them.
+    fleet = Fleet(p0=PREFILL, p1=PREFILL, d0=DECODE)
+    busy = {"p0": {"ttft": FAST_TTFT, "busy": 0.7}, "p1": {"busy": 0.5}, "d0": {"itl": FAST_ITL}}
+    assert run(AutoscaleController(config()), fleet, [busy] * 8) == {}
+    # The last prefill worker goes only if its prompts would take at most a fifth of each
+    # decode worker's time there.
+    for busy_s, expected in ((0.5, {}), (0.15, {Action.REMOVE})):
+        fleet = Fleet(p0=PREFILL, d0=DECODE)
+        lone = {"p0": {"ttft": FAST_TTFT, "busy": busy_s}, "d0": {"itl": FAST_ITL}}
+        decisions = run(AutoscaleController(config()), fleet, [lone] * 8)
+        assert {d.action for d in decisions.values()} == (expected or set())
 
 
 def test_a_decode_pool_whose_load_would_not_fit_one_worker_less_is_not_quiet():

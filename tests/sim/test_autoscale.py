@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from pdserve.launch.provision import WorkerHandle
 from pdserve.router.autoscale import SLO, AutoscaleConfig, WorkerSample
-from pdserve.router.autoscaler import ITL_HISTOGRAM, TTFT_HISTOGRAM, Autoscaler
+from pdserve.router.autoscaler import BUSY_SECONDS, ITL_HISTOGRAM, TTFT_HISTOGRAM, Autoscaler
 from pdserve.router.config import RouterConfig
 from pdserve.router.health import KV_USAGE_GAUGE, RUNNING_GAUGE, WAITING_GAUGE
 from pdserve.router.policies import PoolRole
@@ -133,6 +133,7 @@ def metrics_text(sample: WorkerSample | None) -> str:
         f'{RUNNING_GAUGE}{{model_name="m"}} {sample.num_running}',
         f'{WAITING_GAUGE}{{model_name="m"}} {sample.num_waiting}',
         f'{KV_USAGE_GAUGE}{{model_name="m"}} {sample.kv_cache_usage!r}',
+        f'{BUSY_SECONDS}{{model_name="m"}} {sample.busy_s!r}',
     ]
     for name, histogram in ((TTFT_HISTOGRAM, sample.ttft), (ITL_HISTOGRAM, sample.itl)):
         for bound, count in zip(histogram.bounds, histogram.counts, strict=True):
