@@ -449,3 +449,23 @@ class ModelCard(_Answer):
 class ModelList(_Answer):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class RoleChange(_Body):
+    """``POST /role`` on a worker, ``POST /workers/{id}/role`` on the router: drain, then
+    serve as the other pool's worker (same process, same weights)."""
+
+    role: Literal["prefill", "decode"]
+    timeout_s: float = Field(
+        120.0, gt=0, le=3600, description="how long in-flight work may take to finish"
+    )
+
+
+class RoleSwitched(_Answer):
+    """A worker's answer to ``POST /role``: the seconds it waited for its engine to empty and
+    the switch took."""
+
+    role: Literal["prefill", "decode"]
+    previous_role: Literal["prefill", "decode"]
+    drain_s: float
+    switch_s: float

@@ -15,9 +15,9 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
 from pdserve.core.scheduler import EngineStats
@@ -71,6 +71,16 @@ class EngineProtocol(Protocol):
     def get_stats(self) -> EngineStats: ...
 
     def shutdown(self) -> None: ...
+
+
+@dataclass
+class _IdleCall:
+    """A function to run on the engine thread once nothing is in flight."""
+
+    fn: Callable[[EngineProtocol], Any]
+    future: asyncio.Future
+    queued_at: float
+    deadline: float
 
 
 @dataclass
@@ -159,6 +169,8 @@ class AsyncLLMEngine:
         # Loop side: ids with a live stream (rejects duplicates). Engine side: admitted streams.
         self._active_ids: set[str] = set()
         self._running: dict[str, RequestStream] = {}
+        # Guarded by _lock; while set, new requests wait in `_new` (admitted after it ran).
+        self._idle_call: _IdleCall | None = None
 
     # ---- lifecycle (event loop) ------------------------------------------------------------
     def start(self) -> None:
@@ -249,6 +261,25 @@ class AsyncLLMEngine:
         finally:
             stream.close()
 
+    async def run_when_idle(
+        self, fn: Callable[[EngineProtocol], Any], timeout_s: float
+    ) -> tuple[Any, float]:
+        """Run `fn(engine)` on the engine thread as soon as it has nothing in flight (no
+        request, no KV held or moving); requests arriving meanwhile are admitted after it.
+        Returns `fn`'s result and the seconds spent waiting for the engine to empty.
+
+        Raises `TimeoutError` when the engine is still busy after `timeout_s` (nothing ran),
+        `RuntimeError` while another such call waits, or what `fn` raised."""
+        self._check_alive()
+        now = time.monotonic()
+        future = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if self._idle_call is not None:
+                raise RuntimeError("another engine change is waiting for the engine to empty")
+            self._idle_call = _IdleCall(fn, future, now, now + timeout_s)
+        self._wakeup.set()
+        return await future
+
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe); it leaves the engine before the next step."""
         with self._lock:
@@ -297,6 +328,7 @@ class AsyncLLMEngine:
                 if self._shutdown_due():
                     self._abort_all(outbox)
                     break
+                self._run_idle_call()
                 if self.engine.has_unfinished_requests():
                     self._step(outbox)
                 else:
@@ -327,7 +359,7 @@ class AsyncLLMEngine:
 
     def _apply_inbox(self, outbox: list[tuple[RequestStream, _StreamItem]]) -> None:
         with self._lock:
-            new, self._new = self._new, []
+            new, self._new = ([], self._new) if self._idle_call else (self._new, [])
             aborts, self._aborts = self._aborts, []
         for sub in new:
             outbox.append((sub.stream, self._admit(sub)))
@@ -337,6 +369,31 @@ class AsyncLLMEngine:
                 outbox.append((stream, self._abort(request_id)))
         if new or aborts:
             self._publish_stats()
+
+    def _run_idle_call(self) -> None:
+        with self._lock:
+            call = self._idle_call
+        if call is None:
+            return
+        now = time.monotonic()
+        if self.engine.has_unfinished_requests():
+            if now < call.deadline:
+                return
+            outcome: tuple[Any, BaseException | None] = (
+                None,
+                TimeoutError(f"engine still busy after {call.deadline - call.queued_at:.0f} s"),
+            )
+        else:
+            try:
+                outcome = ((call.fn(self.engine), now - call.queued_at), None)
+            except Exception as exc:
+                outcome = (None, exc)
+        with self._lock:
+            self._idle_call = None
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the event loop is gone
+            self._loop.call_soon_threadsafe(_settle, call.future, *outcome)
+        self._wakeup.set()  # admit what waited
 
     def _admit(self, sub: _Submission) -> _StreamItem:
         stream = sub.stream
@@ -430,6 +487,15 @@ class AsyncLLMEngine:
         # A closed event loop raises RuntimeError: nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(_deliver, items)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller gave up waiting
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _deliver(items: list[tuple[RequestStream, _StreamItem]]) -> None:

@@ -23,6 +23,7 @@ from pdserve.engine.step_log import StepLog, StepRecord, step_batch
 from pdserve.kv_store import KVStore, KVStoreMetrics, LayoutFingerprint, cache_bytes
 from pdserve.kv_store.connector import KVStoreConnector
 from pdserve.kv_store.keys import model_identity
+from pdserve.kv_transfer.config import KVRole
 from pdserve.kv_transfer.connector import KVConnector, add_kv_request
 from pdserve.kv_transfer.protocol import KVLayout
 from pdserve.model.attention import kv_bytes_per_token, resolve_kv_cache_dtype
@@ -343,6 +344,19 @@ class LLMEngine:
     def _release(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)
         self.runner.sampler.release(request_id)
+
+    def switch_kv_role(self, kv_role: KVRole) -> KVRole:
+        """Take the other part in disaggregated serving (prefill ⇄ decode) in place: the
+        weights, the KV cache and its prefix cache stay. Only with nothing in flight (no
+        request, no KV held for or coming from another worker). Returns the previous role."""
+        if self.connector is None:
+            raise ValueError("this worker takes no part in KV transfer (started without --role)")
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot switch roles with requests or KV transfers in flight")
+        previous = self.connector.kv_role
+        self.connector.switch_role(kv_role)
+        logger.info("KV role: %s -> %s", previous.value, kv_role.value)
+        return previous
 
     def shutdown(self) -> None:
         """Stop the KV transport's threads and release its shared memory."""

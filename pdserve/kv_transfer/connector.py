@@ -30,7 +30,7 @@ from pdserve.core.kv_connector import KVConnectorScheduler, KVTransferEvents
 from pdserve.core.request import FinishReason, Request
 from pdserve.core.sampling_params import InvalidParameterError
 from pdserve.kv_transfer.blocks import TORCH_DTYPES
-from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.config import KVRole, KVTransferConfig
 from pdserve.kv_transfer.lease import LeaseManager
 from pdserve.kv_transfer.protocol import KVLayout, KVTransferError, KVTransferParams
 from pdserve.kv_transfer.shm import SharedKVCache, ShmTransport
@@ -255,6 +255,24 @@ class KVConnector(KVConnectorScheduler):
         """How the request's fetch went (bytes, seconds, or the error), once; for the
         timing breakdown and the error message of the fail policy."""
         return self._results.pop(request_id, None)
+
+    @property
+    def kv_role(self) -> KVRole:
+        return self.transport.config.kv_role
+
+    def switch_role(self, kv_role: KVRole) -> None:
+        """Send or receive KV from now on as `kv_role`, on the same cache (a prefill worker
+        turned decode worker, or back). Only between requests: nothing leased, nothing
+        moving, no leg waiting for its KV."""
+        if self._sending or self._remote or self._receiving or self._abandoned:
+            raise RuntimeError("cannot switch the KV role while transfers are under way")
+        self.transport.switch_role(kv_role)
+        is_consumer = self.transport.config.is_consumer
+        if is_consumer and self._receiver is None:
+            self._receiver = BackgroundReceiver(self.transport)
+        elif not is_consumer and self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
 
     def close(self) -> None:
         if self._receiver is not None:

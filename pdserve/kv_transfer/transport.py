@@ -28,14 +28,14 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
 
 from pdserve.kv_transfer.blocks import StagedBlocks, StagingBuffer, byte_view, check_cache
 from pdserve.kv_transfer.client import KVClient, release_lease, release_over
-from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.kv_transfer.config import KVRole, KVTransferConfig
 from pdserve.kv_transfer.lease import LeaseManager
 from pdserve.kv_transfer.protocol import (
     FrameError,
@@ -110,18 +110,39 @@ class KVTransport(ABC):
         self.engine_id = config.engine_id or uuid.uuid4().hex
         self._lock = threading.Lock()
         self._remotes: dict[tuple[str, str, int], RemoteEngine] = {}
-        self._server: KVServer | None = None
+        self._server = self._start_server() if config.is_producer else None
+
+    def _start_server(self) -> KVServer:
+        config = self.config
+        return KVServer(
+            self.kv_cache,
+            self.layout,
+            self.leases,
+            engine_id=self.engine_id,
+            host=config.kv_host,
+            port=config.kv_port,
+            idle_timeout=config.kv_idle_timeout,
+            hello_extra=self._hello_extra(),
+        )
+
+    def switch_role(self, kv_role: KVRole) -> None:
+        """Take part in KV transfer as `kv_role` from now on, in place: the cache and the
+        engine id stay, the KV server starts (a producer) or stops (no longer one). Only with
+        no lease held: the engine calls it between requests."""
+        config = replace(self.config, kv_role=kv_role)
+        if config.is_producer == self.config.is_producer:
+            self.config = config
+            return
+        if self._server is not None:
+            if self.leases.num_held_blocks:
+                raise KVTransferError("cannot stop serving KV while leases are held")
+            self._server.close()
+            self.leases.close()
+            self._server, self.leases = None, None
+        self.config = config
         if config.is_producer:
-            self._server = KVServer(
-                kv_cache,
-                layout,
-                leases,
-                engine_id=self.engine_id,
-                host=config.kv_host,
-                port=config.kv_port,
-                idle_timeout=config.kv_idle_timeout,
-                hello_extra=self._hello_extra(),
-            )
+            self.leases = LeaseManager(config.kv_lease_timeout)
+            self._server = self._start_server()
 
     @property
     def num_blocks(self) -> int:

@@ -2,8 +2,9 @@
 
 `--mode colocated|chunked` (and every worker, `--role prefill|decode`) runs the server on one
 engine (`server.cli.run_server`); `--mode disagg` starts prefill and decode workers and a
-router in front (`launch.local`). Each flag is declared once, in its package; `WORKER_FLAGS`
-says which of them a deployment hands on to its workers.
+router in front (`launch.local`), with `--autoscale` sized by the router's planner. Each
+flag is declared once, in its package; `WORKER_FLAGS` says which of them a deployment hands
+on to its workers.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import shlex
 
 from pdserve.cli import add_flags, flag
 from pdserve.engine.args import ENGINE_FLAGS, KV_STORE_FLAGS, KV_TRANSFER_FLAGS
-from pdserve.router.cli import ROUTING_FLAGS
+from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTING_FLAGS
 from pdserve.server.cli import SERVER_FLAGS, run_server
 
 DISAGG_FLAGS = (
@@ -70,6 +71,7 @@ def add_parser(subparsers) -> None:
     add_flags(parser, "shared KV store", KV_STORE_FLAGS)
     add_flags(parser, "disaggregation (--mode disagg)", DISAGG_FLAGS)
     add_flags(parser, "routing (--mode disagg)", ROUTING_FLAGS)
+    add_flags(parser, "autoscaling (--mode disagg)", AUTOSCALE_FLAGS)
     parser.set_defaults(run=run)
 
 

@@ -6,6 +6,11 @@ all answer /health, then runs the router in this process until SIGINT/SIGTERM an
 child. A worker that dies during startup stops the rest; the launcher exits 1 with its log tail.
 Workers get the flags `launch.cli.worker_argv` gives them, plus their own role, loopback
 address, thread count and step log (one file per worker, named after it).
+
+The workers come from a `LocalProvisioner`, the one-host `Provisioner`: the host's cores are
+cut into slots (one per worker of the initial layout; with ``--autoscale`` one per worker the
+fleet may grow to, at most one per core), and the router's autoscaler starts a worker on a
+free slot and stops a drained one, within the cores it has.
 """
 
 from __future__ import annotations
@@ -19,12 +24,16 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.launch.cli import worker_argv
+from pdserve.launch.provision import WorkerHandle
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
-from pdserve.router.cli import router_config_from_args, serve_router
+from pdserve.router.cli import autoscale_config_from_args, router_config_from_args, serve_router
+from pdserve.router.policies import PoolRole
 from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer
 
 logger = logging.getLogger("pdserve.launch")
@@ -35,66 +44,208 @@ WORKER_HOST = "127.0.0.1"
 def launch_disagg(args: argparse.Namespace) -> int:
     """Run the deployment until SIGINT/SIGTERM; 0 after a clean stop, 1 if startup failed."""
     specs = plan_workers(args)
+    slots = core_slots(args, len(specs))
+    autoscale = autoscale_config_from_args(args, room=len(slots))
     config = router_config_from_args(
         args,
         [s.url for s in specs if s.role == "prefill"],
         [s.url for s in specs if s.role == "decode"],
     )
-    # Workers listen on loopback behind the router, which alone checks the API key.
-    group = WorkerGroup(specs, unset_env=("PDSERVE_API_KEY",))
+    provisioner = LocalProvisioner(args, specs, slots)
     _print_plan(specs)
     with _sigterm_raises_shutdown():
         try:
-            group.start()
-            wait = lambda: group.wait_healthy(args.startup_timeout)  # noqa: E731
+            provisioner.start_initial()
+            wait = lambda: provisioner.wait_healthy(args.startup_timeout)  # noqa: E731
             tokenizer = (
                 _load_tokenizer_while(wait, args.model) if config.needs_token_ids else wait()
             )
             print(f"pdserve disagg: serving on http://{config.host}:{config.port}", flush=True)
-            serve_router(config, tokenizer)
+            serve_router(config, tokenizer, provisioner, autoscale)
         except WorkerStartupError as exc:
             print(f"pdserve serve --mode disagg: {exc}", file=sys.stderr)
             return 1
         except _Shutdown:
             pass
         finally:
-            group.stop()
+            provisioner.stop_all()
     return 0
 
 
-def plan_workers(args: argparse.Namespace) -> list[WorkerSpec]:
-    """Prefill workers then decode workers: ports, cores, commands and log files."""
+def initial_roles(args: argparse.Namespace) -> list[str]:
+    """Prefill workers then decode workers; with --autoscale within the pools' bounds."""
     num_prefill, num_decode = args.prefill_workers, args.decode_workers
     if num_prefill < 0 or num_decode < 1:
         raise ValueError("--decode-workers must be >= 1 and --prefill-workers >= 0")
-    roles = ["prefill"] * num_prefill + ["decode"] * num_decode
-    cores = assign_cores(sorted(os.sched_getaffinity(0)), len(roles))
-    ports = _worker_ports(args.worker_base_port, len(roles))
+    bounds = autoscale_config_from_args(args)
+    if bounds is not None:
+        num_prefill = bounds.clamp(PoolRole.PREFILL, num_prefill)
+        num_decode = bounds.clamp(PoolRole.DECODE, num_decode)
+    return ["prefill"] * num_prefill + ["decode"] * num_decode
+
+
+def core_slots(args: argparse.Namespace, num_initial: int) -> list[tuple[int, ...]]:
+    """The cores of each worker the deployment may run at once: one slot per initial worker,
+    or with --autoscale one per worker the pools may grow to, at most one per core."""
+    cores = sorted(os.sched_getaffinity(0))
+    bounds = autoscale_config_from_args(args)
+    if bounds is None:
+        return assign_cores(cores, num_initial)
+    num_slots = min(bounds.total_limit, len(cores))
+    if num_slots < bounds.total_limit:
+        logger.warning(
+            "--autoscale: %d cores, so at most %d workers (not %d)",
+            len(cores),
+            num_slots,
+            bounds.total_limit,
+        )
+    if num_initial > num_slots:
+        raise ValueError(f"{num_initial} initial workers do not fit on {len(cores)} cores")
+    return assign_cores(cores, max(num_slots, 1))
+
+
+def plan_workers(args: argparse.Namespace) -> list[WorkerSpec]:
+    """The initial workers, prefill then decode: ports, cores, commands and log files."""
+    roles = initial_roles(args)
+    slots = core_slots(args, len(roles))
     log_dir = Path(args.worker_log_dir or tempfile.mkdtemp(prefix="pdserve-disagg-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    flags = {role: worker_argv(args, role) for role in set(roles)}
-    specs, counts = [], {"prefill": 0, "decode": 0}
-    for role, port, worker_cores in zip(roles, ports, cores, strict=True):
+    counts = {"prefill": 0, "decode": 0}
+    specs = []
+    for slot, role in enumerate(roles):
         name = f"{role}-{counts[role]}"
         counts[role] += 1
-        command = (
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "serve",
-            "--role",
-            role,
-            "--host",
-            WORKER_HOST,
-            "--port",
-            str(port),
-            "--num-threads",
-            str(len(worker_cores)),
-            *flags[role],
-            *_step_log_flags(args.step_log, name),
-        )
-        specs.append(WorkerSpec(name, role, port, worker_cores, command, log_dir / f"{name}.log"))
+        port = _worker_port(args.worker_base_port, slot)
+        specs.append(worker_spec(args, role, name, port, slots[slot], log_dir))
     return specs
+
+
+def worker_spec(
+    args: argparse.Namespace,
+    role: str,
+    name: str,
+    port: int,
+    cores: tuple[int, ...],
+    log_dir: Path,
+) -> WorkerSpec:
+    """One worker's command: ``pdserve serve --role ROLE`` on loopback, pinned to `cores`."""
+    command = (
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "serve",
+        "--role",
+        role,
+        "--host",
+        WORKER_HOST,
+        "--port",
+        str(port),
+        "--num-threads",
+        str(len(cores)),
+        *worker_argv(args, role),
+        *_step_log_flags(args.step_log, name),
+    )
+    return WorkerSpec(name, role, port, cores, command, log_dir / f"{name}.log")
+
+
+@dataclass
+class _Child:
+    spec: WorkerSpec
+    group: WorkerGroup
+    slot: int | None  # index into the provisioner's slots (None: cores it does not manage)
+
+    @property
+    def handle(self) -> WorkerHandle:
+        return WorkerHandle(self.spec.name, self.spec.role, self.spec.url)
+
+
+class LocalProvisioner:
+    """Workers as pinned child processes of this host (the one-host `Provisioner`).
+
+    Each worker holds one slot of cores; a new one takes a free slot (and that slot's port
+    with --worker-base-port) and the slot is free again once its worker stopped. Thread-safe:
+    the router starts and stops workers from worker threads."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        initial: Sequence[WorkerSpec],
+        slots: Sequence[tuple[int, ...]],
+    ) -> None:
+        self._args = args
+        self._slots = list(slots)
+        self._log_dir = initial[0].log_path.parent if initial else Path(tempfile.mkdtemp())
+        self._lock = threading.Lock()
+        self._children: dict[str, _Child] = {}
+        self._counts = {"prefill": 0, "decode": 0}
+        for spec in initial:
+            slot = self._slots.index(spec.cores) if spec.cores in self._slots else None
+            if slot is not None and slot in self._used_slots():
+                slot = None
+            self._children[spec.name] = _Child(spec, self._group(spec), slot)
+            self._counts[spec.role] += 1
+
+    # ---- the initial layout, started together (their model loads overlap) ----
+    def start_initial(self) -> None:
+        for child in list(self._children.values()):
+            child.group.start()
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        for child in list(self._children.values()):
+            child.group.wait_healthy(timeout_s)
+
+    # ---- Provisioner ----
+    def start_worker(self, role: str) -> WorkerHandle:
+        with self._lock:
+            slot = self._free_slot()
+            if slot is None:
+                raise WorkerStartupError(f"no free cores for another {role} worker")
+            name = f"{role}-{self._counts[role]}"
+            self._counts[role] += 1
+            port = _worker_port(self._args.worker_base_port, slot)
+            spec = worker_spec(self._args, role, name, port, self._slots[slot], self._log_dir)
+            child = self._children[name] = _Child(spec, self._group(spec), slot)
+        try:
+            child.group.start()
+            child.group.wait_healthy(self._args.startup_timeout)
+        except BaseException:
+            self.stop_worker(name)
+            raise
+        logger.info("started %s on cores %s (%s)", name, spec.cores, spec.url)
+        return child.handle
+
+    def stop_worker(self, name: str) -> None:
+        with self._lock:
+            child = self._children.pop(name, None)
+        if child is not None:
+            child.group.stop()
+            logger.info("stopped %s", name)
+
+    def workers(self) -> list[WorkerHandle]:
+        with self._lock:
+            children = list(self._children.values())
+        return [c.handle for c in children if c.group.is_running(c.spec.name)]
+
+    def can_start(self, role: str) -> bool:
+        with self._lock:
+            return self._free_slot() is not None
+
+    def stop_all(self) -> None:
+        with self._lock:
+            children, self._children = list(self._children.values()), {}
+        for child in children:
+            child.group.stop()
+
+    def _group(self, spec: WorkerSpec) -> WorkerGroup:
+        # Workers listen on loopback behind the router, which alone checks the API key.
+        return WorkerGroup([spec], unset_env=("PDSERVE_API_KEY",))
+
+    def _used_slots(self) -> set[int]:
+        return {c.slot for c in self._children.values() if c.slot is not None}
+
+    def _free_slot(self) -> int | None:
+        used = self._used_slots()
+        return next((i for i in range(len(self._slots)) if i not in used), None)
 
 
 def assign_cores(cores: Sequence[int], num_workers: int) -> list[tuple[int, ...]]:
@@ -128,10 +279,8 @@ def _step_log_flags(path: str | None, worker_name: str) -> list[str]:
     return ["--step-log", str(path.with_name(f"{path.stem}.{worker_name}{path.suffix}"))]
 
 
-def _worker_ports(base_port: int | None, count: int) -> list[int]:
-    if base_port is not None:
-        return [base_port + i for i in range(count)]
-    return [_free_port() for _ in range(count)]
+def _worker_port(base_port: int | None, slot: int) -> int:
+    return base_port + slot if base_port is not None else _free_port()
 
 
 def _free_port() -> int:

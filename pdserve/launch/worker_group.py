@@ -68,6 +68,11 @@ class WorkerGroup:
     def pid(self, name: str) -> int:
         return self._processes[name].pid
 
+    def is_running(self, name: str) -> bool:
+        """Started and not exited."""
+        process = self._processes.get(name)
+        return process is not None and process.poll() is None
+
     def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
         """Return once every worker answers ``GET /health`` with 200. Raises
         `WorkerStartupError` when one exits first or `timeout_s` passes."""

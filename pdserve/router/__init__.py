@@ -8,6 +8,8 @@
 - Pure Python, shared with the simulator: policies (`policies`), workers and pools (`pool`),
   prompts and prefix beliefs (`prefix_index`).
 - Prompt token ids: `tokenizer`. Health checks, circuit breaker, load scraping: `health`.
+- Autoscaling: the pure decisions (`autoscale`, shared with the simulator), the planner loop
+  and the fleet changes it makes, add / drain / switch pools (`autoscaler`).
 - Timing breakdown and metrics: `timing`, `metrics`.
 - The deployments that run a router beside their workers live in `pdserve.launch`.
 

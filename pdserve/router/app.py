@@ -4,14 +4,16 @@ The front door is the server's (`pdserve.api`): the same error envelope, API key
 limit and request models, so the router refuses a bad body itself with the 400 a worker would
 give, and publishes the same document for it. What needs the model (its name, context window,
 vocabulary) only a worker knows: those answers are relayed. Runtime scaling: ``GET /workers``,
-``POST /workers``, ``DELETE /workers/{id}`` (drain).
+``POST /workers``, ``DELETE /workers/{id}`` (drain; a worker the launcher started is then
+stopped), ``POST /workers/{id}/role`` (drain, switch prefill ⇄ decode in place, move pools)
+and, with ``--autoscale``, ``GET /autoscale`` (the planner's decisions).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 from fastapi import FastAPI, Request
@@ -28,10 +30,12 @@ from pdserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelList,
+    RoleChange,
 )
+from pdserve.router.autoscale import AutoscaleConfig
 from pdserve.router.config import RouterConfig, normalize_worker_url
 from pdserve.router.policies import PoolRole
-from pdserve.router.pool import DuplicateWorkerError
+from pdserve.router.pool import DuplicateWorkerError, Worker, WorkerRegistry
 from pdserve.router.runtime import RouterRuntime
 from pdserve.router.tokenizer import PromptTokenizer
 
@@ -41,6 +45,9 @@ WORKER_URL_PATTERN = rf"^https?://[A-Za-z0-9.-]+(?::(?:{_PORT})?)?/?$"
 
 # Besides the worker's answers, relayed: no decode worker could take the request.
 _GENERATION_ERRORS = (*GENERATION_ERRORS, ErrorType.BAD_GATEWAY)
+
+if TYPE_CHECKING:
+    from pdserve.launch.provision import Provisioner
 
 
 class WorkerToAdd(BaseModel):
@@ -76,6 +83,28 @@ class WorkerList(BaseModel):
     workers: list[WorkerRecord]
 
 
+class RoleMoved(BaseModel):
+    """``POST /workers/{id}/role``: the worker's new record and where the time went."""
+
+    worker: WorkerRecord
+    previous_id: str
+    router_drain_s: float = Field(description="until the router had nothing in flight on it")
+    worker_drain_s: float | None = Field(description="until its engine was empty")
+    switch_s: float | None
+    total_s: float
+
+
+class AutoscaleState(BaseModel):
+    """``GET /autoscale`` (`Autoscaler.to_dict`)."""
+
+    config: dict[str, Any]
+    decisions: list[dict[str, Any]]
+    outcomes: list[dict[str, Any]]
+    last_tick: dict[str, Any] | None
+    busy: bool
+    uptime_s: float
+
+
 class PoolHealth(BaseModel):
     routable: int
     total: int
@@ -87,10 +116,16 @@ class RouterHealth(BaseModel):
     decode: PoolHealth
 
 
-def build_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None) -> FastAPI:
+def build_app(
+    config: RouterConfig,
+    tokenizer: PromptTokenizer | None = None,
+    provisioner: Provisioner | None = None,
+    autoscale: AutoscaleConfig | None = None,
+) -> FastAPI:
     """The app; its lifespan starts and stops the `RouterRuntime` (``app.state.runtime``).
-    `tokenizer` None: prompts are tokenized by a worker's ``POST /tokenize``."""
-    runtime = RouterRuntime(config, tokenizer)
+    `tokenizer` None: prompts are tokenized by a worker's ``POST /tokenize``; `provisioner`
+    and `autoscale` as `RouterRuntime` takes them."""
+    runtime = RouterRuntime(config, tokenizer, provisioner, autoscale)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -105,7 +140,7 @@ def build_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None) ->
     install_front_door(
         app,
         api_key=config.api_key,
-        protected_prefixes=("/v1/", "/workers"),
+        protected_prefixes=("/v1/", "/workers", "/autoscale"),
         max_body_bytes=config.max_body_bytes,
     )
     _add_openai_routes(app, runtime)
@@ -223,14 +258,55 @@ def _add_worker_routes(app: FastAPI, runtime: RouterRuntime) -> None:
         ),
     )
     async def drain_worker(worker_id: str) -> JSONResponse:
-        """Stop routing to the worker; it is removed once its in-flight requests finish.
-        200 with ``removed: true`` when that is already so, 202 while it drains."""
-        worker = registry.drain(worker_id)
-        if worker is None:
-            raise APIError(
-                ErrorType.NOT_FOUND, f"no worker with id {worker_id!r}", param="worker_id"
-            )
+        """Stop routing to the worker; it is removed once its in-flight requests finish (and,
+        when the launcher started it, stopped once its engine is empty). 200 with
+        ``removed: true`` when that is already so, 202 while it drains."""
+        worker = _worker(registry, worker_id)
+        is_stopped_after = runtime.actions.owns(worker) and not worker.is_draining
+        registry.drain(worker_id)
+        if is_stopped_after:
+            runtime.in_background(runtime.actions.remove(worker))
         is_removed = not registry.is_registered(worker)
         return JSONResponse(
             {**worker.to_dict(), "removed": is_removed}, status_code=200 if is_removed else 202
         )
+
+    @app.post(
+        "/workers/{worker_id}/role",
+        response_model=None,
+        responses=answers(
+            {200: json_answer(RoleMoved, "switched and moved to the other pool")},
+            ErrorType.NOT_FOUND,
+            ErrorType.CONFLICT,
+            ErrorType.BAD_GATEWAY,
+        ),
+    )
+    async def switch_role(worker_id: str, body: RoleChange) -> JSONResponse:
+        """Move the worker to the other pool without restarting it: stop routing to it, wait
+        for its in-flight requests (and the KV it leases) to finish, have it switch
+        (``POST /role`` on the worker), then route to it as a worker of `role`, under a new
+        id. Answers the new record and the seconds each stage took; 409 when the switch is
+        not possible (same role, the last decode worker, still busy after `timeout_s`)."""
+        worker = _worker(registry, worker_id)
+        result = await runtime.actions.switch(worker, PoolRole(body.role), body.timeout_s)
+        return JSONResponse(result)
+
+    @app.get(
+        "/autoscale",
+        response_model=None,
+        responses=answers(
+            {200: json_answer(AutoscaleState, "the autoscaler's state")}, ErrorType.NOT_FOUND
+        ),
+    )
+    async def autoscale_state() -> JSONResponse:
+        """The planner's config, every decision with its reason, and the latest signals."""
+        if runtime.autoscaler is None:
+            raise APIError(ErrorType.NOT_FOUND, "autoscaling is off (start with --autoscale)")
+        return JSONResponse(runtime.autoscaler.to_dict())
+
+
+def _worker(registry: WorkerRegistry, worker_id: str) -> Worker:
+    worker = registry.get(worker_id)
+    if worker is None:
+        raise APIError(ErrorType.NOT_FOUND, f"no worker with id {worker_id!r}", param="worker_id")
+    return worker

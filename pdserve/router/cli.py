@@ -7,13 +7,19 @@ disagg`; every default is its `RouterConfig` field's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pdserve.cli import add_flags, flag
+from pdserve.router.autoscale import SLO, AutoscaleConfig
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import POLICY_NAMES
 from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer
+
+if TYPE_CHECKING:
+    from pdserve.launch.provision import Provisioner
 
 # Seconds uvicorn lets in-flight streams finish after SIGINT/SIGTERM.
 GRACEFUL_SHUTDOWN_S = 30
@@ -75,6 +81,79 @@ ROUTING_FLAGS = (
         help="bound on each leg's reads (default: none)",
     ),
 )
+AUTOSCALE_FLAGS = (
+    flag(
+        "--autoscale",
+        action="store_true",
+        default=False,
+        help="size each pool on its own signal (TTFT and queues for prefill; ITL, KV usage "
+        "and queues for decode), adding, draining and switching workers between the pools",
+    ),
+    flag("--min-prefill-workers", type=int, default=AutoscaleConfig.min_prefill_workers),
+    flag("--max-prefill-workers", type=int, default=AutoscaleConfig.max_prefill_workers),
+    flag("--min-decode-workers", type=int, default=AutoscaleConfig.min_decode_workers),
+    flag("--max-decode-workers", type=int, default=AutoscaleConfig.max_decode_workers),
+    flag(
+        "--max-workers",
+        type=int,
+        default=AutoscaleConfig.max_workers,
+        help="both pools together (default: the sum of their maxima; on one host at most "
+        "one worker per core)",
+    ),
+    flag(
+        "--slo",
+        default=None,
+        metavar="ttft:MS,itl:MS",
+        help="latency targets: prefill workers are added above the TTFT p90, decode "
+        "workers above the ITL p90",
+    ),
+    flag(
+        "--autoscale-interval",
+        type=float,
+        default=AutoscaleConfig.interval_s,
+        metavar="SECONDS",
+        help="how often the planner decides (at most one change each time)",
+    ),
+    flag(
+        "--autoscale-grace",
+        type=float,
+        default=AutoscaleConfig.grace_s,
+        metavar="SECONDS",
+        help="no further change this long after adding a worker",
+    ),
+    flag(
+        "--no-role-switch",
+        dest="allow_role_switch",
+        action="store_false",
+        default=AutoscaleConfig.allow_role_switch,
+        help="never switch a worker between the pools (only add and drain)",
+    ),
+)
+
+
+def autoscale_config_from_args(
+    args: argparse.Namespace, room: int | None = None
+) -> AutoscaleConfig | None:
+    """The config `AUTOSCALE_FLAGS` give (None without --autoscale); `room`: how many
+    workers the caller can run at once (its cores), when it knows."""
+    if not args.autoscale:
+        return None
+    config = AutoscaleConfig(
+        min_prefill_workers=args.min_prefill_workers,
+        max_prefill_workers=args.max_prefill_workers,
+        min_decode_workers=args.min_decode_workers,
+        max_decode_workers=args.max_decode_workers,
+        max_workers=args.max_workers,
+        slo=SLO.parse(args.slo),
+        interval_s=args.autoscale_interval,
+        grace_s=args.autoscale_grace,
+        allow_role_switch=args.allow_role_switch,
+    )
+    if room is not None and room < config.total_limit:
+        config = dataclasses.replace(config, max_workers=room)
+    return config
+
+
 # The router command's own: its workers, address and key (`serve` has its own of those).
 ROUTER_FLAGS = (
     flag(
@@ -144,14 +223,20 @@ def router_config_from_args(
     )
 
 
-def serve_router(config: RouterConfig, tokenizer: PromptTokenizer | None = None) -> None:
-    """Run the router under uvicorn until SIGINT/SIGTERM."""
+def serve_router(
+    config: RouterConfig,
+    tokenizer: PromptTokenizer | None = None,
+    provisioner: Provisioner | None = None,
+    autoscale: AutoscaleConfig | None = None,
+) -> None:
+    """Run the router under uvicorn until SIGINT/SIGTERM (`provisioner` and `autoscale` as
+    `router.runtime.RouterRuntime` takes them)."""
     import uvicorn
 
     from pdserve.router.app import build_app
 
     uvicorn.run(
-        build_app(config, tokenizer),
+        build_app(config, tokenizer, provisioner, autoscale),
         host=config.host,
         port=config.port,
         log_level="warning",

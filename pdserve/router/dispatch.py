@@ -153,7 +153,7 @@ class Dispatcher:
     ) -> dict[str, Any] | None:
         """The prefill worker's ``kv_transfer_params``, or None when decode prefills."""
         num_uncached = flight.prompt.num_tokens - num_cached_tokens
-        if not self.registry.prefill.workers or (
+        if not self.registry.prefill.is_staffed or (
             num_uncached < self.config.local_prefill_threshold
         ):
             flight.timing.route = Route.LOCAL

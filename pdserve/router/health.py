@@ -9,7 +9,7 @@ policy uses them.
 Only three gauges matter to routing, so the scrape scans lines for their names instead of
 parsing the whole exposition (a worker's /metrics holds many histograms; this runs every few
 seconds per worker on the same cores the workers use). Samples of one gauge with different
-labels are summed.
+labels are summed; so are the buckets of one histogram (`parse_histogram`, the autoscaler's).
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 from collections.abc import Collection
 
 import httpx
 
+from pdserve.router.autoscale import Histogram
 from pdserve.router.policies import PoolRole
 from pdserve.router.pool import ScrapedLoad, Worker, WorkerRegistry, WorkerState
 
@@ -125,6 +127,43 @@ def parse_worker_load(text: str) -> ScrapedLoad:
         num_waiting=None if waiting is None else round(waiting),
         kv_cache_usage=totals.get(KV_USAGE_GAUGE),
     )
+
+
+_LE_LABEL = re.compile(r'(?:^|,)\s*le="([^"]*)"')
+
+
+def parse_histogram(text: str, name: str) -> Histogram:
+    """Histogram `name`'s cumulative buckets (``name_bucket{...,le="X"} N``), label sets
+    summed; empty when the worker does not export it."""
+    prefix = f"{name}_bucket{{"
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        labels, _, rest = line[len(prefix) :].partition("}")
+        match = _LE_LABEL.search(labels)
+        fields = rest.split()
+        if match is None or not fields:
+            continue
+        try:
+            bound, value = float(match.group(1)), float(fields[0])
+        except ValueError:
+            continue
+        buckets[bound] = buckets.get(bound, 0.0) + value
+    if not buckets or math.inf not in buckets:
+        return Histogram()
+    bounds = tuple(sorted(buckets))
+    return Histogram(bounds, tuple(buckets[b] for b in bounds))
+
+
+def parse_total(text: str, name: str) -> float:
+    """Sample `name` (a counter, a histogram's ``_sum``) summed over its label sets; 0 when
+    the worker does not export it."""
+    total = 0.0
+    for line in text.splitlines():
+        value = _sample_value(line, name) if line.startswith(name) else None
+        total += value or 0.0
+    return total
 
 
 def _sample_value(line: str, name: str) -> float | None:

@@ -1,4 +1,5 @@
-"""The router's Prometheus metrics (`pdserve:router_*`), in a registry of its own."""
+"""The router's Prometheus metrics (`pdserve:router_*`, and the autoscaler's
+`pdserve:pool_workers` and `pdserve:scaling_decisions_total`), in a registry of its own."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 
+from pdserve.router.autoscale import Decision
+from pdserve.router.policies import PoolRole
 from pdserve.router.pool import Worker, WorkerState
 from pdserve.router.timing import RequestTiming
 
@@ -56,12 +59,21 @@ class _WorkerCollector:
             "1 when the worker's last health check passed",
             labels=labels,
         )
+        pool_workers = GaugeMetricFamily(
+            "pdserve:pool_workers",
+            "Workers in each pool, not draining (in rotation or about to be)",
+            labels=["role"],
+        )
+        num_in_pool = dict.fromkeys(PoolRole, 0)
         for w in self._workers():
             values = [w.worker_id, w.role.value, w.url]
             up.add_metric(values, float(w.is_routable))
             inflight.add_metric(values, float(w.num_inflight))
             healthy.add_metric(values, float(w.state is WorkerState.HEALTHY))
-        return [up, inflight, healthy]
+            num_in_pool[w.role] += not w.is_draining
+        for role, count in num_in_pool.items():
+            pool_workers.add_metric([role.value], float(count))
+        return [up, inflight, healthy, pool_workers]
 
 
 class RouterMetrics:
@@ -107,6 +119,13 @@ class RouterMetrics:
         self.prefill_retries = Counter(
             "pdserve:router_prefill_retries", "Prefill legs retried on another worker", registry=r
         )
+        self.scaling_decisions = Counter(
+            "pdserve:scaling_decisions",
+            "Autoscaler changes: the pool that gains (up, switch) or loses (down) a worker, "
+            "and the signal that decided it",
+            ["role", "direction", "reason"],
+            registry=r,
+        )
         r.register(_WorkerCollector(workers))
 
     def observe(self, timing: RequestTiming) -> None:
@@ -130,6 +149,11 @@ class RouterMetrics:
             value = reported.get(key)
             if isinstance(value, int | float) and not isinstance(value, bool):
                 histogram.observe(value * scale)
+
+    def count_decision(self, decision: Decision) -> None:
+        self.scaling_decisions.labels(
+            decision.role.value, decision.direction, decision.reason
+        ).inc()
 
     def count_error(self, error_type: str) -> None:
         self.errors.labels(error_type).inc()

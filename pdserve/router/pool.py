@@ -1,11 +1,15 @@
 """Workers as the router sees them (address, health, drain flag, in-flight and scraped load)
-and their pools (prefill, decode): membership, selection through a policy, in-flight leases."""
+and their pools (prefill, decode): membership, selection through a policy, in-flight leases.
+
+Draining: a worker marked draining takes no new request; when its in-flight count reaches 0
+the pool's drain listeners hear of it, and it leaves its pool, unless it is switching pools
+(`WorkerRegistry.move` then puts it in the other one)."""
 
 from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +42,8 @@ class Worker:
     state: WorkerState = WorkerState.UNKNOWN
     # Draining: takes no new requests; removed once `num_inflight` reaches 0.
     is_draining: bool = False
+    # Draining to change pools: stays registered once drained, until it moves.
+    is_switching: bool = False
     num_consecutive_failures: int = 0
     last_error: str | None = None
     num_inflight: int = 0
@@ -69,6 +75,7 @@ class Worker:
             "role": self.role.value,
             "state": self.state.value,
             "draining": self.is_draining,
+            "switching": self.is_switching,
             "num_inflight": self.num_inflight,
             "num_inflight_prefill_tokens": self.num_inflight_prefill_tokens,
             "num_running": self.scraped.num_running,
@@ -118,9 +125,18 @@ class WorkerPool:
         self.policy = policy
         self.prefix_index = prefix_index
         self.workers: dict[str, Worker] = {}
+        # Called with each draining worker once nothing of it is in flight any more.
+        self.drain_listeners: list[Callable[[Worker], None]] = []
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self.workers.values()))
+
+    @property
+    def is_staffed(self) -> bool:
+        """Some worker belongs to the pool and is not draining (in rotation, or out of it
+        until its health returns). A pool whose every worker drains is being emptied on
+        purpose: its requests go elsewhere without counting as failures."""
+        return any(not w.is_draining for w in self.workers.values())
 
     def routable(self, exclude: Collection[str] = ()) -> list[Worker]:
         return [w for w in self.workers.values() if w.is_routable and w.worker_id not in exclude]
@@ -151,8 +167,12 @@ class WorkerPool:
         self.prefix_index.remove_worker(worker_id)
 
     def on_released(self, worker: Worker) -> None:
-        if worker.is_draining and worker.num_inflight == 0:
+        if not (worker.is_draining and worker.num_inflight == 0):
+            return
+        if not worker.is_switching:
             self.remove(worker.worker_id)
+        for listener in self.drain_listeners:
+            listener(worker)
 
 
 class WorkerRegistry:
@@ -188,14 +208,32 @@ class WorkerRegistry:
         pool.add(worker)
         return worker
 
-    def drain(self, worker_id: str) -> Worker | None:
-        """Stop routing to the worker; it leaves its pool once its in-flight count is 0."""
+    def drain(self, worker_id: str, is_switching: bool = False) -> Worker | None:
+        """Stop routing to the worker; once its in-flight count is 0 it leaves its pool, or
+        with `is_switching` waits there for `move`."""
         worker = self.get(worker_id)
         if worker is None:
             return None
         worker.is_draining = True
+        worker.is_switching = is_switching
         self.pools[worker.role].on_released(worker)
         return worker
+
+    def undrain(self, worker: Worker) -> None:
+        """Back in rotation (a switch that failed)."""
+        worker.is_draining = worker.is_switching = False
+
+    def move(self, worker: Worker, role: PoolRole) -> Worker:
+        """A drained worker that now serves as `role` leaves its pool and joins the other
+        under a new id, in the health state it had."""
+        self.pools[worker.role].remove(worker.worker_id)
+        moved = self.add(worker.url, role)
+        moved.state = worker.state
+        return moved
+
+    def add_drain_listener(self, listener: Callable[[Worker], None]) -> None:
+        for pool in self.pools.values():
+            pool.drain_listeners.append(listener)
 
     def is_registered(self, worker: Worker) -> bool:
         return self.pools[worker.role].workers.get(worker.worker_id) is worker

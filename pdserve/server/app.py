@@ -1,8 +1,9 @@
 """The OpenAI-compatible FastAPI app over an `AsyncLLMEngine`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, GET /v1/models,
-GET /health, GET /metrics. `create_app()` wires one engine thread, one metrics registry and the
-front door (`pdserve.api`: errors, API key, body limit).
+GET /health, GET /metrics, and on a disaggregated worker POST /role (switch pools in place).
+`create_app()` wires one engine thread, one metrics registry and the front door
+(`pdserve.api`: errors, API key, body limit).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from pdserve.api.asgi import install_front_door
-from pdserve.api.errors import APIError, ErrorType
+from pdserve.api.errors import APIError, ErrorType, invalid
 from pdserve.api.openapi import GENERATION_ERRORS, answers, generation_route, json_answer
 from pdserve.api.protocol import (
     CHAT_COMPLETIONS,
@@ -28,9 +29,12 @@ from pdserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelList,
+    RoleChange,
+    RoleSwitched,
     TokenizeRequest,
     TokenizeResponse,
 )
+from pdserve.engine.args import ROLE_TO_KV_ROLE
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.server.inputs import (
     ModelInfo,
@@ -92,7 +96,7 @@ def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
     install_front_door(
         app,
         api_key=settings.api_key,
-        protected_prefixes=("/v1/",),
+        protected_prefixes=("/v1/", "/role"),
         max_body_bytes=settings.max_body_bytes,
         on_error=on_error,
     )
@@ -160,6 +164,44 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         """Prometheus text exposition."""
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post(
+        "/role",
+        response_model=None,
+        responses=answers(
+            {200: json_answer(RoleSwitched, "switched")},
+            ErrorType.INVALID_REQUEST,
+            ErrorType.CONFLICT,
+        ),
+    )
+    async def switch_role(body: RoleChange) -> dict:
+        """Serve as a prefill or a decode worker from now on, without reloading anything:
+        once the requests and KV transfers in flight are done (requests arriving meanwhile
+        wait, then run in the new role), the KV connector changes sides. The router stops
+        routing here first (``POST /workers/{id}/role``). Answers the seconds spent waiting
+        for the engine to empty (`drain_s`) and switching (`switch_s`)."""
+        return await _switch_role(state.engine, body)
+
+
+_ROLE_NAMES = {kv_role: name for name, kv_role in ROLE_TO_KV_ROLE.items() if kv_role}
+
+
+async def _switch_role(engine: AsyncLLMEngine, body: RoleChange) -> dict:
+    def switch(llm_engine) -> tuple[str, float]:
+        started = time.perf_counter()
+        previous = llm_engine.switch_kv_role(ROLE_TO_KV_ROLE[body.role])
+        return _ROLE_NAMES[previous], time.perf_counter() - started
+
+    try:
+        (previous, switch_s), drain_s = await engine.run_when_idle(switch, body.timeout_s)
+    except ValueError as exc:
+        raise invalid("role", str(exc)) from exc
+    except (TimeoutError, RuntimeError) as exc:
+        raise APIError(ErrorType.CONFLICT, f"role switch refused: {exc}", code="busy") from exc
+    logger.info(
+        "- /role %s -> %s: drained %.3f s, switched %.3f s", previous, body.role, drain_s, switch_s
+    )
+    return {"role": body.role, "previous_role": previous, "drain_s": drain_s, "switch_s": switch_s}
 
 
 async def _generate(

@@ -19,7 +19,7 @@ from pdserve.core.request import FinishReason
 from pdserve.core.scheduler import EngineStats
 
 # Bucket edges in seconds: CPU decode steps are tens of ms, long CPU prefills seconds.
-_LATENCY_BUCKETS = (
+LATENCY_BUCKETS = (
     0.001,
     0.0025,
     0.005,
@@ -93,33 +93,33 @@ class ServerMetrics:
             return Counter(name, doc, [LABEL], registry=self.registry).labels(model_name)
 
         self.time_to_first_token = histogram(
-            "pdserve:time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS
+            "pdserve:time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
         )
         self.inter_token_latency = histogram(
             "pdserve:inter_token_latency_seconds",
             "Gap between consecutive tokens.",
-            _LATENCY_BUCKETS,
+            LATENCY_BUCKETS,
         )
         self.time_per_output_token = histogram(
             "pdserve:request_time_per_output_token_seconds",
             "Per request: (last token - first token) / (output tokens - 1).",
-            _LATENCY_BUCKETS,
+            LATENCY_BUCKETS,
         )
         self.e2e_latency = histogram(
-            "pdserve:e2e_request_latency_seconds", "Arrival to the last output.", _LATENCY_BUCKETS
+            "pdserve:e2e_request_latency_seconds", "Arrival to the last output.", LATENCY_BUCKETS
         )
         self.queue_time = histogram(
             "pdserve:request_queue_time_seconds",
             "Arrival to first scheduled step.",
-            _LATENCY_BUCKETS,
+            LATENCY_BUCKETS,
         )
         self.prefill_time = histogram(
             "pdserve:request_prefill_time_seconds",
             "Forward-pass time spent on the prompt.",
-            _LATENCY_BUCKETS,
+            LATENCY_BUCKETS,
         )
         self.decode_time = histogram(
-            "pdserve:request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS
+            "pdserve:request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS
         )
         self.prompt_tokens_per_request = histogram(
             "pdserve:request_prompt_tokens", "Prompt tokens per finished request.", _TOKEN_BUCKETS

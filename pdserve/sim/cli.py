@@ -38,7 +38,7 @@ from pdserve.sim.profile_fit import (
     load_profile,
     point_rows,
 )
-from pdserve.sim.report import bench_result, result_json, simulate_band
+from pdserve.sim.report import bench_result, format_decisions, result_json, simulate_band
 from pdserve.sim.simulator import simulate
 
 
@@ -174,6 +174,8 @@ def _simulate(args: argparse.Namespace) -> int:
         if band is not None:
             print("\n".join(band.lines(result.metrics)))
             payload[result.label]["pdserve"]["simulation"]["band"] = band.to_dict()
+        if sim.autoscale is not None:
+            print(format_decisions(sim.autoscale))
         print(
             f"simulated {sim.duration_s:.1f} s of {config.num_devices} × "
             f"{config.hardware.name} in {sim.wall_time_s:.1f} s ({sim.num_events} events)\n"

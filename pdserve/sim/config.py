@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from pdserve.core.config import CacheConfig, SchedulerConfig, SchedulingPolicy
+from pdserve.sim.autoscale import SimAutoscale
 from pdserve.sim.efficiency import Efficiency, default_efficiency
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import Hardware
@@ -75,6 +76,8 @@ class SimConfig:
     horizon_s: float | None = None
     # Seeds the step-time jitter draws of a calibrated `efficiency`.
     seed: int = 0
+    # Disagg: the router's autoscaler resizes the pools as the run goes (None: fixed pools).
+    autoscale: SimAutoscale | None = None
 
     def __post_init__(self) -> None:
         if (self.mode is Mode.DISAGG) != (self.prefill_pool is not None):
@@ -93,6 +96,8 @@ class SimConfig:
             raise SimConfigError("scrape_interval_s must be positive")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise SimConfigError("--max-concurrency must be >= 1")
+        if self.autoscale is not None and self.mode is not Mode.DISAGG:
+            raise SimConfigError("--autoscale sizes the pools of --mode disagg")
         if self.mode is not Mode.DISAGG:
             expected = SchedulingPolicy(self.mode.value)
             if self.pool.scheduler_config.scheduling is not expected:
@@ -120,6 +125,8 @@ class SimConfig:
             budget = pool.scheduler_config.max_num_batched_tokens
             if budget != pre.scheduler_config.max_num_batched_tokens:
                 label += f" decode budget {budget}"
+            if self.autoscale is not None:
+                label += " autoscaled"
             return label
         label = f"{self.mode.value} {pool.num_workers}×TP{pool.tp}"
         if self.mode is Mode.CHUNKED:

@@ -24,8 +24,11 @@ from pdserve.bench.workloads import (
     make_workload,
 )
 from pdserve.bench.workloads.trace_file import TraceEntry
+from pdserve.cli import add_flags
 from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, SchedulerConfig
+from pdserve.router.cli import AUTOSCALE_FLAGS, autoscale_config_from_args
 from pdserve.router.policies import POLICY_NAMES
+from pdserve.sim.autoscale import DEFAULT_STARTUP_S, DEFAULT_SWITCH_S, SimAutoscale
 from pdserve.sim.config import Mode, PoolConfig, SimConfig, scheduler_config_for
 from pdserve.sim.efficiency import Efficiency
 from pdserve.sim.errors import SimConfigError
@@ -137,6 +140,26 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
         "prefills (serve's --decode-worker-args; default: the same budget)",
     )
     lay.add_argument("--horizon", type=float, help="stop the clock after S simulated seconds")
+    add_flags(
+        parser,
+        "autoscaling (disagg: the router's planner on the simulated pools)",
+        (*AUTOSCALE_FLAGS,),
+    )
+    auto = parser.add_argument_group("autoscaling: how long the fleet's changes take")
+    auto.add_argument(
+        "--worker-startup",
+        type=float,
+        default=DEFAULT_STARTUP_S,
+        metavar="SECONDS",
+        help="from the decision to add a worker to its first request (default: %(default)s)",
+    )
+    auto.add_argument(
+        "--role-switch-time",
+        type=float,
+        default=DEFAULT_SWITCH_S,
+        metavar="SECONDS",
+        help="a drained worker's switch to the other pool (default: %(default)s)",
+    )
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
@@ -279,8 +302,20 @@ def layout_config(deployment: Deployment, mode: Mode, **overrides) -> SimConfig:
         decode_budget=a.decode_max_num_batched_tokens,
         local_prefill_threshold=a.local_prefill_threshold,
         horizon_s=a.horizon,
+        autoscale=sim_autoscale(a) if mode is Mode.DISAGG else None,
         **overrides,
     )
+
+
+def sim_autoscale(args: argparse.Namespace) -> SimAutoscale | None:
+    """The autoscaler `simulate --autoscale` runs (None without the flag)."""
+    try:
+        config = autoscale_config_from_args(args)
+        if config is None:
+            return None
+        return SimAutoscale(config, args.worker_startup, args.role_switch_time)
+    except ValueError as exc:
+        raise SimConfigError(str(exc)) from None
 
 
 def parse_modes(text: str) -> list[Mode]:

@@ -85,9 +85,11 @@ def simulation_summary(sim: SimResult) -> dict:
 
 def result_json(sim: SimResult, result: BenchResult) -> dict:
     """The benchmark's result JSON (vLLM keys), with the simulation summary under
-    "pdserve" → "simulation"."""
+    "pdserve" → "simulation" (and the autoscaler's log under "pdserve" → "autoscale")."""
     out = result_to_dict(result)
     out["pdserve"]["simulation"] = simulation_summary(sim)
+    if sim.autoscale is not None:
+        out["pdserve"]["autoscale"] = sim.autoscale
     return out
 
 
@@ -155,3 +157,15 @@ def simulate_band(
         for f in (1 - calibration.band, 1 + calibration.band)
     )
     return Band(calibration.name, calibration.band, low, high)
+
+
+def format_decisions(autoscale: dict) -> str:
+    """The autoscaler's decisions, one line each, and the worker-seconds the fleet held."""
+    lines = [f"autoscaler: {len(autoscale['decisions'])} decisions"]
+    for decision in autoscale["decisions"]:
+        lines.append(
+            f"  {decision['time_s']:8.1f} s  {decision['action']:<6} {decision['role']:<7} "
+            f"{decision['worker_id'] or '':<10} {decision['detail']}"
+        )
+    lines.append(f"worker-seconds: {autoscale['worker_seconds']:.1f}")
+    return "\n".join(lines)

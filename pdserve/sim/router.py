@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.router.policies import PoolRole, make_policy
-from pdserve.router.pool import Lease, ScrapedLoad, WorkerPool, WorkerRegistry, WorkerState
+from pdserve.router.pool import Lease, ScrapedLoad, Worker, WorkerPool, WorkerRegistry, WorkerState
 from pdserve.router.prefix_index import PrefixIndex, PromptInfo
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.worker import SimWorker
@@ -66,10 +66,28 @@ class SimRouter:
         self._sim_workers: dict[str, SimWorker] = {}
         for role, workers in ((PoolRole.PREFILL, prefill), (PoolRole.DECODE, decode)):
             for worker in workers:
-                entry = self.registry.add(f"sim://{worker.worker_id}", role)
-                entry.state = WorkerState.HEALTHY
-                self._sim_workers[entry.worker_id] = worker
-        self.scrape()
+                self.add_worker(worker, role)
+
+    def add_worker(self, worker: SimWorker, role: PoolRole) -> Worker:
+        """Route to `worker` as a member of the `role` pool from now on."""
+        entry = self.registry.add(f"sim://{worker.worker_id}", role)
+        entry.state = WorkerState.HEALTHY
+        self._sim_workers[entry.worker_id] = worker
+        self._scrape(entry)
+        return entry
+
+    def move_worker(self, entry: Worker, role: PoolRole) -> Worker:
+        """A drained worker joins the other pool (`WorkerRegistry.move`: a new id)."""
+        moved = self.registry.move(entry, role)
+        self._sim_workers[moved.worker_id] = self._sim_workers.pop(entry.worker_id)
+        return moved
+
+    def remove_worker(self, entry: Worker) -> None:
+        self.registry.pools[entry.role].remove(entry.worker_id)
+        self._sim_workers.pop(entry.worker_id, None)
+
+    def sim_worker(self, worker_id: str) -> SimWorker:
+        return self._sim_workers[worker_id]
 
     def route(self, prompt_token_ids: list[int]) -> Route:
         """Choose the decode worker, and a prefill worker unless the prompt stays local."""
@@ -84,9 +102,11 @@ class SimRouter:
             self._sim_workers[selection.worker.worker_id], registry.decode.acquire(selection.worker)
         )
         num_uncached = prompt.num_tokens - selection.num_cached_tokens
-        if not registry.prefill.workers or num_uncached < self.local_prefill_threshold:
+        if not registry.prefill.is_staffed or num_uncached < self.local_prefill_threshold:
             return route
         chosen = registry.prefill.select(prompt)
+        if chosen is None:  # every prefill worker out of rotation: the router's fallback
+            return route
         route.prefill = self._sim_workers[chosen.worker.worker_id]
         route.prefill_lease = registry.prefill.acquire(chosen.worker, prompt.num_tokens)
         return route
@@ -94,5 +114,8 @@ class SimRouter:
     def scrape(self) -> None:
         """Refresh every worker's scraped gauges (what its /metrics would say now)."""
         for entry in self.registry.all_workers():
-            stats = self._sim_workers[entry.worker_id].scheduler.get_stats()
-            entry.scraped = ScrapedLoad(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
+            self._scrape(entry)
+
+    def _scrape(self, entry: Worker) -> None:
+        stats = self._sim_workers[entry.worker_id].scheduler.get_stats()
+        entry.scraped = ScrapedLoad(stats.num_running, stats.num_waiting, stats.kv_cache_usage)

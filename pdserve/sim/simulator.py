@@ -1,10 +1,10 @@
 """Discrete-event cluster simulation over the real core scheduler and the router's policies.
 
-Events (arrivals, step ends, KV transfer progress, metric scrapes) run in time order on a
-simulated clock; nothing sleeps. Each worker is a `SimWorker`: the real `Scheduler` and
-`BlockManager` (and, disaggregated, the scheduler side of a KV connector), with the cost model
-in place of the forward pass. Ties at one instant run in the order they were queued, so a run
-is a pure function of its config and requests.
+Events (arrivals, step ends, KV transfer progress, metric scrapes, autoscaler ticks) run in
+time order on a simulated clock; nothing sleeps. Each worker is a `SimWorker`: the real
+`Scheduler` and `BlockManager` (and, disaggregated, the scheduler side of a KV connector),
+with the cost model in place of the forward pass. Ties at one instant run in the order they
+were queued, so a run is a pure function of its config and requests.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from pdserve.bench.records import RequestRecord
 from pdserve.core.config import CacheConfig
 from pdserve.core.request import Request, RequestMetrics
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.router.policies import PoolRole
+from pdserve.router.pool import Worker
+from pdserve.sim.autoscale import SimAutoscaler
 from pdserve.sim.config import PoolConfig, SimConfig
 from pdserve.sim.connector import SimKVConnector
 from pdserve.sim.cost_model import CostModel
@@ -61,6 +64,8 @@ class SimResult:
     duration_s: float
     wall_time_s: float
     num_events: int
+    # With --autoscale: decisions, what they did, worker-seconds (`SimAutoscaler.summary`).
+    autoscale: dict | None = None
 
 
 @dataclass
@@ -101,6 +106,9 @@ class Simulation:
         self._network_generation = 0
         self._channels: dict[tuple[str, int], Channel] = {}
         self._next_device = 0
+        self._num_workers_made: dict[str, int] = {}
+        # Workers an autoscaler removed, with their pool's name.
+        self.retired: list[tuple[str, SimWorker]] = []
         self.prefill = self._build_pool("prefill", config.prefill_pool)
         self.main = self._build_pool("decode" if config.prefill_pool else "main", config.pool)
         self.router = SimRouter(
@@ -111,6 +119,7 @@ class Simulation:
             local_prefill_threshold=config.local_prefill_threshold,
             block_size=config.block_size,
         )
+        self.autoscaler = SimAutoscaler(self, config.autoscale) if config.autoscale else None
 
     # ---- setup -------------------------------------------------------------------------
     def _build_pool(self, name: str, pool: PoolConfig | None) -> Pool | None:
@@ -126,19 +135,62 @@ class Simulation:
             efficiency=cfg.resolved_efficiency,
             inter_node_link=cfg.network,
         )
-        sched = pool.scheduler_config
-        num_blocks = self._num_kv_blocks(cost, sched)
-        cache = CacheConfig(cfg.block_size, num_blocks, cfg.enable_prefix_caching)
-        workers = []
-        for i in range(pool.num_workers):
-            node = self._next_device // cfg.hardware.devices_per_node
-            self._next_device += pool.tp
-            worker = SimWorker(f"{name}-{i}", cost, sched, cache, node, seed=cfg.seed)
-            if cfg.prefill_pool is not None:
-                worker.connector = SimKVConnector(partial(self._start_kv_transfer, worker))
-                worker.scheduler.connector = worker.connector
-            workers.append(worker)
-        return Pool(name, pool, cost, workers, num_blocks)
+        built = Pool(name, pool, cost, [], self._num_kv_blocks(cost, pool.scheduler_config))
+        built.workers = [self._new_worker(built) for _ in range(pool.num_workers)]
+        return built
+
+    def _new_worker(self, pool: Pool) -> SimWorker:
+        cfg = self.config
+        index = self._num_workers_made.get(pool.name, 0)
+        self._num_workers_made[pool.name] = index + 1
+        node = self._next_device // cfg.hardware.devices_per_node
+        self._next_device += pool.config.tp
+        cache = CacheConfig(cfg.block_size, pool.num_kv_blocks, cfg.enable_prefix_caching)
+        worker = SimWorker(
+            f"{pool.name}-{index}",
+            pool.cost_model,
+            pool.config.scheduler_config,
+            cache,
+            node,
+            seed=cfg.seed,
+        )
+        if cfg.prefill_pool is not None:
+            worker.connector = SimKVConnector(partial(self._start_kv_transfer, worker))
+            worker.scheduler.connector = worker.connector
+        return worker
+
+    # ---- the fleet changes of an autoscaler ------------------------------------------
+    def _pool_of(self, role: PoolRole) -> Pool:
+        return self.prefill if role is PoolRole.PREFILL else self.main
+
+    def add_worker(self, role: PoolRole) -> SimWorker:
+        """A new worker of the `role` pool, starting (the router routes to it once
+        `router.add_worker` registers it)."""
+        pool = self._pool_of(role)
+        worker = self._new_worker(pool)
+        pool.workers.append(worker)
+        return worker
+
+    def remove_worker(self, entry: Worker) -> None:
+        """A drained worker leaves its pool (its step totals stay in `retired`)."""
+        worker = self.router.sim_worker(entry.worker_id)
+        self.router.remove_worker(entry)
+        self._pool_of(entry.role).workers.remove(worker)
+        self.retired.append((self._pool_of(entry.role).name, worker))
+
+    def move_worker(self, entry: Worker, role: PoolRole) -> Worker:
+        """A drained worker serves the `role` pool from now on (same engine, same cache)."""
+        worker = self.router.sim_worker(entry.worker_id)
+        self._pool_of(entry.role).workers.remove(worker)
+        self._pool_of(role).workers.append(worker)
+        return self.router.move_worker(entry, role)
+
+    def schedule(self, when: float, handler: Callable[[object], None]) -> None:
+        self._push(when, handler, None)
+
+    @property
+    def has_open_requests(self) -> bool:
+        return self._num_open > 0
 
     def _num_kv_blocks(self, cost: CostModel, sched) -> int:
         cfg = self.config
@@ -158,6 +210,8 @@ class Simulation:
         for spec in self.specs:
             self._push(spec.arrival_time, self._on_arrival, spec)
         self._push(0.0, self._on_scrape, None)
+        if self.autoscaler is not None:
+            self.autoscaler.start()
         num_events = 0
         horizon = self.config.horizon_s
         while self._events:
@@ -174,11 +228,16 @@ class Simulation:
         return SimResult(
             config=self.config,
             records=list(self.records.values()),
-            pool_stats={p.name: [w.stats for w in p.workers] for p in pools},
+            pool_stats={
+                p.name: [w.stats for w in p.workers]
+                + [w.stats for name, w in self.retired if name == p.name]
+                for p in pools
+            },
             num_kv_blocks={p.name: p.num_kv_blocks for p in pools},
             duration_s=self.now,
             wall_time_s=time.perf_counter() - started,
             num_events=num_events,
+            autoscale=self.autoscaler.summary() if self.autoscaler else None,
         )
 
     def _push(self, when: float, handler: Callable, arg: object) -> None:
@@ -280,6 +339,8 @@ class Simulation:
         end = worker.start_step(self.now)
         if end is not None:
             self._push(end, self._on_step_done, worker)
+        elif self.autoscaler is not None:
+            self.autoscaler.on_idle(worker)
 
     def _on_step_done(self, worker: SimWorker) -> None:
         sampled, finished = worker.finish_step()
@@ -288,13 +349,18 @@ class Simulation:
                 self._on_prefill_done(worker, leg)
         else:
             for request in sampled:
-                self._on_token(request)
+                self._on_token(worker, request)
             for request in finished:
                 self._on_finished(request)
         self._on_kick(worker)
 
-    def _on_token(self, request: Request) -> None:
+    def _on_token(self, worker: SimWorker, request: Request) -> None:
         record = self.records[request.request_id]
+        if self.autoscaler is not None:  # what the worker's TTFT / ITL histograms see
+            if record.token_times:
+                self.autoscaler.on_itl(worker, self.now - record.token_times[-1])
+            else:
+                self.autoscaler.on_ttft(worker, self.now - request.metrics.arrival_time)
         if not record.token_times:
             self._release_unread_kv(request.request_id)
         record.token_times.append(self.now)
@@ -313,6 +379,8 @@ class Simulation:
         """The prefill leg answered: the router sends the decode leg with the KV's address."""
         record = self.records[leg.request_id]
         record.server_extra["prefill_ms"] = (self.now - record.send_time) * 1000
+        if self.autoscaler is not None:
+            self.autoscaler.on_ttft(prefill_worker, self.now - leg.metrics.arrival_time)
         _add_extra(record, "num_preemptions", leg.num_preemptions)
         route = self._routes[leg.request_id]
         route.prefill_lease.release()

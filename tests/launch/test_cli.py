@@ -17,7 +17,7 @@ from pdserve.engine.args import (
 )
 from pdserve.launch.cli import DISAGG_FLAGS, PER_WORKER_FLAGS, WORKER_FLAGS
 from pdserve.launch.local import plan_workers
-from pdserve.router.cli import ROUTER_FLAGS, ROUTING_FLAGS
+from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTER_FLAGS, ROUTING_FLAGS
 from pdserve.router.cli import add_parser as add_router_parser
 from pdserve.server.cli import SERVER_FLAGS
 from tests.launch.test_launcher import serve_parser
@@ -29,6 +29,7 @@ GROUPS = (
     "shared KV store",
     "disaggregation (--mode disagg)",
     "routing (--mode disagg)",
+    "autoscaling (--mode disagg)",
 )
 
 
@@ -57,6 +58,7 @@ def test_serve_help_is_grouped_and_lists_each_flag_once():
         KV_STORE_FLAGS,
         DISAGG_FLAGS,
         ROUTING_FLAGS,
+        AUTOSCALE_FLAGS,
     )
     for heading, flags in zip(GROUPS, declared, strict=True):
         assert sections[heading] == [f.name for f in flags]
@@ -92,6 +94,8 @@ PATCHES = [
     ("pdserve.router.config", "RouterConfig", "balance_factor", 3.5),
     ("pdserve.router.config", "RouterConfig", "unhealthy_threshold", 4),
     ("pdserve.sim.config", "SimConfig", "memory_utilization", 0.5),
+    ("pdserve.router.autoscale", "AutoscaleConfig", "interval_s", 4.5),
+    ("pdserve.router.autoscale", "AutoscaleConfig", "max_decode_workers", 6),
 ]
 CHANGED = """
 import importlib, json, sys
@@ -137,6 +141,7 @@ def test_a_default_changed_in_its_field_shows_in_every_command_line():
     assert serve["unhealthy_threshold"] == router["unhealthy_threshold"] == 4
     assert simulate["max_num_partial_prefills"] == 3
     assert simulate["memory_utilization"] == 0.5
+    assert (serve["autoscale_interval"], serve["max_decode_workers"]) == (4.5, 6)
 
 
 def test_workers_take_the_engine_kv_and_server_limit_flags_and_nothing_else():
@@ -144,7 +149,7 @@ def test_workers_take_the_engine_kv_and_server_limit_flags_and_nothing_else():
     assert len(names) == len(set(names))
     for flags in (ENGINE_FLAGS, KV_TRANSFER_FLAGS, KV_STORE_FLAGS, SERVER_FLAGS):
         assert {f.name for f in flags} <= set(names) | PER_WORKER_FLAGS
-    assert not {f.name for f in (*DISAGG_FLAGS, *ROUTING_FLAGS)} & set(names)
+    assert not {f.name for f in (*DISAGG_FLAGS, *ROUTING_FLAGS, *AUTOSCALE_FLAGS)} & set(names)
 
 
 # Every worker flag at a value other than its default, and the launcher's own.
