@@ -5,7 +5,9 @@ separate processes, each pinned to its own cores with one torch thread per core,
 all answer /health, then runs the router in this process until SIGINT/SIGTERM and stops every
 child. A worker that dies during startup stops the rest; the launcher exits 1 with its log tail.
 Workers get the flags `launch.cli.worker_argv` gives them, plus their own role, loopback
-address, thread count and step log (one file per worker, named after it).
+address, thread count and step log (one file per worker, named after it), and with
+`--worker-auth` the deployment's fleet secret in their environment (`launch.fleet`).
+`run_deployment` is the part every launcher shares (the Ray one too).
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from pdserve.launch.cli import worker_argv
+from pdserve.launch.fleet import FLEET_SECRET_ENV, deployment_secret
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
 from pdserve.router.cli import router_config_from_args, serve_router
+from pdserve.router.config import RouterConfig
+from pdserve.router.runtime import Discover
 from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer
 
 logger = logging.getLogger("pdserve.launch")
@@ -35,30 +40,53 @@ WORKER_HOST = "127.0.0.1"
 def launch_disagg(args: argparse.Namespace) -> int:
     """Run the deployment until SIGINT/SIGTERM; 0 after a clean stop, 1 if startup failed."""
     specs = plan_workers(args)
+    # Workers listen on loopback, so a secret is opt-in here (--worker-auth).
+    secret = deployment_secret() if args.worker_auth else None
     config = router_config_from_args(
         args,
         [s.url for s in specs if s.role == "prefill"],
         [s.url for s in specs if s.role == "decode"],
+        secret,
     )
-    # Workers listen on loopback behind the router, which alone checks the API key.
-    group = WorkerGroup(specs, unset_env=("PDSERVE_API_KEY",))
+    # Workers listen behind the router, which alone checks the API key.
+    group = WorkerGroup(
+        specs,
+        unset_env=("PDSERVE_API_KEY", FLEET_SECRET_ENV),
+        env={FLEET_SECRET_ENV: secret} if secret else None,
+    )
     _print_plan(specs)
+
+    def start() -> None:
+        group.start()
+        group.wait_healthy(args.startup_timeout)
+
+    return run_deployment(args, config, start, group.stop)
+
+
+def run_deployment(
+    args: argparse.Namespace,
+    config: RouterConfig,
+    start: Callable[[], None],
+    stop: Callable[[], None],
+    discover: Discover | None = None,
+) -> int:
+    """`start` the workers (returns once all are healthy, or raises `WorkerStartupError`), run
+    the router in this process until SIGINT/SIGTERM, and `stop` them whatever happened; 0
+    after a clean stop, 1 if startup failed."""
     with _sigterm_raises_shutdown():
         try:
-            group.start()
-            wait = lambda: group.wait_healthy(args.startup_timeout)  # noqa: E731
             tokenizer = (
-                _load_tokenizer_while(wait, args.model) if config.needs_token_ids else wait()
+                _load_tokenizer_while(start, args.model) if config.needs_token_ids else start()
             )
             print(f"pdserve disagg: serving on http://{config.host}:{config.port}", flush=True)
-            serve_router(config, tokenizer)
+            serve_router(config, tokenizer, discover)
         except WorkerStartupError as exc:
             print(f"pdserve serve --mode disagg: {exc}", file=sys.stderr)
             return 1
         except _Shutdown:
             pass
         finally:
-            group.stop()
+            stop()
     return 0
 
 
@@ -91,7 +119,7 @@ def plan_workers(args: argparse.Namespace) -> list[WorkerSpec]:
             "--num-threads",
             str(len(worker_cores)),
             *flags[role],
-            *_step_log_flags(args.step_log, name),
+            *step_log_flags(args.step_log, name),
         )
         specs.append(WorkerSpec(name, role, port, worker_cores, command, log_dir / f"{name}.log"))
     return specs
@@ -120,7 +148,7 @@ def assign_cores(cores: Sequence[int], num_workers: int) -> list[tuple[int, ...]
     return shares
 
 
-def _step_log_flags(path: str | None, worker_name: str) -> list[str]:
+def step_log_flags(path: str | None, worker_name: str) -> list[str]:
     """Each worker logs its steps to its own file: steps.jsonl -> steps.prefill-0.jsonl."""
     if path is None:
         return []
@@ -131,12 +159,12 @@ def _step_log_flags(path: str | None, worker_name: str) -> list[str]:
 def _worker_ports(base_port: int | None, count: int) -> list[int]:
     if base_port is not None:
         return [base_port + i for i in range(count)]
-    return [_free_port() for _ in range(count)]
+    return [free_port() for _ in range(count)]
 
 
-def _free_port() -> int:
+def free_port(host: str = WORKER_HOST) -> int:
     with socket.socket() as sock:
-        sock.bind((WORKER_HOST, 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

@@ -23,7 +23,7 @@ from pdserve.api.protocol import RoutedRequest
 from pdserve.router.config import RouterConfig, normalize_worker_url
 from pdserve.router.policies import PoolRole
 from pdserve.router.pool import DuplicateWorkerError
-from pdserve.router.runtime import RouterRuntime
+from pdserve.router.runtime import Discover, RouterRuntime
 from pdserve.router.tokenizer import PromptTokenizer
 
 COMPLETIONS = "/v1/completions"
@@ -39,10 +39,15 @@ class WorkerToAdd(BaseModel):
     role: Literal["prefill", "decode"]
 
 
-def build_app(config: RouterConfig, tokenizer: PromptTokenizer | None = None) -> FastAPI:
+def build_app(
+    config: RouterConfig,
+    tokenizer: PromptTokenizer | None = None,
+    discover: Discover | None = None,
+) -> FastAPI:
     """The app; its lifespan starts and stops the `RouterRuntime` (``app.state.runtime``).
-    `tokenizer` None: prompts are tokenized by a worker's ``POST /tokenize``."""
-    runtime = RouterRuntime(config, tokenizer)
+    `tokenizer` None: prompts are tokenized by a worker's ``POST /tokenize``; `discover`:
+    the workers of a provisioner (a cluster) besides the configured ones."""
+    runtime = RouterRuntime(config, tokenizer, discover)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -125,7 +130,15 @@ def _add_worker_routes(app: FastAPI, runtime: RouterRuntime) -> None:
     @app.post("/workers", responses=ERROR_RESPONSES)
     async def add_worker(body: WorkerToAdd) -> JSONResponse:
         """The worker is health-checked at once and joins rotation when that passes (201
-        either way)."""
+        either way). A router holding a fleet secret presents it to the worker, so only an
+        operator with the router's API key may add one."""
+        if runtime.config.fleet_secret is not None and runtime.config.api_key is None:
+            raise APIError(
+                ErrorType.PERMISSION,
+                "this deployment's workers share a fleet secret the router would present to "
+                "any URL added here: start the router with --api-key to add workers by URL",
+                param="url",
+            )
         try:
             worker = registry.add(normalize_worker_url(body.url, "url"), PoolRole(body.role))
         except DuplicateWorkerError as exc:

@@ -9,11 +9,16 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pdserve.cli import add_flags, flag
+from pdserve.launch.fleet import fleet_secret_from_env
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import POLICY_NAMES
 from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer
+
+if TYPE_CHECKING:
+    from pdserve.router.runtime import Discover
 
 # Seconds uvicorn lets in-flight streams finish after SIGINT/SIGTERM.
 GRACEFUL_SHUTDOWN_S = 30
@@ -115,10 +120,14 @@ def add_parser(subparsers) -> None:
 
 
 def router_config_from_args(
-    args: argparse.Namespace, prefill_urls: Sequence[str], decode_urls: Sequence[str]
+    args: argparse.Namespace,
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    fleet_secret: str | None = None,
 ) -> RouterConfig:
     """A `RouterConfig` from `ROUTING_FLAGS` plus --host, --port, --api-key and --block-size."""
     return RouterConfig(
+        fleet_secret=fleet_secret,
         prefill_urls=tuple(prefill_urls),
         decode_urls=tuple(decode_urls),
         prefill_policy=args.prefill_policy or args.policy,
@@ -136,14 +145,18 @@ def router_config_from_args(
     )
 
 
-def serve_router(config: RouterConfig, tokenizer: PromptTokenizer | None = None) -> None:
+def serve_router(
+    config: RouterConfig,
+    tokenizer: PromptTokenizer | None = None,
+    discover: Discover | None = None,
+) -> None:
     """Run the router under uvicorn until SIGINT/SIGTERM."""
     import uvicorn
 
     from pdserve.router.app import build_app
 
     uvicorn.run(
-        build_app(config, tokenizer),
+        build_app(config, tokenizer, discover),
         host=config.host,
         port=config.port,
         log_level="warning",
@@ -153,7 +166,8 @@ def serve_router(config: RouterConfig, tokenizer: PromptTokenizer | None = None)
 
 
 def run(args: argparse.Namespace) -> int:
-    config = router_config_from_args(args, args.prefill, args.decode)
+    # Workers started by hand into a guarded deployment share its $PDSERVE_FLEET_SECRET.
+    config = router_config_from_args(args, args.prefill, args.decode, fleet_secret_from_env())
     tokenizer = None
     if args.tokenizer is not None and config.needs_token_ids:
         tokenizer = LocalTokenizer.load(args.tokenizer)

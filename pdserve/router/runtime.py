@@ -1,12 +1,17 @@
-"""A running router's parts: pools, HTTP client, health monitor, metrics, dispatcher."""
+"""A running router's parts: pools, HTTP client, health monitor, metrics, dispatcher, and the
+discovery that keeps the pools equal to a provisioner's workers (a cluster's)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+from collections.abc import Callable, Sequence
 
 import httpx
 
+from pdserve.launch.fleet import bearer_headers
+from pdserve.launch.provision import WorkerHandle
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.health import HealthMonitor
@@ -15,6 +20,11 @@ from pdserve.router.policies import PoolRole, RoundRobin, make_policy
 from pdserve.router.pool import WorkerPool, WorkerRegistry
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.tokenizer import PromptTokenizer, RemoteTokenizer
+
+logger = logging.getLogger("pdserve.router")
+
+# Discovery: the workers running now, as their provisioner knows them (`Provisioner.workers`).
+Discover = Callable[[], Sequence[WorkerHandle]]
 
 
 def build_registry(config: RouterConfig) -> WorkerRegistry:
@@ -41,10 +51,21 @@ class RouterRuntime:
     """Built at app creation; `start` (in the event loop) opens the connection pool, runs the
     first health round and starts the periodic checks; `stop` undoes it."""
 
-    def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer | None = None) -> None:
-        """`tokenizer` None: prompts are tokenized by a worker's ``POST /tokenize``."""
+    def __init__(
+        self,
+        config: RouterConfig,
+        tokenizer: PromptTokenizer | None = None,
+        discover: Discover | None = None,
+    ) -> None:
+        """`tokenizer` None: prompts are tokenized by a worker's ``POST /tokenize``.
+        `discover`: where workers come from besides the configured URLs, read before every
+        health round (`sync_discovered`)."""
+        if not config.decode_urls and discover is None:
+            raise ValueError("--decode: at least one decode worker URL is required")
         self.config = config
         self._tokenizer = tokenizer
+        self._discover = discover
+        self._discovered: set[str] = set()
         self.registry = build_registry(config)
         self.metrics = RouterMetrics(self.registry.all_workers)
         self._client: httpx.AsyncClient | None = None
@@ -78,6 +99,9 @@ class RouterRuntime:
                 max_connections=None, max_keepalive_connections=256, keepalive_expiry=4.0
             ),
             trust_env=False,
+            # Every leg, health check and scrape is the fleet's (the client's own
+            # Authorization header is never relayed).
+            headers=bearer_headers(config.fleet_secret),
         )
         scrape = [
             role
@@ -98,8 +122,35 @@ class RouterRuntime:
         self._dispatcher = Dispatcher(
             config, self.registry, self._client, self._health, self.metrics, tokenizer
         )
+        self.sync_discovered()
         await self._health.check_all()
-        self._health_task = asyncio.create_task(self._health.run())
+        self._health_task = asyncio.create_task(self._health.run(self.sync_discovered))
+
+    def sync_discovered(self) -> None:
+        """Make the discovered part of the pools the provisioner's workers: a new one joins
+        (in rotation once its first health check passes), one that is gone (its node or actor
+        died, or it was stopped) leaves rotation now and the pool once its in-flight requests
+        have ended (on a dead worker they fail and release it at once)."""
+        if self._discover is None:
+            return
+        handles = {handle.name: handle for handle in self._discover()}
+        for name in sorted(self._discovered - set(handles)):
+            self._discovered.discard(name)
+            worker = self.registry.get(name)
+            if worker is not None:
+                self.health.report_failure(worker, "gone from its provisioner")
+                self.registry.drain(name)
+        for name in sorted(set(handles) - self._discovered):
+            handle = handles[name]
+            try:
+                self.registry.add(
+                    handle.url, PoolRole(handle.role), worker_id=name, node_id=handle.node_id
+                )
+            except ValueError as exc:  # a worker registered by URL already
+                logger.warning("discovered worker %s not added: %s", name, exc)
+                continue
+            self._discovered.add(name)
+            logger.info("discovered %s worker %s at %s", handle.role, name, handle.url)
 
     async def stop(self) -> None:
         if self._health_task is not None:

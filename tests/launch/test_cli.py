@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from pdserve.engine.args import ENGINE_FLAGS, KV_TRANSFER_FLAGS, engine_config_from_args
-from pdserve.launch.cli import DISAGG_FLAGS, PER_WORKER_FLAGS, WORKER_FLAGS
+from pdserve.launch.cli import CLUSTER_FLAGS, DISAGG_FLAGS, PER_WORKER_FLAGS, WORKER_FLAGS
 from pdserve.launch.local import plan_workers
 from pdserve.router.cli import ROUTER_FLAGS, ROUTING_FLAGS
 from pdserve.router.cli import add_parser as add_router_parser
@@ -22,6 +22,7 @@ GROUPS = (
     "engine",
     "KV transfer (disaggregated workers)",
     "disaggregation (--mode disagg)",
+    "cluster (--mode disagg)",
     "routing (--mode disagg)",
 )
 
@@ -44,7 +45,14 @@ def test_serve_help_is_grouped_and_lists_each_flag_once():
     assert [h for h in sections if h != "options"] == list(GROUPS)
     listed = [name for options in sections.values() for name in options]
     assert len(listed) == len(set(listed)), sorted(n for n in listed if listed.count(n) > 1)
-    declared = (SERVER_FLAGS, ENGINE_FLAGS, KV_TRANSFER_FLAGS, DISAGG_FLAGS, ROUTING_FLAGS)
+    declared = (
+        SERVER_FLAGS,
+        ENGINE_FLAGS,
+        KV_TRANSFER_FLAGS,
+        DISAGG_FLAGS,
+        CLUSTER_FLAGS,
+        ROUTING_FLAGS,
+    )
     for heading, flags in zip(GROUPS, declared, strict=True):
         assert sections[heading] == [f.name for f in flags]
 
@@ -129,7 +137,7 @@ def test_workers_take_the_engine_kv_and_server_limit_flags_and_nothing_else():
     assert len(names) == len(set(names))
     for flags in (ENGINE_FLAGS, KV_TRANSFER_FLAGS, SERVER_FLAGS):
         assert {f.name for f in flags} <= set(names) | PER_WORKER_FLAGS
-    assert not {f.name for f in (*DISAGG_FLAGS, *ROUTING_FLAGS)} & set(names)
+    assert not {f.name for f in (*DISAGG_FLAGS, *CLUSTER_FLAGS, *ROUTING_FLAGS)} & set(names)
 
 
 # Every worker flag at a value other than its default, and the launcher's own.
@@ -142,6 +150,7 @@ EVERY_WORKER_FLAG = [
     *("--kv-cache-memory-gb", "2.5", "--no-prefix-caching", "--max-model-len", "1000"),
     *("--seed", "7", "--kv-transport", "tcp", "--kv-host", "0.0.0.0", "--kv-port", "5555"),
     *("--kv-advertise-host", "h", "--kv-lease-timeout", "3", "--kv-transfer-timeout", "4"),
+    *("--kv-node-id", "node-1"),
     "--kv-failure-policy",
     "fail",
 ]
