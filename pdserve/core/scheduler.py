@@ -89,6 +89,8 @@ class Scheduler:
         cache_config: CacheConfig,
         connector: KVConnectorScheduler | None = None,
     ) -> None:
+        if scheduler_config.max_model_len is None:
+            raise ValueError("max_model_len must be resolved (the engine sets it at load time)")
         self.config = scheduler_config
         self.block_manager = BlockManager(
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
