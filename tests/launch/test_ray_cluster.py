@@ -1,6 +1,8 @@
 """`pdserve serve --mode disagg --cluster ray` on a real multi-node Ray cluster on this machine
 (`ray.cluster_utils.Cluster`): one node for the prefill pool and three for decode, told apart
-by custom resources, each with one CPU, a small object store and no dashboard.
+by custom resources, each with one CPU, a small object store and no dashboard. The workers
+start in one placement group (`--placement-strategy spread`), so a lost worker's bundle is
+re-placed by Ray and its replacement starts there.
 
 The deployment (1 prefill + 2 decode workers, real model, float32) serves greedy answers equal
 to a colocated server's with the pools on different Ray nodes and the KV over tcp; refuses
@@ -77,6 +79,12 @@ class RayDeployment:
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory) -> Iterator[RayDeployment]:
     logs = tmp_path_factory.mktemp("ray-cluster")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_USAGE_STATS_ENABLED", "0")  # CI has no internet to report to
+        yield from _deploy(logs)
+
+
+def _deploy(logs: Path) -> Iterator[RayDeployment]:
     # The reference loads while the cluster starts, answers, and stops before the deployment.
     reference = Server(logs, "ref", "--mode", "colocated", "--num-threads", "1")
     cluster = Cluster(
@@ -98,6 +106,7 @@ def deployment(tmp_path_factory) -> Iterator[RayDeployment]:
                 *("--prefill-workers", "1", "--decode-workers", "2"),
                 *("--prefill-worker-resources", json.dumps(PREFILL_RESOURCES)),
                 *("--decode-worker-resources", json.dumps(DECODE_RESOURCES)),
+                *("--placement-strategy", "spread"),
                 *("--decode-policy", "round_robin", "--health-check-interval", "0.5"),
                 *("--worker-log-dir", str(logs / "workers")),
             ),
@@ -113,6 +122,7 @@ def deployment(tmp_path_factory) -> Iterator[RayDeployment]:
         if launcher is not None:
             launcher.stop(timeout=90)
         cluster.shutdown()
+    assert launcher.process.returncode == 0, launcher.log_tail()  # stopped cleanly
 
 
 def test_pools_on_different_nodes_kv_over_tcp_answers_equal_colocated(deployment):
