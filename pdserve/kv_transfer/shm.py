@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import mmap
 import os
 import re
@@ -236,15 +237,9 @@ class AutoTransport(ShmTransport):
 
     name: ClassVar[str] = "auto"
 
-    def __init__(
-        self,
-        segment: SharedKVCache,
-        layout: KVLayout,
-        config: KVTransferConfig,
-        leases: LeaseManager | None = None,
-    ) -> None:
-        self.node_id = config.kv_node_id or host_node_id()
-        super().__init__(segment, layout, config, leases)
+    @property
+    def node_id(self) -> str:
+        return self.config.kv_node_id or host_node_id()
 
     def _hello_extra(self) -> dict[str, Any]:
         return {**super()._hello_extra(), "node_id": self.node_id}
@@ -261,6 +256,7 @@ class AutoTransport(ShmTransport):
         return super()._attach(remote, params)
 
 
+@functools.cache
 def host_node_id() -> str:
     """This host as a node: its name and boot (two hosts, or two boots, never share
     /dev/shm)."""
