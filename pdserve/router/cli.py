@@ -127,7 +127,6 @@ def router_config_from_args(
 ) -> RouterConfig:
     """A `RouterConfig` from `ROUTING_FLAGS` plus --host, --port, --api-key and --block-size."""
     return RouterConfig(
-        fleet_secret=fleet_secret,
         prefill_urls=tuple(prefill_urls),
         decode_urls=tuple(decode_urls),
         prefill_policy=args.prefill_policy or args.policy,
@@ -142,6 +141,7 @@ def router_config_from_args(
         health_timeout_s=args.health_check_timeout,
         unhealthy_threshold=args.unhealthy_threshold,
         request_timeout_s=args.request_timeout,
+        fleet_secret=fleet_secret,
     )
 
 
