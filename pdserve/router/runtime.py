@@ -17,7 +17,7 @@ from pdserve.router.dispatch import Dispatcher
 from pdserve.router.health import HealthMonitor
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import PoolRole, RoundRobin, make_policy
-from pdserve.router.pool import WorkerPool, WorkerRegistry
+from pdserve.router.pool import Worker, WorkerPool, WorkerRegistry
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.tokenizer import PromptTokenizer, RemoteTokenizer
 
@@ -65,7 +65,8 @@ class RouterRuntime:
         self.config = config
         self._tokenizer = tokenizer
         self._discover = discover
-        self._discovered: set[str] = set()
+        # Provisioner name -> the registry's worker, for those that came from `discover`.
+        self._discovered: dict[str, Worker] = {}
         self.registry = build_registry(config)
         self.metrics = RouterMetrics(self.registry.all_workers)
         self._client: httpx.AsyncClient | None = None
@@ -128,29 +129,35 @@ class RouterRuntime:
 
     def sync_discovered(self) -> None:
         """Make the discovered part of the pools the provisioner's workers: a new one joins
-        (in rotation once its first health check passes), one that is gone (its node or actor
-        died, or it was stopped) leaves rotation now and the pool once its in-flight requests
-        have ended (on a dead worker they fail and release it at once)."""
+        under its provisioner's name (in rotation once its first health check passes; one
+        registered by URL already is adopted), one that is gone (its node or actor died, or
+        it was stopped) leaves rotation now and the pool once its in-flight requests have
+        ended (on a dead worker they fail and release it at once)."""
         if self._discover is None:
             return
         handles = {handle.name: handle for handle in self._discover()}
-        for name in sorted(self._discovered - set(handles)):
-            self._discovered.discard(name)
-            worker = self.registry.get(name)
-            if worker is not None:
+        for name in sorted(set(self._discovered) - set(handles)):
+            worker = self._discovered.pop(name)
+            if self.registry.is_registered(worker):
                 self.health.report_failure(worker, "gone from its provisioner")
-                self.registry.drain(name)
-        for name in sorted(set(handles) - self._discovered):
-            handle = handles[name]
-            try:
-                self.registry.add(
-                    handle.url, PoolRole(handle.role), worker_id=name, node_id=handle.node_id
-                )
-            except ValueError as exc:  # a worker registered by URL already
-                logger.warning("discovered worker %s not added: %s", name, exc)
-                continue
-            self._discovered.add(name)
-            logger.info("discovered %s worker %s at %s", handle.role, name, handle.url)
+                self.registry.drain(worker.worker_id)
+        for name in sorted(set(handles) - set(self._discovered)):
+            self._discovered[name] = self._register(handles[name])
+
+    def _register(self, handle: WorkerHandle) -> Worker:
+        known = [w for w in self.registry.all_workers() if w.url == handle.url]
+        if known:
+            known[0].node_id = handle.node_id
+            return known[0]
+        is_free = self.registry.get(handle.name) is None
+        worker = self.registry.add(
+            handle.url,
+            PoolRole(handle.role),
+            worker_id=handle.name if is_free else None,
+            node_id=handle.node_id,
+        )
+        logger.info("discovered %s worker %s at %s", handle.role, worker.worker_id, handle.url)
+        return worker
 
     async def stop(self) -> None:
         if self._health_task is not None:

@@ -40,7 +40,8 @@ def test_discovered_workers_join_with_their_node_and_leave_when_gone(stubs):
         WorkerHandle("prefill-0", "prefill", prefill.url, "node-p"),
         WorkerHandle("decode-0", "decode", decode_a.url, "node-a"),
     ]
-    config = RouterConfig(prefill_urls=(), decode_urls=(), health_interval_s=0.2)
+    # decode-0 is configured by URL too: discovery adopts it (with its node), no duplicate.
+    config = RouterConfig(prefill_urls=(), decode_urls=(decode_a.url,), health_interval_s=0.2)
     with AppThread(build_app(config, discover=lambda: list(handles))) as router:
         wait_until(lambda: len(_workers(router)) == 2, 10)
         seen = _workers(router)
