@@ -1,17 +1,26 @@
-"""Engine speed against Hugging Face transformers and the memory-bandwidth floor.
+"""Engine speed against the memory floor, Hugging Face transformers and llama.cpp, same run.
 
-For each dtype: prefill tokens/s for 512- and 3,000-token prompts, and decode step time at
-batch 1, 8 and 32 (each sequence holding a 512-token context), measured for pdserve and for
-transformers on the same weights in the same run. The floor for a decode step is the bytes it
-must read (weights + KV) divided by the read bandwidth this script measures with fp32 GEMV.
+For each run (a dtype, or a weight format: gguf = the GGUF's own blocks, int8): prefill
+tokens/s for 512- and 3,000-token prompts, the 3,000-token prompt in 256-token chunks (the
+chunked server's steps) against one-shot, and decode step time at batch 1, 8 and 32 (each
+sequence holding a 512-token context). Next to each figure: transformers on the same weights
+in the same dtype (float32 for the quantized runs), llama.cpp on the same GGUF with one thread
+(when `--llama-cpp-python` names a Python with llama-cpp-python, see llama_cpp_venv.sh), and
+the floor: the bytes a decode step reads (weights in their stored format + the KV cache) over
+the read bandwidth measured here (one core streaming a 1 GiB buffer). Quantized and bf16 runs
+also report teacher-forced quality against float32 (`pdserve.model.quality`). The CPU's ISA
+flags and the kernel variant that ran are printed and saved.
 
-    .venv/bin/python benchmarks/engine.py [--dtypes float32 bfloat16] [--threads N] [--json F]
+    .venv/bin/python benchmarks/engine.py [--runs float32 bfloat16 gguf int8] [--json F]
+        [--llama-cpp-python .venv-llama-cpp/bin/python] [--no-transformers] [--no-quality]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -23,39 +32,45 @@ from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.attention import kv_bytes_per_token
+from pdserve.model.cpu_runtime import read_cpu_flags
+from pdserve.model.kernels.cpu_ops import load_cpu_ops
 from pdserve.model.loader import load_model
+from pdserve.model.quality import reference_token_ids, teacher_force
 
 PREFILL_LENGTHS = (512, 3000)
+CHUNKED_LENGTH, CHUNK = 3000, 256
 DECODE_BATCHES = (1, 8, 32)
 DECODE_CONTEXT = 512
 DECODE_STEPS = 12
+# name -> (dtype, quantization); quantized runs keep the activations in `--quant-dtype`.
+RUNS = {
+    "float32": ("float32", "none"),
+    "bfloat16": ("bfloat16", "none"),
+    "gguf": (None, "gguf"),
+    "int8": (None, "int8"),
+}
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "asimd")
+LLAMA_CPP_SCRIPT = Path(__file__).with_name("llama_cpp_bench.py")
 
 
-def measure_bandwidth() -> float:
-    """Bytes/s streamed by an fp32 matrix-vector product over a matrix far larger than cache."""
-    matrix = torch.randn(8192, 16384)
-    vector = torch.randn(16384)
-    torch.mv(matrix, vector)
-    start = time.perf_counter()
-    repeats = 10
+def measure_bandwidth(repeats: int = 5) -> float:
+    """Bytes/s one core reads streaming a buffer far larger than cache (best of `repeats`)."""
+    ops = load_cpu_ops()
+    values = torch.ones(2**28)  # 1 GiB
+    if ops is None:
+        reader = values.sum
+    else:
+
+        def reader():
+            return ops.stream_sum(values)
+
+    reader()
+    best = float("inf")
     for _ in range(repeats):
-        torch.mv(matrix, vector)
-    return matrix.numel() * 4 * repeats / (time.perf_counter() - start)
-
-
-def weight_bytes(config, dtype: torch.dtype) -> int:
-    """Bytes of weights one decode step reads: every layer's matrices and norms plus the
-    output projection (the embedding matrix when tied; one row lookup is negligible)."""
-    hidden, kv_size = config.hidden_size, config.num_key_value_heads * config.head_dim
-    q_size = config.num_attention_heads * config.head_dim
-    per_layer = (
-        hidden * (q_size + 2 * kv_size)
-        + q_size * hidden
-        + 3 * hidden * config.intermediate_size
-        + 2 * hidden
-    )
-    params = config.num_hidden_layers * per_layer + hidden + config.vocab_size * hidden
-    return params * torch.finfo(dtype).bits // 8
+        start = time.perf_counter()
+        reader()
+        best = min(best, time.perf_counter() - start)
+    return values.numel() * 4 / best
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:
@@ -63,36 +78,52 @@ def prompt_ids(length: int, seed: int) -> list[int]:
     return torch.randint(1000, 20000, (length,), generator=generator).tolist()
 
 
+def make_engine(loaded, mode: str = "colocated", budget: int | None = None) -> LLMEngine:
+    config = EngineConfig.from_kwargs(
+        mode=mode,
+        max_num_batched_tokens=budget,
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        device="cpu",
+        enable_prefix_caching=False,
+        max_num_seqs=64,
+        kv_cache_memory_gb=2.0,
+    )
+    return LLMEngine(config, loaded=loaded)
+
+
 def pdserve_prefill(engine: LLMEngine, length: int) -> float:
-    """Tokens/s of one whole-prompt prefill step (colocated, prefix cache off)."""
-    engine.add_request(f"p{length}", prompt_ids(length, length), SamplingParams(max_tokens=1))
+    """Seconds to prefill one prompt (every step until its first token)."""
+    engine.add_request(
+        f"p{length}-{time.time()}", prompt_ids(length, length), SamplingParams(max_tokens=1)
+    )
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-    return length / (time.perf_counter() - start)
+    return time.perf_counter() - start
 
 
 def pdserve_decode(engine: LLMEngine, batch: int) -> float:
-    """Seconds per decode step with `batch` sequences of DECODE_CONTEXT tokens."""
-    params = SamplingParams(max_tokens=DECODE_STEPS + 2, ignore_eos=True, temperature=0)
+    """Median seconds per decode step with `batch` sequences of DECODE_CONTEXT tokens."""
+    params = SamplingParams(max_tokens=DECODE_STEPS + 4, ignore_eos=True, temperature=0)
     for i in range(batch):
         engine.add_request(f"d{batch}-{i}", prompt_ids(DECODE_CONTEXT, 10_000 + i), params)
     while any(r.is_prefilling for r in engine.scheduler.requests.values()):
         engine.step()
     engine.step()
-    start = time.perf_counter()
+    times = []
     for _ in range(DECODE_STEPS):
+        start = time.perf_counter()
         engine.step()
-    elapsed = (time.perf_counter() - start) / DECODE_STEPS
+        times.append(time.perf_counter() - start)
     while engine.has_unfinished_requests():
         engine.step()
-    return elapsed
+    return statistics.median(times)
 
 
 def hf_model(folder: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
 
 
 @torch.inference_mode()
@@ -100,7 +131,7 @@ def hf_prefill(model, length: int) -> float:
     ids = torch.tensor([prompt_ids(length, length)])
     start = time.perf_counter()
     model(ids, logits_to_keep=1)
-    return length / (time.perf_counter() - start)
+    return time.perf_counter() - start
 
 
 @torch.inference_mode()
@@ -108,89 +139,175 @@ def hf_decode(model, batch: int) -> float:
     ids = torch.tensor([prompt_ids(DECODE_CONTEXT, 10_000 + i) for i in range(batch)])
     out = model(ids, use_cache=True, logits_to_keep=1)
     cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-    start = time.perf_counter()
+    times = []
     for _ in range(DECODE_STEPS):
+        start = time.perf_counter()
         out = model(token, past_key_values=cache, use_cache=True)
         cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-    return (time.perf_counter() - start) / DECODE_STEPS
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
-def bench_dtype(dtype: str, bandwidth: float, hf_folder: Path | None) -> dict:
-    loaded = load_model(None, dtype=dtype, device="cpu")
-    engine = LLMEngine(
-        EngineConfig.from_kwargs(
-            mode="colocated",
-            dtype=dtype,
-            device="cpu",
-            enable_prefix_caching=False,
-            max_num_seqs=64,
-            kv_cache_memory_gb=2.0,
-        ),
-        loaded=loaded,
+def llama_cpp(python: str, gguf: Path, threads: int) -> dict | None:
+    """llama.cpp's figures on the same GGUF, from llama_cpp_bench.py run by `python`."""
+    command = [python, str(LLAMA_CPP_SCRIPT), str(gguf), "--threads", str(threads)]
+    command += ["--context", str(DECODE_CONTEXT), "--steps", str(DECODE_STEPS)]
+    command += ["--prefill", *map(str, PREFILL_LENGTHS)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"llama.cpp: not measured ({e})", file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_run(name: str, args, bandwidth: float, hf_folder: Path | None, reference) -> dict:
+    dtype, quantization = RUNS[name]
+    loaded = load_model(
+        None, dtype=dtype or args.quant_dtype, device="cpu", quantization=quantization
     )
-    reference = hf_model(hf_folder, loaded.dtype) if hf_folder else None
-    weights = weight_bytes(loaded.config, loaded.dtype)
-    kv_per_token = kv_bytes_per_token(loaded.config, loaded.dtype)
-    rows = {"dtype": dtype, "weight_bytes": weights, "prefill": {}, "decode": {}}
+    engine = make_engine(loaded)
+    hf = None
+    if hf_folder is not None:
+        hf = hf_model(hf_folder, loaded.dtype if quantization == "none" else torch.float32)
+    weights = loaded.model.weight_nbytes
+    kv_per_token = kv_bytes_per_token(loaded.config, engine.kv_cache_dtype)
+    row = {
+        "run": name,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "quantization": quantization,
+        "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
+        "kernel_variant": loaded.kernel_isa,
+        "weight_bytes": weights,
+        "prefill": {},
+        "decode": {},
+    }
+    pdserve_prefill(engine, 64)  # warm up
     for length in PREFILL_LENGTHS:
-        pdserve_prefill(engine, 64)  # warm up
-        rows["prefill"][length] = {
-            "pdserve_tokens_per_s": pdserve_prefill(engine, length),
-            "transformers_tokens_per_s": hf_prefill(reference, length) if reference else None,
+        ours = pdserve_prefill(engine, length)
+        theirs = hf_prefill(hf, length) if hf else None
+        row["prefill"][length] = {
+            "pdserve_tokens_per_s": length / ours,
+            "transformers_tokens_per_s": length / theirs if theirs else None,
         }
+    chunked = pdserve_prefill(make_engine(loaded, "chunked", CHUNK), CHUNKED_LENGTH)
+    one_shot = CHUNKED_LENGTH / row["prefill"][CHUNKED_LENGTH]["pdserve_tokens_per_s"]
+    row["chunked_prefill"] = {
+        "tokens": CHUNKED_LENGTH,
+        "chunk": CHUNK,
+        "seconds": chunked,
+        "one_shot_seconds": one_shot,
+        "ratio": chunked / one_shot,
+    }
     for batch in DECODE_BATCHES:
+        step = pdserve_decode(engine, batch)
         floor = (weights + batch * DECODE_CONTEXT * kv_per_token) / bandwidth
-        rows["decode"][batch] = {
-            "pdserve_step_ms": pdserve_decode(engine, batch) * 1e3,
-            "transformers_step_ms": hf_decode(reference, batch) * 1e3 if reference else None,
+        row["decode"][batch] = {
+            "pdserve_step_ms": step * 1e3,
+            "transformers_step_ms": hf_decode(hf, batch) * 1e3 if hf else None,
             "floor_ms": floor * 1e3,
+            "x_floor": step / floor,
         }
-    return rows
+    if reference is not None and name != "float32":
+        ids, float32 = reference
+        scored = teacher_force(loaded, ids)
+        row["quality"] = {
+            "tokens": len(ids),
+            "top1_agreement": scored.top1_agreement(float32),
+            "perplexity": scored.perplexity,
+            "float32_perplexity": float32.perplexity,
+        }
+    if quantization == "gguf" and args.llama_cpp_python:
+        row["llama_cpp"] = llama_cpp(args.llama_cpp_python, loaded.path, args.threads)
+    return row
 
 
 def print_table(result: dict) -> None:
-    print(f"\nread bandwidth {result['bandwidth_gb_s']:.1f} GB/s, {result['threads']} threads")
-    for rows in result["runs"]:
-        print(f"\n{rows['dtype']}: weights {rows['weight_bytes'] / 1e6:.0f} MB")
-        print(f"{'prefill':>12} {'pdserve tok/s':>14} {'transformers':>13} {'speed-up':>9}")
-        for length, r in rows["prefill"].items():
-            hf = r["transformers_tokens_per_s"]
-            print(
-                f"{length:>12} {r['pdserve_tokens_per_s']:>14.0f} {hf or 0:>13.0f} "
-                f"{r['pdserve_tokens_per_s'] / hf if hf else 0:>8.2f}x"
-            )
+    print(
+        f"\nCPU flags: {' '.join(result['cpu_isa_flags']) or '-'}; read bandwidth "
+        f"{result['bandwidth_gb_s']:.1f} GB/s (one core); {result['threads']} thread(s)"
+    )
+    for r in result["runs"]:
+        lc = r.get("llama_cpp") or {}
         print(
-            f"{'decode batch':>12} {'pdserve ms':>14} {'transformers':>13} {'floor ms':>9} "
-            f"{'x floor':>8}"
+            f"\n{r['run']}: {r['dtype']} activations, weights {r['quantization']} "
+            f"({r['weight_bytes'] / 1e6:.0f} MB), KV {r['kv_cache_dtype']}, "
+            f"kernels {r['kernel_variant']}"
         )
-        for batch, r in rows["decode"].items():
-            ours, hf = r["pdserve_step_ms"], r["transformers_step_ms"] or 0
+        print(
+            f"{'prefill':>14} {'pdserve tok/s':>14} {'transformers':>13} {'x hf':>6} "
+            f"{'llama.cpp':>10}"
+        )
+        for length, p in r["prefill"].items():
+            hf = p["transformers_tokens_per_s"]
+            peer = lc.get("prefill_tokens_per_s", {}).get(str(length))
             print(
-                f"{batch:>12} {ours:>14.1f} {hf:>13.1f} {r['floor_ms']:>9.1f} "
-                f"{ours / r['floor_ms']:>7.2f}x"
+                f"{length:>14} {p['pdserve_tokens_per_s']:>14.0f} {hf or 0:>13.0f} "
+                f"{p['pdserve_tokens_per_s'] / hf if hf else 0:>5.2f}x {peer or 0:>10.0f}"
+            )
+        c = r["chunked_prefill"]
+        print(
+            f"{'chunked':>14} {c['tokens']} tokens in {c['chunk']}-token chunks: "
+            f"{c['seconds']:.2f} s vs one-shot {c['one_shot_seconds']:.2f} s ({c['ratio']:.2f}x)"
+        )
+        print(
+            f"{'decode batch':>14} {'pdserve ms':>14} {'transformers':>13} {'floor ms':>9} "
+            f"{'x floor':>8} {'llama.cpp':>10}"
+        )
+        for batch, d in r["decode"].items():
+            peer = lc.get("decode_step_ms") if int(batch) == 1 else None
+            print(
+                f"{batch:>14} {d['pdserve_step_ms']:>14.1f} "
+                f"{d['transformers_step_ms'] or 0:>13.1f} {d['floor_ms']:>9.1f} "
+                f"{d['x_floor']:>7.2f}x {peer or 0:>10.1f}"
+            )
+        if "quality" in r:
+            q = r["quality"]
+            change = q["perplexity"] / q["float32_perplexity"] - 1
+            print(
+                f"{'quality':>14} {q['tokens']} teacher-forced tokens: top-1 agreement with "
+                f"float32 {q['top1_agreement']:.1%}, perplexity {q['perplexity']:.3f} vs "
+                f"{q['float32_perplexity']:.3f} ({change:+.2%})"
             )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--quant-dtype", default="float32", help="activations of gguf/int8 runs")
     # One thread by default: a disaggregated worker runs on one core, and the floor is set by
-    # one core's bandwidth (two OpenMP threads stall whenever the VM's other vCPU is busy).
+    # one core's bandwidth.
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--no-quality", action="store_true")
+    parser.add_argument("--llama-cpp-python", default=None, metavar="PYTHON")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     bandwidth = measure_bandwidth()
+    reference = None
+    if not args.no_quality:
+        float32 = load_model(None, dtype="float32", device="cpu")
+        ids = reference_token_ids(float32)
+        reference = (ids, teacher_force(float32, ids))
+        del float32
     with tempfile.TemporaryDirectory() as tmp:
         folder = None
         if not args.no_transformers:
             from pdserve.model.export_hf import export_hf
 
             folder = Path(tmp)
-            export_hf(load_model(None, dtype="float32", device="cpu").path, folder, "float32")
-        runs = [bench_dtype(d, bandwidth, folder) for d in args.dtypes]
-    result = {"bandwidth_gb_s": bandwidth / 1e9, "threads": args.threads, "runs": runs}
+            export_hf(None, folder, "float32")
+        runs = []
+        for name in args.runs:
+            bandwidth = max(bandwidth, measure_bandwidth(3))
+            runs.append(bench_run(name, args, bandwidth, folder, reference))
+    result = {
+        "cpu_isa_flags": sorted(read_cpu_flags() & set(ISA_FLAGS)),
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "threads": args.threads,
+        "runs": runs,
+    }
     print_table(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

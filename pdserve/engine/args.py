@@ -7,8 +7,9 @@ import argparse
 
 from pdserve.cli import flag
 from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, SchedulerConfig
-from pdserve.engine.config import DTYPES, KV_FAILURE_POLICIES, EngineConfig
+from pdserve.engine.config import DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS, EngineConfig
 from pdserve.kv_transfer.config import TRANSPORT_CHOICES, KVRole, KVTransferConfig
+from pdserve.model.config import KV_CACHE_DTYPES
 
 # A worker's --role to its part in KV transfer (both: a plain server, no transfer).
 ROLE_TO_KV_ROLE = {"prefill": KVRole.PRODUCER, "decode": KVRole.CONSUMER, "both": None}
@@ -22,6 +23,19 @@ ENGINE_FLAGS = (
         "Face folder (config.json + safetensors + tokenizer.json)",
     ),
     flag("--dtype", default=EngineConfig.dtype, choices=DTYPES),
+    flag(
+        "--quantization",
+        default=EngineConfig.quantization,
+        choices=QUANTIZATIONS,
+        help="linear weights: none (the dtype), int8 (weight-only, computed at load) or gguf "
+        "(a GGUF file's own Q8_0/Q4_0/Q4_1 blocks, multiplied without dequantizing)",
+    ),
+    flag(
+        "--kv-cache-dtype",
+        default=EngineConfig.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="the KV cache's dtype (auto: the model's)",
+    ),
     flag("--device", default=EngineConfig.device, help="cpu, cuda or auto"),
     flag(
         "--max-num-batched-tokens",
@@ -62,7 +76,9 @@ ENGINE_FLAGS = (
         "--num-threads",
         type=int,
         default=EngineConfig.num_threads,
-        help="torch threads for the forward pass (default: all cores)",
+        help="compute threads for the forward pass (default 1: decode runs in single-threaded "
+        "kernels, and a second OpenMP thread stalls prefill whenever another thread holds its "
+        "core; use more cores with more workers, or set this on an otherwise idle machine)",
     ),
     flag(
         "--step-log",

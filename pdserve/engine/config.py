@@ -1,6 +1,7 @@
 """The engine's frozen configuration: one tree for everything a `pdserve` engine starts with.
 
-    EngineConfig: model, dtype, device, seed, num_threads, kv_failure_policy, step_log
+    EngineConfig: model, dtype, quantization, kv_cache_dtype, device, seed, num_threads,
+                  kv_failure_policy, step_log
     ├── scheduler: core.config.SchedulerConfig   (max_num_batched_tokens, max_num_seqs, ...)
     ├── cache: core.config.CacheConfig           (block_size, num_blocks, ...)
     └── kv_transfer: KVTransferConfig | None     (disaggregated workers only)
@@ -17,9 +18,13 @@ from typing import Any
 
 from pdserve.core.config import CacheConfig, SchedulerConfig
 from pdserve.kv_transfer.config import KVTransferConfig
+from pdserve.model.config import KV_CACHE_DTYPES, Quantization
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_FAILURE_POLICIES = ("recompute", "fail")
+QUANTIZATIONS = tuple(q.value for q in Quantization)
+# Compute threads per engine process when num_threads is None (README "CPU speed").
+DEFAULT_NUM_THREADS = 1
 # Flat names that differ from their field's: the command line's `--mode` and `--num-kv-blocks`.
 _ALIASES = {"mode": "scheduling", "num_kv_blocks": "num_blocks"}
 _BRANCHES = {"scheduler": SchedulerConfig, "cache": CacheConfig}
@@ -38,6 +43,10 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"
+    # How linear weights are stored: none, int8 (computed at load) or gguf (the file's blocks).
+    quantization: str = Quantization.NONE.value
+    # The KV cache's dtype (auto: the model's); bfloat16 halves the bytes attention reads.
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     num_threads: int | None = None
@@ -52,6 +61,15 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}"
+                f", got {self.kv_cache_dtype!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.num_threads is not None and (

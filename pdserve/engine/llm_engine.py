@@ -13,7 +13,7 @@ import torch
 from pdserve.core.request import FinishReason, Request, RequestMetrics
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
 from pdserve.core.scheduler import EngineStats, Scheduler
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import DEFAULT_NUM_THREADS, EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import KVTransferOutcome, RequestOutput
@@ -21,7 +21,7 @@ from pdserve.engine.sampler import SampledToken
 from pdserve.engine.step_log import StepLog, StepRecord, step_batch
 from pdserve.kv_transfer.connector import KVConnector, add_kv_request
 from pdserve.kv_transfer.protocol import KVLayout
-from pdserve.model.attention import kv_bytes_per_token
+from pdserve.model.attention import kv_bytes_per_token, resolve_kv_cache_dtype
 from pdserve.model.loader import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -46,10 +46,14 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        # One compute thread unless told otherwise: see README "CPU speed" (two OpenMP
+        # threads stall whenever another thread holds the second core).
+        torch.set_num_threads(config.num_threads or DEFAULT_NUM_THREADS)
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.dtype, config.device)
+        self.loaded = loaded or load_model(
+            config.model, config.dtype, config.device, config.quantization
+        )
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.loaded.dtype)
         self.tokenizer = self.loaded.tokenizer
         self.model_config = self.loaded.config
         self.model_name = self.loaded.name
@@ -75,6 +79,7 @@ class LLMEngine:
             config.cache.block_size,
             config.seed,
             self.connector.transport.kv_cache if self.connector else None,
+            self.kv_cache_dtype,
         )
         self._tracked: dict[str, _Tracked] = {}
         self._num_steps = 0
@@ -119,7 +124,7 @@ class LLMEngine:
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
             block_size=self.config.cache.block_size,
-            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            dtype=str(self.kv_cache_dtype).removeprefix("torch."),
         )
 
     def _num_kv_blocks(self) -> int:
@@ -127,7 +132,7 @@ class LLMEngine:
         if cache.num_blocks is not None:
             return cache.num_blocks
         bytes_per_block = (
-            kv_bytes_per_token(self.model_config, self.loaded.dtype) * cache.block_size
+            kv_bytes_per_token(self.model_config, self.kv_cache_dtype) * cache.block_size
         )
         return max(int(cache.kv_cache_memory_gb * 2**30 // bytes_per_block), 1)
 

@@ -23,16 +23,18 @@ class ModelRunner:
         block_size: int,
         seed: int,
         kv_cache: torch.Tensor | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         """`kv_cache`: an existing cache tensor to use (e.g. one in shared memory that a KV
-        transport serves from); allocated here when None."""
+        transport serves from); allocated here when None, in `kv_cache_dtype` (default: the
+        model's dtype)."""
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
         self.block_size = block_size
         if kv_cache is None:
             kv_cache = allocate_kv_cache(
-                loaded.config, num_blocks, block_size, loaded.dtype, loaded.device
+                loaded.config, num_blocks, block_size, kv_cache_dtype or loaded.dtype, loaded.device
             )
         self.kv_cache = kv_cache
         self.sampler = Sampler(seed)

@@ -7,8 +7,10 @@ tokens computed in earlier steps.
 
 `AttentionBackend` is the seam for faster kernels: it receives the step's new K/V and the
 cache and returns the attention output. `TorchAttentionBackend` serves CPU and CUDA: torch
-SDPA runs prefill chunks; decodes run in a native kernel that reads K/V in place through the
-block tables on CPUs with AVX-512, else as batched matmuls over K/V gathered from the cache.
+SDPA runs prefill chunks; on CPU decodes run in a native kernel (every ISA) that reads K/V in
+place through the block tables, elsewhere as batched matmuls over K/V gathered from the cache.
+The cache may hold a narrower dtype than the model's (`--kv-cache-dtype bfloat16`): new K/V
+are rounded once on write and read back in the model dtype.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pdserve.model.config import ModelConfig
+from pdserve.model.config import KV_CACHE_DTYPES, ModelConfig
 from pdserve.model.kernels.cpu_ops import CpuOps
 
 
@@ -39,20 +41,17 @@ class PrefillChunk:
     def rows(self) -> slice:
         return slice(self.token_start, self.token_end)
 
+    @property
+    def seq_len(self) -> int:
+        return self.num_computed_tokens + self.token_end - self.token_start
+
     @functools.cached_property
-    def context_slots_and_mask(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots [seq_len] of the whole context and the mask [num_new, seq_len] (True: the
-        query at that row sees that position), for paths that gather the context."""
-        device = self.block_table.device
-        context = torch.arange(
-            self.num_computed_tokens + self.token_end - self.token_start, device=device
-        )
-        slots = (
-            self.block_table[context // self.block_size] * self.block_size
-            + context % self.block_size
-        )
+    def context_mask(self) -> torch.Tensor:
+        """[num_new, seq_len] bool, True where the query at that row sees that position (all
+        earlier tokens, and the chunk causally), for paths that gather the context."""
+        context = torch.arange(self.seq_len, device=self.block_table.device)
         query_positions = context[self.num_computed_tokens :]
-        return slots, context[None, :] <= query_positions[:, None]
+        return context[None, :] <= query_positions[:, None]
 
 
 @dataclass(frozen=True)
@@ -265,14 +264,15 @@ class TorchAttentionBackend(AttentionBackend):
                 f"block id {meta.max_block_id} is outside the KV cache ({kv_layer.shape[1]} blocks)"
             )
         slots = kv_layer.view(2, -1, k.shape[1], head_dim)  # [2, num_slots, kv_heads, D]
-        slots[0].index_copy_(0, meta.slot_mapping, k)
-        slots[1].index_copy_(0, meta.slot_mapping, v)
+        slots[0].index_copy_(0, meta.slot_mapping, k.to(kv_layer.dtype))
+        slots[1].index_copy_(0, meta.slot_mapping, v.to(kv_layer.dtype))
         decode = meta.decode
         kernel = (
             self.cpu_ops
             if self.cpu_ops is not None
             and q.device.type == "cpu"
             and self.cpu_ops.supports(q.dtype)
+            and self.cpu_ops.supports(kv_layer.dtype)
             and head_dim % 16 == 0
             else None
         )
@@ -303,6 +303,7 @@ class TorchAttentionBackend(AttentionBackend):
             kv_layer.view(-1, head_dim)
             .index_select(0, rows)
             .view(2, num_seqs * num_kv_heads, -1, head_dim)
+            .to(q.dtype)
         )
         q = q.reshape(num_seqs * num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = torch.add(bias, torch.bmm(q, kv[0].transpose(1, 2)), alpha=self.scale)
@@ -318,10 +319,11 @@ class TorchAttentionBackend(AttentionBackend):
         chunk: PrefillChunk,
     ) -> torch.Tensor:
         mask = None
-        if chunk.num_computed_tokens:  # attend to the cached context too: gather it
-            slots, mask = chunk.context_slots_and_mask
-            context = kv_layer.view(2, -1, k.shape[1], k.shape[2]).index_select(1, slots)
-            k, v = context[0], context[1]
+        if chunk.num_computed_tokens:  # attend to the cached context too: gather it by blocks
+            mask = chunk.context_mask
+            blocks = kv_layer.index_select(1, chunk.block_table)  # [2, blocks, bs, kv_heads, D]
+            context = blocks.view(2, -1, k.shape[1], k.shape[2])[:, : chunk.seq_len]
+            k, v = context[0].to(q.dtype), context[1].to(q.dtype)
         # SDPA wants [batch, heads, tokens, head_dim]; transposed views, no copies.
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
@@ -364,6 +366,15 @@ def allocate_kv_cache(
         dtype=dtype,
         device=device,
     )
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`--kv-cache-dtype` (one of KV_CACHE_DTYPES) -> the cache's dtype; auto: the model's."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
+    return model_dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:

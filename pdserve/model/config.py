@@ -7,6 +7,7 @@ Every supported architecture runs through the same forward pass: they differ onl
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from collections.abc import Mapping
@@ -34,6 +35,17 @@ def read_json_object(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{path}: expected a JSON object")
     return data
 
+
+class Quantization(enum.Enum):
+    """`--quantization`: how linear weights are stored (see `model/quant.py`)."""
+
+    NONE = "none"  # the model dtype
+    INT8 = "int8"  # int8 computed at load from any checkpoint (weight-only)
+    GGUF = "gguf"  # a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks
+
+
+# `--kv-cache-dtype`: auto is the model dtype.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 # Hugging Face `architectures[0]` values we run, and whether their attention has a QKV bias
 # unless config.json says otherwise.

@@ -17,6 +17,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+# CPU features with fast bfloat16 matmul in oneDNN (AMX tiles, or AVX-512 bf16 dot products).
+BF16_MATMUL_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 # Buffers up to this size come from the heap; the KV cache and weights above it stay mmapped.
@@ -42,8 +44,10 @@ def tune_cpu_allocator() -> bool:
     return is_set
 
 
+@functools.cache
 def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU feature flags Linux reports (empty where /proc/cpuinfo is unavailable)."""
+    """The CPU feature flags Linux reports (empty where /proc/cpuinfo is unavailable); read
+    once per process."""
     try:
         text = cpuinfo.read_text()
     except OSError:

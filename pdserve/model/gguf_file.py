@@ -1,5 +1,5 @@
-"""Reading a GGUF checkpoint: metadata -> `ModelConfig` and `Tokenizer`, tensors -> dequantized
-float32 weights under their Hugging Face names and layout."""
+"""Reading a GGUF checkpoint: metadata -> `ModelConfig` and `Tokenizer`, tensors -> float32
+weights (or the file's own quantized blocks) under their Hugging Face names and layout."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from gguf.quants import dequantize
 
 from pdserve.model.config import ModelConfig, ModelLoadError
+from pdserve.model.quant import QuantizedWeight, QuantType
 from pdserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -79,32 +80,44 @@ class GGUFModelFile:
     def tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf_metadata(self.metadata, self.path)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, float32 tensor in Hugging Face layout) for every tensor."""
+    def weights(
+        self, keep_blocks: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """(Hugging Face name, tensor in Hugging Face layout) for every tensor: float32, or
+        with `keep_blocks` the file's own Q8_0 / Q4_0 / Q4_1 blocks as `QuantizedWeight`s."""
         for name, tensor in self._tensors.items():
             hf_name = _hf_name(name)
             if hf_name is None:
                 logger.debug("%s: ignoring tensor %s", self.path, name)
                 continue
             shape = tuple(reversed(tensor.shape.tolist()))  # ggml lists the fastest dim first
+            qtype = QuantType.__members__.get(tensor.tensor_type.name)
+            if keep_blocks and qtype is not None and qtype is not QuantType.INT8:
+                blocks = QuantizedWeight(qtype, np.asarray(tensor.data), shape)
+                yield hf_name, blocks.permute_rows(self._hf_row_order(hf_name, shape[0]))
+                continue
             try:
                 values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
             except (ValueError, NotImplementedError) as e:
                 raise ModelLoadError(
                     f"{self.path}: cannot dequantize {name} ({tensor.tensor_type.name}): {e}"
                 ) from None
-            yield hf_name, torch.from_numpy(self._to_hf_layout(hf_name, values))
+            values = values[self._hf_row_order(hf_name, shape[0])]
+            # Unquantized tensors come back as read-only views of the memory-mapped file.
+            yield (
+                hf_name,
+                torch.from_numpy(np.require(values, np.float32, ["C_CONTIGUOUS", "WRITEABLE"])),
+            )
 
-    def _to_hf_layout(self, hf_name: str, values: np.ndarray) -> np.ndarray:
+    def _hf_row_order(self, hf_name: str, num_rows: int) -> np.ndarray | slice:
         # llama.cpp's converter reorders each Llama head's Q/K rows from "rotate half" halves
         # to interleaved pairs; undo it. Qwen2 files keep the Hugging Face order.
         if self.config.architecture == "LlamaForCausalLM":
             if hf_name.endswith("q_proj.weight"):
-                values = unpermute_rotary(values, self.config.num_attention_heads)
-            elif hf_name.endswith("k_proj.weight"):
-                values = unpermute_rotary(values, self.config.num_key_value_heads)
-        # Unquantized tensors come back as read-only views of the memory-mapped file.
-        return np.require(values, np.float32, ["C_CONTIGUOUS", "WRITEABLE"])
+                return unpermute_rotary(np.arange(num_rows), self.config.num_attention_heads)
+            if hf_name.endswith("k_proj.weight"):
+                return unpermute_rotary(np.arange(num_rows), self.config.num_key_value_heads)
+        return slice(None)
 
 
 def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:

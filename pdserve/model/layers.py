@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.model.config import ModelConfig, RopeScaling
-from pdserve.model.kernels.cpu_ops import LINEAR_MAX_ROWS, CpuOps
+from pdserve.model.config import ModelConfig, Quantization, RopeScaling
+from pdserve.model.kernels.cpu_ops import CpuOps, PackedWeight
+from pdserve.model.quant import QuantizedWeight, quantize_int8
 
 logger = logging.getLogger(__name__)
 
@@ -22,11 +23,15 @@ logger = logging.getLogger(__name__)
 class Linear(nn.Module):
     """y = x W^T (+ b), W [out_features, in_features].
 
-    On CPU `pack()` reorders W once into oneDNN's blocked layout: a decode-sized GEMV then reads
-    weights at ~1.8x the speed of the plain `F.linear` path and prefill GEMMs gain ~10%. With
-    the CPU kernels (bfloat16 on AVX-512 BF16) it also keeps a streaming copy of W for inputs
-    of a few rows, where oneDNN's per-call overhead and blocked reads leave bandwidth unused
-    (decode at batch 1 reads weights ~1.5x faster); that copy doubles the weights' memory.
+    `load()` takes the weight as floats or as a `QuantizedWeight` (GGUF blocks); `pack()` then
+    puts it in the fastest layout for this device:
+    - CPU kernels (`CpuOps.linear`): W streamed once per call in groups of 16 output rows, for
+      any number of input rows; quantized weights (GGUF blocks, `--quantization int8`) always
+      run there, and dense ones up to `kernel_max_rows` rows (decode batches).
+    - oneDNN's blocked layout for dense weights beyond that (prefill GEMMs, where oneDNN's
+      AMX / bf16 kernels win); it doubles the dense weights' memory.
+    - elsewhere (CUDA, no compiler) `F.linear`; quantized weights are then dequantized to the
+      model dtype at load, the same values without the savings.
     """
 
     # Rows of x the blocked layout is tuned for; any row count works with either layout.
@@ -53,17 +58,48 @@ class Linear(nn.Module):
             if bias
             else None
         )
-        # The oneDNN-blocked copy of `weight` (then `weight` is dropped) or None.
-        self.packed_weight: torch.Tensor | None = None
-        # W in the layout of `CpuOps.linear`, for inputs of up to LINEAR_MAX_ROWS rows, or None.
-        self.streaming_weight: torch.Tensor | None = None
+        # Set by `load` in place of `weight` when the checkpoint's blocks are kept.
+        self.quantized: QuantizedWeight | None = None
+        # W in a `CpuOps.linear` format, used for inputs of up to `kernel_max_rows` rows
+        # (None: any number), else None.
+        self.kernel_weight: PackedWeight | None = None
+        self.kernel_max_rows: int | None = None
+        # The oneDNN-blocked copy of a dense `weight` (then `weight` is dropped), or None.
+        self.onednn_weight: torch.Tensor | None = None
 
-    def pack(self) -> None:
-        """Switch to the oneDNN kernel on CPU; a no-op elsewhere or where it is unavailable."""
-        if self.packed_weight is not None or self.weight.device.type != "cpu":
+    @property
+    def uses_kernel(self) -> bool:
+        return self.ops is not None and self.weight is not None and self.weight.device.type == "cpu"
+
+    def load(self, weight: torch.Tensor | QuantizedWeight) -> None:
+        """Fill W from floats [out, in] or quantized blocks (kept only where the CPU kernels
+        run; dequantized otherwise)."""
+        if not isinstance(weight, QuantizedWeight):
+            self.weight.copy_(weight)
+        elif self.uses_kernel:
+            self.quantized = weight
+        else:
+            self.weight.copy_(weight.dequantize())
+
+    def pack(self, quantization: Quantization = Quantization.NONE) -> None:
+        """Switch to the fastest kernels for this device; a no-op off CPU."""
+        if self.weight is None or self.weight.device.type != "cpu":
             return
-        if self.ops is not None and self.ops.can_pack_linear(self.weight):
-            self.streaming_weight = self.ops.pack_linear(self.weight)
+        if self.quantized is None and quantization is Quantization.INT8:
+            self.quantized = quantize_int8(self.weight)
+            if not self.uses_kernel:  # no kernels: the int8 values, computed in floats
+                self.weight.copy_(self.quantized.dequantize())
+                self.quantized = None
+        if self.quantized is not None:
+            self.kernel_weight = self.quantized.pack()
+            self.quantized = self.weight = None
+            return
+        if self.ops is not None and CpuOps.can_pack(self.weight):
+            self.kernel_weight = self.ops.pack_dense(self.weight)
+            self.kernel_max_rows = self.ops.dense_kernel_max_rows(self.weight.dtype)
+            if self.kernel_max_rows is None:
+                self.weight = None
+                return
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, self.PACK_BATCH_HINT)
             probe = torch.zeros(1, self.in_features, dtype=self.weight.dtype)
@@ -71,15 +107,25 @@ class Linear(nn.Module):
         except (AttributeError, RuntimeError) as e:  # no oneDNN in this torch build
             logger.debug("oneDNN linear unavailable, using F.linear: %s", e)
             return
-        self.packed_weight = packed
+        self.onednn_weight = packed
         self.weight = None
 
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes one pass over W reads in the layout a decode step uses."""
+        if self.kernel_weight is not None:
+            return self.kernel_weight.nbytes
+        weight = self.weight if self.weight is not None else self.onednn_weight
+        return weight.numel() * weight.element_size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.streaming_weight is not None and x.shape[0] <= LINEAR_MAX_ROWS:
-            return self.ops.linear(x, self.streaming_weight, self.bias)
-        if self.packed_weight is not None:
+        if self.kernel_weight is not None and (
+            self.kernel_max_rows is None or x.shape[0] <= self.kernel_max_rows
+        ):
+            return self.ops.linear(x, self.kernel_weight, self.bias)
+        if self.onednn_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(
-                x, self.packed_weight, self.bias, "none", [], ""
+                x, self.onednn_weight, self.bias, "none", [], ""
             )
         return F.linear(x, self.weight, self.bias)
 

@@ -8,6 +8,7 @@ below the time spent streaming weights.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import torch
@@ -15,9 +16,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
-from pdserve.model.config import ModelConfig
-from pdserve.model.kernels.cpu_ops import CpuOps, load_cpu_ops
+from pdserve.model.config import ModelConfig, Quantization
+from pdserve.model.kernels.cpu_ops import (
+    MAX_HEAD_DIM,
+    CpuOps,
+    DecoderLayerWeights,
+    FusedDecoder,
+    load_cpu_ops,
+)
 from pdserve.model.layers import Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from pdserve.model.quant import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+# Batches up to this many sequences decode in one native call when the kernels cover them.
+FUSED_DECODE_MAX_ROWS = 256
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -69,7 +81,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM. Weights are created empty; fill them with `load_weights`.
 
-    Call `pack()` after loading (the loader does) to switch CPU linears to oneDNN kernels.
+    Call `pack()` after loading (the loader does) to put the linears in their kernels' layout.
     """
 
     def __init__(
@@ -79,18 +91,25 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str,
         attention: AttentionBackend | None = None,
         use_cpu_kernels: bool = True,
+        cpu_isa: str | None = None,
+        quantization: Quantization = Quantization.NONE,
     ) -> None:
-        """`use_cpu_kernels`: on CPU, run norms, rotary, SiLU and decode attention in the
-        fused native kernels where they can be built (else plain torch ops)."""
+        """`use_cpu_kernels`: on CPU, run linears, norms, rotary, SiLU and decode attention
+        in the fused native kernels where they can be built (else plain torch ops), compiled
+        for `cpu_isa` (default: `PDSERVE_CPU_ISA`, else the best variant this CPU runs).
+        `quantization`: how `pack()` stores the linear weights (GGUF blocks come from
+        `load_weights`)."""
         super().__init__()
         device = torch.device(device)
         self.config = config
         self.dtype = dtype
-        ops = (
-            load_cpu_ops()
+        self.quantization = quantization
+        self.cpu_ops = (
+            load_cpu_ops(cpu_isa)
             if (use_cpu_kernels and device.type == "cpu" and CpuOps.supports(dtype))
             else None
         )
+        ops = self.cpu_ops
         self.embed_tokens = nn.Parameter(
             torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device),
             requires_grad=False,
@@ -102,6 +121,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device, ops)
         self.rotary = RotaryEmbedding(config, dtype, device, ops)
         self.attention = attention or TorchAttentionBackend(config.head_dim**-0.5, ops)
+        # Set by `pack()`: the whole decode step in one native call, for batches of single-token
+        # sequences up to `fused_decoder_max_rows`.
+        self.fused_decoder: FusedDecoder | None = None
+        self.fused_decoder_max_rows = 0
 
     @torch.inference_mode()
     def forward(
@@ -118,6 +141,26 @@ class LlamaForCausalLM(nn.Module):
         """
         hidden = F.embedding(input_ids, self.embed_tokens)
         angles = self.rotary.angles(positions)
+        decode = attn_metadata.decode
+        if (
+            self.fused_decoder is not None
+            and attn_metadata.is_all_decode
+            and decode.num_seqs <= self.fused_decoder_max_rows
+            and hidden.device.type == "cpu"
+        ):
+            if attn_metadata.max_block_id >= kv_cache.shape[2]:
+                raise ValueError(
+                    f"block id {attn_metadata.max_block_id} is outside the KV cache "
+                    f"({kv_cache.shape[2]} blocks)"
+                )
+            return self.fused_decoder(
+                hidden,
+                *angles,
+                kv_cache,
+                attn_metadata.slot_mapping,
+                decode.block_tables,
+                decode.seq_lens,
+            )
         residual = None
         for layer, kv_layer in zip(self.layers, kv_cache, strict=True):
             hidden, residual = layer(
@@ -131,22 +174,87 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def pack(self) -> None:
-        """Reorder every linear weight for the fastest kernel on this device (CPU: oneDNN)."""
+        """Put every linear weight in the fastest layout for this device (see `Linear`), and
+        set up the one-call decode step where the CPU kernels cover every layer."""
+        if self.quantization is not Quantization.NONE and self.cpu_ops is None:
+            logger.warning(
+                "--quantization %s needs the CPU kernels; weights run dequantized to %s here",
+                self.quantization.value,
+                self.dtype,
+            )
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack()
+                module.pack(self.quantization)
+        self.fused_decoder, self.fused_decoder_max_rows = self._build_fused_decoder()
+
+    def _build_fused_decoder(self) -> tuple[FusedDecoder | None, int]:
+        """The native decode step and the batch size up to which it runs (that of the
+        linears' kernels), or (None, 0) where some piece has no kernel."""
+        config, ops = self.config, self.cpu_ops
+        linears = [
+            linear
+            for layer in self.layers
+            for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ]
+        if (
+            ops is None
+            or type(self.attention) is not TorchAttentionBackend
+            or config.head_dim % 16
+            or config.head_dim > MAX_HEAD_DIM
+            or any(linear.kernel_weight is None for linear in linears)
+        ):
+            return None, 0
+        max_rows = min(
+            (linear.kernel_max_rows for linear in linears if linear.kernel_max_rows is not None),
+            default=FUSED_DECODE_MAX_ROWS,
+        )
+        layers = [
+            DecoderLayerWeights(
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                layer.qkv_proj.kernel_weight,
+                layer.qkv_proj.bias,
+                layer.o_proj.kernel_weight,
+                layer.gate_up_proj.kernel_weight,
+                layer.down_proj.kernel_weight,
+            )
+            for layer in self.layers
+        ]
+        decoder = ops.fused_decoder(
+            layers,
+            self.norm.weight,
+            intermediate=config.intermediate_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            eps=config.rms_norm_eps,
+            scale=self.attention.scale,
+        )
+        return decoder, min(max_rows, FUSED_DECODE_MAX_ROWS)
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of weights a decode step reads: every linear in its stored format, plus the
+        norms (one embedding row per token is negligible)."""
+        linears = sum(m.weight_nbytes for m in self.modules() if isinstance(m, Linear))
+        norms = sum(
+            m.weight.numel() * m.weight.element_size()
+            for m in self.modules()
+            if isinstance(m, RMSNorm)
+        )
+        return linears + norms
 
     @torch.inference_mode()
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Mapping[str, torch.Tensor | QuantizedWeight]) -> None:
         """Copy Hugging Face-named tensors (see `hf_weight_shapes`) into the fused layout.
+        Linear weights may be `QuantizedWeight`s (GGUF blocks, kept as they are).
 
         Shapes must already be checked; `lm_head.weight` may be absent when tied.
         """
-        self.embed_tokens.copy_(weights["model.embed_tokens.weight"])
+        embed = weights["model.embed_tokens.weight"]
+        self.embed_tokens.copy_(_dense(embed))
         self.norm.weight.copy_(weights["model.norm.weight"])
-        self.lm_head.weight.copy_(
-            weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-        )
+        self.lm_head.load(weights.get("lm_head.weight", embed))
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn, mlp = prefix + "self_attn.", prefix + "mlp."
@@ -154,18 +262,29 @@ class LlamaForCausalLM(nn.Module):
             layer.post_attention_layernorm.weight.copy_(
                 weights[prefix + "post_attention_layernorm.weight"]
             )
-            layer.qkv_proj.weight.copy_(
-                torch.cat([weights[f"{attn}{p}_proj.weight"] for p in "qkv"])
-            )
+            layer.qkv_proj.load(_fused([weights[f"{attn}{p}_proj.weight"] for p in "qkv"]))
             if layer.qkv_proj.bias is not None:
                 layer.qkv_proj.bias.copy_(
                     torch.cat([weights[f"{attn}{p}_proj.bias"] for p in "qkv"])
                 )
-            layer.o_proj.weight.copy_(weights[attn + "o_proj.weight"])
-            layer.gate_up_proj.weight.copy_(
-                torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])
+            layer.o_proj.load(weights[attn + "o_proj.weight"])
+            layer.gate_up_proj.load(
+                _fused([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]])
             )
-            layer.down_proj.weight.copy_(weights[mlp + "down_proj.weight"])
+            layer.down_proj.load(weights[mlp + "down_proj.weight"])
+
+
+def _dense(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, QuantizedWeight) else weight
+
+
+def _fused(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
+    """The parts' rows stacked: as blocks when all are blocks of one type, else as floats."""
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        fused = QuantizedWeight.concat(parts)
+        if fused is not None:
+            return fused
+    return torch.cat([_dense(p) for p in parts])
 
 
 def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

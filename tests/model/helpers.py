@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from pdserve.model.attention import AttentionMetadata, allocate_kv_cache
-from pdserve.model.config import ModelConfig
+from pdserve.model.config import ModelConfig, Quantization
+from pdserve.model.cpu_runtime import read_cpu_flags
+from pdserve.model.kernels.build import VARIANTS, can_run
 from pdserve.model.llama import LlamaForCausalLM
 
 TINY_VOCAB_SIZE = 260  # 256 byte tokens + 4 specials
@@ -58,6 +61,21 @@ def tiny_hf_model(
     return model
 
 
+def kernel_variants() -> list:
+    """Every CPU kernel variant as a pytest param, skipped (with the flags it lacks) where this
+    CPU cannot run it: a machine tests each variant it can execute."""
+    return [
+        pytest.param(
+            v.name,
+            marks=pytest.mark.skipif(
+                not can_run(v),
+                reason=f"this CPU lacks {', '.join(sorted(v.cpu_flags - read_cpu_flags()))}",
+            ),
+        )
+        for v in VARIANTS
+    ]
+
+
 def model_config_of(hf_model) -> ModelConfig:
     return ModelConfig.from_hf_config(
         {**hf_model.config.to_dict(), "architectures": [type(hf_model).__name__]}
@@ -65,11 +83,20 @@ def model_config_of(hf_model) -> ModelConfig:
 
 
 def pdserve_from_hf(
-    hf_model, dtype: torch.dtype = torch.float32, use_cpu_kernels: bool = True
+    hf_model,
+    dtype: torch.dtype = torch.float32,
+    use_cpu_kernels: bool = True,
+    cpu_isa: str | None = None,
+    quantization: Quantization = Quantization.NONE,
 ) -> LlamaForCausalLM:
     """pdserve's model holding the same weights, with CPU linears packed."""
     model = LlamaForCausalLM(
-        model_config_of(hf_model), dtype, "cpu", use_cpu_kernels=use_cpu_kernels
+        model_config_of(hf_model),
+        dtype,
+        "cpu",
+        use_cpu_kernels=use_cpu_kernels,
+        cpu_isa=cpu_isa,
+        quantization=quantization,
     )
     model.load_weights(hf_model.state_dict())
     model.pack()

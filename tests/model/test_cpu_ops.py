@@ -1,18 +1,32 @@
-"""The fused CPU kernels equal the torch ops they replace."""
+"""The fused CPU kernels equal the torch ops they replace, in every ISA variant this CPU runs
+(AVX-512 with and without bf16/VNNI, AVX2, portable C): each variant is its own library."""
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf.quants import quantize
 
 from pdserve.model.attention import AttentionMetadata, TorchAttentionBackend
-from pdserve.model.kernels.cpu_ops import load_cpu_ops
+from pdserve.model.kernels.build import VARIANTS, can_run
+from pdserve.model.kernels.cpu_ops import CpuOps, load_cpu_ops
+from pdserve.model.quant import QuantizedWeight, QuantType, quantize_activations, quantize_int8
+from tests.model.helpers import kernel_variants
 
-ops = load_cpu_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="no AVX-512 CPU or no C compiler")
 HEADS = [(9, 3, 64), (4, 4, 128), (8, 1, 32)]  # (query heads, KV heads, head_dim)
 DTYPES = [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)]
+
+
+@pytest.fixture(scope="module", params=kernel_variants())
+def ops(request) -> CpuOps:
+    ops = load_cpu_ops(request.param)
+    if ops is None:
+        pytest.skip(f"the {request.param} kernels did not compile (no C compiler?)")
+    assert ops.isa == request.param
+    return ops
 
 
 def _tables(lengths, block_size, num_blocks, generator):
@@ -25,16 +39,23 @@ def _tables(lengths, block_size, num_blocks, generator):
     return tables
 
 
-@pytest.mark.parametrize(("dtype", "atol"), DTYPES)
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype", "atol"),
+    [
+        (torch.float32, torch.float32, 2e-5),
+        (torch.bfloat16, torch.bfloat16, 2e-2),
+        (torch.float32, torch.bfloat16, 2e-5),  # a bf16 KV cache under a float32 model
+    ],
+)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), HEADS)
 @pytest.mark.parametrize("block_size", [16, 8, 32])
 def test_paged_decode_matches_torch_path(
-    dtype, atol, num_heads, num_kv_heads, head_dim, block_size
+    ops, dtype, kv_dtype, atol, num_heads, num_kv_heads, head_dim, block_size
 ):
     generator = torch.Generator().manual_seed(0)
     num_blocks = 1280 // block_size
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(
-        dtype
+        kv_dtype
     )
     lengths = [1, 16, 17, 300, 45, 33]
     tables = _tables(lengths, block_size, num_blocks, generator)
@@ -45,12 +66,13 @@ def test_paged_decode_matches_torch_path(
     scale = head_dim**-0.5
     expected = TorchAttentionBackend(scale)._decode(q, cache, meta.decode, None)
     got = ops.paged_decode(q, cache, meta.decode.block_tables, meta.decode.seq_lens, scale)
+    assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize(("dtype", "atol"), DTYPES)
 @pytest.mark.parametrize("hidden", [576, 40])  # 40: a partial last vector
-def test_add_rms_norm(dtype, atol, hidden):
+def test_add_rms_norm(ops, dtype, atol, hidden):
     generator = torch.Generator().manual_seed(1)
     x, residual = (torch.randn(5, hidden, generator=generator).to(dtype) for _ in range(2))
     weight = torch.rand(hidden, generator=generator).to(dtype) + 0.5
@@ -69,7 +91,7 @@ def test_add_rms_norm(dtype, atol, hidden):
 
 @pytest.mark.parametrize(("dtype", "atol"), DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 40])
-def test_rotary_in_place(dtype, atol, head_dim):
+def test_rotary_in_place(ops, dtype, atol, head_dim):
     generator = torch.Generator().manual_seed(2)
     num_tokens, num_rotated, num_heads = 7, 5, 6  # the last head (v) stays untouched
     qkv = torch.randn(num_tokens, num_heads * head_dim, generator=generator).to(dtype)
@@ -86,7 +108,7 @@ def test_rotary_in_place(dtype, atol, head_dim):
 
 
 @pytest.mark.parametrize(("dtype", "atol"), DTYPES)
-def test_silu_mul(dtype, atol):
+def test_silu_mul(ops, dtype, atol):
     gate_up = (torch.randn(3, 2 * 200, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)
     torch.testing.assert_close(
@@ -94,15 +116,95 @@ def test_silu_mul(dtype, atol):
     )
 
 
-@pytest.mark.skipif(ops is None or ops._linear is None, reason="no AVX-512 BF16 dot products")
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+ROWS = [1, 2, 3, 5, 8, 13, 40]  # every row tile, with partial tiles
+
+
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("has_bias", [False, True])
-def test_streaming_linear(rows, has_bias):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_linear(ops, dtype, rows, has_bias):
     generator = torch.Generator().manual_seed(4)
-    weight = torch.randn(96, 70, generator=generator).bfloat16()
-    bias = torch.randn(96, generator=generator).bfloat16() if has_bias else None
-    x = torch.randn(rows, 70, generator=generator).bfloat16()
+    weight = torch.randn(100, 70, generator=generator).to(dtype)  # 100: a partial last group
+    bias = torch.randn(100, generator=generator).to(dtype) if has_bias else None
+    x = torch.randn(rows, 70, generator=generator).to(dtype)
     expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    got = ops.linear(x, ops.pack_linear(weight), bias)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
-    torch.testing.assert_close(got.float(), expected, atol=0.05, rtol=0.01)
+    got = ops.linear(x, ops.pack_dense(weight), bias)
+    assert got.dtype == dtype and got.shape == (rows, 100)
+    # bfloat16: the output's rounding (values up to ~30).
+    tolerance = (1e-4, 1e-5) if dtype == torch.float32 else (0.15, 0.01)
+    torch.testing.assert_close(got.float(), expected, atol=tolerance[0], rtol=tolerance[1])
+
+
+def _quantized(qtype: QuantType, weight: torch.Tensor) -> QuantizedWeight:
+    if qtype is QuantType.INT8:
+        return quantize_int8(weight)
+    blocks = quantize(weight.numpy(), gguf.GGMLQuantizationType[qtype.name])
+    return QuantizedWeight(qtype, blocks, tuple(weight.shape))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("qtype", list(QuantType))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_multiplies_the_blocks(ops, qtype, dtype, rows):
+    """The kernels equal float math on the dequantized weights and, for the integer dot
+    products, the activations quantized per block of 32 (what the kernels do to x)."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(40, 96, generator=generator)
+    weight[3] = 0.0  # an all-zero row and block: zero scales
+    x = torch.randn(rows, 96, generator=generator).to(dtype)
+    x[0, :32] = 0.0
+    bias = torch.randn(40, generator=generator).to(dtype)
+    quantized = _quantized(qtype, weight)
+    x_used = quantize_activations(x) if qtype.quantizes_activations else x.float()
+    expected = F.linear(x_used, quantized.dequantize(), bias.float())
+    got = ops.linear(x, quantized.pack(), bias)
+    assert got.dtype == dtype and got.shape == (rows, 40)
+    tolerance = (2e-4, 1e-5) if dtype == torch.float32 else (0.1, 0.01)
+    torch.testing.assert_close(got.float(), expected, atol=tolerance[0], rtol=tolerance[1])
+
+
+def test_stream_sum(ops):
+    values = torch.arange(4096, dtype=torch.float32) / 64
+    assert ops.stream_sum(values) == pytest.approx(float(values.sum()), rel=1e-6)
+    with pytest.raises(ValueError, match="64k elements"):
+        ops.stream_sum(values[:100])
+
+
+def test_named_variant_the_cpu_lacks_is_refused(monkeypatch):
+    monkeypatch.setattr("pdserve.model.kernels.cpu_ops.can_run", lambda variant: False)
+    load_cpu_ops.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="cannot run the avx2 kernels"):
+            load_cpu_ops("avx2")
+        with pytest.raises(ValueError, match="unknown CPU kernel variant 'sse9'"):
+            load_cpu_ops("sse9")
+    finally:
+        load_cpu_ops.cache_clear()
+
+
+def test_environment_picks_the_variant(monkeypatch):
+    monkeypatch.setenv("PDSERVE_CPU_ISA", "portable")
+    load_cpu_ops.cache_clear()
+    try:
+        ops = load_cpu_ops()
+        assert ops is None or ops.isa == "portable"
+    finally:
+        load_cpu_ops.cache_clear()
+
+
+def test_default_variant_is_the_best_the_cpu_runs(monkeypatch):
+    monkeypatch.delenv("PDSERVE_CPU_ISA", raising=False)
+    best = next(v for v in VARIANTS if can_run(v))
+    ops = load_cpu_ops()
+    assert ops is None or ops.isa == best.name
+
+
+def test_quantized_weight_reads_gguf_blocks_like_gguf():
+    from gguf.quants import dequantize
+
+    weight = torch.randn(20, 64, generator=torch.Generator().manual_seed(6))
+    for qtype in (QuantType.Q8_0, QuantType.Q4_0, QuantType.Q4_1):
+        ggml_type = gguf.GGMLQuantizationType[qtype.name]
+        blocks = quantize(weight.numpy(), ggml_type)
+        ours = QuantizedWeight(qtype, blocks, (20, 64)).dequantize()
+        np.testing.assert_array_equal(ours.numpy(), dequantize(blocks, ggml_type))

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pdserve.model.attention import AttentionMetadata, allocate_kv_cache, kv_bytes_per_token
-from tests.model.helpers import TINY_VOCAB_SIZE, pdserve_from_hf, tiny_hf_model
+from pdserve.model.config import Quantization
+from tests.model.helpers import TINY_VOCAB_SIZE, kernel_variants, pdserve_from_hf, tiny_hf_model
 
 BLOCK_SIZE = 16
 LLAMA3_SCALING = {
@@ -125,10 +126,8 @@ def test_bfloat16_forward_tracks_float32():
     assert (logits[1] - logits[0]).abs().max() < 0.05 * logits[0].abs().max()
 
 
-def test_cpu_kernels_track_torch_ops_in_bfloat16():
-    """Prefill then batched decode in bfloat16: the fused CPU kernels (streaming linears,
-    norms, rotary, decode attention) against plain torch ops on the same weights."""
-    hf_model = tiny_hf_model("qwen2", seed=7)
+def _prefill_then_batched_decode(model) -> dict[str, torch.Tensor]:
+    """Three sequences prefilled together, then three decode steps of all three."""
     generator = torch.Generator().manual_seed(5)
     tokens = {
         s: torch.randint(0, TINY_VOCAB_SIZE, (n,), generator=generator)
@@ -136,19 +135,40 @@ def test_cpu_kernels_track_torch_ops_in_bfloat16():
     }
     block_tables = {"a": [1, 2], "b": [3, 4], "c": [5]}
     steps = [{"a": 27, "b": 18, "c": 6}] + [dict.fromkeys(tokens, 1)] * 3
+    return _run_paged(model, tokens, steps, block_tables, num_blocks=6)
+
+
+def test_cpu_kernels_track_torch_ops_in_bfloat16():
+    """Prefill then batched decode in bfloat16: the fused CPU kernels (streaming linears,
+    norms, rotary, decode attention) against plain torch ops on the same weights."""
+    hf_model = tiny_hf_model("qwen2", seed=7)
     logits = [
-        _run_paged(
-            pdserve_from_hf(hf_model, torch.bfloat16, use_cpu_kernels=kernels),
-            tokens,
-            steps,
-            block_tables,
-            num_blocks=6,
+        _prefill_then_batched_decode(
+            pdserve_from_hf(hf_model, torch.bfloat16, use_cpu_kernels=kernels)
         )
         for kernels in (True, False)
     ]
-    for s in tokens:
+    for s in logits[0]:
         scale = logits[1][s].abs().max()
         assert (logits[0][s] - logits[1][s]).abs().max() < 0.03 * scale, s
+
+
+@pytest.mark.parametrize("cpu_isa", kernel_variants())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("quantization", [Quantization.NONE, Quantization.INT8])
+def test_one_call_decode_step_equals_the_per_op_path(cpu_isa, dtype, quantization):
+    """A batch of single-token sequences runs the whole stack in one native call; it computes
+    exactly what the per-op kernel path does."""
+    hf_model = tiny_hf_model("qwen2", seed=7)
+    logits = []
+    for fused in (True, False):
+        model = pdserve_from_hf(hf_model, dtype, cpu_isa=cpu_isa, quantization=quantization)
+        assert model.fused_decoder is not None and model.fused_decoder_max_rows >= 3
+        if not fused:
+            model.fused_decoder = None
+        logits.append(_prefill_then_batched_decode(model))
+    for s in logits[0]:
+        torch.testing.assert_close(logits[0][s], logits[1][s], atol=0, rtol=0)
 
 
 def test_metadata_slots_follow_block_tables():

@@ -1,4 +1,10 @@
-"""Compiling a C source into a shared library once per machine, cached on disk."""
+"""Compiling the kernels' C source into a shared library once per ISA variant, cached on disk.
+
+A variant is a set of compiler flags and the CPU flags it needs: `avx512_bf16` (AVX-512 with
+bfloat16 and int8 dot products), `avx512`, `avx2` (with FMA and F16C) and `portable` (plain C
+that GCC or Clang vectorise for any target, ARM included). `runnable_variants()` lists those
+this CPU can run, best first.
+"""
 
 from __future__ import annotations
 
@@ -6,46 +12,113 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.model.cpu_runtime import read_cpu_flags
 
 logger = logging.getLogger(__name__)
 
-# -march=native ties the library to this CPU, hence the CPU flags in the cache key. Never
-# -ffast-math: linking with it sets flush-to-zero for the whole process at load time, which
-# changes every other float computation in it (numpy, hypothesis and torch saw it).
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fPIC", "-shared")
+# Never -ffast-math: linking with it sets flush-to-zero for the whole process at load time,
+# which changes every other float computation in it (numpy, hypothesis and torch saw it).
+# No -march=native: each variant names its instruction set, so the portable build stays
+# portable and one cached library per variant serves any CPU that has its flags.
+CFLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=fast", "-fPIC", "-shared")
 COMPILE_TIMEOUT_S = 120
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c")
+_X86 = ("x86_64", "amd64")
 
 
-def load_library(source: Path) -> ctypes.CDLL | None:
-    """The compiled `source`, built if needed; None (with a warning) if it cannot be."""
+@dataclass(frozen=True)
+class IsaVariant:
+    name: str
+    cpu_flags: frozenset[str]  # /proc/cpuinfo flags the CPU needs
+    cflags: tuple[str, ...]
+    machines: tuple[str, ...] | None  # platform.machine() values; None: any
+
+
+VARIANTS = (
+    IsaVariant(
+        "avx512_bf16",
+        frozenset((*_AVX512, "avx512_bf16", "avx512_vnni")),
+        (
+            "-DPDSERVE_ISA_AVX512",
+            *(f"-m{f}" for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2")),
+            *("-mfma", "-mf16c", "-mavx512bf16", "-mavx512vnni"),
+        ),
+        _X86,
+    ),
+    IsaVariant(
+        "avx512",
+        frozenset(_AVX512),
+        (
+            "-DPDSERVE_ISA_AVX512",
+            *(f"-m{f}" for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2")),
+            *("-mfma", "-mf16c"),
+        ),
+        _X86,
+    ),
+    IsaVariant(
+        "avx2",
+        frozenset(("avx2", "fma", "f16c")),
+        ("-DPDSERVE_ISA_AVX2", "-mavx2", "-mfma", "-mf16c"),
+        _X86,
+    ),
+    IsaVariant("portable", frozenset(), (), None),
+)
+VARIANT_NAMES = tuple(v.name for v in VARIANTS)
+
+
+def variant(name: str) -> IsaVariant:
+    for candidate in VARIANTS:
+        if candidate.name == name:
+            return candidate
+    raise ValueError(f"unknown CPU kernel variant {name!r} (known: {', '.join(VARIANT_NAMES)})")
+
+
+def can_run(candidate: IsaVariant, cpu_flags: frozenset[str] | None = None) -> bool:
+    """Whether this CPU (or one with `cpu_flags`) executes the variant's instructions."""
+    if candidate.machines is not None and platform.machine().lower() not in candidate.machines:
+        return False
+    flags = read_cpu_flags() if cpu_flags is None else cpu_flags
+    return candidate.cpu_flags <= flags
+
+
+def runnable_variants(cpu_flags: frozenset[str] | None = None) -> tuple[IsaVariant, ...]:
+    """The variants this CPU can run, best first (portable always)."""
+    return tuple(v for v in VARIANTS if can_run(v, cpu_flags))
+
+
+def load_library(source: Path, isa: IsaVariant = VARIANTS[-1]) -> ctypes.CDLL | None:
+    """`source` compiled for `isa`, built if needed; None (with a warning) if it cannot be.
+    Headers next to the source are part of the cache key."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning(
             "no C compiler found; using the slower torch path instead of %s", source.name
         )
         return None
+    headers = sorted(source.parent.glob("*.h"))
     key = hashlib.sha256(
         b"\0".join(
             [
                 source.read_bytes(),
-                " ".join(CFLAGS).encode(),
+                *(h.read_bytes() for h in headers),
+                " ".join((*CFLAGS, *isa.cflags)).encode(),
                 compiler.encode(),
-                " ".join(sorted(read_cpu_flags())).encode(),
             ]
         )
     ).hexdigest()[:16]
     try:
-        library = _cache_dir() / f"{source.stem}-{key}.so"
+        library = _cache_dir() / f"{source.stem}-{isa.name}-{key}.so"
     except OSError as e:
         logger.warning("%s; using the slower torch path instead of %s", e, source.name)
         return None
-    if not library.is_file() and not _compile(compiler, source, library):
+    if not library.is_file() and not _compile(compiler, source, isa, library):
         return None
     try:
         return ctypes.CDLL(str(library))
@@ -54,11 +127,12 @@ def load_library(source: Path) -> ctypes.CDLL | None:
         return None
 
 
-def _compile(compiler: str, source: Path, library: Path) -> bool:
+def _compile(compiler: str, source: Path, isa: IsaVariant, library: Path) -> bool:
     # Build under a private name and rename: concurrent workers never see a partial file.
     fd, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
     os.close(fd)
-    command = [compiler, *CFLAGS, str(source), "-o", partial, "-lm"]
+    command = [compiler, *CFLAGS, *isa.cflags, f"-I{source.parent}", str(source)]
+    command += ["-o", partial, "-lm"]
     try:
         subprocess.run(command, check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
         os.replace(partial, library)
@@ -66,8 +140,9 @@ def _compile(compiler: str, source: Path, library: Path) -> bool:
     except (OSError, subprocess.SubprocessError) as e:
         stderr = getattr(e, "stderr", b"") or b""
         logger.warning(
-            "compiling %s failed (%s %s); using the slower torch path",
+            "compiling %s for %s failed (%s %s); using the slower torch path",
             source.name,
+            isa.name,
             e,
             stderr.decode(errors="replace")[-500:],
         )

@@ -1,342 +1,891 @@
 /*
- * Fused CPU kernels (AVX-512) for the decoder's small, memory-bound steps, where a chain of
- * torch ops would cost more in dispatch than in arithmetic. Arithmetic is float32; tensors are
- * float or bfloat16 (as uint16_t), rounded once on store. Every function comes in _f32 and
- * _bf16 versions.
+ * Fused CPU kernels for the decoder's memory-bound steps, where a chain of torch ops would
+ * cost more in dispatch than in arithmetic. Written once against the 16-lane layer of
+ * simd.h and compiled per ISA (AVX-512, AVX2, portable C). Arithmetic is float32; tensors
+ * are float32 or bfloat16 (DT_F32 / DT_BF16 arguments), rounded once on store.
  *
- * linear_bf16 (CPUs with AVX-512 BF16): x W^T for a few rows, W in a streaming layout.
+ * Every exported function takes its element types as int arguments and dispatches to an
+ * always-inlined body specialised for them, so the inner loops carry no type branches.
  *
- * paged_decode: every sequence of the batch has one query token, which attends to its
- * seq_lens[b] positions. K and V are read in place through the block table (no gathered copy),
- * in one pass with an online softmax, while the next block is prefetched.
- *
- * Layouts (all contiguous):
- *   q, out          [num_seqs, num_heads, head_dim]
- *   k_cache/v_cache [num_blocks, block_size, num_kv_heads, head_dim]   (one layer)
- *   block_tables    [num_seqs, max_blocks] int64;  seq_lens [num_seqs] int64 (>= 1)
- *   scratch         float [2 * num_heads * head_dim + num_heads * (UNIT + 2)]
- * Query head h reads KV head h / (num_heads / num_kv_heads); head_dim % 16 == 0, <= 256.
- *
- * (A flash-style prefill kernel with float32 FMAs was tried and lost to torch's SDPA on long
- * prompts: prefill attention is compute-bound, so it stays with SDPA.)
+ * Layouts (all contiguous unless a stride is passed):
+ *   paged_decode: q, out [num_seqs, num_heads, head_dim];
+ *     k_cache / v_cache [num_blocks, block_size, num_kv_heads, head_dim] (one layer);
+ *     block_tables [num_seqs, max_blocks] int64; seq_lens [num_seqs] int64 (>= 1);
+ *     scratch float [num_heads * (2 * head_dim + UNIT + 2)].
+ *     Query head h reads KV head h / (num_heads / num_kv_heads); head_dim % 16 == 0, <= 256.
+ *   linear: weights pre-packed in groups of 16 output rows (see the W_* formats below).
  */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
+#include "simd.h"
 
 #define MAX_HEAD_DIM 256
 #define UNIT 16 /* positions scored together: one vector of scores per head */
+#define CHUNK_BYTES (256 * 1024) /* weights one pass of row tiles keeps in L2 */
 
-static inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
-static inline void store16_f32(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline __m512 loadm_f32(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-static inline void storem_f32(float* p, __mmask16 m, __m512 v) { _mm512_mask_storeu_ps(p, m, v); }
+#if defined(PDSERVE_ISA_AVX512)
+#define MAX_ROW_TILE 8 /* rows of x per pass over a weight group: 32 vector registers */
+#else
+#define MAX_ROW_TILE 4 /* 16 vector registers (AVX2: two per V16) */
+#endif
 
-static inline __m512 load16_bf16(const uint16_t* p) {
-    __m256i raw = _mm256_loadu_si256((const __m256i*)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+/* Which build this is, for the Python side to check and report. */
+const char* pdserve_isa(void) {
+#if defined(PDSERVE_ISA_AVX512) && defined(__AVX512BF16__)
+    return "avx512_bf16";
+#elif defined(PDSERVE_ISA_AVX512)
+    return "avx512";
+#elif defined(PDSERVE_ISA_AVX2)
+    return "avx2";
+#else
+    return "portable";
+#endif
 }
 
-/* float32 -> bfloat16 bits, round to nearest even (values are finite). */
-static inline __m256i to_bf16(__m512 v) {
-    __m512i bits = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+/* ---- add + RMSNorm, rotary, SiLU x mul ------------------------------------------------ */
+
+/* residual <- residual + x (rounded to dt) unless add_residual is 0, then
+ * out <- residual / rms(residual) * weight, row by row. x: [rows, hidden]. */
+ALWAYS_INLINE void add_rms_norm_impl(int dt, const void* x, void* residual, const void* weight,
+                                     void* out, int64_t rows, int64_t hidden, float eps,
+                                     int64_t add_residual) {
+    const void* source = add_residual ? residual : x;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t row = r * hidden;
+        V16 squares = v_zero();
+        for (int64_t j = 0; j < hidden; j += 16) {
+            const int64_t n = hidden - j;
+            V16 h = load_dt_n(x, row + j, n, dt);
+            if (add_residual) {
+                h = round_dt(v_add(h, load_dt_n(residual, row + j, n, dt)), dt);
+                store_dt_n(residual, row + j, n, h, dt);
+            }
+            squares = v_fma(h, h, squares);
+        }
+        const V16 inverse_rms = v_set1(1.0f / sqrtf(v_sum(squares) / (float)hidden + eps));
+        for (int64_t j = 0; j < hidden; j += 16) {
+            const int64_t n = hidden - j;
+            const V16 h = v_mul(load_dt_n(source, row + j, n, dt), inverse_rms);
+            store_dt_n(out, row + j, n, v_mul(h, load_dt_n(weight, j, n, dt)), dt);
+        }
+    }
 }
 
-static inline void store16_bf16(uint16_t* p, __m512 v) {
-    _mm256_storeu_si256((__m256i*)p, to_bf16(v));
+void add_rms_norm(int dt, const void* x, void* residual, const void* weight, void* out,
+                  int64_t rows, int64_t hidden, float eps, int64_t add_residual) {
+    if (dt == DT_BF16)
+        add_rms_norm_impl(DT_BF16, x, residual, weight, out, rows, hidden, eps, add_residual);
+    else
+        add_rms_norm_impl(DT_F32, x, residual, weight, out, rows, hidden, eps, add_residual);
 }
 
-static inline __m512 loadm_bf16(const uint16_t* p, __mmask16 m) {
-    __m256i raw = _mm256_maskz_loadu_epi16(m, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+/* Rotate heads [0, num_heads) of each row in place ("rotate half" pairs i and i + head_dim/2).
+ * Rows are row_stride elements apart; cos/sin: float [rows, head_dim / 2]. */
+ALWAYS_INLINE void rotary_impl(int dt, void* x, int64_t rows, int64_t row_stride,
+                               int64_t num_heads, int64_t head_dim, const float* cos,
+                               const float* sin) {
+    const int64_t half = head_dim / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t h = 0; h < num_heads; h++) {
+            const int64_t head = r * row_stride + h * head_dim;
+            for (int64_t j = 0; j < half; j += 16) {
+                const int64_t n = half - j;
+                const V16 c = load_dt_n(cos, r * half + j, n, DT_F32);
+                const V16 s = load_dt_n(sin, r * half + j, n, DT_F32);
+                const V16 x1 = load_dt_n(x, head + j, n, dt);
+                const V16 x2 = load_dt_n(x, head + half + j, n, dt);
+                store_dt_n(x, head + j, n, v_sub(v_mul(x1, c), v_mul(x2, s)), dt);
+                store_dt_n(x, head + half + j, n, v_fma(x2, c, v_mul(x1, s)), dt);
+            }
+        }
+    }
 }
 
-static inline void storem_bf16(uint16_t* p, __mmask16 m, __m512 v) {
-    _mm256_mask_storeu_epi16(p, m, to_bf16(v));
+void rotary(int dt, void* x, int64_t rows, int64_t row_stride, int64_t num_heads,
+            int64_t head_dim, const float* cos, const float* sin) {
+    if (dt == DT_BF16)
+        rotary_impl(DT_BF16, x, rows, row_stride, num_heads, head_dim, cos, sin);
+    else
+        rotary_impl(DT_F32, x, rows, row_stride, num_heads, head_dim, cos, sin);
 }
 
-/* What a value reads back as once stored as T (bfloat16 rounds; float is exact). */
-static inline __m512 round_f32(__m512 v) { return v; }
-static inline __m512 round_bf16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+/* out [rows, width] <- silu(gate) * up, gate_up [rows, 2 * width] = [gate | up]. */
+ALWAYS_INLINE void silu_mul_impl(int dt, const void* gate_up, void* out, int64_t rows,
+                                 int64_t width) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t gate = r * 2 * width;
+        for (int64_t j = 0; j < width; j += 16) {
+            const int64_t n = width - j;
+            const V16 g = load_dt_n(gate_up, gate + j, n, dt);
+            const V16 sig = v_div(v_set1(1.0f), v_add(v_set1(1.0f), v_exp(v_sub(v_zero(), g))));
+            const V16 up = load_dt_n(gate_up, gate + width + j, n, dt);
+            store_dt_n(out, r * width + j, n, v_mul(v_mul(g, sig), up), dt);
+        }
+    }
 }
 
-static inline __mmask16 tail_mask(int64_t remaining) {
-    return remaining >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << remaining) - 1);
+void silu_mul(int dt, const void* gate_up, void* out, int64_t rows, int64_t width) {
+    if (dt == DT_BF16)
+        silu_mul_impl(DT_BF16, gate_up, out, rows, width);
+    else
+        silu_mul_impl(DT_F32, gate_up, out, rows, width);
 }
 
-/* e^x for 16 lanes: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, degree-6 Taylor series
- * of 2^f (relative error ~1e-7). Inputs below -87 give ~0. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.54035304e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.33335581e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.61812911e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55041087e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226507e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-static inline void prefetch_bytes(const void* start, int64_t bytes) {
-    for (int64_t offset = 0; offset < bytes; offset += 64)
-        _mm_prefetch((const char*)start + offset, _MM_HINT_T0);
-}
+/* ---- paged decode attention ----------------------------------------------------------- */
 
 /* Online softmax step for one head and a unit of n <= UNIT scores: turn the scores into
  * weights relative to the new running max, and rescale what was accumulated so far. */
-static inline void rescale_head(float* scores, int64_t n, float* peak, float* total,
-                                float* acc, int64_t num_vectors) {
-    const __mmask16 valid = (__mmask16)((1u << n) - 1);
-    const __m512 s = _mm512_maskz_loadu_ps(valid, scores);
-    const float unit_peak = _mm512_mask_reduce_max_ps(valid, s);
+ALWAYS_INLINE void rescale_head(float* scores, int64_t n, float* peak, float* total, float* acc,
+                                int64_t num_vectors) {
+    for (int64_t t = n; t < UNIT; t++) scores[t] = -1.0e30f;
+    const float unit_peak = v_hmax(v_load(scores));
     const float new_peak = unit_peak > *peak ? unit_peak : *peak;
-    const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(new_peak))));
-    const __m512 alpha = exp16(_mm512_set1_ps(*peak - new_peak));
-    _mm512_mask_storeu_ps(scores, valid, p);
-    *total = *total * _mm512_cvtss_f32(alpha) + _mm512_reduce_add_ps(p);
+    v_store(scores, v_exp(v_sub(v_load(scores), v_set1(new_peak))));
+    for (int64_t t = n; t < UNIT; t++) scores[t] = 0.0f;
+    const float alpha = expf(*peak - new_peak);
+    *total = *total * alpha + v_sum(v_load(scores));
     *peak = new_peak;
+    const V16 scale = v_set1(alpha);
     for (int64_t j = 0; j < num_vectors; j++)
-        _mm512_storeu_ps(acc + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), alpha));
+        v_store(acc + 16 * j, v_mul(v_load(acc + 16 * j), scale));
 }
 
-/* The body, with NV = head_dim / 16 a compile-time constant in the specialised copies below
- * (so the per-head vectors live in registers). */
-#define DEFINE_PAGED_DECODE_IMPL(NAME, T, LOAD16, STORE16)                                          \
-static inline __attribute__((always_inline)) void NAME(                                        \
-          const int64_t NV, const T* q, const T* k_cache, const T* v_cache,                  \
-          const int64_t* block_tables,                                                       \
-          const int64_t* seq_lens, T* out, float* scratch, int64_t num_seqs, int64_t num_heads,\
-          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,      \
-          float scale) {                                                                     \
-    const int64_t group = num_heads / num_kv_heads, num_vectors = NV;                        \
-    const int64_t token_stride = num_kv_heads * head_dim, seq_stride = num_heads * head_dim; \
-    const int64_t block_bytes = block_size * token_stride * (int64_t)sizeof(T);              \
-    float* qf = scratch;               /* queries [num_heads, head_dim] */                   \
-    float* acc = qf + seq_stride;      /* weighted V sums [num_heads, head_dim] */           \
-    float* scores = acc + seq_stride;  /* one unit's [num_heads, UNIT] */                    \
-    float* peak = scores + num_heads * UNIT;  /* running max per head */                     \
-    float* total = peak + num_heads;          /* running softmax denominator per head */     \
-    for (int64_t b = 0; b < num_seqs; b++) {                                                 \
-        const int64_t len = seq_lens[b];                                                     \
-        const int64_t* table = block_tables + b * max_blocks;                                \
-        for (int64_t i = 0; i < seq_stride; i += 16) {                                       \
-            store16_f32(qf + i, LOAD16(q + b * seq_stride + i));                             \
-            store16_f32(acc + i, _mm512_setzero_ps());                                       \
-        }                                                                                    \
-        for (int64_t h = 0; h < num_heads; h++) {                                            \
-            peak[h] = -1.0e30f;                                                              \
-            total[h] = 0.0f;                                                                 \
-        }                                                                                    \
-        for (int64_t start = 0; start < len;) {                                              \
-            /* A unit: up to UNIT consecutive positions inside one block. */                  \
-            const int64_t blk = start / block_size, in_block = start % block_size;          \
-            int64_t n = block_size - in_block < UNIT ? block_size - in_block : UNIT;         \
-            n = len - start < n ? len - start : n;                                           \
-            const int64_t offset = (table[blk] * block_size + in_block) * token_stride;      \
-            if (in_block == 0 && (blk + 1) * block_size < len) {                             \
-                const int64_t next = table[blk + 1] * block_size * token_stride;             \
-                prefetch_bytes(k_cache + next, block_bytes);                                 \
-                prefetch_bytes(v_cache + next, block_bytes);                                 \
-            }                                                                                \
-            const T* k = k_cache + offset;                                                   \
-            for (int64_t t = 0; t < n; t++, k += token_stride) {                             \
-                for (int64_t kv_head = 0, h = 0; kv_head < num_kv_heads; kv_head++) {        \
-                    __m512 kv[MAX_HEAD_DIM / 16];                                            \
-                    for (int64_t j = 0; j < num_vectors; j++)                                \
-                        kv[j] = LOAD16(k + kv_head * head_dim + 16 * j);                     \
-                    for (int64_t g = 0; g < group; g++, h++) {                               \
-                        const float* qh = qf + h * head_dim;                                 \
-                        __m512 dot = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qh));              \
-                        for (int64_t j = 1; j < num_vectors; j++)                            \
-                            dot = _mm512_fmadd_ps(kv[j], _mm512_loadu_ps(qh + 16 * j), dot); \
-                        scores[h * UNIT + t] = _mm512_reduce_add_ps(dot) * scale;            \
-                    }                                                                        \
-                }                                                                            \
-            }                                                                                \
-            for (int64_t h = 0; h < num_heads; h++)                                          \
-                rescale_head(scores + h * UNIT, n, peak + h, total + h, acc + h * head_dim,  \
-                             num_vectors);                                                   \
-            const T* v = v_cache + offset;                                                   \
-            for (int64_t t = 0; t < n; t++, v += token_stride) {                             \
-                for (int64_t kv_head = 0, h = 0; kv_head < num_kv_heads; kv_head++) {        \
-                    __m512 vv[MAX_HEAD_DIM / 16];                                            \
-                    for (int64_t j = 0; j < num_vectors; j++)                                \
-                        vv[j] = LOAD16(v + kv_head * head_dim + 16 * j);                     \
-                    for (int64_t g = 0; g < group; g++, h++) {                               \
-                        float* ah = acc + h * head_dim;                                      \
-                        const __m512 p = _mm512_set1_ps(scores[h * UNIT + t]);               \
-                        for (int64_t j = 0; j < num_vectors; j++)                            \
-                            _mm512_storeu_ps(ah + 16 * j, _mm512_fmadd_ps(                   \
-                                p, vv[j], _mm512_loadu_ps(ah + 16 * j)));                    \
-                    }                                                                        \
-                }                                                                            \
-            }                                                                                \
-            start += n;                                                                      \
-        }                                                                                    \
-        for (int64_t h = 0; h < num_heads; h++) {                                            \
-            const __m512 inverse = _mm512_set1_ps(1.0f / total[h]);                          \
-            for (int64_t j = 0; j < num_vectors; j++)                                        \
-                STORE16(out + b * seq_stride + h * head_dim + 16 * j,                        \
-                        _mm512_mul_ps(_mm512_loadu_ps(acc + h * head_dim + 16 * j), inverse));\
-        }                                                                                    \
-    }                                                                                        \
-}
-
-
-#define DEFINE_PAGED_DECODE(NAME, IMPL, T)                                                     \
-void NAME(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,         \
-          const int64_t* seq_lens, T* out, float* scratch, int64_t num_seqs, int64_t num_heads,\
-          int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,      \
-          float scale) {                                                                     \
-    if (head_dim == 64)                                                                      \
-        IMPL(4, q, k_cache, v_cache, block_tables, seq_lens, out, scratch, num_seqs,         \
-             num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);              \
-    else if (head_dim == 128)                                                                \
-        IMPL(8, q, k_cache, v_cache, block_tables, seq_lens, out, scratch, num_seqs,         \
-             num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);              \
-    else                                                                                     \
-        IMPL(head_dim / 16, q, k_cache, v_cache, block_tables, seq_lens, out, scratch,       \
-             num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);    \
-}
-
-/* add_rms_norm: residual <- residual + x (rounded to T) unless add_residual is 0, then
- * out <- residual / rms(residual) * weight, row by row. x: [rows, hidden]. */
-#define DEFINE_ADD_RMS_NORM(NAME, T, LOADM, STOREM, ROUND)                                     \
-void NAME(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t hidden,     \
-          float eps, int64_t add_residual) {                                                  \
-    for (int64_t r = 0; r < rows; r++) {                                                      \
-        const T* xr = x + r * hidden;                                                         \
-        T* rr = residual + r * hidden;                                                        \
-        __m512 squares = _mm512_setzero_ps();                                                 \
-        for (int64_t j = 0; j < hidden; j += 16) {                                            \
-            const __mmask16 m = tail_mask(hidden - j);                                        \
-            __m512 h = LOADM(xr + j, m);                                                      \
-            if (add_residual) {                                                               \
-                h = ROUND(_mm512_add_ps(h, LOADM(rr + j, m)));                                \
-                STOREM(rr + j, m, h);                                                         \
-            }                                                                                 \
-            squares = _mm512_fmadd_ps(h, h, squares);                                         \
-        }                                                                                     \
-        const __m512 inverse_rms = _mm512_set1_ps(                                            \
-            1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)hidden + eps));               \
-        const T* source = add_residual ? rr : xr;                                             \
-        for (int64_t j = 0; j < hidden; j += 16) {                                            \
-            const __mmask16 m = tail_mask(hidden - j);                                        \
-            STOREM(out + r * hidden + j, m, _mm512_mul_ps(                                    \
-                _mm512_mul_ps(LOADM(source + j, m), inverse_rms), LOADM(weight + j, m)));     \
-        }                                                                                     \
-    }                                                                                         \
-}
-
-/* rotary: rotate heads [0, num_heads) of each row in place ("rotate half" pairs i and
- * i + head_dim/2). Rows are row_stride apart; cos/sin: float [rows, head_dim / 2]. */
-#define DEFINE_ROTARY(NAME, T, LOADM, STOREM)                                                  \
-void NAME(T* x, int64_t rows, int64_t row_stride, int64_t num_heads, int64_t head_dim,        \
-          const float* cos, const float* sin) {                                               \
-    const int64_t half = head_dim / 2;                                                        \
-    for (int64_t r = 0; r < rows; r++) {                                                      \
-        for (int64_t h = 0; h < num_heads; h++) {                                             \
-            T* head = x + r * row_stride + h * head_dim;                                      \
-            for (int64_t j = 0; j < half; j += 16) {                                          \
-                const __mmask16 m = tail_mask(half - j);                                      \
-                const __m512 c = _mm512_maskz_loadu_ps(m, cos + r * half + j);                \
-                const __m512 s = _mm512_maskz_loadu_ps(m, sin + r * half + j);                \
-                const __m512 x1 = LOADM(head + j, m), x2 = LOADM(head + half + j, m);         \
-                STOREM(head + j, m, _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, s)));            \
-                STOREM(head + half + j, m, _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, s)));     \
-            }                                                                                 \
-        }                                                                                     \
-    }                                                                                         \
-}
-
-/* silu_mul: out [rows, width] <- silu(gate) * up, gate_up [rows, 2 * width] = [gate | up]. */
-#define DEFINE_SILU_MUL(NAME, T, LOADM, STOREM)                                                \
-void NAME(const T* gate_up, T* out, int64_t rows, int64_t width) {                            \
-    for (int64_t r = 0; r < rows; r++) {                                                      \
-        const T* gate = gate_up + r * 2 * width;                                              \
-        for (int64_t j = 0; j < width; j += 16) {                                             \
-            const __mmask16 m = tail_mask(width - j);                                         \
-            const __m512 g = LOADM(gate + j, m);                                              \
-            const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(             \
-                _mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));         \
-            STOREM(out + r * width + j, m,                                                    \
-                   _mm512_mul_ps(_mm512_mul_ps(g, sig), LOADM(gate + width + j, m)));         \
-        }                                                                                     \
-    }                                                                                         \
-}
-
-#ifdef __AVX512BF16__
-/* linear_bf16: y [rows, out] = x [rows, in] W^T (+ bias), for few rows (decode batches).
- * W is pre-packed as [out / 16][in / 2][16][2]: one 64-byte load holds 2 inputs of 16
- * outputs and feeds one vdpbf16ps per row of x, and the whole matrix is one sequential
- * stream, which the hardware prefetcher keeps at memory speed. NR rows of x and NP
- * interleaved input phases give NR * NP independent accumulator chains. */
-static inline __attribute__((always_inline)) void linear_group_bf16(
-        const int64_t NR, const int64_t NP, const uint16_t* w, const uint32_t* const* x,
-        int64_t pairs, __m512* sums) {
-    __m512 acc[8][4];
-    for (int64_t r = 0; r < NR; r++)
-        for (int64_t p = 0; p < NP; p++) acc[r][p] = _mm512_setzero_ps();
-    int64_t pair = 0;
-    for (; pair + NP <= pairs; pair += NP) {
-        for (int64_t p = 0; p < NP; p++) {
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (pair + p) * 32);
-            for (int64_t r = 0; r < NR; r++)
-                acc[r][p] = _mm512_dpbf16_ps(acc[r][p], wv,
-                                             (__m512bh)_mm512_set1_epi32((int)x[r][pair + p]));
+/* Every sequence has one query token, which attends to its seq_lens[b] positions. K and V are
+ * read in place through the block table (no gathered copy), one pass with an online softmax,
+ * the next block prefetched. NV = head_dim / 16 is a compile-time constant in the specialised
+ * copies, so a head's vectors live in registers. */
+ALWAYS_INLINE void paged_decode_impl(int qdt, int kvdt, const int64_t NV, const void* q,
+                                     const void* k_cache, const void* v_cache,
+                                     const int64_t* block_tables, const int64_t* seq_lens,
+                                     void* out, float* scratch, int64_t num_seqs,
+                                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                     int64_t block_size, int64_t max_blocks, float scale) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim, seq_stride = num_heads * head_dim;
+    const int64_t kv_size = kvdt == DT_BF16 ? 2 : 4;
+    const int64_t block_bytes = block_size * token_stride * kv_size;
+    float* qf = scratch;                     /* queries [num_heads, head_dim], pre-scaled */
+    float* acc = qf + seq_stride;            /* weighted V sums [num_heads, head_dim] */
+    float* scores = acc + seq_stride;        /* one unit's [num_heads, UNIT] */
+    float* peak = scores + num_heads * UNIT; /* running max per head */
+    float* total = peak + num_heads;         /* running softmax denominator per head */
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t len = seq_lens[b];
+        const int64_t* table = block_tables + b * max_blocks;
+        for (int64_t i = 0; i < seq_stride; i += 16) {
+            v_store(qf + i, v_mul(load_dt(q, b * seq_stride + i, qdt), v_set1(scale)));
+            v_store(acc + i, v_zero());
+        }
+        for (int64_t h = 0; h < num_heads; h++) {
+            peak[h] = -1.0e30f;
+            total[h] = 0.0f;
+        }
+        for (int64_t start = 0; start < len;) {
+            /* A unit: up to UNIT consecutive positions inside one block. */
+            const int64_t blk = start / block_size, in_block = start % block_size;
+            int64_t n = block_size - in_block < UNIT ? block_size - in_block : UNIT;
+            n = len - start < n ? len - start : n;
+            const int64_t offset = (table[blk] * block_size + in_block) * token_stride;
+            if (in_block == 0 && (blk + 1) * block_size < len) {
+                const char* next_k = (const char*)k_cache + table[blk + 1] * block_bytes;
+                const char* next_v = (const char*)v_cache + table[blk + 1] * block_bytes;
+                for (int64_t o = 0; o < block_bytes; o += 64) {
+                    __builtin_prefetch(next_k + o, 0, 3);
+                    __builtin_prefetch(next_v + o, 0, 3);
+                }
+            }
+            for (int64_t t = 0; t < n; t++) {
+                const int64_t k = offset + t * token_stride;
+                for (int64_t kv_head = 0, h = 0; kv_head < num_kv_heads; kv_head++) {
+                    V16 kv[MAX_HEAD_DIM / 16];
+                    for (int64_t j = 0; j < NV; j++)
+                        kv[j] = load_dt(k_cache, k + kv_head * head_dim + 16 * j, kvdt);
+                    for (int64_t g = 0; g < group; g++, h++) {
+                        const float* qh = qf + h * head_dim;
+                        V16 dot = v_mul(kv[0], v_load(qh));
+                        for (int64_t j = 1; j < NV; j++)
+                            dot = v_fma(kv[j], v_load(qh + 16 * j), dot);
+                        scores[h * UNIT + t] = v_sum(dot);
+                    }
+                }
+            }
+            for (int64_t h = 0; h < num_heads; h++)
+                rescale_head(scores + h * UNIT, n, peak + h, total + h, acc + h * head_dim, NV);
+            for (int64_t t = 0; t < n; t++) {
+                const int64_t v = offset + t * token_stride;
+                for (int64_t kv_head = 0, h = 0; kv_head < num_kv_heads; kv_head++) {
+                    V16 vv[MAX_HEAD_DIM / 16];
+                    for (int64_t j = 0; j < NV; j++)
+                        vv[j] = load_dt(v_cache, v + kv_head * head_dim + 16 * j, kvdt);
+                    for (int64_t g = 0; g < group; g++, h++) {
+                        float* ah = acc + h * head_dim;
+                        const V16 p = v_set1(scores[h * UNIT + t]);
+                        for (int64_t j = 0; j < NV; j++)
+                            v_store(ah + 16 * j, v_fma(p, vv[j], v_load(ah + 16 * j)));
+                    }
+                }
+            }
+            start += n;
+        }
+        for (int64_t h = 0; h < num_heads; h++) {
+            const V16 inverse = v_set1(1.0f / total[h]);
+            for (int64_t j = 0; j < NV; j++)
+                store_dt(out, b * seq_stride + h * head_dim + 16 * j,
+                         v_mul(v_load(acc + h * head_dim + 16 * j), inverse), qdt);
         }
     }
-    for (; pair < pairs; pair++) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + pair * 32);
-        for (int64_t r = 0; r < NR; r++)
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], wv,
-                                         (__m512bh)_mm512_set1_epi32((int)x[r][pair]));
-    }
-    for (int64_t r = 0; r < NR; r++) {
-        sums[r] = acc[r][0];
-        for (int64_t p = 1; p < NP; p++) sums[r] = _mm512_add_ps(sums[r], acc[r][p]);
+}
+
+#define PAGED_DECODE_ARGS                                                                     \
+    q, k_cache, v_cache, block_tables, seq_lens, out, scratch, num_seqs, num_heads,          \
+        num_kv_heads, head_dim, block_size, max_blocks, scale
+
+/* head_dim 64 and 128 get copies with the vector count fixed; others use a loop bound. */
+ALWAYS_INLINE void paged_decode_types(int qdt, int kvdt, const void* q, const void* k_cache,
+                                      const void* v_cache, const int64_t* block_tables,
+                                      const int64_t* seq_lens, void* out, float* scratch,
+                                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                      int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                                      float scale) {
+    if (head_dim == 64)
+        paged_decode_impl(qdt, kvdt, 4, PAGED_DECODE_ARGS);
+    else if (head_dim == 128)
+        paged_decode_impl(qdt, kvdt, 8, PAGED_DECODE_ARGS);
+    else
+        paged_decode_impl(qdt, kvdt, head_dim / 16, PAGED_DECODE_ARGS);
+}
+
+void paged_decode(int qdt, int kvdt, const void* q, const void* k_cache, const void* v_cache,
+                  const int64_t* block_tables, const int64_t* seq_lens, void* out,
+                  float* scratch, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                  int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
+    if (qdt == DT_F32 && kvdt == DT_F32)
+        paged_decode_types(DT_F32, DT_F32, PAGED_DECODE_ARGS);
+    else if (qdt == DT_F32)
+        paged_decode_types(DT_F32, DT_BF16, PAGED_DECODE_ARGS);
+    else if (kvdt == DT_BF16)
+        paged_decode_types(DT_BF16, DT_BF16, PAGED_DECODE_ARGS);
+    else
+        paged_decode_types(DT_BF16, DT_F32, PAGED_DECODE_ARGS);
+}
+
+/* ---- streaming linear: y [rows, out] = x [rows, in] W^T (+ bias) ---------------------- */
+/*
+ * W is packed in groups of 16 output rows (the last group zero-padded), each group one
+ * sequential stream that the hardware prefetcher keeps at memory speed; a tile of up to
+ * MAX_ROW_TILE rows of x is multiplied per pass over a group, so a batch reads the weights
+ * from memory once (later tiles reread the group from cache). Formats:
+ *   W_F32   float  [group][in][16]
+ *   W_BF16  bf16   [group][in / 2][16][2]   (in even; AVX-512 BF16: one vdpbf16ps per pair)
+ *   quantized, in % 32 == 0, per group and block of 32 inputs ("quads" of 4 inputs):
+ *   W_Q8_0  [f16 scale x16][8 quads][16 rows][4 bytes]          GGUF Q8_0 (34 B/32)
+ *   W_Q4_0  [f16 scale x16][8 quads][32 bytes]                  GGUF Q4_0 (18 B/32)
+ *   W_Q4_1  [f16 scale x16][f16 min x16][8 quads][32 bytes]     GGUF Q4_1 (20 B/32)
+ *   Q8_0 weights are stored + 128 (unsigned); a 4-bit quad's byte j holds row j / 4 in its
+ *   low nibble and row 8 + j / 4 in its high one, input j % 4 of the quad.
+ *   These multiply integers: each row of x is quantized per block of 32 to int8 (scale
+ *   amax / 127, as llama.cpp's Q8 activations) and dotted with the weights' integers; block
+ *   results are scaled in float.
+ *   W_INT8  [f16 scale x16][32 inputs][16 rows] int8, weight-only: x stays in floats (each
+ *           value converted in registers), so its error is the weights' alone.
+ * The scratch holds x as the format's inner loop reads it (see linear_scratch).
+ */
+enum { W_F32 = 0, W_BF16 = 1, W_Q8_0 = 2, W_Q4_0 = 3, W_Q4_1 = 4, W_INT8 = 5 };
+
+/* Formats multiplied by integer dot products (x quantized first). */
+ALWAYS_INLINE int is_quantized(int wfmt) { return wfmt >= W_Q8_0 && wfmt <= W_Q4_1; }
+
+#if defined(PDSERVE_ISA_AVX512) && defined(__AVX512BF16__)
+#define HAS_DPBF16 1
+#else
+#define HAS_DPBF16 0
+#endif
+
+/* Bytes one group's block of 32 inputs occupies, and the group header. */
+ALWAYS_INLINE int64_t block_bytes(int wfmt) {
+    switch (wfmt) {
+        case W_Q8_0: return 32 + 512;
+        case W_Q4_0: return 32 + 256;
+        case W_Q4_1: return 64 + 256;
+        default: return 32 + 512; /* W_INT8 */
     }
 }
 
-void linear_bf16(const uint16_t* w, const uint16_t* x, const uint16_t* bias, uint16_t* y,
-                 int64_t rows, int64_t out, int64_t in) {
-    const int64_t pairs = in / 2;
-    for (int64_t group = 0; group < out / 16; group++) {
-        /* The group's weights come from memory once; later row blocks reread them from cache. */
-        const uint16_t* wg = w + group * pairs * 32;
-        const __m512 b = bias ? load16_bf16(bias + group * 16) : _mm512_setzero_ps();
-        for (int64_t first = 0; first < rows; first += 8) {
-            const int64_t n = rows - first < 8 ? rows - first : 8;
-            const uint32_t* xr[8];
-            for (int64_t r = 0; r < 8; r++)  /* rows past n repeat the last one */
-                xr[r] = (const uint32_t*)(x + (first + (r < n ? r : n - 1)) * in);
-            __m512 sums[8];
-            if (n == 1) linear_group_bf16(1, 4, wg, xr, pairs, sums);
-            else if (n == 2) linear_group_bf16(2, 2, wg, xr, pairs, sums);
-            else if (n <= 4) linear_group_bf16(4, 1, wg, xr, pairs, sums);
-            else linear_group_bf16(8, 1, wg, xr, pairs, sums);
-            for (int64_t r = 0; r < n; r++)
-                store16_bf16(y + (first + r) * out + group * 16, _mm512_add_ps(sums[r], b));
+/* Bytes of scratch `linear` needs for `rows` rows of `in` inputs. */
+int64_t linear_scratch(int wfmt, int64_t rows, int64_t in) {
+    if (is_quantized(wfmt)) return rows * (in + 2 * (in / 32) * (int64_t)sizeof(float));
+    return rows * in * (int64_t)sizeof(float);
+}
+
+/* A quantized row: in int8 values, then per block its scale and the sum of its integers. */
+typedef struct {
+    const int8_t* q;
+    const float* scale;
+    const float* qsum;
+} QuantRow;
+
+ALWAYS_INLINE QuantRow quant_row(const uint8_t* scratch, int64_t r, int64_t in) {
+    const int64_t nb = in / 32;
+    const uint8_t* base = scratch + r * (in + 2 * nb * (int64_t)sizeof(float));
+    const float* scales = (const float*)(base + in);
+    return (QuantRow){(const int8_t*)base, scales, scales + nb};
+}
+
+/* Quantize rows of x per block of 32: q = round(x * 127 / amax), scale = amax / 127. */
+ALWAYS_INLINE void quantize_rows(int xdt, const void* x, uint8_t* scratch, int64_t rows,
+                                 int64_t in) {
+    const int64_t nb = in / 32;
+    for (int64_t r = 0; r < rows; r++) {
+        QuantRow row = quant_row(scratch, r, in);
+        for (int64_t b = 0; b < nb; b++) {
+            const V16 lo = load_dt(x, r * in + 32 * b, xdt);
+            const V16 hi = load_dt(x, r * in + 32 * b + 16, xdt);
+            const float amax = v_hmax(v_max(v_abs(lo), v_abs(hi)));
+            const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            float values[32];
+            v_store(values, lo);
+            v_store(values + 16, hi);
+            int32_t sum = 0;
+            for (int64_t i = 0; i < 32; i++) {
+                /* Round to nearest even: |value * inverse| <= 127. */
+                const float q = (values[i] * inverse + 12582912.0f) - 12582912.0f;
+                ((int8_t*)row.q)[32 * b + i] = (int8_t)q;
+                sum += (int32_t)q;
+            }
+            ((float*)row.scale)[b] = amax / 127.0f;
+            ((float*)row.qsum)[b] = (float)sum;
         }
+    }
+}
+
+/* The dot products of one block (8 quads) for R rows: isum[r] (16 int32 lanes, one per output
+ * row of the group) += the weights' integers . row r's int8 values. 8-bit weights are the
+ * stored (+128) bytes; Q8_BIAS is what the result carries beyond the true signed dot, in
+ * units of the block's sum of x integers. */
+#if defined(PDSERVE_ISA_AVX512)
+#if defined(__AVX512VNNI__)
+#define Q8_BIAS 128
+/* acc + per lane the sum of 4 products u8 (w) x s8 (x). */
+ALWAYS_INLINE __m512i dot4_512(__m512i acc, __m512i w_unsigned, __m512i x_signed) {
+    return _mm512_dpbusd_epi32(acc, w_unsigned, x_signed);
+}
+#else
+#define Q8_BIAS 0
+/* u8 x s8 pairs summed to int16 (no overflow: |w| <= 127 or w <= 15), then pairs to int32. */
+ALWAYS_INLINE __m512i dot4_512(__m512i acc, __m512i w_unsigned, __m512i x_signed) {
+    const __m512i pairs = _mm512_maddubs_epi16(w_unsigned, x_signed);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
+#endif
+ALWAYS_INLINE __m512i quad_of(const int8_t* x, int64_t k) {
+    int32_t quad;
+    memcpy(&quad, x + 4 * k, 4);
+    return _mm512_set1_epi32(quad);
+}
+ALWAYS_INLINE void dot_block_4bit(const int64_t R, const uint8_t* qs, const int8_t* const* x,
+                                  VI16* isum) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t k = 0; k < 8; k++) {
+        const __m256i packed = _mm256_loadu_si256((const __m256i*)(qs + 32 * k));
+        const __m512i w = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_and_si256(packed, low)),
+            _mm256_and_si256(_mm256_srli_epi16(packed, 4), low), 1);
+        for (int64_t r = 0; r < R; r++) isum[r] = dot4_512(isum[r], w, quad_of(x[r], k));
+    }
+}
+ALWAYS_INLINE void dot_block_8bit(const int64_t R, const uint8_t* qs, const int8_t* const* x,
+                                  VI16* isum) {
+    for (int64_t k = 0; k < 8; k++) {
+        const __m512i stored = _mm512_loadu_si512(qs + 64 * k);
+#if defined(__AVX512VNNI__)
+        for (int64_t r = 0; r < R; r++) isum[r] = dot4_512(isum[r], stored, quad_of(x[r], k));
+#else
+        /* Signed weights; |w| times x with w's sign keeps maddubs's int16 sums in range. */
+        const __m512i w = _mm512_xor_si512(stored, _mm512_set1_epi8((char)0x80));
+        const __m512i magnitude = _mm512_abs_epi8(w);
+        const __mmask64 negative = _mm512_movepi8_mask(w);
+        for (int64_t r = 0; r < R; r++) {
+            const __m512i xq = quad_of(x[r], k);
+            const __m512i signed_x = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
+            isum[r] = dot4_512(isum[r], magnitude, signed_x);
+        }
+#endif
+    }
+}
+#elif defined(PDSERVE_ISA_AVX2)
+#define Q8_BIAS 0
+ALWAYS_INLINE __m256i dot4_256(__m256i w_unsigned, __m256i x_signed) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w_unsigned, x_signed), _mm256_set1_epi16(1));
+}
+ALWAYS_INLINE void dot_block_4bit(const int64_t R, const uint8_t* qs, const int8_t* const* x,
+                                  VI16* isum) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t k = 0; k < 8; k++) {
+        const __m256i packed = _mm256_loadu_si256((const __m256i*)(qs + 32 * k));
+        const __m256i w_lo = _mm256_and_si256(packed, low);
+        const __m256i w_hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        for (int64_t r = 0; r < R; r++) {
+            int32_t quad;
+            memcpy(&quad, x[r] + 4 * k, 4);
+            const __m256i xq = _mm256_set1_epi32(quad);
+            isum[r].lo = _mm256_add_epi32(isum[r].lo, dot4_256(w_lo, xq));
+            isum[r].hi = _mm256_add_epi32(isum[r].hi, dot4_256(w_hi, xq));
+        }
+    }
+}
+ALWAYS_INLINE void dot_block_8bit(const int64_t R, const uint8_t* qs, const int8_t* const* x,
+                                  VI16* isum) {
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+    for (int64_t k = 0; k < 8; k++) {
+        const __m256i* quad = (const __m256i*)(qs + 64 * k);
+        const __m256i w_lo = _mm256_xor_si256(_mm256_loadu_si256(quad), bias);
+        const __m256i w_hi = _mm256_xor_si256(_mm256_loadu_si256(quad + 1), bias);
+        const __m256i m_lo = _mm256_abs_epi8(w_lo), m_hi = _mm256_abs_epi8(w_hi);
+        for (int64_t r = 0; r < R; r++) {
+            int32_t quad;
+            memcpy(&quad, x[r] + 4 * k, 4);
+            const __m256i xq = _mm256_set1_epi32(quad);
+            isum[r].lo = _mm256_add_epi32(isum[r].lo, dot4_256(m_lo, _mm256_sign_epi8(xq, w_lo)));
+            isum[r].hi = _mm256_add_epi32(isum[r].hi, dot4_256(m_hi, _mm256_sign_epi8(xq, w_hi)));
+        }
+    }
+}
+#else
+#define Q8_BIAS 0
+ALWAYS_INLINE void dot_block_4bit(const int64_t R, const uint8_t* qs, const int8_t* const* x,
+                                  VI16* isum) {
+    for (int64_t r = 0; r < R; r++) {
+        int32_t lanes[16] = {0};
+        for (int64_t k = 0; k < 8; k++)
+            for (int64_t j = 0; j < 32; j++) {
+                const int32_t byte = qs[32 * k + j], xi = x[r][4 * k + j % 4];
+                lanes[j / 4] += (byte & 15) * xi;
+                lanes[8 + j / 4] += (byte >> 4) * xi;
+            }
+        VI16 v;
+        memcpy(&v, lanes, sizeof v);
+        isum[r] += v;
+    }
+}
+ALWAYS_INLINE void dot_block_8bit(const int64_t R, const uint8_t* qs, const int8_t* const* x,
+                                  VI16* isum) {
+    for (int64_t r = 0; r < R; r++) {
+        int32_t lanes[16] = {0};
+        for (int64_t k = 0; k < 8; k++)
+            for (int64_t j = 0; j < 64; j++)
+                lanes[j / 4] += ((int32_t)qs[64 * k + j] - 128) * x[r][4 * k + j % 4];
+        VI16 v;
+        memcpy(&v, lanes, sizeof v);
+        isum[r] += v;
     }
 }
 #endif
 
-DEFINE_PAGED_DECODE_IMPL(paged_decode_bf16_impl, uint16_t, load16_bf16, store16_bf16)
-DEFINE_PAGED_DECODE_IMPL(paged_decode_f32_impl, float, load16_f32, store16_f32)
-DEFINE_PAGED_DECODE(paged_decode_bf16, paged_decode_bf16_impl, uint16_t)
-DEFINE_PAGED_DECODE(paged_decode_f32, paged_decode_f32_impl, float)
-DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, uint16_t, loadm_bf16, storem_bf16, round_bf16)
-DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, loadm_f32, storem_f32, round_f32)
-DEFINE_ROTARY(rotary_bf16, uint16_t, loadm_bf16, storem_bf16)
-DEFINE_ROTARY(rotary_f32, float, loadm_f32, storem_f32)
-DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, loadm_bf16, storem_bf16)
-DEFINE_SILU_MUL(silu_mul_f32, float, loadm_f32, storem_f32)
+/* One group (16 outputs) for R rows: acc[r] = that group's slice of x_r W^T. */
+ALWAYS_INLINE void group_float(const int64_t R, int wfmt, int dpbf16, const void* w,
+                               const void* const* x, int64_t in, V16* acc) {
+    /* R == 1 runs 4 independent chains (interleaved inputs) to hide FMA latency. */
+    const int64_t P = R == 1 ? 4 : R == 2 ? 2 : 1;
+    V16 part[MAX_ROW_TILE][4];
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t p = 0; p < P; p++) part[r][p] = v_zero();
+    if (wfmt == W_F32) {
+        const float* wg = (const float*)w;
+        int64_t i = 0;
+        for (; i + P <= in; i += P)
+            for (int64_t p = 0; p < P; p++) {
+                const V16 wv = v_load(wg + 16 * (i + p));
+                for (int64_t r = 0; r < R; r++)
+                    part[r][p] = v_fma(wv, v_set1(((const float*)x[r])[i + p]), part[r][p]);
+            }
+        for (; i < in; i++) {
+            const V16 wv = v_load(wg + 16 * i);
+            for (int64_t r = 0; r < R; r++)
+                part[r][0] = v_fma(wv, v_set1(((const float*)x[r])[i]), part[r][0]);
+        }
+    } else if (HAS_DPBF16 && dpbf16) {
+#if HAS_DPBF16
+        const uint16_t* wg = (const uint16_t*)w;
+        const int64_t pairs = in / 2;
+        int64_t i = 0;
+        for (; i + P <= pairs; i += P)
+            for (int64_t p = 0; p < P; p++) {
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512(wg + 32 * (i + p));
+                for (int64_t r = 0; r < R; r++)
+                    part[r][p] = _mm512_dpbf16_ps(
+                        part[r][p], wv,
+                        (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)x[r])[i + p]));
+            }
+        for (; i < pairs; i++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(wg + 32 * i);
+            for (int64_t r = 0; r < R; r++)
+                part[r][0] = _mm512_dpbf16_ps(
+                    part[r][0], wv, (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)x[r])[i]));
+        }
+#endif
+    } else {
+        const uint16_t* wg = (const uint16_t*)w;
+        const int64_t pairs = in / 2;
+        int64_t i = 0;
+        for (; i + P <= pairs; i += P)
+            for (int64_t p = 0; p < P; p++) {
+                V16 first, second;
+                v_load_bf16_pairs(wg + 32 * (i + p), &first, &second);
+                for (int64_t r = 0; r < R; r++) {
+                    const float* xr = (const float*)x[r] + 2 * (i + p);
+                    part[r][p] = v_fma(second, v_set1(xr[1]),
+                                       v_fma(first, v_set1(xr[0]), part[r][p]));
+                }
+            }
+        for (; i < pairs; i++) {
+            V16 first, second;
+            v_load_bf16_pairs(wg + 32 * i, &first, &second);
+            for (int64_t r = 0; r < R; r++) {
+                const float* xr = (const float*)x[r] + 2 * i;
+                part[r][0] = v_fma(second, v_set1(xr[1]), v_fma(first, v_set1(xr[0]), part[r][0]));
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        acc[r] = part[r][0];
+        for (int64_t p = 1; p < P; p++) acc[r] = v_add(acc[r], part[r][p]);
+    }
+}
+
+ALWAYS_INLINE void group_quantized(const int64_t R, int wfmt, const uint8_t* w,
+                                   const QuantRow* x, int64_t in, V16* acc) {
+    const int64_t nb = in / 32;
+    /* Stored integers minus zero point = the true ones: Q8_0's carry Q8_BIAS, Q4_0's 8. */
+    const float zero_point = wfmt == W_Q8_0 ? (float)Q8_BIAS : wfmt == W_Q4_0 ? 8.0f : 0.0f;
+    const uint8_t* block = w;
+    for (int64_t r = 0; r < R; r++) acc[r] = v_zero();
+    for (int64_t b = 0; b < nb; b++, block += block_bytes(wfmt)) {
+        const int8_t* xq[MAX_ROW_TILE];
+        VI16 isum[MAX_ROW_TILE];
+        for (int64_t r = 0; r < R; r++) {
+            xq[r] = x[r].q + 32 * b;
+            isum[r] = vi_zero();
+        }
+        if (wfmt == W_Q8_0)
+            dot_block_8bit(R, block + 32, xq, isum);
+        else
+            dot_block_4bit(R, block + (wfmt == W_Q4_1 ? 64 : 32), xq, isum);
+        const V16 d = v_load_f16((const uint16_t*)block);
+        for (int64_t r = 0; r < R; r++) {
+            const V16 dot = v_sub(v_cvt_i32(isum[r]), v_set1(zero_point * x[r].qsum[b]));
+            acc[r] = v_fma(dot, v_mul(d, v_set1(x[r].scale[b])), acc[r]);
+        }
+        if (wfmt == W_Q4_1) {
+            const V16 m = v_load_f16((const uint16_t*)block + 16);
+            for (int64_t r = 0; r < R; r++)
+                acc[r] = v_fma(m, v_set1(x[r].scale[b] * x[r].qsum[b]), acc[r]);
+        }
+    }
+}
+
+/* W_INT8, weight-only: each block's int8 weights are converted to float in registers and
+ * multiplied with float x; the block sums are scaled once. R == 1 runs 4 chains. */
+ALWAYS_INLINE void group_int8(const int64_t R, const uint8_t* w, const void* const* x,
+                              int64_t in, V16* acc) {
+    const int64_t P = R == 1 ? 4 : R == 2 ? 2 : 1;
+    for (int64_t r = 0; r < R; r++) acc[r] = v_zero();
+    for (int64_t b = 0; b < in / 32; b++) {
+        const uint8_t* block = w + b * block_bytes(W_INT8);
+        const int8_t* q = (const int8_t*)(block + 32);
+        V16 part[MAX_ROW_TILE][4];
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t p = 0; p < P; p++) part[r][p] = v_zero();
+        for (int64_t i = 0; i < 32; i += P)
+            for (int64_t p = 0; p < P; p++) {
+                const V16 wv = v_load_i8(q + 16 * (i + p));
+                for (int64_t r = 0; r < R; r++) {
+                    const float xi = ((const float*)x[r])[32 * b + i + p];
+                    part[r][p] = v_fma(wv, v_set1(xi), part[r][p]);
+                }
+            }
+        const V16 d = v_load_f16((const uint16_t*)block);
+        for (int64_t r = 0; r < R; r++) {
+            V16 sum = part[r][0];
+            for (int64_t p = 1; p < P; p++) sum = v_add(sum, part[r][p]);
+            acc[r] = v_fma(sum, d, acc[r]);
+        }
+    }
+}
+
+ALWAYS_INLINE int64_t group_bytes(int wfmt, int64_t in) {
+    switch (wfmt) {
+        case W_F32: return 64 * in;
+        case W_BF16: return 32 * in;
+        default: return (in / 32) * block_bytes(wfmt);
+    }
+}
+
+/* Rows [first, first + n) of the output, n <= R (rows past n repeat the last one). */
+ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int ydt, const uint8_t* w,
+                               const uint8_t* xs, int64_t x_row_bytes, const void* bias, void* y,
+                               int64_t first, int64_t n, int64_t out, int64_t in,
+                               int64_t group_start, int64_t group_end) {
+    const void* xf[MAX_ROW_TILE];
+    QuantRow xq[MAX_ROW_TILE];
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t row = first + (r < n ? r : n - 1);
+        if (is_quantized(wfmt))
+            xq[r] = quant_row(xs, row, in);
+        else
+            xf[r] = xs + row * x_row_bytes;
+    }
+    for (int64_t g = group_start; g < group_end; g++) {
+        const uint8_t* wg = w + g * group_bytes(wfmt, in);
+        V16 acc[MAX_ROW_TILE];
+        if (is_quantized(wfmt))
+            group_quantized(R, wfmt, wg, xq, in, acc);
+        else if (wfmt == W_INT8)
+            group_int8(R, wg, xf, in, acc);
+        else
+            group_float(R, wfmt, dpbf16, wg, xf, in, acc);
+        const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;
+        const V16 b = bias ? load_dt_n(bias, 16 * g, width, ydt) : v_zero();
+        for (int64_t r = 0; r < n; r++)
+            store_dt_n(y, (first + r) * out + 16 * g, width, v_add(acc[r], b), ydt);
+    }
+}
+
+ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, const void* bias,
+                               void* y, int64_t rows, int64_t out, int64_t in, uint8_t* scratch) {
+    /* vdpbf16ps only for one or two rows: at more, its throughput (measured on Sapphire
+     * Rapids) falls behind converting the weights to float32 for FMAs. */
+    const int dpbf16 = HAS_DPBF16 && wfmt == W_BF16 && rows <= 2;
+    /* x as the format's kernel reads it: bfloat16 pairs (vdpbf16ps), int8 blocks or float. */
+    const uint8_t* xs;
+    int64_t x_row_bytes = in * (int64_t)sizeof(float);
+    if (is_quantized(wfmt)) {
+        quantize_rows(xdt, x, scratch, rows, in);
+        xs = scratch;
+    } else if (dpbf16) {
+        x_row_bytes = in * 2;
+        if (xdt == DT_BF16) {
+            xs = (const uint8_t*)x;
+        } else {
+            for (int64_t i = 0; i < rows * in; i += 16) {
+                const int64_t n = rows * in - i;
+                store_dt_n(scratch, i, n, load_dt_n(x, i, n, DT_F32), DT_BF16);
+            }
+            xs = scratch;
+        }
+    } else if (xdt == DT_BF16) {
+        for (int64_t i = 0; i < rows * in; i += 16)
+            store_dt_n(scratch, i, rows * in - i, load_dt_n(x, i, rows * in - i, DT_BF16), DT_F32);
+        xs = scratch;
+    } else {
+        xs = (const uint8_t*)x;
+    }
+    /* A chunk of groups stays in L2 while every tile of rows passes over it: the weights
+     * come from memory once per call, however many rows. */
+    const int64_t num_groups = (out + 15) / 16;
+    int64_t chunk = CHUNK_BYTES / group_bytes(wfmt, in);
+    chunk = chunk < 1 ? 1 : chunk;
+    for (int64_t g0 = 0; g0 < num_groups; g0 += chunk) {
+        const int64_t g1 = g0 + chunk < num_groups ? g0 + chunk : num_groups;
+        for (int64_t first = 0; first < rows; first += MAX_ROW_TILE) {
+            const int64_t n = rows - first < MAX_ROW_TILE ? rows - first : MAX_ROW_TILE;
+#define TILE(R)                                                                                 \
+    linear_tile(R, wfmt, dpbf16, xdt, w, xs, x_row_bytes, bias, y, first, n, out, in, g0, g1)
+            if (n == 1)
+                TILE(1);
+            else if (n == 2)
+                TILE(2);
+            else if (n <= 4)
+                TILE(4);
+#if MAX_ROW_TILE > 4
+            else
+                TILE(MAX_ROW_TILE);
+#endif
+#undef TILE
+        }
+    }
+}
+
+/* y [rows, out] (type xdt, like x and bias) = x [rows, in] W^T (+ bias); scratch holds
+ * linear_scratch(wfmt, rows, in) bytes. */
+void linear(int wfmt, int xdt, const void* w, const void* x, const void* bias, void* y,
+            int64_t rows, int64_t out, int64_t in, uint8_t* scratch) {
+#define LINEAR_CASE(F)                                                                          \
+    case F:                                                                                     \
+        if (xdt == DT_BF16)                                                                     \
+            linear_impl(F, DT_BF16, w, x, bias, y, rows, out, in, scratch);                     \
+        else                                                                                    \
+            linear_impl(F, DT_F32, w, x, bias, y, rows, out, in, scratch);                      \
+        break;
+    switch (wfmt) {
+        LINEAR_CASE(W_F32)
+        LINEAR_CASE(W_BF16)
+        LINEAR_CASE(W_Q8_0)
+        LINEAR_CASE(W_Q4_0)
+        LINEAR_CASE(W_Q4_1)
+        LINEAR_CASE(W_INT8)
+    }
+#undef LINEAR_CASE
+}
+
+/* ---- memory bandwidth probe ------------------------------------------------------------- */
+
+/* The sum of n floats (n % 64 == 0), read as one stream: what a GEMV's weight read costs. */
+float stream_sum(const float* p, int64_t n) {
+    V16 a = v_zero(), b = v_zero(), c = v_zero(), d = v_zero();
+    for (int64_t i = 0; i < n; i += 64) {
+        a = v_add(a, v_load(p + i));
+        b = v_add(b, v_load(p + i + 16));
+        c = v_add(c, v_load(p + i + 32));
+        d = v_add(d, v_load(p + i + 48));
+    }
+    return v_sum(v_add(v_add(a, b), v_add(c, d)));
+}
+
+/* ---- a whole decode step: every layer in one call --------------------------------------- */
+/*
+ * For a batch where every sequence has exactly one new token (rows = sequences), the decoder
+ * stack runs here end to end with the kernels above, in the same order and arithmetic as the
+ * per-op path (llama.py), so the two agree exactly; Python only embeds the tokens, computes
+ * the rotary angles and applies the LM head. All integer fields are int64 and all pointers
+ * void* so the ctypes mirror (cpu_ops.py) needs no padding rules.
+ */
+typedef struct {
+    int64_t format, out, in;
+    const void* data;
+    const void* bias; /* or NULL */
+} PackedLinear;
+
+typedef struct {
+    const void* input_norm;
+    const void* post_norm;
+    PackedLinear qkv, o, gate_up, down;
+} DecoderLayer;
+
+typedef struct {
+    int64_t num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim;
+    int64_t dt, kv_dt; /* activation and KV cache element types */
+    double eps, scale;
+    const DecoderLayer* layers;
+    const void* final_norm;
+} DecoderModel;
+
+ALWAYS_INLINE int64_t dt_size(int64_t dt) { return dt == DT_BF16 ? 2 : 4; }
+
+ALWAYS_INLINE int64_t round_up_64(int64_t n) { return (n + 63) / 64 * 64; }
+
+/* decode_forward's scratch: activations, then the attention kernel's, then the linears'. */
+typedef struct {
+    int64_t activations, attention, linears;
+} DecodeScratch;
+
+ALWAYS_INLINE DecodeScratch decode_scratch(const DecoderModel* m, int64_t rows) {
+    const int64_t q_size = m->num_heads * m->head_dim, kv_size = m->num_kv_heads * m->head_dim;
+    const int64_t values = rows * (2 * m->hidden + 2 * q_size + 2 * kv_size + 3 * m->intermediate);
+    int64_t linears = 0;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const PackedLinear* layer_linears[4] = {&m->layers[l].qkv, &m->layers[l].o,
+                                                &m->layers[l].gate_up, &m->layers[l].down};
+        for (int i = 0; i < 4; i++) {
+            const PackedLinear* w = layer_linears[i];
+            const int64_t n = linear_scratch((int)w->format, rows, w->in);
+            linears = n > linears ? n : linears;
+        }
+    }
+    return (DecodeScratch){round_up_64(values * dt_size(m->dt)),
+                           round_up_64(m->num_heads * (2 * m->head_dim + UNIT + 2) * 4), linears};
+}
+
+/* Scratch bytes decode_forward needs for `rows` rows. */
+int64_t decode_scratch_bytes(const DecoderModel* m, int64_t rows) {
+    const DecodeScratch s = decode_scratch(m, rows);
+    return s.activations + s.attention + s.linears;
+}
+
+/* K or V of each row (dt) -> its cache slot (kv_dt), rounded once. */
+ALWAYS_INLINE void write_kv(int dt, int kv_dt, const void* src, int64_t src_stride, void* cache,
+                            const int64_t* slots, int64_t rows, int64_t width) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < width; j += 16) {
+            const int64_t n = width - j;
+            store_dt_n(cache, slots[r] * width + j, n, load_dt_n(src, r * src_stride + j, n, dt),
+                       kv_dt);
+        }
+}
+
+ALWAYS_INLINE void linear_of(const PackedLinear* w, int dt, const void* x, void* y, int64_t rows,
+                             uint8_t* scratch) {
+    linear((int)w->format, dt, w->data, x, w->bias, y, rows, w->out, w->in, scratch);
+}
+
+/*
+ * hidden [rows, hidden] (dt): the token embeddings in, the final-normed states out.
+ * cos/sin float [rows, head_dim / 2]; kv_cache [num_layers, 2, num_blocks, block_size,
+ * num_kv_heads, head_dim] (kv_dt); slot_mapping [rows]; block_tables [rows, max_blocks],
+ * seq_lens [rows] int64 (including the new token).
+ */
+ALWAYS_INLINE void decode_forward_impl(int dt, int kv_dt, const DecoderModel* m, int64_t rows,
+                                       void* hidden, const float* cos, const float* sin,
+                                       void* kv_cache, int64_t num_blocks, int64_t block_size,
+                                       const int64_t* slot_mapping, const int64_t* block_tables,
+                                       const int64_t* seq_lens, int64_t max_blocks,
+                                       uint8_t* scratch) {
+    const int64_t H = m->hidden, I = m->intermediate, D = m->head_dim;
+    const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D;
+    const int64_t qkv_size = q_size + 2 * kv_size, es = dt_size(dt);
+    uint8_t* p = scratch;
+    void* residual = p;
+    void* x = p += rows * H * es;             /* normed input of a projection */
+    void* qkv = p += rows * H * es;           /* [rows, q | k | v] */
+    void* attn = p += rows * qkv_size * es;   /* [rows, q_size] */
+    void* gate_up = p += rows * q_size * es;  /* [rows, 2I] */
+    void* act = p += rows * 2 * I * es;       /* [rows, I] */
+    const DecodeScratch sizes = decode_scratch(m, rows);
+    float* attention_scratch = (float*)(scratch + sizes.activations);
+    uint8_t* linear_scratch_area = scratch + sizes.activations + sizes.attention;
+    const int64_t layer_stride = 2 * num_blocks * block_size * kv_size * dt_size(kv_dt);
+    memcpy(residual, hidden, rows * H * es);
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const DecoderLayer* layer = &m->layers[l];
+        /* Layer 0's stream starts at the embeddings; later ones add the MLP output. */
+        add_rms_norm_impl(dt, hidden, residual, layer->input_norm, x, rows, H, (float)m->eps,
+                          l > 0);
+        linear_of(&layer->qkv, dt, x, qkv, rows, linear_scratch_area);
+        rotary_impl(dt, qkv, rows, qkv_size, m->num_heads + m->num_kv_heads, D, cos, sin);
+        uint8_t* k_cache = (uint8_t*)kv_cache + l * layer_stride;
+        uint8_t* v_cache = k_cache + layer_stride / 2;
+        write_kv(dt, kv_dt, (uint8_t*)qkv + q_size * es, qkv_size, k_cache, slot_mapping, rows,
+                 kv_size);
+        write_kv(dt, kv_dt, (uint8_t*)qkv + (q_size + kv_size) * es, qkv_size, v_cache,
+                 slot_mapping, rows, kv_size);
+        /* The queries are rows of qkv: copy them out contiguous for the attention kernel. */
+        for (int64_t r = 0; r < rows; r++)
+            memcpy((uint8_t*)attn + r * q_size * es, (uint8_t*)qkv + r * qkv_size * es,
+                   q_size * es);
+        paged_decode(dt, kv_dt, attn, k_cache, v_cache, block_tables, seq_lens, qkv,
+                     attention_scratch, rows, m->num_heads, m->num_kv_heads, D, block_size,
+                     max_blocks, (float)m->scale);
+        linear_of(&layer->o, dt, qkv, hidden, rows, linear_scratch_area);
+        add_rms_norm_impl(dt, hidden, residual, layer->post_norm, x, rows, H, (float)m->eps, 1);
+        linear_of(&layer->gate_up, dt, x, gate_up, rows, linear_scratch_area);
+        silu_mul_impl(dt, gate_up, act, rows, I);
+        linear_of(&layer->down, dt, act, hidden, rows, linear_scratch_area);
+    }
+    add_rms_norm_impl(dt, hidden, residual, m->final_norm, x, rows, H, (float)m->eps, 1);
+    memcpy(hidden, x, rows * H * es);
+}
+
+void decode_forward(const DecoderModel* m, int64_t rows, void* hidden, const float* cos,
+                    const float* sin, void* kv_cache, int64_t num_blocks, int64_t block_size,
+                    const int64_t* slot_mapping, const int64_t* block_tables,
+                    const int64_t* seq_lens, int64_t max_blocks, uint8_t* scratch) {
+#define DECODE_ARGS                                                                             \
+    m, rows, hidden, cos, sin, kv_cache, num_blocks, block_size, slot_mapping, block_tables,   \
+        seq_lens, max_blocks, scratch
+    if (m->dt == DT_F32 && m->kv_dt == DT_F32)
+        decode_forward_impl(DT_F32, DT_F32, DECODE_ARGS);
+    else if (m->dt == DT_F32)
+        decode_forward_impl(DT_F32, DT_BF16, DECODE_ARGS);
+    else if (m->kv_dt == DT_BF16)
+        decode_forward_impl(DT_BF16, DT_BF16, DECODE_ARGS);
+    else
+        decode_forward_impl(DT_BF16, DT_F32, DECODE_ARGS);
+#undef DECODE_ARGS
+}

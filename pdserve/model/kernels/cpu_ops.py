@@ -1,99 +1,162 @@
-"""Python side of `cpu_ops.c`: fused CPU kernels for the decoder's small, memory-bound steps.
+"""Python side of `cpu_ops.c`: fused CPU kernels for the decoder's memory-bound steps.
 
 Each replaces a chain of torch ops (whose dispatch costs more than their arithmetic at decode
-sizes) with one call; `load_cpu_ops()` is None where they cannot be built, and callers then
-use the torch ops.
+sizes) with one call. The library is compiled per ISA variant (`build.VARIANTS`);
+`load_cpu_ops()` picks the best one this CPU runs, or the one `PDSERVE_CPU_ISA` names, once
+per process; it is None where none can be built, and callers then use the torch ops.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pdserve.model.cpu_runtime import read_cpu_flags
-from pdserve.model.kernels.build import load_library
+from pdserve.model.cpu_runtime import BF16_MATMUL_CPU_FLAGS, read_cpu_flags
+from pdserve.model.kernels.build import (
+    VARIANT_NAMES,
+    can_run,
+    load_library,
+    runnable_variants,
+    variant,
+)
+
+logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
-REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl"})
+ISA_ENV = "PDSERVE_CPU_ISA"
 MAX_HEAD_DIM = 256
 _UNIT = 16  # UNIT in the C source
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
-    "paged_decode": [_P] * 7 + [_I] * 6 + [_F],
-    "add_rms_norm": [_P] * 4 + [_I] * 2 + [_F, _I],
-    "rotary": [_P] + [_I] * 4 + [_P] * 2,
-    "silu_mul": [_P] * 2 + [_I] * 2,
+    "add_rms_norm": ([_C, *[_P] * 4, _I, _I, _F, _I], None),
+    "rotary": ([_C, _P, _I, _I, _I, _I, _P, _P], None),
+    "silu_mul": ([_C, _P, _P, _I, _I], None),
+    "paged_decode": ([_C, _C, *[_P] * 7, *[_I] * 6, _F], None),
+    "linear": ([_C, _C, *[_P] * 4, _I, _I, _I, _P], None),
+    "linear_scratch": ([_C, _I, _I], _I),
+    "stream_sum": ([_P, _I], _F),
+    "pdserve_isa": ([], ctypes.c_char_p),
+    "decode_scratch_bytes": ([_P, _I], _I),
+    "decode_forward": ([_P, _I, *[_P] * 4, _I, _I, *[_P] * 3, _I, _P], None),
 }
-_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-_LINEAR_ARGS = [_P] * 4 + [_I] * 3
-# Rows up to which `linear` beats oneDNN's GEMM (which wins on compute-bound larger batches).
-LINEAR_MAX_ROWS = 8
+# Element types (DT_* in simd.h).
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class WeightFormat:
+    """W_* in cpu_ops.c: how a packed weight stores its values."""
+
+    F32 = 0
+    BF16 = 1
+    Q8_0 = 2
+    Q4_0 = 3
+    Q4_1 = 4
+    INT8 = 5
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A linear weight in a kernel format: `data` holds groups of 16 output rows (the last
+    zero-padded), see cpu_ops.c."""
+
+    format: int
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
 
 
 class CpuOps:
-    """The compiled kernels. All tensors must be contiguous CPU tensors of one supported dtype
-    unless a method says otherwise; `supports` tells whether a dtype is covered."""
+    """The compiled kernels of one ISA variant. All tensors must be contiguous CPU tensors of
+    a dtype `supports` accepts unless a method says otherwise."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self._functions: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
-        for name, argtypes in _SIGNATURES.items():
-            for dtype, suffix in _SUFFIX.items():
-                function = getattr(library, f"{name}_{suffix}")
-                function.argtypes = argtypes
-                function.restype = None
-                self._functions[name, dtype] = function
-        # Only compiled where the CPU has AVX-512 BF16 dot products.
-        self._linear = getattr(library, "linear_bf16", None)
-        if self._linear is not None:
-            self._linear.argtypes = _LINEAR_ARGS
-            self._linear.restype = None
+    def __init__(self, library: ctypes.CDLL, isa: str) -> None:
+        self.isa = isa
+        self._lib = library
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes = argtypes
+            function.restype = restype
+        built = library.pdserve_isa().decode()
+        if built != isa:
+            raise RuntimeError(f"kernel library reports ISA {built!r}, expected {isa!r}")
+
+    @property
+    def has_bf16_dot(self) -> bool:
+        """Whether bfloat16 weights are multiplied by bf16 dot-product instructions (else
+        converted to float32 in registers)."""
+        return self.isa == "avx512_bf16"
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
-        return dtype in _SUFFIX
+        return dtype in _DTYPE_CODES
 
-    def can_pack_linear(self, weight: torch.Tensor) -> bool:
-        out_features, in_features = weight.shape
-        return (
-            self._linear is not None
-            and weight.dtype == torch.bfloat16
-            and out_features % 16 == 0
-            and in_features % 2 == 0
+    @staticmethod
+    def dense_kernel_max_rows(dtype: torch.dtype) -> int | None:
+        """Rows up to which `linear` beats oneDNN on dense weights of `dtype` (None: always).
+        oneDNN's GEMMs win on compute-bound inputs: float32 ones, and bfloat16 where the CPU
+        has bf16 matrix or dot-product instructions (AMX tiles: ~8x these kernels at 512
+        rows); without them its bfloat16 path is slower than this one's at any size."""
+        if dtype == torch.float32:
+            return 32
+        return 8 if read_cpu_flags() & BF16_MATMUL_CPU_FLAGS else None
+
+    # ---- linear ---------------------------------------------------------------------------
+    @staticmethod
+    def can_pack(weight: torch.Tensor) -> bool:
+        """Whether `pack_dense` takes this [out, in] weight."""
+        return weight.dtype == torch.float32 or (
+            weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
         )
 
     @staticmethod
-    def pack_linear(weight: torch.Tensor) -> torch.Tensor:
-        """W [out, in] -> [out / 16, in / 2, 16, 2], the layout `linear` streams."""
+    def pack_dense(weight: torch.Tensor) -> PackedWeight:
+        """W [out, in] float32 -> [groups, in, 16]; bfloat16 -> [groups, in / 2, 16, 2]."""
         out_features, in_features = weight.shape
-        return (
-            weight.view(out_features // 16, 16, in_features // 2, 2)
-            .permute(0, 2, 1, 3)
-            .contiguous()
-        )
+        groups = -(-out_features // 16)
+        padded = torch.zeros(groups * 16, in_features, dtype=weight.dtype)
+        padded[:out_features] = weight
+        if weight.dtype == torch.float32:
+            data = padded.view(groups, 16, in_features).transpose(1, 2).contiguous()
+            return PackedWeight(WeightFormat.F32, data, out_features, in_features)
+        data = padded.view(groups, 16, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+        return PackedWeight(WeightFormat.BF16, data, out_features, in_features)
 
     def linear(
-        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+        self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """x [rows, in] W^T (+ bias) -> [rows, out] bfloat16, for W packed by `pack_linear`;
-        fastest for rows <= LINEAR_MAX_ROWS."""
+        """x [rows, in] W^T (+ bias) -> [rows, out] in x's dtype."""
         x = x.contiguous()
-        rows, in_features = x.shape
-        out_features = packed.shape[0] * 16
-        y = x.new_empty(rows, out_features)
-        self._linear(
-            packed.data_ptr(),
+        rows = x.shape[0]
+        y = x.new_empty(rows, weight.out_features)
+        dtype = _DTYPE_CODES[x.dtype]
+        scratch = torch.empty(
+            self._lib.linear_scratch(weight.format, rows, weight.in_features), dtype=torch.uint8
+        )
+        self._lib.linear(
+            weight.format,
+            dtype,
+            weight.data.data_ptr(),
             x.data_ptr(),
             0 if bias is None else bias.data_ptr(),
             y.data_ptr(),
             rows,
-            out_features,
-            in_features,
+            weight.out_features,
+            weight.in_features,
+            scratch.data_ptr(),
         )
         return y
 
+    # ---- attention ------------------------------------------------------------------------
     def paged_decode(
         self,
         q: torch.Tensor,
@@ -103,9 +166,9 @@ class CpuOps:
         scale: float,
     ) -> torch.Tensor:
         """Attention of one query per sequence over its paged context. q [B, num_heads,
-        head_dim] (any strides), kv_layer [2, num_blocks, block_size, num_kv_heads, head_dim],
-        block_tables [B, max_blocks] and seq_lens [B] int64 (valid block ids)
-        -> [B, num_heads * head_dim]."""
+        head_dim] (any strides), kv_layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        (float32 or bfloat16, maybe not q's dtype), block_tables [B, max_blocks] and seq_lens
+        [B] int64 (valid block ids) -> [B, num_heads * head_dim] in q's dtype."""
         num_seqs, num_heads, head_dim = q.shape
         _, _, block_size, num_kv_heads, _ = kv_layer.shape
         if not (
@@ -119,7 +182,9 @@ class CpuOps:
         q = q.contiguous()
         out = q.new_empty(num_seqs, num_heads * head_dim)
         scratch = torch.empty(num_heads * (2 * head_dim + _UNIT + 2), dtype=torch.float32)
-        self._functions["paged_decode", q.dtype](
+        self._lib.paged_decode(
+            _DTYPE_CODES[q.dtype],
+            _DTYPE_CODES[kv_layer.dtype],
             q.data_ptr(),
             kv_layer[0].data_ptr(),
             kv_layer[1].data_ptr(),
@@ -137,6 +202,7 @@ class CpuOps:
         )
         return out
 
+    # ---- elementwise ----------------------------------------------------------------------
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +211,8 @@ class CpuOps:
         x = x.contiguous()
         out = torch.empty_like(x)
         rows, hidden = x.shape
-        self._functions["add_rms_norm", x.dtype](
+        self._lib.add_rms_norm(
+            _DTYPE_CODES[x.dtype],
             x.data_ptr(),
             (x if residual is None else residual).data_ptr(),
             weight.data_ptr(),
@@ -164,7 +231,8 @@ class CpuOps:
         may be strided, each row contiguous) in place; cos/sin float32 [rows, head_dim/2]."""
         if x.stride(1) != 1 or not (cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError("rotary_ needs contiguous rows and contiguous cos/sin")
-        self._functions["rotary", x.dtype](
+        self._lib.rotary(
+            _DTYPE_CODES[x.dtype],
             x.data_ptr(),
             x.shape[0],
             x.stride(0),
@@ -179,15 +247,190 @@ class CpuOps:
         gate_up = gate_up.contiguous()
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = gate_up.new_empty(rows, width)
-        self._functions["silu_mul", gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width)
+        self._lib.silu_mul(
+            _DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), rows, width
+        )
         return out
+
+    def fused_decoder(self, layers: list[DecoderLayerWeights], final_norm: torch.Tensor, **dims):
+        """A `FusedDecoder` over these weights (dims: intermediate, num_heads, num_kv_heads,
+        head_dim, eps, scale)."""
+        return FusedDecoder(self._lib, layers, final_norm, **dims)
+
+    def stream_sum(self, values: torch.Tensor) -> float:
+        """The sum of a contiguous float32 tensor of a multiple of 64 elements, read as one
+        stream (the memory-bandwidth probe)."""
+        if values.dtype != torch.float32 or values.numel() % 64 or not values.is_contiguous():
+            raise ValueError("stream_sum needs a contiguous float32 tensor of 64k elements")
+        return self._lib.stream_sum(values.data_ptr(), values.numel())
+
+
+class _PackedLinear(ctypes.Structure):
+    _fields_ = (("format", _I), ("out", _I), ("in_", _I), ("data", _P), ("bias", _P))
+
+
+class _DecoderLayer(ctypes.Structure):
+    _fields_ = (
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("qkv", _PackedLinear),
+        ("o", _PackedLinear),
+        ("gate_up", _PackedLinear),
+        ("down", _PackedLinear),
+    )
+
+
+class _DecoderModel(ctypes.Structure):
+    _fields_ = (
+        *((name, _I) for name in ("num_layers", "hidden", "intermediate", "num_heads")),
+        *((name, _I) for name in ("num_kv_heads", "head_dim", "dt", "kv_dt")),
+        ("eps", ctypes.c_double),
+        ("scale", ctypes.c_double),
+        ("layers", ctypes.POINTER(_DecoderLayer)),
+        ("final_norm", _P),
+    )
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One layer's tensors as `decode_forward` reads them (norm weights in the model dtype)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: PackedWeight
+    qkv_bias: torch.Tensor | None
+    o: PackedWeight
+    gate_up: PackedWeight
+    down: PackedWeight
+
+
+class FusedDecoder:
+    """The whole decoder stack for a batch of single-token sequences in one native call
+    (`decode_forward` in cpu_ops.c): the same kernels in the same order as the per-op path,
+    without Python between them. Holds references to every tensor it points at."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        layers: list[DecoderLayerWeights],
+        final_norm: torch.Tensor,
+        *,
+        intermediate: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+    ) -> None:
+        self._lib = lib
+        self._tensors = (layers, final_norm)
+        self._layers = (_DecoderLayer * len(layers))(
+            *(
+                _DecoderLayer(
+                    w.input_norm.data_ptr(),
+                    w.post_norm.data_ptr(),
+                    _linear_struct(w.qkv, w.qkv_bias),
+                    _linear_struct(w.o, None),
+                    _linear_struct(w.gate_up, None),
+                    _linear_struct(w.down, None),
+                )
+                for w in layers
+            )
+        )
+        self.dtype = final_norm.dtype
+        self._model = _DecoderModel(
+            len(layers),
+            final_norm.shape[0],
+            intermediate,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            _DTYPE_CODES[self.dtype],
+            0,
+            eps,
+            scale,
+            self._layers,
+            final_norm.data_ptr(),
+        )
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """hidden [rows, hidden] (the embeddings; overwritten) -> final-normed states, row r
+        being sequence r; cos/sin float32 [rows, head_dim / 2]; kv_cache [num_layers, 2,
+        num_blocks, block_size, num_kv_heads, head_dim] (receives the new K/V at
+        slot_mapping [rows] int64); block_tables [rows, max_blocks], seq_lens [rows] int64."""
+        if not (hidden.is_contiguous() and kv_cache.is_contiguous() and cos.is_contiguous()):
+            raise ValueError("decode_forward needs contiguous hidden states, angles and cache")
+        rows = hidden.shape[0]
+        self._model.kv_dt = _DTYPE_CODES[kv_cache.dtype]
+        needed = self._lib.decode_scratch_bytes(ctypes.byref(self._model), rows)
+        if self._scratch.numel() < needed:
+            self._scratch = torch.empty(needed, dtype=torch.uint8)
+        self._lib.decode_forward(
+            ctypes.byref(self._model),
+            rows,
+            hidden.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            kv_cache.data_ptr(),
+            kv_cache.shape[2],
+            kv_cache.shape[3],
+            slot_mapping.data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+            block_tables.shape[1],
+            self._scratch.data_ptr(),
+        )
+        return hidden
+
+
+def _linear_struct(weight: PackedWeight, bias: torch.Tensor | None) -> _PackedLinear:
+    return _PackedLinear(
+        weight.format,
+        weight.out_features,
+        weight.in_features,
+        weight.data.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+    )
+
+
+def requested_isa() -> str | None:
+    """The variant `PDSERVE_CPU_ISA` names (None: choose from the CPU's flags)."""
+    name = os.environ.get(ISA_ENV, "").strip().lower()
+    return name or None
 
 
 @functools.cache
-def load_cpu_ops() -> CpuOps | None:
-    """The kernels, compiled on first use; None on CPUs without AVX-512 (F, BW, VL) or without
-    a C compiler."""
-    if not REQUIRED_CPU_FLAGS.issubset(read_cpu_flags()):
-        return None
-    library = load_library(SOURCE)
-    return None if library is None else CpuOps(library)
+def load_cpu_ops(isa: str | None = None) -> CpuOps | None:
+    """The kernels for variant `isa` (default: `PDSERVE_CPU_ISA`, else the best this CPU
+    runs), compiled on first use; None without a C compiler. A named variant this CPU cannot
+    run raises ValueError."""
+    isa = isa or requested_isa()
+    if isa is not None:
+        chosen = variant(isa)
+        if not can_run(chosen):
+            raise ValueError(
+                f"this CPU cannot run the {isa} kernels ({ISA_ENV} or isa=...; it runs: "
+                f"{', '.join(v.name for v in runnable_variants())})"
+            )
+        candidates = (chosen,)
+    else:
+        candidates = runnable_variants()
+    for candidate in candidates:
+        library = load_library(SOURCE, candidate)
+        if library is not None:
+            logger.debug("CPU kernels: %s", candidate.name)
+            return CpuOps(library, candidate.name)
+    return None
+
+
+__all__ = ["VARIANT_NAMES", "CpuOps", "PackedWeight", "WeightFormat", "load_cpu_ops"]
