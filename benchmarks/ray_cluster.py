@@ -61,16 +61,18 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--log-dir", default=None, help="launcher and worker logs (default: new)")
     args = parser.parse_args()
     synth = PromptSynthesizer(load_tokenizer())
     results = {}
-    with tempfile.TemporaryDirectory(prefix="pdserve-ray-bench-") as tmp:
-        for name, deploy in (("one-host", one_host), ("ray", ray_cluster)):
-            print(f"--- {name}", file=sys.stderr, flush=True)
-            with deploy(Path(tmp) / name) as (url, kill_decode_node):
-                results[name] = measure(url, synth, args)
-                if kill_decode_node is not None:
-                    results[name]["restore"] = measure_restore(url, kill_decode_node)
+    logs = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-ray-bench-"))
+    print(f"logs in {logs}", file=sys.stderr, flush=True)
+    for name, deploy in (("one-host", one_host), ("ray", ray_cluster)):
+        print(f"--- {name}", file=sys.stderr, flush=True)
+        with deploy(logs / name) as (url, kill_decode_node):
+            results[name] = measure(url, synth, args)
+            if kill_decode_node is not None:
+                results[name]["restore"] = measure_restore(url, kill_decode_node)
     print(render(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
@@ -82,7 +84,7 @@ def main() -> int:
 
 def serve(log_dir: Path, *flags: str, env: dict[str, str] | None = None) -> tuple[Any, str]:
     """`pdserve serve --mode disagg` with `flags`, healthy; (process, url)."""
-    log_dir.mkdir(parents=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     command = [
         *(sys.executable, "-m", "pdserve.cli", "serve", "--mode", "disagg"),
@@ -101,7 +103,8 @@ def serve(log_dir: Path, *flags: str, env: dict[str, str] | None = None) -> tupl
     while not _is_up(url):
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            raise RuntimeError(f"the deployment did not start; see {log_dir / 'launcher.log'}")
+            tail = (log_dir / "launcher.log").read_text(errors="replace").splitlines()[-30:]
+            raise RuntimeError("the deployment did not start:\n" + "\n".join(tail))
         time.sleep(0.5)
     return process, url
 
