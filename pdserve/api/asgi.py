@@ -1,5 +1,6 @@
-"""The HTTP plumbing both apps share: guards that run before any body parsing (API key 401,
-body size 413), the client-disconnect watcher, and the streaming response that always cleans up.
+"""The HTTP plumbing both apps share: guards that run before any body parsing (API key or fleet
+secret 401, body size 413), the client-disconnect watcher, and the streaming response that
+always cleans up.
 
 The guards are pure ASGI (not Starlette's BaseHTTPMiddleware) so they add no task or buffering
 per request and never interfere with streaming responses.
@@ -35,15 +36,29 @@ def install_front_door(
     protected_prefixes: Sequence[str],
     max_body_bytes: int,
     on_error: OnError = lambda error, path: None,
+    fleet_secret: str | None = None,
 ) -> None:
     """The OpenAI error handlers and the guards, in their order: a request without the key
     is refused before its body is read (added last = runs first); the OpenAPI document
-    states their answers."""
+    states their answers.
+
+    `fleet_secret`: this app is a deployment's worker (`launch.fleet`), which answers only its
+    fleet: every path but ``/health`` needs the secret, and the user's `api_key` (checked by the
+    router in front) is not taken here."""
     install_handlers(app, on_error)
     document_front_door(app, protected_prefixes=None if api_key is None else protected_prefixes)
     app.add_exception_handler(ClientDisconnected, _client_closed)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes, on_error=on_error)
-    if api_key is not None:
+    if fleet_secret is not None:
+        app.add_middleware(
+            ApiKeyMiddleware,
+            api_key=fleet_secret,
+            protected_prefixes=("/",),
+            on_error=on_error,
+            open_paths=("/health",),
+            what="fleet secret",
+        )
+    elif api_key is not None:
         app.add_middleware(
             ApiKeyMiddleware,
             api_key=api_key,
@@ -53,26 +68,35 @@ def install_front_door(
 
 
 class ApiKeyMiddleware:
-    """Every request whose path starts with one of `protected_prefixes` needs
-    `Authorization: Bearer <api_key>` (the scheme in any case)."""
+    """Every request whose path starts with one of `protected_prefixes` (and is none of
+    `open_paths`) needs `Authorization: Bearer <api_key>` (the scheme in any case)."""
 
     def __init__(
-        self, app: ASGIApp, api_key: str, protected_prefixes: tuple[str, ...], on_error: OnError
+        self,
+        app: ASGIApp,
+        api_key: str,
+        protected_prefixes: tuple[str, ...],
+        on_error: OnError,
+        open_paths: tuple[str, ...] = (),
+        what: str = "API key",
     ) -> None:
         self.app = app
         self._expected = api_key.encode()
         self._prefixes = protected_prefixes
+        self._open_paths = frozenset(open_paths)
         self._on_error = on_error
+        self._what = what
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] == "http"
             and scope["path"].startswith(self._prefixes)
+            and scope["path"] not in self._open_paths
             and not self._is_authorized(scope)
         ):
             error = APIError(
                 ErrorType.AUTHENTICATION,
-                "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                f"invalid or missing {self._what}: send 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )

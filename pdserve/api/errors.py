@@ -23,6 +23,7 @@ class ErrorType(enum.Enum):
 
     INVALID_REQUEST = ("invalid_request_error", 400)
     AUTHENTICATION = ("authentication_error", 401)
+    PERMISSION = ("permission_error", 403)
     NOT_FOUND = ("not_found_error", 404)
     METHOD_NOT_ALLOWED = ("method_not_allowed", 405)
     CONFLICT = ("conflict_error", 409)

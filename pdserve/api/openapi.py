@@ -28,6 +28,7 @@ from pdserve.api.protocol import (
 _ERROR_NOTES = {
     ErrorType.INVALID_REQUEST: "invalid request: `error.param` names the field",
     ErrorType.AUTHENTICATION: "missing or wrong API key (`Authorization: Bearer KEY`)",
+    ErrorType.PERMISSION: "the key is right but this deployment does not allow the action",
     ErrorType.NOT_FOUND: "`error.param` names what does not exist",
     ErrorType.CONFLICT: "`error.param` names the field that conflicts",
     ErrorType.REQUEST_TOO_LARGE: "the body exceeds the server's --max-body-bytes",

@@ -9,8 +9,7 @@ from pdserve.cli import flag
 from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, SchedulerConfig
 from pdserve.engine.config import DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS, EngineConfig
 from pdserve.kv_store.config import KVStoreConfig
-from pdserve.kv_transfer.config import KVRole, KVTransferConfig
-from pdserve.kv_transfer.protocol import TRANSPORT_NAMES
+from pdserve.kv_transfer.config import TRANSPORT_CHOICES, KVRole, KVTransferConfig
 from pdserve.model.config import KV_CACHE_DTYPES
 
 # A worker's --role to its part in KV transfer (both: a plain server, no transfer).
@@ -100,9 +99,15 @@ KV_TRANSFER_FLAGS = (
     ),
     flag(
         "--kv-transport",
-        choices=TRANSPORT_NAMES,
+        choices=TRANSPORT_CHOICES,
         default=_KV.transport,
-        help="how KV blocks move between workers: shared memory (same host) or TCP",
+        help="how KV blocks move between workers: shared memory (same host), TCP, or auto: "
+        "shared memory with workers on this --kv-node-id, TCP with the others",
+    ),
+    flag(
+        "--kv-node-id",
+        default=_KV.kv_node_id,
+        help="the node this worker runs on, for --kv-transport auto (default: this host)",
     ),
     flag("--kv-host", default=_KV.kv_host, help="where a prefill worker's KV server binds"),
     flag("--kv-port", type=int, default=_KV.kv_port, help="0: any free port"),
@@ -152,28 +157,43 @@ KV_STORE_FLAGS = (
     ),
 )
 # KV transfer flags that are KVTransferConfig's fields of the same name.
-_KV_FIELDS = ("kv_host", "kv_port", "kv_advertise_host", "kv_lease_timeout", "kv_transfer_timeout")
+_KV_FIELDS = (
+    "kv_host",
+    "kv_port",
+    "kv_advertise_host",
+    "kv_lease_timeout",
+    "kv_transfer_timeout",
+    "kv_node_id",
+)
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def engine_config_from_args(
+    args: argparse.Namespace, fleet_secret: str | None = None
+) -> EngineConfig:
     """The engine `args` (`ENGINE_FLAGS`, `--mode`, and `KV_TRANSFER_FLAGS` and
-    `KV_STORE_FLAGS` where the command has them) describe."""
+    `KV_STORE_FLAGS` where the command has them) describe; `fleet_secret` (never a flag)
+    guards its KV server and connections."""
     kwargs = {option.dest: getattr(args, option.dest) for option in ENGINE_FLAGS}
     if hasattr(args, "role"):
         kwargs.update(
-            kv_transfer=kv_transfer_config(args), kv_failure_policy=args.kv_failure_policy
+            kv_transfer=kv_transfer_config(args, fleet_secret),
+            kv_failure_policy=args.kv_failure_policy,
         )
     if hasattr(args, "kv_store"):
         kwargs["kv_store"] = kv_store_config(args)
     return EngineConfig.from_kwargs(mode=args.mode, **kwargs)
 
 
-def kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
+def kv_transfer_config(
+    args: argparse.Namespace, fleet_secret: str | None = None
+) -> KVTransferConfig | None:
     kv_role = ROLE_TO_KV_ROLE[args.role]
     if kv_role is None:
         return None
     fields = {name: getattr(args, name) for name in _KV_FIELDS}
-    return KVTransferConfig(transport=args.kv_transport, kv_role=kv_role, **fields)
+    return KVTransferConfig(
+        transport=args.kv_transport, kv_role=kv_role, secret=fleet_secret, **fields
+    )
 
 
 def kv_store_config(args: argparse.Namespace) -> KVStoreConfig | None:

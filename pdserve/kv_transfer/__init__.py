@@ -13,6 +13,7 @@ from pdserve.kv_transfer.lease import LeaseManager
 from pdserve.kv_transfer.protocol import (
     KV_TRANSFER_PROTOCOL_VERSION,
     FrameError,
+    KVAuthError,
     KVIncompatibleError,
     KVLayout,
     KVLeaseError,
@@ -27,6 +28,7 @@ from pdserve.kv_transfer.protocol import (
 __all__ = [
     "KV_TRANSFER_PROTOCOL_VERSION",
     "FrameError",
+    "KVAuthError",
     "KVIncompatibleError",
     "KVLayout",
     "KVLeaseError",

@@ -2,7 +2,8 @@
 
 Requests are strictly one at a time per connection (guarded by the caller). Any failure part-way
 through a response leaves the stream in an unknown state, so the connection is closed and the
-next request reconnects.
+next request reconnects. A client with the fleet secret proves membership on every new
+connection, and checks the server's proof, before its first request (wire.py's handshake).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from pdserve.kv_transfer.protocol import (
     FrameError,
+    KVAuthError,
     KVIncompatibleError,
     KVLeaseError,
     KVProtocolError,
@@ -26,6 +28,9 @@ from pdserve.kv_transfer.wire import (
     ConnectionClosed,
     MessageType,
     VersionMismatch,
+    is_proof,
+    new_nonce,
+    proof,
     read_frame,
     recv_exact_into,
     send_frame,
@@ -35,17 +40,22 @@ _ERROR_CODES = {
     "lease": KVLeaseError,
     "incompatible": KVIncompatibleError,
     "bad_request": KVProtocolError,
+    "unauthorized": KVAuthError,
 }
 
 
 class KVClient:
     """Framed request/response over one TCP connection, reconnecting when it went stale."""
 
-    def __init__(self, host: str, port: int, timeout: float) -> None:
+    def __init__(self, host: str, port: int, timeout: float, secret: str | None = None) -> None:
+        """`secret`: the deployment's fleet secret (None: talk to open servers only)."""
         self.host = host
         self.port = port
         self._timeout = timeout
+        self._secret = secret
         self._sock: socket.socket | None = None
+        # The server's HELLO reply on this connection, once the handshake got it.
+        self._hello: dict[str, Any] | None = None
 
     @property
     def address(self) -> str:
@@ -64,7 +74,23 @@ class KVClient:
         For `expect=DATA` the caller then reads exactly `payload_len` bytes with `recv_into`.
         A remote ERROR frame raises the matching `KVTransferError` subclass.
         """
-        sock = self._connected()
+        return self._exchange(self._connected(), msg_type, meta, expect, payload_len)
+
+    def hello(self) -> dict[str, Any]:
+        """The server's HELLO reply (protocol version, engine id, layout, ...)."""
+        if self._secret is None:
+            return self.call(MessageType.HELLO, {})
+        self._connected()  # the handshake's last answer is the HELLO reply
+        return self._hello
+
+    def _exchange(
+        self,
+        sock: socket.socket,
+        msg_type: MessageType,
+        meta: dict[str, Any],
+        expect: MessageType,
+        payload_len: int = 0,
+    ) -> dict[str, Any]:
         try:
             send_frame(sock, msg_type, meta)
             frame = read_frame(sock, max_payload=payload_len)
@@ -77,6 +103,9 @@ class KVClient:
             raise _failure(self.address, exc) from None
         if frame.msg_type is MessageType.ERROR:
             self._raise_remote_error(frame.meta)
+        if frame.msg_type is not expect and MessageType.CHALLENGE in (frame.msg_type, expect):
+            self.close()
+            raise KVAuthError(_membership_mismatch(self.address, frame.msg_type))
         if frame.msg_type is not expect or frame.payload_len != payload_len:
             self.close()
             raise FrameError(
@@ -100,17 +129,40 @@ class KVClient:
             with contextlib.suppress(OSError):
                 self._sock.close()
             self._sock = None
+            self._hello = None
 
     def _connected(self) -> socket.socket:
         if self._sock is not None and _is_stale(self._sock):
             self.close()
         if self._sock is None:
             try:
-                self._sock = socket.create_connection((self.host, self.port), self._timeout)
+                sock = socket.create_connection((self.host, self.port), self._timeout)
             except OSError as exc:
                 raise KVTransferError(f"cannot reach KV server {self.address}: {exc}") from None
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
+            if self._secret is not None:
+                self._authenticate(sock)
         return self._sock
+
+    def _authenticate(self, sock: socket.socket) -> None:
+        """The handshake of wire.py on a new connection; closes it on any failure."""
+        ours = new_nonce()
+        try:
+            challenge = self._exchange(
+                sock, MessageType.HELLO, {"nonce": ours}, MessageType.CHALLENGE
+            )
+            theirs = get_str(challenge, "nonce", "CHALLENGE", max_len=64)
+            if not is_proof(challenge.get("proof"), self._secret, "server", ours, theirs):
+                raise KVAuthError(
+                    f"KV server {self.address} failed to prove membership: it holds another "
+                    "deployment's secret"
+                )
+            answer = {"proof": proof(self._secret, "client", theirs, ours)}
+            self._hello = self._exchange(sock, MessageType.AUTH, answer, MessageType.REPLY)
+        except BaseException:
+            self.close()
+            raise
 
     def _raise_remote_error(self, meta: dict[str, Any]) -> None:
         code = meta.get("code")
@@ -126,6 +178,15 @@ def _is_stale(sock: socket.socket) -> bool:
     # or restart) or garbage, either way unusable.
     readable, _, _ = select.select([sock], [], [], 0)
     return bool(readable)
+
+
+def _membership_mismatch(address: str, answer: MessageType) -> str:
+    if answer is MessageType.CHALLENGE:
+        return (
+            f"KV server {address} admits only members of its deployment, and this worker "
+            "holds no fleet secret"
+        )
+    return f"KV server {address} holds no fleet secret: not a member of this deployment"
 
 
 def _failure(address: str, exc: BaseException) -> KVTransferError:
@@ -153,10 +214,11 @@ def release_over(client: KVClient, params: KVTransferParams) -> bool:
     return released
 
 
-def release_lease(params: KVTransferParams, timeout: float) -> bool:
-    """`release_over` a one-off connection: RELEASE needs no HELLO (no layout agreement), so
-    a worker that refused the KV, or a router whose decode leg never took it, can free it."""
-    client = KVClient(params.remote_host, params.remote_port, timeout)
+def release_lease(params: KVTransferParams, timeout: float, secret: str | None = None) -> bool:
+    """`release_over` a one-off connection: RELEASE needs no layout agreement, so a worker
+    that refused the KV, or a router whose decode leg never took it, can free it (with the
+    fleet `secret` where the deployment has one)."""
+    client = KVClient(params.remote_host, params.remote_port, timeout, secret)
     try:
         return release_over(client, params)
     finally:

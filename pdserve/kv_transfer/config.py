@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.kv_transfer.protocol import TRANSPORT_NAMES
+
+# A worker's --kv-transport: what a sender offers (`TRANSPORT_NAMES`), or "auto": chosen per
+# pair, shared memory with a sender on this worker's node and tcp with the others.
+TRANSPORT_CHOICES = (*TRANSPORT_NAMES, "auto")
 
 
 class KVRole(enum.Enum):
@@ -20,7 +24,9 @@ class KVTransferConfig:
     `kv_advertise_host`: the address put in kv_transfer_params (default `kv_host`).
     `kv_lease_timeout`: seconds a producer holds unfetched blocks; `kv_transfer_timeout`:
     a consumer's socket timeout per operation; `kv_idle_timeout`: a producer drops
-    connections silent this long."""
+    connections silent this long. `kv_node_id`: the node this worker runs on, for
+    ``transport="auto"`` (None: this host). `secret`: the deployment's fleet secret, which
+    every KV connection must prove (None: an open KV server, as on one host)."""
 
     # Shared memory: the one-host deployment; workers on other hosts need tcp.
     transport: str = "shm"
@@ -32,14 +38,18 @@ class KVTransferConfig:
     kv_transfer_timeout: float = 10.0
     kv_idle_timeout: float = 300.0
     engine_id: str | None = None
+    kv_node_id: str | None = None
+    secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_role, str):
             object.__setattr__(self, "kv_role", KVRole(self.kv_role))
-        if self.transport not in TRANSPORT_NAMES:
+        if self.transport not in TRANSPORT_CHOICES:
             raise ValueError(
-                f"transport must be one of {list(TRANSPORT_NAMES)}, got {self.transport!r}"
+                f"transport must be one of {list(TRANSPORT_CHOICES)}, got {self.transport!r}"
             )
+        if self.secret == "":
+            raise ValueError("secret must not be empty")
         if not (isinstance(self.kv_port, int) and 0 <= self.kv_port <= 65535):
             raise ValueError(f"kv_port must be in [0, 65535], got {self.kv_port!r}")
         for name in ("kv_lease_timeout", "kv_transfer_timeout", "kv_idle_timeout"):

@@ -33,7 +33,7 @@ from pdserve.kv_transfer.blocks import TORCH_DTYPES
 from pdserve.kv_transfer.config import KVRole, KVTransferConfig
 from pdserve.kv_transfer.lease import LeaseManager
 from pdserve.kv_transfer.protocol import KVLayout, KVTransferError, KVTransferParams
-from pdserve.kv_transfer.shm import SharedKVCache, ShmTransport
+from pdserve.kv_transfer.shm import AutoTransport, SharedKVCache, ShmTransport
 from pdserve.kv_transfer.transport import KVTransport, TcpTransport, TransferStats
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,8 @@ def create_kv_transport(config: KVTransferConfig, layout: KVLayout, num_blocks: 
             layout.cache_shape(num_blocks), dtype=TORCH_DTYPES[layout.dtype]
         ).zero_()
         return TcpTransport(cache, layout, config, leases)
-    return ShmTransport(SharedKVCache.create(layout, num_blocks), layout, config, leases)
+    shm_transport = AutoTransport if config.transport == "auto" else ShmTransport
+    return shm_transport(SharedKVCache.create(layout, num_blocks), layout, config, leases)
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,11 @@ class KVLeaseError(KVTransferError):
     """The sender holds no live lease for the request (unknown, released or expired)."""
 
 
+class KVAuthError(KVTransferError):
+    """The peer is not a member of this deployment: it has no fleet secret, or another one
+    (see the HELLO handshake in wire.py)."""
+
+
 # ---- typed field access for untrusted JSON -----------------------------------------------
 
 _MISSING = object()

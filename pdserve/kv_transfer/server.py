@@ -4,6 +4,10 @@ One listening socket, one thread per connection (a few decode workers keep one c
 each; the count is capped). Requests carry no payload. A malformed or hostile frame is
 logged and counted, answered with an ERROR frame when the socket still works, and closes that
 connection only; a semantic refusal (unknown or expired lease) keeps the connection open.
+
+With a fleet secret, a connection serves nothing (not even the HELLO facts: engine id, layout,
+shm segment) until its peer proved membership (wire.py's handshake); any other request first,
+or a wrong proof, is refused as ``unauthorized`` and the connection closed.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +26,7 @@ from pdserve.kv_transfer.blocks import StagedBlocks, StagingBuffer, byte_view, d
 from pdserve.kv_transfer.lease import LeaseManager
 from pdserve.kv_transfer.protocol import (
     KV_TRANSFER_PROTOCOL_VERSION,
+    KVAuthError,
     KVLayout,
     KVLeaseError,
     KVProtocolError,
@@ -33,6 +39,9 @@ from pdserve.kv_transfer.wire import (
     ConnectionClosed,
     MessageType,
     VersionMismatch,
+    is_proof,
+    new_nonce,
+    proof,
     read_frame,
     send_frame,
 )
@@ -43,6 +52,18 @@ MAX_CONNECTIONS = 64
 # After rejecting a frame: how long and how much to drain before closing.
 _DRAIN_SECONDS = 0.2
 _DRAIN_BYTES = 1 << 20
+
+
+@dataclass
+class _Connection:
+    """One peer's connection and how far its handshake got."""
+
+    sock: socket.socket
+    peer: Any
+    staging: StagingBuffer
+    is_member: bool = False
+    # The nonces of an outstanding CHALLENGE (the peer's, which may be "", and ours).
+    nonces: tuple[str, str] | None = None
 
 
 class KVServer:
@@ -59,7 +80,9 @@ class KVServer:
         port: int,
         idle_timeout: float,
         hello_extra: dict[str, Any] | None = None,
+        secret: str | None = None,
     ) -> None:
+        """`secret`: the deployment's fleet secret; None serves any peer (one host, tests)."""
         self._kv_cache = kv_cache
         self._layout = layout
         self._leases = leases
@@ -71,12 +94,14 @@ class KVServer:
             **(hello_extra or {}),
         }
         self._idle_timeout = idle_timeout
+        self._secret = secret
         self._listener = socket.create_server((host, port))
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._is_closed = False
-        self._handlers: dict[MessageType, Callable[[socket.socket, dict, Any], None]] = {
+        self._handlers: dict[MessageType, Callable[[_Connection, dict], None]] = {
             MessageType.HELLO: self._on_hello,
+            MessageType.AUTH: self._on_auth,
             MessageType.FETCH: self._on_fetch,
             MessageType.RELEASE: self._on_release,
         }
@@ -125,9 +150,10 @@ class KVServer:
     def _serve(self, conn: socket.socket, peer: Any) -> None:
         conn.settimeout(self._idle_timeout)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        staging = StagingBuffer(self._layout)
+        connection = _Connection(conn, peer, StagingBuffer(self._layout))
+        connection.is_member = self._secret is None
         try:
-            while self._handle_one(conn, peer, staging):
+            while self._handle_one(connection):
                 pass
         except Exception:
             # Last line of defence: a bug in a handler ends this connection, never the server.
@@ -137,13 +163,19 @@ class KVServer:
                 self._connections.discard(conn)
             conn.close()
 
-    def _handle_one(self, conn: socket.socket, peer: Any, staging: StagingBuffer) -> bool:
+    def _handle_one(self, connection: _Connection) -> bool:
         """Serve one request; False ends the connection."""
+        conn, peer = connection.sock, connection.peer
         try:
             frame = read_frame(conn, max_payload=0)
             if frame.msg_type not in REQUEST_TYPES:
                 raise KVProtocolError(f"{frame.msg_type.name} is not a request")
-            self._handlers[frame.msg_type](conn, frame.meta, staging)
+            if not connection.is_member and frame.msg_type not in (
+                MessageType.HELLO,
+                MessageType.AUTH,
+            ):
+                raise KVAuthError(f"{frame.msg_type.name} before proving membership (HELLO)")
+            self._handlers[frame.msg_type](connection, frame.meta)
             return True
         except (ConnectionClosed, OSError):
             return False  # peer gone, idle timeout, or server closing
@@ -151,6 +183,8 @@ class KVServer:
             return self._reject(conn, peer, "incompatible", str(exc))
         except KVProtocolError as exc:
             return self._reject(conn, peer, "bad_request", str(exc))
+        except KVAuthError as exc:
+            return self._reject(conn, peer, "unauthorized", str(exc))
         except KVLeaseError as exc:
             # A refusal, not an attack: the connection stays usable.
             try:
@@ -166,10 +200,31 @@ class KVServer:
             _drain(conn)
         return False
 
-    def _on_hello(self, conn: socket.socket, meta: dict, staging: StagingBuffer) -> None:
-        send_frame(conn, MessageType.REPLY, self._hello)
+    def _on_hello(self, connection: _Connection, meta: dict) -> None:
+        if connection.is_member:
+            send_frame(connection.sock, MessageType.REPLY, self._hello)
+            return
+        theirs = get_str(meta, "nonce", "HELLO", required=False, max_len=64) or ""
+        ours = new_nonce()
+        connection.nonces = (theirs, ours)
+        challenge = {"nonce": ours}
+        if theirs:  # a peer that holds the secret checks ours before it answers
+            challenge["proof"] = proof(self._secret, "server", theirs, ours)
+        send_frame(connection.sock, MessageType.CHALLENGE, challenge)
 
-    def _on_release(self, conn: socket.socket, meta: dict, staging: StagingBuffer) -> None:
+    def _on_auth(self, connection: _Connection, meta: dict) -> None:
+        if connection.is_member:
+            raise KVProtocolError("AUTH on a connection that is authenticated already")
+        if connection.nonces is None:
+            raise KVAuthError("AUTH before HELLO")
+        theirs, ours = connection.nonces
+        connection.nonces = None  # one answer per challenge
+        if not is_proof(meta.get("proof"), self._secret, "client", ours, theirs):
+            raise KVAuthError("wrong proof: not a member of this deployment")
+        connection.is_member = True
+        send_frame(connection.sock, MessageType.REPLY, self._hello)
+
+    def _on_release(self, connection: _Connection, meta: dict) -> None:
         request_id = _request_id(meta, "RELEASE")
         # Request ids are only unique per engine: never release for a previous incarnation.
         engine_id = get_str(meta, "engine_id", "RELEASE")
@@ -179,9 +234,9 @@ class KVServer:
             )
         block_ids = get_int_list(meta, "block_ids", "RELEASE", max_len=self._kv_cache.shape[2])
         released = self._leases.release(request_id, block_ids)
-        send_frame(conn, MessageType.REPLY, {"released": released})
+        send_frame(connection.sock, MessageType.REPLY, {"released": released})
 
-    def _on_fetch(self, conn: socket.socket, meta: dict, staging: StagingBuffer) -> None:
+    def _on_fetch(self, connection: _Connection, meta: dict) -> None:
         request_id = _request_id(meta, "FETCH")
         num_layers = self._layout.num_layers
         start = get_int(meta, "layer_start", "FETCH", max_value=num_layers - 1)
@@ -199,7 +254,7 @@ class KVServer:
                     f"FETCH.block_ids {sorted(outside)[:8]} are not leased to "
                     f"request {request_id!r}"
                 )
-            self._send_layers(conn, start, end, block_ids, staging)
+            self._send_layers(connection.sock, start, end, block_ids, connection.staging)
 
     def _send_layers(
         self,

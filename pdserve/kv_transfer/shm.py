@@ -13,15 +13,21 @@ registers the segment with its resource tracker, which unlinks it when that proc
 Names carry the owner's pid so `remove_stale_segments()` can clean up after a killed owner;
 an owner that exits without `close()` (e.g. a server stopped by SIGTERM) unlinks its segments
 at interpreter exit.
+
+`AutoTransport` (``--kv-transport auto``, the cluster deployments') chooses per pair: its
+cache lives in a segment like shm's, a receiver on the sender's node maps it, and receivers on
+other nodes fetch the same blocks over tcp from the sender's KV server.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import mmap
 import os
 import re
+import socket
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -34,6 +40,7 @@ from pdserve.kv_transfer.blocks import TORCH_DTYPES, copy_blocks
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.lease import LeaseManager
 from pdserve.kv_transfer.protocol import (
+    TRANSPORT_NAMES,
     KVLayout,
     KVProtocolError,
     KVTransferError,
@@ -204,6 +211,8 @@ class ShmTransport(KVTransport):
     def _read_units(
         self, remote: RemoteEngine, request_id: str, units: Sequence[KVTransferUnit]
     ) -> int:
+        if remote.attachment is None:  # a sender on another node (`AutoTransport`)
+            return super()._read_units(remote, request_id, units)
         source = remote.attachment.tensor
         num_bytes = 0
         for unit in units:
@@ -218,3 +227,41 @@ class ShmTransport(KVTransport):
             )
             num_bytes += self.layout.nbytes(unit.num_blocks, unit.num_layers)
         return num_bytes
+
+
+class AutoTransport(ShmTransport):
+    """Chosen per pair: a sender's blocks are copied out of its shared segment when it runs on
+    this worker's node (the same `kv_node_id` in its HELLO), fetched over tcp otherwise. A
+    sender offers ``transport: "shm"`` (its segment, and its KV server for everyone else); a
+    receiver accepts both offers."""
+
+    name: ClassVar[str] = "auto"
+
+    @property
+    def node_id(self) -> str:
+        return self.config.kv_node_id or host_node_id()
+
+    def _hello_extra(self) -> dict[str, Any]:
+        return {**super()._hello_extra(), "node_id": self.node_id}
+
+    def _params_extra(self) -> dict[str, Any]:
+        return {**super()._params_extra(), "transport": ShmTransport.name}
+
+    def _accepts(self, transport: str) -> bool:
+        return transport in TRANSPORT_NAMES
+
+    def _attach(self, remote: RemoteEngine, params: KVTransferParams) -> SharedKVCache | None:
+        if params.transport != ShmTransport.name or remote.hello.get("node_id") != self.node_id:
+            return None
+        return super()._attach(remote, params)
+
+
+@functools.cache
+def host_node_id() -> str:
+    """This host as a node: its name and boot (two hosts, or two boots, never share
+    /dev/shm)."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = "unknown-boot"
+    return f"{socket.gethostname()}/{boot_id}"

@@ -14,9 +14,12 @@ or, for overlapped transfers, `fetch(params, units)` any number of times (each u
 range of blocks, see `unit.py`), then `release(params)`.
 
 A transport talks to each remote engine over one `KVClient` (control, and data for tcp),
-opened on first use with a HELLO that checks protocol version, model, dtype and block layout.
-Subclasses implement only how a unit's bytes reach the local cache (`_read_units`):
-`TcpTransport` here, `shm.ShmTransport` beside the shared segment it reads.
+opened on first use with a HELLO that checks protocol version, model, dtype and block layout
+(after proving membership, where the deployment has a fleet secret). Every producer's KV server
+serves FETCH, so reading a unit over that connection is the base class's way
+(`_read_units`); `TcpTransport` keeps its cache in plain memory, `shm.ShmTransport` in a
+shared segment that a receiver on the same host copies from directly, and `shm.AutoTransport`
+chooses per pair.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import logging
 import threading
 import time
 import uuid
-from abc import ABC, abstractmethod
+from abc import ABC
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
@@ -123,6 +126,7 @@ class KVTransport(ABC):
             port=config.kv_port,
             idle_timeout=config.kv_idle_timeout,
             hello_extra=self._hello_extra(),
+            secret=config.secret,
         )
 
     def switch_role(self, kv_role: KVRole) -> None:
@@ -190,10 +194,9 @@ class KVTransport(ABC):
             remote_port=self._server.port,
             remote_block_ids=tuple(block_ids),
             remote_num_tokens=num_tokens,
-            transport=self.name,
             layout_hash=self.layout.layout_hash(),
             first_token_id=first_token_id,
-            **self._params_extra(),
+            **{"transport": self.name, **self._params_extra()},
         )
 
     def collect(self) -> list[str]:
@@ -247,7 +250,7 @@ class KVTransport(ABC):
             raise KVProtocolError(
                 "kv_transfer_params.do_remote_prefill is not set: nothing to fetch"
             )
-        if params.transport != self.name:
+        if not self._accepts(params.transport):
             raise KVProtocolError(
                 f"kv_transfer_params.transport is {params.transport!r}; "
                 f"this worker's KV transport is {self.name!r}"
@@ -268,7 +271,7 @@ class KVTransport(ABC):
         with self._lock:
             remote = self._remotes.get(_remote_key(params))
         if remote is None:  # never fetched (aborted, or refused as incompatible)
-            return release_lease(params, self.config.kv_transfer_timeout)
+            return release_lease(params, self.config.kv_transfer_timeout, self.config.secret)
         with self._using(remote):
             return release_over(remote.client, params)
 
@@ -298,19 +301,50 @@ class KVTransport(ABC):
         return {}
 
     def _params_extra(self) -> dict[str, Any]:
-        """Extra `KVTransferParams` fields this transport sets on `expose`."""
+        """Extra `KVTransferParams` fields this transport sets on `expose` (may override
+        ``transport``: what it offers a receiver)."""
         return {}
+
+    def _accepts(self, transport: str) -> bool:
+        """Whether this receiver reads KV a sender offers as `transport`."""
+        return transport == self.name
 
     def _attach(self, remote: RemoteEngine, params: KVTransferParams) -> Any:
         """Transport-specific setup on first contact; the result is `remote.attachment`."""
         return None
 
-    @abstractmethod
     def _read_units(
         self, remote: RemoteEngine, request_id: str, units: Sequence[KVTransferUnit]
     ) -> int:
         """Bring every unit's bytes into `self.kv_cache`; return the bytes moved. Called with
-        `remote.lock` held."""
+        `remote.lock` held. Here: over the sender's KV server, as `TcpTransport` describes."""
+        return sum(self._read_unit(remote, request_id, unit) for unit in units)
+
+    def _read_unit(self, remote: RemoteEngine, request_id: str, unit: KVTransferUnit) -> int:
+        num_bytes = self.layout.nbytes(unit.num_blocks, unit.num_layers)
+        meta = remote.client.call(
+            MessageType.FETCH,
+            {
+                "request_id": request_id,
+                "layer_start": unit.layer_start,
+                "layer_end": unit.layer_end,
+                "block_ids": list(unit.remote_block_ids),
+            },
+            expect=MessageType.DATA,
+            payload_len=num_bytes,
+        )
+        layer = remote.staging.layer(unit.num_blocks)
+        expected = {"dtype": self.layout.dtype, "shape": [unit.num_layers, *layer.shape[1:]]}
+        if meta != expected:
+            remote.client.close()  # the payload is still on the wire
+            raise FrameError(
+                f"KV server {remote.client.address} sent DATA {meta}, expected {expected}"
+            )
+        blocks = StagedBlocks(unit.local_block_ids)
+        for index in range(unit.layer_start, unit.layer_end):
+            remote.client.recv_into(byte_view(layer))
+            blocks.scatter(self.kv_cache[index : index + 1], layer)
+        return num_bytes
 
     # ---- internals ----
 
@@ -348,9 +382,14 @@ class KVTransport(ABC):
             return remote
 
     def _connect(self, params: KVTransferParams) -> RemoteEngine:
-        client = KVClient(params.remote_host, params.remote_port, self.config.kv_transfer_timeout)
+        client = KVClient(
+            params.remote_host,
+            params.remote_port,
+            self.config.kv_transfer_timeout,
+            self.config.secret,
+        )
         try:
-            hello = client.call(MessageType.HELLO, {})
+            hello = client.hello()
             remote = self._check_hello(client, hello, params)
             remote.attachment = self._attach(remote, params)
         except BaseException:
@@ -419,34 +458,3 @@ class TcpTransport(KVTransport):
     """
 
     name: ClassVar[str] = "tcp"
-
-    def _read_units(
-        self, remote: RemoteEngine, request_id: str, units: Sequence[KVTransferUnit]
-    ) -> int:
-        return sum(self._read_unit(remote, request_id, unit) for unit in units)
-
-    def _read_unit(self, remote: RemoteEngine, request_id: str, unit: KVTransferUnit) -> int:
-        num_bytes = self.layout.nbytes(unit.num_blocks, unit.num_layers)
-        meta = remote.client.call(
-            MessageType.FETCH,
-            {
-                "request_id": request_id,
-                "layer_start": unit.layer_start,
-                "layer_end": unit.layer_end,
-                "block_ids": list(unit.remote_block_ids),
-            },
-            expect=MessageType.DATA,
-            payload_len=num_bytes,
-        )
-        layer = remote.staging.layer(unit.num_blocks)
-        expected = {"dtype": self.layout.dtype, "shape": [unit.num_layers, *layer.shape[1:]]}
-        if meta != expected:
-            remote.client.close()  # the payload is still on the wire
-            raise FrameError(
-                f"KV server {remote.client.address} sent DATA {meta}, expected {expected}"
-            )
-        blocks = StagedBlocks(unit.local_block_ids)
-        for index in range(unit.layer_start, unit.layer_end):
-            remote.client.recv_into(byte_view(layer))
-            blocks.scatter(self.kv_cache[index : index + 1], layer)
-        return num_bytes

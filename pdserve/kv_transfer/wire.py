@@ -11,12 +11,28 @@ A frame is a fixed 20-byte header, then `meta_len` bytes of UTF-8 JSON (an objec
 
 all big-endian. The magic and version fields keep their place in every future version, so a
 peer can always read the version and answer with a clear refusal.
+
+Membership (a server started with the deployment's fleet secret): a connection's first request
+must be HELLO, answered by a CHALLENGE; only after a right AUTH does the server answer HELLO's
+REPLY or serve FETCH and RELEASE. Both sides prove they hold the secret without sending it: an
+HMAC-SHA256 over the speaker's role and both sides' fresh nonces (`proof`)::
+
+    client -> HELLO     {nonce: c}
+    server -> CHALLENGE {nonce: s, proof: proof(secret, "server", c, s)}
+    client -> AUTH      {proof: proof(secret, "client", s, c)}    (after checking the server's)
+    server -> REPLY     {protocol_version, engine_id, ...}        (or ERROR unauthorized, closed)
+
+A server without a secret answers HELLO with REPLY at once, as before; peers that both hold no
+secret speak exactly the version-1 protocol.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import json
+import secrets
 import socket
 import struct
 from dataclasses import dataclass
@@ -29,20 +45,26 @@ HEADER = struct.Struct("!4sHHIQ")
 MAX_META_BYTES = 1 << 20
 # Largest single recv; bounds a recv_into() slice, not a frame.
 _RECV_CHUNK = 1 << 22
+NONCE_BYTES = 16
 
 
 class MessageType(enum.IntEnum):
     # requests (receiver -> sender)
-    HELLO = 1  # {} -> REPLY {protocol_version, engine_id, layout, num_blocks, ...}
+    # {nonce?} -> REPLY {protocol_version, engine_id, layout, num_blocks, ...}, or CHALLENGE
+    HELLO = 1
+    AUTH = 2  # {proof} -> REPLY (as HELLO's) or ERROR {code: "unauthorized"}
     FETCH = 3  # {request_id, layer_start, layer_end, block_ids} -> DATA
     RELEASE = 4  # {request_id, engine_id, block_ids} -> REPLY {released}
     # responses (sender -> receiver)
     REPLY = 16
     DATA = 17  # {dtype, shape} + payload: per layer, [2, num_blocks, block_size, heads, dim]
     ERROR = 18  # {code, error}
+    CHALLENGE = 19  # {nonce, proof?}: prove membership first (see the module docstring)
 
 
-REQUEST_TYPES = frozenset({MessageType.HELLO, MessageType.FETCH, MessageType.RELEASE})
+REQUEST_TYPES = frozenset(
+    {MessageType.HELLO, MessageType.AUTH, MessageType.FETCH, MessageType.RELEASE}
+)
 
 
 class ConnectionClosed(Exception):
@@ -58,6 +80,23 @@ class VersionMismatch(FrameError):
             f"this worker speaks {KV_TRANSFER_PROTOCOL_VERSION}"
         )
         self.version = version
+
+
+def new_nonce() -> str:
+    return secrets.token_hex(NONCE_BYTES)
+
+
+def proof(secret: str, speaker: str, *nonces: str) -> str:
+    """HMAC-SHA256 (hex) of `speaker` ("server" or "client": a proof is never valid for the
+    other side) and the handshake's nonces under the fleet secret."""
+    message = "\n".join((speaker, *nonces)).encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def is_proof(given: object, secret: str, speaker: str, *nonces: str) -> bool:
+    """Whether `given` (untrusted) is `proof(secret, speaker, *nonces)`, in constant time."""
+    expected = proof(secret, speaker, *nonces)
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 `--mode colocated|chunked` (and every worker, `--role prefill|decode`) runs the server on one
 engine (`server.cli.run_server`); `--mode disagg` starts prefill and decode workers and a
-router in front (`launch.local`), with `--autoscale` sized by the router's planner. Each
-flag is declared once, in its package; `WORKER_FLAGS` says which of them a deployment hands
-on to its workers.
+router in front: on this host's cores (`launch.local`), or with `--cluster ray` as Ray actors
+across a cluster's nodes (`launch.ray_cluster`); with `--autoscale` sized by the router's
+planner. Each flag is declared once, in its package; `WORKER_FLAGS` says which of them a
+deployment hands on to its workers.
 """
 
 from __future__ import annotations
@@ -48,6 +49,45 @@ DISAGG_FLAGS = (
         "to chunk their local prefills finely",
     ),
 )
+CLUSTER_FLAGS = (
+    flag(
+        "--cluster",
+        default=None,
+        metavar="ray|ray:local|ray:ADDRESS",
+        help="place the workers on a Ray cluster: 'ray' joins $RAY_ADDRESS (else the one "
+        "started on this machine), 'ray:ADDRESS' that one (e.g. ray:ray://head:10001), "
+        "'ray:local' starts one here; default: this host's cores, no Ray",
+    ),
+    flag(
+        "--prefill-worker-resources",
+        default=None,
+        metavar="JSON",
+        help="Ray resources each prefill worker asks for, e.g. '{\"CPU\": 2}' "
+        "(default: 1 CPU); its torch threads are its CPUs",
+    ),
+    flag(
+        "--decode-worker-resources",
+        default=None,
+        metavar="JSON",
+        help='Ray resources each decode worker asks for, e.g. \'{"CPU": 1, "GPU": 1}\'',
+    ),
+    flag(
+        "--placement-strategy",
+        choices=("pack", "spread", "strict_pack", "strict_spread"),
+        default=None,
+        help="place the first workers in one Ray placement group with this strategy "
+        "(spread: the pools on different nodes where it can); default: wherever Ray "
+        "finds the resources",
+    ),
+    flag(
+        "--worker-auth",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="workers answer only their deployment: a secret ($PDSERVE_FLEET_SECRET, or a new "
+        "one) guards their HTTP API (Bearer) and KV port (HMAC); default: on with "
+        "--cluster, off on one host",
+    ),
+)
 # Set by the launcher for each worker (its role, address, threads and step log) or kept for
 # the router (the mode, the API key: workers listen on loopback behind it).
 PER_WORKER_FLAGS = frozenset(
@@ -70,6 +110,7 @@ def add_parser(subparsers) -> None:
     add_flags(parser, "KV transfer (disaggregated workers)", KV_TRANSFER_FLAGS)
     add_flags(parser, "shared KV store", KV_STORE_FLAGS)
     add_flags(parser, "disaggregation (--mode disagg)", DISAGG_FLAGS)
+    add_flags(parser, "cluster (--mode disagg)", CLUSTER_FLAGS)
     add_flags(parser, "routing (--mode disagg)", ROUTING_FLAGS)
     add_flags(parser, "autoscaling (--mode disagg)", AUTOSCALE_FLAGS)
     parser.set_defaults(run=run)
@@ -79,8 +120,15 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.mode != "disagg":
+        if args.cluster is not None:
+            raise ValueError("--cluster places the workers of --mode disagg")
         return run_server(args)
-    from pdserve.launch.local import launch_disagg  # the deployment, only when it is one
+    # The deployment's modules only when it is one (Ray only when asked for).
+    if args.cluster is not None:
+        from pdserve.launch.ray_cluster import launch_on_ray
+
+        return launch_on_ray(args)
+    from pdserve.launch.local import launch_disagg
 
     return launch_disagg(args)
 

@@ -5,12 +5,14 @@ separate processes, each pinned to its own cores with one torch thread per core,
 all answer /health, then runs the router in this process until SIGINT/SIGTERM and stops every
 child. A worker that dies during startup stops the rest; the launcher exits 1 with its log tail.
 Workers get the flags `launch.cli.worker_argv` gives them, plus their own role, loopback
-address, thread count and step log (one file per worker, named after it).
+address, thread count and step log (one file per worker, named after it), and with
+`--worker-auth` the deployment's fleet secret in their environment (`launch.fleet`).
 
 The workers come from a `LocalProvisioner`, the one-host `Provisioner`: the host's cores are
 cut into slots (one per worker of the initial layout; with ``--autoscale`` one per worker the
 fleet may grow to, at most one per core), and the router's autoscaler starts a worker on a
-free slot and stops a drained one, within the cores it has.
+free slot and stops a drained one, within the cores it has. `run_deployment` is the part
+every launcher shares (the Ray one too).
 """
 
 from __future__ import annotations
@@ -30,10 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.launch.cli import worker_argv
-from pdserve.launch.provision import WorkerHandle
+from pdserve.launch.fleet import FLEET_SECRET_ENV, deployment_secret
+from pdserve.launch.provision import Provisioner, WorkerHandle
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
+from pdserve.router.autoscale import AutoscaleConfig
 from pdserve.router.cli import autoscale_config_from_args, router_config_from_args, serve_router
+from pdserve.router.config import RouterConfig
 from pdserve.router.policies import PoolRole
+from pdserve.router.runtime import Discover
 from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer
 
 logger = logging.getLogger("pdserve.launch")
@@ -46,29 +52,51 @@ def launch_disagg(args: argparse.Namespace) -> int:
     specs = plan_workers(args)
     slots = core_slots(args, len(specs))
     autoscale = autoscale_config_from_args(args, room=len(slots))
+    # Workers listen on loopback, so a secret is opt-in here (--worker-auth).
+    secret = deployment_secret() if args.worker_auth else None
     config = router_config_from_args(
         args,
         [s.url for s in specs if s.role == "prefill"],
         [s.url for s in specs if s.role == "decode"],
+        secret,
     )
-    provisioner = LocalProvisioner(args, specs, slots)
+    provisioner = LocalProvisioner(args, specs, slots, secret)
     _print_plan(specs)
+
+    def start() -> None:
+        provisioner.start_initial()
+        provisioner.wait_healthy(args.startup_timeout)
+
+    return run_deployment(args, config, start, provisioner.stop_all, provisioner, autoscale)
+
+
+def run_deployment(
+    args: argparse.Namespace,
+    config: RouterConfig,
+    start: Callable[[], None],
+    stop: Callable[[], None],
+    provisioner: Provisioner | None = None,
+    autoscale: AutoscaleConfig | None = None,
+    discover: Discover | None = None,
+) -> int:
+    """`start` the workers (returns once all are healthy, or raises `WorkerStartupError`), run
+    the router in this process until SIGINT/SIGTERM, and `stop` them whatever happened; 0
+    after a clean stop, 1 if startup failed. `provisioner`, `autoscale` and `discover` as
+    `router.runtime.RouterRuntime` takes them."""
     with _sigterm_raises_shutdown():
         try:
-            provisioner.start_initial()
-            wait = lambda: provisioner.wait_healthy(args.startup_timeout)  # noqa: E731
             tokenizer = (
-                _load_tokenizer_while(wait, args.model) if config.needs_token_ids else wait()
+                _load_tokenizer_while(start, args.model) if config.needs_token_ids else start()
             )
             print(f"pdserve disagg: serving on http://{config.host}:{config.port}", flush=True)
-            serve_router(config, tokenizer, provisioner, autoscale)
+            serve_router(config, tokenizer, provisioner, autoscale, discover)
         except WorkerStartupError as exc:
             print(f"pdserve serve --mode disagg: {exc}", file=sys.stderr)
             return 1
         except _Shutdown:
             pass
         finally:
-            provisioner.stop_all()
+            stop()
     return 0
 
 
@@ -143,7 +171,7 @@ def worker_spec(
         "--num-threads",
         str(len(cores)),
         *worker_argv(args, role),
-        *_step_log_flags(args.step_log, name),
+        *step_log_flags(args.step_log, name),
     )
     return WorkerSpec(name, role, port, cores, command, log_dir / f"{name}.log")
 
@@ -171,8 +199,10 @@ class LocalProvisioner:
         args: argparse.Namespace,
         initial: Sequence[WorkerSpec],
         slots: Sequence[tuple[int, ...]],
+        secret: str | None = None,
     ) -> None:
         self._args = args
+        self._secret = secret
         self._slots = list(slots)
         self._log_dir = initial[0].log_path.parent if initial else Path(tempfile.mkdtemp())
         self._lock = threading.Lock()
@@ -238,7 +268,11 @@ class LocalProvisioner:
 
     def _group(self, spec: WorkerSpec) -> WorkerGroup:
         # Workers listen on loopback behind the router, which alone checks the API key.
-        return WorkerGroup([spec], unset_env=("PDSERVE_API_KEY",))
+        return WorkerGroup(
+            [spec],
+            unset_env=("PDSERVE_API_KEY", FLEET_SECRET_ENV),
+            env={FLEET_SECRET_ENV: self._secret} if self._secret else None,
+        )
 
     def _used_slots(self) -> set[int]:
         return {c.slot for c in self._children.values() if c.slot is not None}
@@ -271,7 +305,7 @@ def assign_cores(cores: Sequence[int], num_workers: int) -> list[tuple[int, ...]
     return shares
 
 
-def _step_log_flags(path: str | None, worker_name: str) -> list[str]:
+def step_log_flags(path: str | None, worker_name: str) -> list[str]:
     """Each worker logs its steps to its own file: steps.jsonl -> steps.prefill-0.jsonl."""
     if path is None:
         return []
@@ -280,12 +314,12 @@ def _step_log_flags(path: str | None, worker_name: str) -> list[str]:
 
 
 def _worker_port(base_port: int | None, slot: int) -> int:
-    return base_port + slot if base_port is not None else _free_port()
+    return base_port + slot if base_port is not None else free_port()
 
 
-def _free_port() -> int:
+def free_port(host: str = WORKER_HOST) -> int:
     with socket.socket() as sock:
-        sock.bind((WORKER_HOST, 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

@@ -1,8 +1,9 @@
 """Worker processes of a one-host disaggregated deployment: start pinned, await health, stop.
 
 Each child runs in its own session (Ctrl-C reaches only the launcher, which stops the children
-in order), is pinned to its cores before it executes anything, and gets SIGTERM if the
-launcher dies without cleaning up (Linux parent-death signal).
+in order), is pinned to its cores before it executes anything, and gets SIGTERM (or the
+group's `death_signal`) if the launcher dies without cleaning up (Linux parent-death signal,
+which follows the thread that started the child).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,10 +34,11 @@ class WorkerSpec:
     cores: tuple[int, ...]
     command: tuple[str, ...]
     log_path: Path
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
 class WorkerStartupError(RuntimeError):
@@ -44,16 +46,31 @@ class WorkerStartupError(RuntimeError):
 
 
 class WorkerGroup:
-    def __init__(self, specs: Sequence[WorkerSpec], unset_env: Sequence[str] = ()) -> None:
-        """`unset_env`: variables of this process the workers must not inherit."""
+    def __init__(
+        self,
+        specs: Sequence[WorkerSpec],
+        unset_env: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        death_signal: signal.Signals = signal.SIGTERM,
+    ) -> None:
+        """`unset_env`: variables of this process the workers must not inherit; `env`: ones
+        they get besides, or instead of the group's own (the fleet secret goes here: never in
+        argv, which every local user can read). Workers with no cores are not pinned."""
         self.specs = list(specs)
         self._unset_env = frozenset(unset_env)
+        self._env = dict(env or {})
+        self._death_signal = death_signal
         self._processes: dict[str, subprocess.Popen] = {}
 
     def start(self) -> None:
         inherited = {k: v for k, v in os.environ.items() if k not in self._unset_env}
         for spec in self.specs:
-            env = {**inherited, "OMP_NUM_THREADS": str(len(spec.cores)), "PYTHONUNBUFFERED": "1"}
+            env = {
+                **inherited,
+                "OMP_NUM_THREADS": str(len(spec.cores)),
+                "PYTHONUNBUFFERED": "1",
+                **self._env,
+            }
             with open(spec.log_path, "ab") as log:
                 self._processes[spec.name] = subprocess.Popen(
                     spec.command,
@@ -62,7 +79,7 @@ class WorkerGroup:
                     stderr=subprocess.STDOUT,
                     env=env,
                     start_new_session=True,
-                    preexec_fn=_child_setup(spec.cores),
+                    preexec_fn=_child_setup(spec.cores, self._death_signal),
                 )
 
     def pid(self, name: str) -> int:
@@ -72,6 +89,10 @@ class WorkerGroup:
         """Started and not exited."""
         process = self._processes.get(name)
         return process is not None and process.poll() is None
+
+    def wait(self, name: str) -> int:
+        """Block until the worker exits; its exit code."""
+        return self._processes[name].wait()
 
     def wait_healthy(self, timeout_s: float, poll_s: float = 0.5) -> None:
         """Return once every worker answers ``GET /health`` with 200. Raises
@@ -113,10 +134,11 @@ class WorkerGroup:
                 process.wait()
 
 
-def _child_setup(cores: tuple[int, ...]):
+def _child_setup(cores: tuple[int, ...], death_signal: signal.Signals):
     def setup() -> None:
-        os.sched_setaffinity(0, cores)
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if cores:
+            os.sched_setaffinity(0, cores)
+        _LIBC.prctl(_PR_SET_PDEATHSIG, death_signal)
 
     return setup
 

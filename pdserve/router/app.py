@@ -36,7 +36,7 @@ from pdserve.router.autoscale import AutoscaleConfig
 from pdserve.router.config import RouterConfig, normalize_worker_url
 from pdserve.router.policies import PoolRole
 from pdserve.router.pool import DuplicateWorkerError, Worker, WorkerRegistry
-from pdserve.router.runtime import RouterRuntime
+from pdserve.router.runtime import Discover, RouterRuntime
 from pdserve.router.tokenizer import PromptTokenizer
 
 # What `normalize_worker_url` takes: http(s)://host[:port][/], a port in 0-65535.
@@ -65,8 +65,10 @@ class WorkerRecord(BaseModel):
     id: str
     url: str
     role: Literal["prefill", "decode"]
+    node_id: str | None = Field(description="its node, where a provisioner (a cluster) knows it")
     state: Literal["unknown", "healthy", "unhealthy"]
     draining: bool
+    switching: bool = Field(description="draining to switch role in place")
     num_inflight: int
     num_inflight_prefill_tokens: int
     num_running: int | None
@@ -121,11 +123,12 @@ def build_app(
     tokenizer: PromptTokenizer | None = None,
     provisioner: Provisioner | None = None,
     autoscale: AutoscaleConfig | None = None,
+    discover: Discover | None = None,
 ) -> FastAPI:
     """The app; its lifespan starts and stops the `RouterRuntime` (``app.state.runtime``).
-    `tokenizer` None: prompts are tokenized by a worker's ``POST /tokenize``; `provisioner`
-    and `autoscale` as `RouterRuntime` takes them."""
-    runtime = RouterRuntime(config, tokenizer, provisioner, autoscale)
+    `tokenizer` None: prompts are tokenized by a worker's ``POST /tokenize``; `provisioner`,
+    `autoscale` and `discover` (a cluster's workers) as `RouterRuntime` takes them."""
+    runtime = RouterRuntime(config, tokenizer, provisioner, autoscale, discover)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -232,11 +235,20 @@ def _add_worker_routes(app: FastAPI, runtime: RouterRuntime) -> None:
         responses=answers(
             {201: json_answer(WorkerRecord, "registered; in rotation once healthy")},
             ErrorType.CONFLICT,
+            ErrorType.PERMISSION,
         ),
     )
     async def add_worker(body: WorkerToAdd) -> JSONResponse:
         """The worker is health-checked at once and joins rotation when that passes (201
-        either way)."""
+        either way). A router holding a fleet secret presents it to the worker, so only an
+        operator with the router's API key may add one."""
+        if runtime.config.fleet_secret is not None and runtime.config.api_key is None:
+            raise APIError(
+                ErrorType.PERMISSION,
+                "this deployment's workers share a fleet secret the router would present to "
+                "any URL added here: start the router with --api-key to add workers by URL",
+                param="url",
+            )
         try:
             worker = registry.add(normalize_worker_url(body.url, "url"), PoolRole(body.role))
         except DuplicateWorkerError as exc:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pdserve.cli import add_flags, flag
+from pdserve.launch.fleet import fleet_secret_from_env
 from pdserve.router.autoscale import SLO, AutoscaleConfig
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import POLICY_NAMES
@@ -20,6 +21,7 @@ from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer
 
 if TYPE_CHECKING:
     from pdserve.launch.provision import Provisioner
+    from pdserve.router.runtime import Discover
 
 # Seconds uvicorn lets in-flight streams finish after SIGINT/SIGTERM.
 GRACEFUL_SHUTDOWN_S = 30
@@ -201,7 +203,10 @@ def add_parser(subparsers) -> None:
 
 
 def router_config_from_args(
-    args: argparse.Namespace, prefill_urls: Sequence[str], decode_urls: Sequence[str]
+    args: argparse.Namespace,
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    fleet_secret: str | None = None,
 ) -> RouterConfig:
     """A `RouterConfig` from `ROUTING_FLAGS` plus --host, --port, --api-key and --block-size."""
     return RouterConfig(
@@ -220,6 +225,7 @@ def router_config_from_args(
         health_timeout_s=args.health_check_timeout,
         unhealthy_threshold=args.unhealthy_threshold,
         request_timeout_s=args.request_timeout,
+        fleet_secret=fleet_secret,
     )
 
 
@@ -228,15 +234,16 @@ def serve_router(
     tokenizer: PromptTokenizer | None = None,
     provisioner: Provisioner | None = None,
     autoscale: AutoscaleConfig | None = None,
+    discover: Discover | None = None,
 ) -> None:
-    """Run the router under uvicorn until SIGINT/SIGTERM (`provisioner` and `autoscale` as
-    `router.runtime.RouterRuntime` takes them)."""
+    """Run the router under uvicorn until SIGINT/SIGTERM (`provisioner`, `autoscale` and
+    `discover` as `router.runtime.RouterRuntime` takes them)."""
     import uvicorn
 
     from pdserve.router.app import build_app
 
     uvicorn.run(
-        build_app(config, tokenizer, provisioner, autoscale),
+        build_app(config, tokenizer, provisioner, autoscale, discover),
         host=config.host,
         port=config.port,
         log_level="warning",
@@ -246,7 +253,8 @@ def serve_router(
 
 
 def run(args: argparse.Namespace) -> int:
-    config = router_config_from_args(args, args.prefill, args.decode)
+    # Workers started by hand into a guarded deployment share its $PDSERVE_FLEET_SECRET.
+    config = router_config_from_args(args, args.prefill, args.decode, fleet_secret_from_env())
     tokenizer = None
     if args.tokenizer is not None and config.needs_token_ids:
         tokenizer = LocalTokenizer.load(args.tokenizer)

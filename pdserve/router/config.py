@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from pdserve.core.config import CacheConfig
@@ -31,7 +31,9 @@ class RouterConfig:
 
     `local_prefill_threshold`: prompts whose uncached length (prompt tokens minus the prefix the
     router believes the chosen decode worker has cached) is below it skip the prefill worker.
-    0 sends every prompt through a prefill worker.
+    0 sends every prompt through a prefill worker. `fleet_secret`: the deployment's
+    (`launch.fleet`), presented to the workers on every leg; None for open workers. Without
+    `decode_urls` the workers come from a discovery (`RouterRuntime`'s).
     """
 
     prefill_urls: tuple[str, ...]
@@ -59,6 +61,7 @@ class RouterConfig:
     # Upper bound on one leg (None: no bound; a stream may run as long as it generates).
     request_timeout_s: float | None = None
     max_body_bytes: int = 16 << 20
+    fleet_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -71,8 +74,6 @@ class RouterConfig:
             "decode_urls",
             tuple(normalize_worker_url(u, "--decode") for u in self.decode_urls),
         )
-        if not self.decode_urls:
-            raise ValueError("--decode: at least one decode worker URL is required")
         for name in ("prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICY_NAMES:
                 raise ValueError(
@@ -92,6 +93,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.api_key == "":
             raise ValueError("--api-key must not be empty")
+        if self.fleet_secret == "":
+            raise ValueError("fleet_secret must not be empty")
 
     @property
     def needs_token_ids(self) -> bool:

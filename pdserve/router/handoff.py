@@ -66,8 +66,10 @@ class UnclaimedKV:
     """Sends RELEASE for unclaimed leases in the background (a refused request's answer
     does not wait on it)."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, secret: str | None = None) -> None:
+        """`secret`: the fleet's, which the prefill workers' KV servers ask for."""
         self.timeout_s = timeout_s
+        self._secret = secret
         self._tasks: set[asyncio.Task] = set()
 
     def release(self, kv_transfer_params: dict[str, Any] | None) -> None:
@@ -81,7 +83,7 @@ class UnclaimedKV:
     async def _release(self, data: dict[str, Any]) -> None:
         try:
             params = KVTransferParams.from_dict(data)
-            released = await asyncio.to_thread(release_lease, params, self.timeout_s)
+            released = await asyncio.to_thread(release_lease, params, self.timeout_s, self._secret)
         except (KVTransferError, OSError) as exc:
             logger.warning(
                 "could not release unclaimed KV lease %s: %s", data.get("remote_request_id"), exc

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import math
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import httpx
 
@@ -53,9 +53,11 @@ class HealthMonitor:
         self.unhealthy_threshold = unhealthy_threshold
         self.scrape_roles = frozenset(scrape_roles)
 
-    async def run(self) -> None:
-        """Check every worker, forever, one round per interval."""
+    async def run(self, before_round: Callable[[], object] = lambda: None) -> None:
+        """Check every worker, forever, one round per interval; `before_round` runs first
+        (the runtime's discovery)."""
         while True:
+            before_round()
             await self.check_all()
             await asyncio.sleep(self.interval_s)
 
@@ -76,7 +78,8 @@ class HealthMonitor:
             await self._scrape(worker)
 
     def report_failure(self, worker: Worker, reason: str) -> None:
-        """A request to the worker failed at the connection level: open its circuit now."""
+        """A request to the worker failed at the connection level (or its provisioner saw it
+        die): open its circuit now."""
         self._open(worker, reason)
 
     def _record_failure(self, worker: Worker, reason: str) -> None:

@@ -49,6 +49,8 @@ class Worker:
     num_inflight: int = 0
     num_inflight_prefill_tokens: int = 0
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
+    # Where it runs (a Ray node id), when its provisioner knows; None on one host.
+    node_id: str | None = None
 
     @property
     def is_routable(self) -> bool:
@@ -73,6 +75,7 @@ class Worker:
             "id": self.worker_id,
             "url": self.url,
             "role": self.role.value,
+            "node_id": self.node_id,
             "state": self.state.value,
             "draining": self.is_draining,
             "switching": self.is_switching,
@@ -199,12 +202,19 @@ class WorkerRegistry:
                 return pool.workers[worker_id]
         return None
 
-    def add(self, url: str, role: PoolRole) -> Worker:
-        """Register a worker (out of rotation until its first health check passes)."""
+    def add(
+        self, url: str, role: PoolRole, *, worker_id: str | None = None, node_id: str | None = None
+    ) -> Worker:
+        """Register a worker (out of rotation until its first health check passes), under its
+        provisioner's name `worker_id` if it has one."""
         pool = self.pools[role]
         if any(w.url == url for w in pool):
             raise DuplicateWorkerError(f"url: a {role.value} worker at {url} is already registered")
-        worker = Worker(f"{role.value}-{next(self._next_index[role])}", url, role)
+        if worker_id is None:
+            worker_id = f"{role.value}-{next(self._next_index[role])}"
+        elif self.get(worker_id) is not None:
+            raise DuplicateWorkerError(f"a worker named {worker_id} is already registered")
+        worker = Worker(worker_id, url, role, node_id=node_id)
         pool.add(worker)
         return worker
 

@@ -1,14 +1,19 @@
 """A running router's parts: pools, HTTP client, health monitor, metrics, dispatcher, the fleet
-changes (add, drain, switch) and, with autoscaling, the planner loop."""
+changes (add, drain, switch), the discovery that keeps the pools equal to a provisioner's
+workers (a cluster's) and, with autoscaling, the planner loop."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import httpx
 
+from pdserve.launch.fleet import bearer_headers
+from pdserve.launch.provision import WorkerHandle
 from pdserve.router.autoscale import AutoscaleConfig
 from pdserve.router.autoscaler import Autoscaler, FleetActions
 from pdserve.router.config import RouterConfig
@@ -16,16 +21,20 @@ from pdserve.router.dispatch import Dispatcher
 from pdserve.router.health import HealthMonitor
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import PoolRole, RoundRobin, make_policy
-from pdserve.router.pool import WorkerPool, WorkerRegistry
+from pdserve.router.pool import Worker, WorkerPool, WorkerRegistry
 from pdserve.router.prefix_index import PrefixIndex
 from pdserve.router.tokenizer import PromptTokenizer, RemoteTokenizer
 
 if TYPE_CHECKING:
     from pdserve.launch.provision import Provisioner
 
+logger = logging.getLogger("pdserve.router")
+
 # How long a drained worker's engine may take to empty (its leased KV fetched) before it is
 # stopped or switched anyway: beyond the default KV lease timeout.
 DRAIN_TIMEOUT_S = 60.0
+# Discovery: the workers running now, as their provisioner knows them (`Provisioner.workers`).
+Discover = Callable[[], Sequence[WorkerHandle]]
 
 
 def build_registry(config: RouterConfig) -> WorkerRegistry:
@@ -65,14 +74,22 @@ class RouterRuntime:
         tokenizer: PromptTokenizer | None = None,
         provisioner: Provisioner | None = None,
         autoscale: AutoscaleConfig | None = None,
+        discover: Discover | None = None,
     ) -> None:
         """`tokenizer` None: prompts are tokenized by a worker's ``POST /tokenize``.
         `provisioner`: where new workers come from (None: only workers started elsewhere);
-        `autoscale`: run the planner loop (it needs the provisioner to add workers)."""
+        `autoscale`: run the planner loop (it needs the provisioner to add workers);
+        `discover`: where workers come from besides the configured URLs, read before every
+        health round (`sync_discovered`)."""
+        if not config.decode_urls and discover is None:
+            raise ValueError("--decode: at least one decode worker URL is required")
         self.config = config
         self._tokenizer = tokenizer
         self._provisioner = provisioner
         self.autoscale_config = autoscale
+        self._discover = discover
+        # Provisioner name -> the registry's worker, for those that came from `discover`.
+        self._discovered: dict[str, Worker] = {}
         self.registry = build_registry(config)
         self.metrics = RouterMetrics(self.registry.all_workers)
         self._client: httpx.AsyncClient | None = None
@@ -120,6 +137,9 @@ class RouterRuntime:
                 max_connections=None, max_keepalive_connections=256, keepalive_expiry=4.0
             ),
             trust_env=False,
+            # Every leg, health check and scrape is the fleet's (the client's own
+            # Authorization header is never relayed).
+            headers=bearer_headers(config.fleet_secret),
         )
         scrape = [
             role
@@ -147,8 +167,9 @@ class RouterRuntime:
             self._provisioner,
             idle_timeout_s=DRAIN_TIMEOUT_S,
         )
+        self.sync_discovered()
         await self._health.check_all()
-        self._health_task = asyncio.create_task(self._health.run())
+        self._health_task = asyncio.create_task(self._health.run(self.sync_discovered))
         if self.autoscale_config is not None:
             self.autoscaler = Autoscaler(
                 self.autoscale_config,
@@ -159,6 +180,38 @@ class RouterRuntime:
                 scrape_timeout_s=config.health_timeout_s,
             )
             self.in_background(self.autoscaler.run())
+
+    def sync_discovered(self) -> None:
+        """Make the discovered part of the pools the provisioner's workers: a new one joins
+        under its provisioner's name (in rotation once its first health check passes; one
+        registered by URL already is adopted), one that is gone (its node or actor died, or
+        it was stopped) leaves rotation now and the pool once its in-flight requests have
+        ended (on a dead worker they fail and release it at once)."""
+        if self._discover is None:
+            return
+        handles = {handle.name: handle for handle in self._discover()}
+        for name in sorted(set(self._discovered) - set(handles)):
+            worker = self._discovered.pop(name)
+            if self.registry.is_registered(worker):
+                self.health.report_failure(worker, "gone from its provisioner")
+                self.registry.drain(worker.worker_id)
+        for name in sorted(set(handles) - set(self._discovered)):
+            self._discovered[name] = self._register(handles[name])
+
+    def _register(self, handle: WorkerHandle) -> Worker:
+        known = [w for w in self.registry.all_workers() if w.url == handle.url]
+        if known:
+            known[0].node_id = handle.node_id
+            return known[0]
+        is_free = self.registry.get(handle.name) is None
+        worker = self.registry.add(
+            handle.url,
+            PoolRole(handle.role),
+            worker_id=handle.name if is_free else None,
+            node_id=handle.node_id,
+        )
+        logger.info("discovered %s worker %s at %s", handle.role, worker.worker_id, handle.url)
+        return worker
 
     async def stop(self) -> None:
         if self.autoscaler is not None:

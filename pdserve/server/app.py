@@ -99,6 +99,7 @@ def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
         protected_prefixes=("/v1/", "/role"),
         max_body_bytes=settings.max_body_bytes,
         on_error=on_error,
+        fleet_secret=settings.fleet_secret,
     )
     _add_routes(app, state)
     return app

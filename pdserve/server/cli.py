@@ -70,12 +70,15 @@ def run_server(args: argparse.Namespace) -> int:
     """Serve one engine (`--mode colocated` or `chunked`) until SIGINT/SIGTERM."""
     from pdserve.engine.args import engine_config_from_args
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.launch.fleet import take_fleet_secret
     from pdserve.server.app import create_app
 
-    llm_engine = LLMEngine(engine_config_from_args(args))
+    fleet_secret = take_fleet_secret()
+    llm_engine = LLMEngine(engine_config_from_args(args, fleet_secret))
     settings = ServerSettings(
         served_model_names=tuple(args.served_model_name or (llm_engine.model_name,)),
         api_key=args.api_key,
+        fleet_secret=fleet_secret,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         shutdown_grace_s=args.shutdown_grace,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.async_engine import DEFAULT_HEALTH_TIMEOUT_S, DEFAULT_MAX_QUEUE
 
@@ -10,10 +10,12 @@ from pdserve.engine.async_engine import DEFAULT_HEALTH_TIMEOUT_S, DEFAULT_MAX_QU
 @dataclass(frozen=True)
 class ServerSettings:
     """`served_model_names[0]` is reported by /v1/models and in responses; requests may name
-    any of them. `api_key` None disables authentication."""
+    any of them. `api_key` None disables authentication. `fleet_secret`: this server is a
+    deployment's worker and answers only its fleet (`launch.fleet`), whatever `api_key` says."""
 
     served_model_names: tuple[str, ...]
     api_key: str | None = None
+    fleet_secret: str | None = field(default=None, repr=False)
     max_queue: int = DEFAULT_MAX_QUEUE
     max_body_bytes: int = 4 * 2**20
     # On SIGTERM, in-flight requests get this long to finish before they are aborted.

@@ -15,7 +15,7 @@ from pdserve.engine.args import (
     KV_TRANSFER_FLAGS,
     engine_config_from_args,
 )
-from pdserve.launch.cli import DISAGG_FLAGS, PER_WORKER_FLAGS, WORKER_FLAGS
+from pdserve.launch.cli import CLUSTER_FLAGS, DISAGG_FLAGS, PER_WORKER_FLAGS, WORKER_FLAGS
 from pdserve.launch.local import plan_workers
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTER_FLAGS, ROUTING_FLAGS
 from pdserve.router.cli import add_parser as add_router_parser
@@ -28,6 +28,7 @@ GROUPS = (
     "KV transfer (disaggregated workers)",
     "shared KV store",
     "disaggregation (--mode disagg)",
+    "cluster (--mode disagg)",
     "routing (--mode disagg)",
     "autoscaling (--mode disagg)",
 )
@@ -57,6 +58,7 @@ def test_serve_help_is_grouped_and_lists_each_flag_once():
         KV_TRANSFER_FLAGS,
         KV_STORE_FLAGS,
         DISAGG_FLAGS,
+        CLUSTER_FLAGS,
         ROUTING_FLAGS,
         AUTOSCALE_FLAGS,
     )
@@ -149,7 +151,9 @@ def test_workers_take_the_engine_kv_and_server_limit_flags_and_nothing_else():
     assert len(names) == len(set(names))
     for flags in (ENGINE_FLAGS, KV_TRANSFER_FLAGS, KV_STORE_FLAGS, SERVER_FLAGS):
         assert {f.name for f in flags} <= set(names) | PER_WORKER_FLAGS
-    assert not {f.name for f in (*DISAGG_FLAGS, *ROUTING_FLAGS, *AUTOSCALE_FLAGS)} & set(names)
+    assert not {
+        f.name for f in (*DISAGG_FLAGS, *CLUSTER_FLAGS, *ROUTING_FLAGS, *AUTOSCALE_FLAGS)
+    } & set(names)
 
 
 # Every worker flag at a value other than its default, and the launcher's own.
@@ -163,6 +167,7 @@ EVERY_WORKER_FLAG = [
     *("--kv-cache-memory-gb", "2.5", "--no-prefix-caching", "--max-model-len", "1000"),
     *("--seed", "7", "--kv-transport", "tcp", "--kv-host", "0.0.0.0", "--kv-port", "5555"),
     *("--kv-advertise-host", "h", "--kv-lease-timeout", "3", "--kv-transfer-timeout", "4"),
+    *("--kv-node-id", "node-1"),
     *("--kv-failure-policy", "fail", "--kv-store", "redis://:pw@cache:6379/2"),
     *("--kv-store-max-gb", "0.5", "--kv-store-namespace", "team-a"),
 ]

@@ -42,6 +42,7 @@ def build_stub(role: str, port: int, fail_status: int | None, host: str = "127.0
                 "body": body,
                 "port": port,
                 "request_id": request.headers.get("x-request-id"),
+                "authorization": request.headers.get("authorization"),
                 **extra,
             }
         )
