@@ -8,9 +8,10 @@ printed (and written as markdown with `--out`):
 1. each shipped calibration: its factors, band, and the residual of every fitting point;
 2. each measured link: latency and efficiency fitted to its source, residual per point,
    against the catalog (`pdserve/sim/network.py`);
-3. leave one source out: each calibration, fitted to TensorRT-LLM's tables alone, predicts
-   a source it never saw: Vidur's kernel-level linear-layer times (same GPU, bf16) and, on
-   H100, NVIDIA NIM's served Llama-3.3-70B latencies (closed-loop concurrency, simulated);
+3. held-out sources: each calibration, fitted to its own sources (TensorRT-LLM's tables; on
+   H100 Vidur's too), predicts one it never saw: on A100, Vidur's kernel-level linear-layer
+   times (same GPU, bf16); on H100, NVIDIA NIM's served Llama-3.3-70B latencies (closed-loop
+   concurrency, simulated);
 4. with `--cpu-from DIR` (the output of `benchmarks/sim_accuracy.py --profile`): this
    machine's pdserve server calibrated from outside (profile) against from its step logs,
    the same sim_accuracy figures from both.
@@ -87,7 +88,7 @@ yours. Any OpenAI-compatible server can be measured from outside:
         [--max-num-batched-tokens B] --output mine.json
     pdserve plan --calibration mine.json ...
 
-The profile times single prompts across lengths at no load (16 to 16k tokens, capped by the
+The profile times single prompts across lengths at no load (128 to 16k tokens, capped by the
 server's context; `--input-len` sets the longest) and the inter-token latency of 1 to 32
 streams decoding together at 128, 1,024 and 4,096 tokens of context, each point three times
 (`--num-prompts`), and the fit reports its error per point. `--max-num-batched-tokens` is

@@ -44,7 +44,7 @@ from typing import Any
 
 from pdserve.launch.cli import worker_argv
 from pdserve.launch.fleet import FLEET_SECRET_ENV, deployment_secret
-from pdserve.launch.local import free_port, run_deployment, step_log_flags
+from pdserve.launch.local import free_port, initial_roles, run_deployment, step_log_flags
 from pdserve.launch.provision import WorkerHandle
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
 from pdserve.router.cli import autoscale_config_from_args, router_config_from_args
@@ -484,8 +484,7 @@ def connect(address: str, namespace: str) -> None:
 def launch_on_ray(args: argparse.Namespace) -> int:
     """Run the deployment on the cluster until SIGINT/SIGTERM; 0 after a clean stop, 1 if
     its workers could not start."""
-    if args.prefill_workers < 0 or args.decode_workers < 1:
-        raise ValueError("--decode-workers must be >= 1 and --prefill-workers >= 0")
+    roles = initial_roles(args)  # within the --autoscale bounds
     address = ray_address(args.cluster)
     secret = None if args.worker_auth is False else deployment_secret()
     plan = plan_from_args(args, secret)
@@ -496,7 +495,7 @@ def launch_on_ray(args: argparse.Namespace) -> int:
     provisioner = RayProvisioner(plan)
 
     def start() -> None:
-        for handle in provisioner.start(args.prefill_workers, args.decode_workers):
+        for handle in provisioner.start(roles.count("prefill"), roles.count("decode")):
             print(
                 f"pdserve disagg: {handle.name} on {handle.url}, Ray node {handle.node_id}, "
                 f"log {provisioner.log_path(handle.name)} (on that node)",

@@ -79,7 +79,14 @@ class FleetActions:
         if self.provisioner is None:
             raise RuntimeError("no provisioner: workers are started elsewhere")
         handle = await asyncio.to_thread(self.provisioner.start_worker, role.value)
-        worker = self.registry.add(handle.url, role)
+        # Where the router discovers the provisioner's workers, it may have registered this
+        # one already, under its provisioner's name.
+        worker = self.registry.by_url(handle.url) or self.registry.add(
+            handle.url,
+            role,
+            worker_id=handle.name if self.registry.get(handle.name) is None else None,
+            node_id=handle.node_id,
+        )
         await self.health.check(worker)
         logger.info("added %s (%s, %s)", worker.worker_id, handle.name, handle.url)
         return worker

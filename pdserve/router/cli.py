@@ -121,7 +121,7 @@ AUTOSCALE_FLAGS = (
         type=float,
         default=AutoscaleConfig.grace_s,
         metavar="SECONDS",
-        help="no further change this long after adding a worker",
+        help="no further change this long after adding a worker or switching one",
     ),
     flag(
         "--no-role-switch",

@@ -202,6 +202,9 @@ class WorkerRegistry:
                 return pool.workers[worker_id]
         return None
 
+    def by_url(self, url: str) -> Worker | None:
+        return next((w for w in self.all_workers() if w.url == url), None)
+
     def add(
         self, url: str, role: PoolRole, *, worker_id: str | None = None, node_id: str | None = None
     ) -> Worker:
@@ -211,7 +214,12 @@ class WorkerRegistry:
         if any(w.url == url for w in pool):
             raise DuplicateWorkerError(f"url: a {role.value} worker at {url} is already registered")
         if worker_id is None:
-            worker_id = f"{role.value}-{next(self._next_index[role])}"
+            # Skip names a provisioner gave (discovered workers keep theirs).
+            worker_id = next(
+                name
+                for name in (f"{role.value}-{i}" for i in self._next_index[role])
+                if self.get(name) is None
+            )
         elif self.get(worker_id) is not None:
             raise DuplicateWorkerError(f"a worker named {worker_id} is already registered")
         worker = Worker(worker_id, url, role, node_id=node_id)
@@ -237,7 +245,7 @@ class WorkerRegistry:
         """A drained worker that now serves as `role` leaves its pool and joins the other
         under a new id, in the health state it had."""
         self.pools[worker.role].remove(worker.worker_id)
-        moved = self.add(worker.url, role)
+        moved = self.add(worker.url, role, node_id=worker.node_id)
         moved.state = worker.state
         return moved
 

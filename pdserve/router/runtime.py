@@ -88,8 +88,9 @@ class RouterRuntime:
         self._provisioner = provisioner
         self.autoscale_config = autoscale
         self._discover = discover
-        # Provisioner name -> the registry's worker, for those that came from `discover`.
-        self._discovered: dict[str, Worker] = {}
+        # Provisioner name -> the URL of its worker, for those that came from `discover` (the
+        # URL, not the record: a role switch moves a worker to a new record).
+        self._discovered: dict[str, str] = {}
         self.registry = build_registry(config)
         self.metrics = RouterMetrics(self.registry.all_workers)
         self._client: httpx.AsyncClient | None = None
@@ -191,18 +192,18 @@ class RouterRuntime:
             return
         handles = {handle.name: handle for handle in self._discover()}
         for name in sorted(set(self._discovered) - set(handles)):
-            worker = self._discovered.pop(name)
-            if self.registry.is_registered(worker):
+            worker = self.registry.by_url(self._discovered.pop(name))
+            if worker is not None:
                 self.health.report_failure(worker, "gone from its provisioner")
                 self.registry.drain(worker.worker_id)
         for name in sorted(set(handles) - set(self._discovered)):
-            self._discovered[name] = self._register(handles[name])
+            self._discovered[name] = self._register(handles[name]).url
 
     def _register(self, handle: WorkerHandle) -> Worker:
-        known = [w for w in self.registry.all_workers() if w.url == handle.url]
-        if known:
-            known[0].node_id = handle.node_id
-            return known[0]
+        known = self.registry.by_url(handle.url)
+        if known is not None:
+            known.node_id = handle.node_id
+            return known
         is_free = self.registry.get(handle.name) is None
         worker = self.registry.add(
             handle.url,

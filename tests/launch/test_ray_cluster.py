@@ -13,6 +13,7 @@ restores the pool on the spare node and leaks no KV blocks on the survivors.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import re
@@ -282,3 +283,62 @@ def _pid_listening_on(port: int) -> int:
             ):
                 return int(entry.name)
     raise LookupError(f"no pdserve worker process listens on port {port}")
+
+
+# ---- autoscaling on the cluster ---------------------------------------------------------------
+
+
+def test_the_autoscaler_grows_the_decode_pool_onto_another_ray_node(tmp_path):
+    """`--autoscale` with the Ray placement: a burst of long generations queues on the one
+    decode worker (two sequences at a time), the planner asks the Ray provisioner for a
+    second, Ray places it on the other decode node, and the router routes to both."""
+    from tests.router.test_autoscale_live import burst, text_of
+    from tests.server.conftest import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny-model")
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**NODE_ARGS, "num_cpus": 0, "include_dashboard": False},
+    )
+    launcher = None
+    try:
+        nodes = [cluster.add_node(**NODE_ARGS, resources={"pdserve_decode": 1}) for _ in "ab"]
+        port = free_port()
+        launcher = ManagedProcess(
+            serve_argv(
+                *("--mode", "disagg", "--cluster", "ray", "--port", str(port)),
+                *("--model", str(model), "--max-model-len", "1024"),
+                *("--prefill-workers", "0", "--decode-workers", "1"),
+                *("--decode-worker-resources", json.dumps(DECODE_RESOURCES)),
+                *("--autoscale", "--autoscale-interval", "0.5", "--autoscale-grace", "2"),
+                *("--max-prefill-workers", "0", "--max-decode-workers", "2"),
+                *("--slo", "ttft:60000,itl:100000", "--worker-args", "--max-num-seqs 2"),
+                *("--health-check-interval", "0.5", "--worker-log-dir", str(tmp_path / "w")),
+            ),
+            tmp_path / "launcher.log",
+            env={"RAY_ADDRESS": cluster.address, "RAY_USAGE_STATS_ENABLED": "0"},
+        )
+        url = f"http://127.0.0.1:{port}"
+        launcher.wait_healthy(f"{url}/health", STARTUP_TIMEOUT_S)
+
+        def decode_workers() -> list[dict[str, Any]]:
+            listing = httpx.get(f"{url}/workers", trust_env=False, timeout=30).json()["workers"]
+            return [w for w in listing if w["role"] == "decode" and w["state"] == "healthy"]
+
+        prompts = [text_of(20, i) for i in range(10)]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(burst, url, prompts, 400, 10)
+            wait_until(lambda: len(decode_workers()) == 2, 600, "a second decode worker")
+            assert all(text for text, _ in first.result())
+        state = httpx.get(f"{url}/autoscale", trust_env=False, timeout=30).json()
+        first_decision = state["decisions"][0]
+        assert (first_decision["action"], first_decision["role"]) == ("add", "decode")
+        placed = {w["node_id"] for w in decode_workers()}
+        assert placed == {node.node_id for node in nodes}  # one on each decode node
+        later = burst(url, prompts[:4], 16, 4)
+        assert len({timing["decode_worker"] for _, timing in later}) == 2
+    finally:
+        if launcher is not None:
+            launcher.stop(timeout=90)
+        cluster.shutdown()
+    assert launcher.process.returncode == 0, launcher.log_tail()
