@@ -81,11 +81,23 @@ def median_seconds(run: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def redis_benchmark_gbps(port: int, value: bytes, num_requests: int) -> float | None:
-    """Bandwidth of redis-benchmark's GET of `value`, or None without redis-benchmark."""
+def redis_benchmark_gbps(url: str, value: bytes, num_requests: int) -> float | None:
+    """Bandwidth of redis-benchmark's GET of `value` from the server at `url`, or None
+    without redis-benchmark."""
     key = "key:__rand_int__"  # the key redis-benchmark's GET reads (no -r)
-    redis.Redis(port=port).set(key, value)
-    command = ["redis-benchmark", "-p", str(port), "-t", "get", "-c", "1", "-P", "1"]
+    client = redis.Redis.from_url(url)
+    client.set(key, value)
+    where = client.connection_pool.connection_kwargs
+    client.close()
+    if "path" in where:
+        command = ["redis-benchmark", "-s", where["path"]]
+    else:
+        command = ["redis-benchmark", "-h", where["host"], "-p", str(where["port"])]
+    if where.get("username"):
+        command += ["--user", where["username"]]
+    if where.get("password"):
+        command += ["-a", where["password"]]
+    command += ["--dbnum", str(where.get("db", 0)), "-t", "get", "-c", "1", "-P", "1"]
     command += ["-n", str(num_requests), "--csv", "-q"]
     try:
         out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
@@ -306,8 +318,7 @@ def measure(url: str, num_blocks: int, repeats: int, work_dir: str) -> dict:
         assert np.array_equal(source, dest)
         value = client.get(keys[0])
         client.close()
-        port = int(url.rsplit(":", 1)[1].split("/")[0])
-        benchmark_gbps = redis_benchmark_gbps(port, value, 20 * num_blocks)
+        benchmark_gbps = redis_benchmark_gbps(url, value, 20 * num_blocks)
     finally:
         store.close()
         local.close()
@@ -323,7 +334,10 @@ def measure(url: str, num_blocks: int, repeats: int, work_dir: str) -> dict:
             gbps["read_path"] / benchmark_gbps if benchmark_gbps else None
         ),
     }
-    figures["meets_targets"] = figures["read_path_vs_redis_py_get"] >= TARGET_RATIO
+    # The target is against raw GETs (redis-benchmark's C client); redis-py's where it is
+    # not installed.
+    figures["target_baseline"] = "redis_benchmark_get" if benchmark_gbps else "redis_py_get"
+    figures["meets_targets"] = figures[f"read_path_vs_{figures['target_baseline']}"] >= TARGET_RATIO
     return figures
 
 
@@ -336,12 +350,16 @@ def print_report(figures: dict) -> None:
         shown = "n/a (no redis-benchmark)" if value is None else f"{value:6.2f} GB/s"
         print(f"  {name:<22} {shown}")
     print(f"  {'lookup (one trip)':<22} {figures['lookup_ms']:6.2f} ms")
-    ratio = figures["read_path_vs_redis_py_get"]
-    verdict = "meets" if ratio >= TARGET_RATIO else "misses"
-    print(f"read path / redis-py GET: {ratio:.2f} ({verdict} the {TARGET_RATIO:.0%} target)")
-    c_ratio = figures["read_path_vs_redis_benchmark_get"]
-    if c_ratio is not None:
-        print(f"read path / redis-benchmark GET: {c_ratio:.2f}")
+    baselines = {"redis_benchmark_get": "redis-benchmark GET", "redis_py_get": "redis-py GET"}
+    for baseline, name in baselines.items():
+        ratio = figures[f"read_path_vs_{baseline}"]
+        if ratio is None:
+            continue
+        verdict = ""
+        if baseline == figures["target_baseline"]:
+            met = "meets" if ratio >= TARGET_RATIO else "misses"
+            verdict = f" ({met} the {TARGET_RATIO:.0%} target)"
+        print(f"read path / {name}: {ratio:.2f}{verdict}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 1. Calibrate on a separate run, so nothing is fitted to the answer: `pdserve bench compare`
    on the same kind of workload at another seed, every server logging its engine steps
-   (`--step-log`); `pdserve simulate calibrate --steps` fits 2-thread hardware to the
-   colocated and chunked servers' steps and 1-thread hardware to the disaggregated workers'.
+   (`--step-log`); `pdserve simulate calibrate --steps` fits 1-thread hardware to the servers'
+   and workers' steps (each runs one compute thread, the engine's default).
    Served steps carry what a scripted measurement misses: the HTTP server and the benchmark
    client sharing the two cores with the engine's threads.
 2. Measure: `pdserve bench compare` on the workload and seed (all three modes, real servers).
@@ -13,9 +13,9 @@
    The measurement is repeated (`--repeats`, same workload and seed) and the prediction judged
    against the mean: tail figures of one run on a 2-vCPU VM move 20-30% between repeats.
 5. With `--profile`, the servers are also calibrated from outside, as any server could be:
-   `pdserve bench --workload profile` against a chunked `pdserve serve` on two threads and on
-   one, `pdserve simulate calibrate --bench`; and from the step log that same server wrote
-   during its profile (inside: same server, same minutes). Every mode is predicted again with
+   `pdserve bench --workload profile` against a chunked `pdserve serve` on one thread,
+   `pdserve simulate calibrate --bench`; and from the step log that same server wrote during
+   its profile (inside: same server, same minutes). Every mode is predicted again with
    both, written beside the first predictions (profile_vs_steps.json, read by
    benchmarks/gpu_calibration.py --cpu-from DIR).
 
@@ -42,14 +42,15 @@ FIGURES = (
     ("ITL p99", "p99_itl_ms"),
 )
 TARGET = 0.15
-# Each mode's server as the simulator sees it, and the cores (threads) of each worker: the
-# colocated/chunked server uses both cores, each disaggregated worker one.
+# Each mode's server as the simulator sees it, and the compute threads of each server or
+# worker: one everywhere, the engine's default (README "CPU speed"); the other core serves
+# HTTP, the benchmark client or the other worker.
 LAYOUTS = {
     "colocated": ["--mode", "colocated"],
     "chunked": ["--mode", "chunked"],
     "disagg": ["--mode", "disagg", "--prefill-workers", "1", "--decode-workers", "1"],
 }
-THREADS = {"colocated": 2, "chunked": 2, "disagg": 1}
+THREADS = {"colocated": 1, "chunked": 1, "disagg": 1}
 # The calibration run's workload seed is the measured run's plus this: other prompts, other
 # arrival times.
 CALIBRATION_SEED = 1000
