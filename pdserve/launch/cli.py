@@ -123,6 +123,11 @@ def run(args: argparse.Namespace) -> int:
         if args.cluster is not None:
             raise ValueError("--cluster places the workers of --mode disagg")
         return run_server(args)
+    if args.cluster is None:
+        for name in ("prefill_worker_resources", "decode_worker_resources", "placement_strategy"):
+            if getattr(args, name) is not None:
+                flag_name = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag_name} places workers on a cluster: give --cluster too")
     # The deployment's modules only when it is one (Ray only when asked for).
     if args.cluster is not None:
         from pdserve.launch.ray_cluster import launch_on_ray

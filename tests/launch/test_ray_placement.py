@@ -86,3 +86,18 @@ def test_cluster_is_for_disaggregated_serving():
 
     with pytest.raises(ValueError, match="--cluster places the workers of --mode disagg"):
         run(serve_parser().parse_args(["--mode", "chunked", "--cluster", "ray"]))
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--decode-worker-resources", '{"GPU": 1}'],
+        ["--prefill-worker-resources", '{"CPU": 2}'],
+        ["--placement-strategy", "spread"],
+    ],
+)
+def test_placement_flags_without_a_cluster_are_refused(flags):
+    from pdserve.launch.cli import run
+
+    with pytest.raises(ValueError, match=f"{flags[0]} places workers on a cluster"):
+        run(serve_parser().parse_args(["--mode", "disagg", *flags]))
