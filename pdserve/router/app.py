@@ -298,7 +298,8 @@ def _add_worker_routes(app: FastAPI, runtime: RouterRuntime) -> None:
         for its in-flight requests (and the KV it leases) to finish, have it switch
         (``POST /role`` on the worker), then route to it as a worker of `role`, under a new
         id. Answers the new record and the seconds each stage took; 409 when the switch is
-        not possible (same role, the last decode worker, still busy after `timeout_s`)."""
+        not possible (same role, not healthy, the last decode worker, still busy after
+        `timeout_s`)."""
         worker = _worker(registry, worker_id)
         result = await runtime.actions.switch(worker, PoolRole(body.role), body.timeout_s)
         return JSONResponse(result)

@@ -31,7 +31,7 @@ from pdserve.router.autoscale import (
 from pdserve.router.health import HealthMonitor, parse_histogram, parse_total, parse_worker_load
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import PoolRole
-from pdserve.router.pool import Worker, WorkerRegistry
+from pdserve.router.pool import Worker, WorkerRegistry, WorkerState
 
 if TYPE_CHECKING:
     from pdserve.launch.provision import Provisioner
@@ -169,6 +169,8 @@ class FleetActions:
             problem = f"worker {worker.worker_id} is a {role.value} worker already"
         elif worker.is_draining:
             problem = f"worker {worker.worker_id} is draining"
+        elif worker.state is not WorkerState.HEALTHY:
+            problem = f"worker {worker.worker_id} is {worker.state.value}: no switch until healthy"
         elif worker.role is PoolRole.DECODE and not [
             w for w in self.registry.decode.routable() if w is not worker
         ]:

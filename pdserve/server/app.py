@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from pdserve.api.asgi import install_front_door
-from pdserve.api.errors import APIError, ErrorType, invalid
+from pdserve.api.errors import APIError, ErrorType
 from pdserve.api.openapi import GENERATION_ERRORS, answers, generation_route, json_answer
 from pdserve.api.protocol import (
     CHAT_COMPLETIONS,
@@ -102,6 +102,8 @@ def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
         fleet_secret=settings.fleet_secret,
     )
     _add_routes(app, state)
+    if llm_engine.config.kv_transfer is not None:  # a disaggregated worker (--role)
+        _add_role_route(app, state)
     return app
 
 
@@ -166,14 +168,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         """Prometheus text exposition."""
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_role_route(app: FastAPI, state: ServerState) -> None:
     @app.post(
         "/role",
         response_model=None,
-        responses=answers(
-            {200: json_answer(RoleSwitched, "switched")},
-            ErrorType.INVALID_REQUEST,
-            ErrorType.CONFLICT,
-        ),
+        responses=answers({200: json_answer(RoleSwitched, "switched")}, ErrorType.CONFLICT),
     )
     async def switch_role(body: RoleChange) -> dict:
         """Serve as a prefill or a decode worker from now on, without reloading anything:
@@ -195,8 +195,6 @@ async def _switch_role(engine: AsyncLLMEngine, body: RoleChange) -> dict:
 
     try:
         (previous, switch_s), drain_s = await engine.run_when_idle(switch, body.timeout_s)
-    except ValueError as exc:
-        raise invalid("role", str(exc)) from exc
     except (TimeoutError, RuntimeError) as exc:
         raise APIError(ErrorType.CONFLICT, f"role switch refused: {exc}", code="busy") from exc
     logger.info(

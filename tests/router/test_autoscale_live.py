@@ -15,7 +15,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -86,6 +86,32 @@ def burst(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> li
         return list(pool.map(lambda p: complete(url, p, max_tokens), prompts))
 
 
+@contextlib.contextmanager
+def keep_sending(
+    url: str, request: Callable[[int], tuple[str, int]], concurrency: int
+) -> Iterator[list[tuple]]:
+    """Greedy completions (`request(i)`: prompt and max_tokens) sent back to back by
+    `concurrency` clients while the block runs; yields their results as they complete."""
+    results: list[tuple] = []
+    stop = threading.Event()
+    counter = itertools.count()
+
+    def client() -> None:
+        while not stop.is_set():
+            results.append(complete(url, *request(next(counter))))
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield results
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=300)
+    assert results
+
+
 def autoscale_state(server: Disagg) -> dict:
     return httpx.get(f"{server.url}/autoscale", trust_env=False, timeout=30).json()
 
@@ -141,10 +167,10 @@ def test_a_burst_of_long_prompts_grows_the_prefill_pool_and_quiet_shrinks_it(tmp
         *("--prefill-workers", "0", "--decode-workers", "1", "--max-prefill-workers", "1"),
         *("--max-decode-workers", "1", "--slo", "ttft:1,itl:100000"),
     ) as server:
-        prompts = [text_of(600, i) for i in range(12)]
-        for _, timing in burst(server.url, prompts, 2, concurrency=3):
-            assert timing["route"] == "local"
-        wait_for(server, "a prefill worker", lambda: pool_sizes(server)["prefill"] == 1)
+        # Bursts until the planner acts: a fast CPU prefills a burst within one interval.
+        with keep_sending(server.url, lambda i: (text_of(600, i), 2), concurrency=3) as sent:
+            wait_for(server, "a prefill worker", lambda: pool_sizes(server)["prefill"] == 1)
+        assert sent[0][1]["route"] == "local"
         assert decisions(server)[0] == ("add", "prefill", "ttft")
         # Long prompts now go through it...
         _, timing = complete(server.url, text_of(600, 99), 2)
