@@ -225,6 +225,11 @@ def bench_run(name: str, args, bandwidth: float, hf_folder: Path | None, referen
     return row
 
 
+def _cell(value: float | None, width: int, digits: int) -> str:
+    """`value` right-aligned, or "-" where it was not measured."""
+    return f"{'-' if value is None else f'{value:.{digits}f}':>{width}}"
+
+
 def print_table(result: dict) -> None:
     print(
         f"\nCPU flags: {' '.join(result['cpu_isa_flags']) or '-'}; read bandwidth "
@@ -244,9 +249,10 @@ def print_table(result: dict) -> None:
         for length, p in r["prefill"].items():
             hf = p["transformers_tokens_per_s"]
             peer = lc.get("prefill_tokens_per_s", {}).get(str(length))
+            ratio = p["pdserve_tokens_per_s"] / hf if hf else None
             print(
-                f"{length:>14} {p['pdserve_tokens_per_s']:>14.0f} {hf or 0:>13.0f} "
-                f"{p['pdserve_tokens_per_s'] / hf if hf else 0:>5.2f}x {peer or 0:>10.0f}"
+                f"{length:>14} {p['pdserve_tokens_per_s']:>14.0f} {_cell(hf, 13, 0)} "
+                f"{_cell(ratio, 5, 2)}x {_cell(peer, 10, 0)}"
             )
         c = r["chunked_prefill"]
         print(
@@ -261,8 +267,8 @@ def print_table(result: dict) -> None:
             peer = lc.get("decode_step_ms") if int(batch) == 1 else None
             print(
                 f"{batch:>14} {d['pdserve_step_ms']:>14.1f} "
-                f"{d['transformers_step_ms'] or 0:>13.1f} {d['floor_ms']:>9.1f} "
-                f"{d['x_floor']:>7.2f}x {peer or 0:>10.1f}"
+                f"{_cell(d['transformers_step_ms'], 13, 1)} {d['floor_ms']:>9.1f} "
+                f"{d['x_floor']:>7.2f}x {_cell(peer, 10, 1)}"
             )
         if "quality" in r:
             q = r["quality"]
