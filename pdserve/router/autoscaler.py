@@ -82,10 +82,7 @@ class FleetActions:
         # Where the router discovers the provisioner's workers, it may have registered this
         # one already, under its provisioner's name.
         worker = self.registry.by_url(handle.url) or self.registry.add(
-            handle.url,
-            role,
-            worker_id=handle.name if self.registry.get(handle.name) is None else None,
-            node_id=handle.node_id,
+            handle.url, role, node_id=handle.node_id
         )
         await self.health.check(worker)
         logger.info("added %s (%s, %s)", worker.worker_id, handle.name, handle.url)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -95,10 +96,12 @@ def test_request_rules_are_in_the_document(documents):
     assert "kv_transfer_params" not in schemas["CompletionRequest"]["properties"]
 
 
-def run_schemathesis(url: str, workdir: Path) -> str:
-    """`schemathesis run` against `url`; its whole output, asserted free of failures."""
+def run_schemathesis(url: str, workdir: Path, kept_workers: Sequence[str] = ()) -> str:
+    """`schemathesis run` against `url` (never draining or switching `kept_workers`); its
+    whole output, asserted free of failures."""
     env = {
         **os.environ,
+        "PDSERVE_TEST_KEPT_WORKERS": ",".join(kept_workers),
         "SCHEMATHESIS_HOOKS": "tests.server.schemathesis_hooks",
         "PYTHONPATH": str(REPO_ROOT),
         # A chat template adds ~40 tokens; each prompt byte is at most one token.
@@ -171,10 +174,10 @@ def test_schemathesis_finds_nothing_on_the_disaggregated_router(tmp_path, tiny_m
     try:
         router.wait_healthy()
         listing = httpx.get(f"{router.url}/workers", headers=AUTH, trust_env=False).json()
-        # Read first: the run registers workers and drains them, the launcher's too (by the ids
-        # GET /workers lists); a drained worker leaves rotation, its process keeps running.
+        # The run registers workers and drains them; the launcher's are kept out of its drains
+        # and role switches (a drained worker the launcher started is stopped).
         urls = [w["url"] for w in listing["workers"]]
-        run_schemathesis(router.url, tmp_path)
+        run_schemathesis(router.url, tmp_path, [w["id"] for w in listing["workers"]])
         assert_no_blocks_held(urls)
         successes = [metric_values(url)["pdserve:request_success_total"] for url in urls]
     finally:
