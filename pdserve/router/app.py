@@ -250,7 +250,14 @@ def _add_worker_routes(app: FastAPI, runtime: RouterRuntime) -> None:
                 param="url",
             )
         try:
-            worker = registry.add(normalize_worker_url(body.url, "url"), PoolRole(body.role))
+            url = normalize_worker_url(body.url, "url")
+            known = registry.by_url(url)
+            if known is not None:  # a worker serves one pool
+                raise DuplicateWorkerError(
+                    f"url: {url} is registered already, as {known.role.value} worker "
+                    f"{known.worker_id}"
+                )
+            worker = registry.add(url, PoolRole(body.role))
         except DuplicateWorkerError as exc:
             raise APIError(ErrorType.CONFLICT, str(exc), param="url") from exc
         except ValueError as exc:

@@ -166,6 +166,8 @@ class FleetActions:
             problem = f"worker {worker.worker_id} is a {role.value} worker already"
         elif worker.is_draining:
             problem = f"worker {worker.worker_id} is draining"
+        elif any(w.url == worker.url for w in self.registry.pools[role]):
+            problem = f"{worker.url} is in the {role.value} pool already"
         elif worker.state is not WorkerState.HEALTHY:
             problem = f"worker {worker.worker_id} is {worker.state.value}: no switch until healthy"
         elif worker.role is PoolRole.DECODE and not [
