@@ -16,6 +16,11 @@ slot, never a half value. Slots are used in order up to `num_allocated` (their p
 reserved with `posix_fallocate` first, so a full /dev/shm is a failed write, not a SIGBUS);
 after that a write reuses the least recently used slot. Values only ever fill whole slots of
 one size, because one segment holds one layout's blocks.
+
+Trust: a segment holds users' prompts in another form, and its blocks are used as computed
+KV. It is created 0600 (`O_EXCL`, under a temporary name), opened with `O_NOFOLLOW`, and
+refused unless it is a regular file owned by this user that no one else can read or write:
+another local user who could guess its name must not pre-create it to read or plant KV.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import hashlib
 import logging
 import mmap
 import os
+import pwd
+import stat
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
@@ -202,7 +209,7 @@ def _open_segment(path: str, slot_bytes: int, num_slots: int) -> int:
     name, then linked into place) or replacing one of another slot size or version."""
     for _ in range(3):
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = _open_trusted(path)
         except FileNotFoundError:
             fd = _create_segment(path, slot_bytes, num_slots)
             if fd is not None:
@@ -230,11 +237,48 @@ def _open_segment(path: str, slot_bytes: int, num_slots: int) -> int:
     raise StoreUnavailable(ErrorKind.CONNECTION, f"cannot open the local KV store {path}")
 
 
+_REMEDY = (
+    "another user may have planted it to read prompts or plant KV: remove it, "
+    "or give --kv-store local:DIR a directory only you can write"
+)
+
+
+def _open_trusted(path: str) -> int:
+    """`path` opened read-write if it is a regular file of this user's that no one else may
+    read or write; PermissionError (naming the file, its owner and mode) if not."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise PermissionError(
+            f"refusing the local KV store {path}: it is a symbolic link "
+            f"(to {os.readlink(path)!r}); {_REMEDY}"
+        ) from None
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o077:
+        return fd
+    os.close(fd)
+    raise PermissionError(
+        f"refusing the local KV store {path}: owned by {_user(info.st_uid)} with mode "
+        f"{stat.filemode(info.st_mode)} ({stat.S_IMODE(info.st_mode):04o}); it must be a "
+        f"regular file owned by {_user(os.geteuid())} that no one else can read or write; "
+        f"{_REMEDY}"
+    )
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
 def _create_segment(path: str, slot_bytes: int, num_slots: int) -> int | None:
     """A new initialised segment linked at `path`, or None if another process won."""
     tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     # 0600: a stored block is a user's prompt in another form; only this user reads it.
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.ftruncate(fd, _data_offset(num_slots) + num_slots * slot_bytes)  # sparse
         header = np.zeros(_HEADER_WORDS, "<u8")

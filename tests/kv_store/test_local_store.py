@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from pdserve.kv_store import ErrorKind
 from pdserve.kv_store.local_backend import segment_path
@@ -126,3 +127,43 @@ def test_fingerprints_and_namespaces_get_their_own_segments(tmp_path, make_store
         make_store(f"local:{tmp_path}", fingerprint=replace(TINY, model_id="another-model")),
     ]
     assert len({s.backend.path for s in stores}) == 3
+
+
+def _planted(tmp_path, make_store) -> str:
+    """The path a store's segment takes, with a valid segment left there and the store gone."""
+    store = make_store(f"local:{tmp_path}")
+    path = segment_path(str(tmp_path), store.keys.salt)
+    store.close()
+    return path
+
+
+def test_a_segment_others_can_read_or_write_is_refused(tmp_path, make_store):
+    path = _planted(tmp_path, make_store)
+    for mode in (0o666, 0o640, 0o602):
+        os.chmod(path, mode)
+        with pytest.raises(PermissionError) as refused:
+            make_store(f"local:{tmp_path}")
+        message = str(refused.value)
+        assert path in message and f"{mode:04o}" in message and "owned by" in message
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o602  # refused, not repaired or replaced
+
+
+def test_a_symlink_in_the_segments_place_is_refused_and_its_target_untouched(tmp_path, make_store):
+    path = _planted(tmp_path, make_store)
+    target = tmp_path / "elsewhere"
+    os.rename(path, target)
+    os.symlink(target, path)
+    before = target.read_bytes()
+    with pytest.raises(PermissionError, match="symbolic link") as refused:
+        make_store(f"local:{tmp_path}")
+    assert path in str(refused.value)
+    assert target.read_bytes() == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_segment_owned_by_another_user_is_refused(tmp_path, make_store):
+    path = _planted(tmp_path, make_store)
+    os.chown(path, 65534, 65534)  # nobody, mode still 0600
+    with pytest.raises(PermissionError, match=r"owned by (nobody \()?uid 65534") as refused:
+        make_store(f"local:{tmp_path}")
+    assert path in str(refused.value) and "0600" in str(refused.value)
