@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -114,11 +117,30 @@ def test_empty_window_is_an_error(azure_csv):
         TraceWindow(start_s=1000.0).select(load_trace(azure_csv), np.random.default_rng(0))
 
 
-def test_the_shared_azure_trace_loads():
+def test_the_default_trace_ships_inside_the_package():
+    import pdserve
+
     path = default_trace_path()
-    if not path.is_file():
-        pytest.skip(f"{path} is not present")
+    assert path.is_relative_to(Path(pdserve.__file__).parent) and path.name.endswith(".csv.gz")
+    assert (path.parent / "README.md").read_text().count("CC-BY-4.0") == 1  # provenance
     entries = load_trace(path)
     assert len(entries) == 19_366
     assert entries[-1].timestamp == pytest.approx(3502, abs=2)
     assert max(e.prompt_len for e in entries) == 14_050
+    # The very rows of the trace it was compressed from, where that is beside the checkout.
+    shared = Path(pdserve.__file__).parents[2] / "shared" / "traces" / path.name[: -len(".gz")]
+    if shared.is_file():
+        assert gzip.decompress(path.read_bytes()) == shared.read_bytes()
+
+
+def test_a_missing_trace_is_a_clear_error(tmp_path):
+    missing = tmp_path / "nowhere.csv"
+    with pytest.raises(BenchError, match="no such file") as error:
+        load_trace(missing)
+    assert str(missing) in str(error.value) and "shipped with pdserve" in str(error.value)
+
+
+def test_gzipped_traces_load_like_plain_ones(tmp_path, azure_csv):
+    zipped = tmp_path / "azure.csv.gz"
+    zipped.write_bytes(gzip.compress(azure_csv.read_bytes()))
+    assert load_trace(zipped) == load_trace(azure_csv)

@@ -40,7 +40,7 @@ def azure_trace(num_prompts: int, request_rate: float | None) -> list[SimRequest
     from pdserve.sim.workload import plan_requests
 
     if not default_trace_path().is_file():
-        pytest.skip(f"the shared Azure trace {default_trace_path()} is not beside the checkout")
+        pytest.skip(f"the packaged Azure trace {default_trace_path()} is missing")
 
     options = WorkloadOptions(trace_window=TraceWindow(num_prompts=num_prompts))
     return plan_requests(

@@ -3,13 +3,16 @@
 JSONL, one request a line: `{"timestamp": seconds, "prompt": text, "output_len": n}` or
 `{"timestamp": seconds, "prompt_len": n, "output_len": n}`.
 Azure CSV (CRLF): `TIMESTAMP,ContextTokens,GeneratedTokens`, timestamps like
-`2023-11-16 18:15:46.6805900`.
+`2023-11-16 18:15:46.6805900`. Either may be gzipped (`.jsonl.gz`, `.csv.gz`). The default,
+the Azure conversation trace, ships inside the package (`bench/data/`, its README says
+where it comes from and its licence).
 """
 
 from __future__ import annotations
 
 import calendar
 import csv
+import gzip
 import json
 import math
 from dataclasses import dataclass, replace
@@ -38,17 +41,20 @@ class TraceEntry:
 
 
 def default_trace_path() -> Path:
-    """The Azure conversation trace in `../shared/traces` next to the repository root."""
-    repo_root = Path(__file__).resolve().parents[3]
-    return repo_root.parent / "shared" / "traces" / AZURE_TRACE_NAME
+    """The Azure conversation trace shipped inside the package (gzipped)."""
+    return Path(__file__).resolve().parents[1] / "data" / f"{AZURE_TRACE_NAME}.gz"
 
 
 def load_trace(path: str | Path) -> list[TraceEntry]:
     """Read a `.jsonl` or Azure `.csv` trace, sorted by timestamp, rebased to start at 0."""
     path = Path(path)
     if not path.is_file():
-        raise BenchError(f"--trace {path}: no such file")
-    entries = _read_azure_csv(path) if path.suffix.lower() == ".csv" else _read_jsonl(path)
+        raise BenchError(
+            f"--trace {path}: no such file (a .jsonl or Azure .csv trace, gzipped or not; "
+            f"without --trace the Azure conversation trace shipped with pdserve is replayed)"
+        )
+    is_csv = path.name.lower().removesuffix(".gz").endswith(".csv")
+    entries = _read_azure_csv(path) if is_csv else _read_jsonl(path)
     if not entries:
         raise BenchError(f"--trace {path}: no requests in the file")
     entries.sort(key=lambda e: e.timestamp)
@@ -137,9 +143,16 @@ class TraceWindow:
         return replace(entry, timestamp=timestamp, prompt_len=prompt_len, output_len=output_len)
 
 
+def _open_text(path: Path, newline: str | None = None):
+    """`path` for reading as UTF-8 text, through gzip when its name ends in .gz."""
+    if path.suffix.lower() == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8", newline=newline)
+    return open(path, encoding="utf-8", newline=newline)
+
+
 def _read_jsonl(path: Path) -> list[TraceEntry]:
     entries = []
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path) as f:
         for line_no, line in enumerate(f, start=1):
             if line.strip():
                 entries.append(_parse_jsonl_row(line, f"{path}:{line_no}"))
@@ -178,7 +191,7 @@ def _count(row: dict, key: str, where: str) -> int:
 
 def _read_azure_csv(path: Path) -> list[TraceEntry]:
     entries = []
-    with open(path, encoding="utf-8", newline="") as f:
+    with _open_text(path, newline="") as f:
         reader = csv.reader(f)
         header = [c.strip() for c in next(reader, [])]
         if header != AZURE_COLUMNS:
