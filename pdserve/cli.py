@@ -54,6 +54,10 @@ class Flag:
         return [self.name, str(value)]
 
 
+class MissingExtraError(RuntimeError):
+    """A dependency the command needs is not installed; the message says what to install."""
+
+
 def flag(name: str, **options: Any) -> Flag:
     """`Flag(name, options)` spelled like `add_argument(name, **options)`."""
     return Flag(name, options)
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.run(args)
-    except (ModelLoadError, InvalidParameterError, OSError, ValueError) as exc:
+    except (ModelLoadError, InvalidParameterError, MissingExtraError, OSError, ValueError) as exc:
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

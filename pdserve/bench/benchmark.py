@@ -21,6 +21,7 @@ from pdserve.bench.records import RequestRecord
 from pdserve.bench.runner import ServerInfo, StopWhen, probe_server, run_requests, warm_up
 from pdserve.bench.tokenizer import TokenizerLike, load_tokenizer
 from pdserve.bench.workloads.base import BenchRequest, Workload, make_request
+from pdserve.redaction import redact_url
 
 # Independent random streams derived from the one --seed: what the requests say, when they
 # arrive, the warm-up prompts, and (chosen by the caller) where a trace window starts.
@@ -75,7 +76,7 @@ class BenchSpec:
         """The run configuration, JSON-ready."""
         e = self.endpoint
         return {
-            "base_url": e.base_url,
+            "base_url": redact_url(e.base_url),
             "endpoint": e.endpoint,
             "temperature": e.temperature,
             "workload": self.workload.describe(),

@@ -39,6 +39,7 @@ from pdserve.bench.search import (
     search_max_rate,
 )
 from pdserve.bench.tokenizer import TokenizerLike, load_tokenizer
+from pdserve.redaction import redact_argv, redact_url
 
 DEFAULT_MODES = ("colocated", "chunked", "disagg")
 # A search run at a low rate still has this many requests (its attainment means something).
@@ -266,10 +267,13 @@ class CompareResult:
                 **shared,
                 "request_rate": self.spec.request_rate,
                 "modes": list(self.spec.modes),
-                "externals": dict(self.spec.externals),
+                "externals": {name: redact_url(url) for name, url in self.spec.externals},
                 "saved": list(self.spec.saved),
-                "server_command": [*self.spec.launch.command, *self.spec.launch.extra_args],
-                "mode_args": {m: list(a) for m, a in self.spec.launch.mode_args.items()},
+                # Saved and shared: API keys, passwords and URLs' credentials left out.
+                "server_command": redact_argv(
+                    [*self.spec.launch.command, *self.spec.launch.extra_args]
+                ),
+                "mode_args": {m: redact_argv(a) for m, a in self.spec.launch.mode_args.items()},
                 "search": None if self.spec.search is None else asdict(self.spec.search),
             },
             "rows": [asdict(r) for r in self.rows],

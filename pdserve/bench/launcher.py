@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.bench.errors import BenchError
+from pdserve.redaction import redact_argv
 
 # Placeholders: {python} (this interpreter), {mode}, {host}, {port}.
 DEFAULT_SERVER_COMMAND = (
@@ -112,7 +114,7 @@ def launch_server(config: LaunchConfig, mode: str) -> Iterator[RunningServer]:
                 start_new_session=True,
             )
         except OSError as exc:
-            raise BenchError(f"cannot start {' '.join(argv)!r}: {exc}") from exc
+            raise BenchError(f"cannot start {shlex.join(redact_argv(argv))!r}: {exc}") from exc
         server = RunningServer(mode, f"http://{config.host}:{port}", process, log_path)
         try:
             _wait_healthy(server, config)
@@ -149,7 +151,8 @@ def _wait_healthy(server: RunningServer, config: LaunchConfig) -> None:
             if code is not None:
                 raise BenchError(
                     f"the {server.mode} server exited with code {code} before it was healthy "
-                    f"({' '.join(server.process.args)}); {_log_tail(server.log_path)}"
+                    f"({shlex.join(redact_argv(server.process.args))}); "
+                    f"{_log_tail(server.log_path)}"
                 )
             with contextlib.suppress(httpx.HTTPError):
                 if http.get(url).status_code == 200:

@@ -8,7 +8,7 @@ import argparse
 from pdserve.cli import flag
 from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, SchedulerConfig
 from pdserve.engine.config import DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS, EngineConfig
-from pdserve.kv_store.config import KVStoreConfig
+from pdserve.kv_store.config import KVStoreConfig, read_namespace_secret, read_password
 from pdserve.kv_transfer.config import TRANSPORT_CHOICES, KVRole, KVTransferConfig
 from pdserve.model.config import KV_CACHE_DTYPES
 
@@ -155,6 +155,18 @@ KV_STORE_FLAGS = (
         default=KVStoreConfig.namespace,
         help="salts every key: workers in different namespaces never share blocks",
     ),
+    flag(
+        "--kv-store-password-file",
+        metavar="FILE",
+        help="the Redis password (its first line), kept out of argv; or set "
+        "$PDSERVE_KV_STORE_PASSWORD",
+    ),
+    flag(
+        "--kv-store-namespace-secret-file",
+        metavar="FILE",
+        help="a secret (its first line) that keys the namespace's salt: without it no one "
+        "can compute this namespace's keys; or set $PDSERVE_KV_STORE_NAMESPACE_SECRET",
+    ),
 )
 # KV transfer flags that are KVTransferConfig's fields of the same name.
 _KV_FIELDS = (
@@ -200,5 +212,9 @@ def kv_store_config(args: argparse.Namespace) -> KVStoreConfig | None:
     if args.kv_store is None:
         return None
     return KVStoreConfig(
-        args.kv_store, max_gb=args.kv_store_max_gb, namespace=args.kv_store_namespace
+        args.kv_store,
+        max_gb=args.kv_store_max_gb,
+        namespace=args.kv_store_namespace,
+        password=read_password(args.kv_store_password_file),
+        namespace_secret=read_namespace_secret(args.kv_store_namespace_secret_file),
     )

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import os
-import re
 import tempfile
-from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
+from dataclasses import dataclass, field
+from urllib.parse import unquote, urlsplit
+
+from pdserve.kv_store.keys import NAMESPACE_PATTERN
+from pdserve.redaction import redact_url
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
 LOCAL = "local"
 # Namespaces salt keys; a bound keeps keys and log lines short.
 MAX_NAMESPACE_LEN = 128
+# The store's password where argv (readable by every user of the host) does not show it; a
+# deployment's launcher hands it to its workers here too.
+KV_STORE_PASSWORD_ENV = "PDSERVE_KV_STORE_PASSWORD"
+# The namespace's secret (`keys.KeyScheme`), kept out of argv the same way.
+KV_STORE_NAMESPACE_SECRET_ENV = "PDSERVE_KV_STORE_NAMESPACE_SECRET"
 
 
 @dataclass(frozen=True)
@@ -21,6 +28,10 @@ class KVStoreConfig:
     `url` is ``local`` (the embedded store in shared memory), ``local:DIR`` (the embedded
     store in files under DIR, e.g. on local SSD) or a Redis URL as redis-py reads it:
     ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` (TLS), ``unix://``.
+    `password` (from `$PDSERVE_KV_STORE_PASSWORD` or `--kv-store-password-file`, `read_password`)
+    is the Redis password for a URL without one (with a user name: that ACL user's).
+    `namespace_secret` (`$PDSERVE_KV_STORE_NAMESPACE_SECRET` or
+    `--kv-store-namespace-secret-file`) keys the namespace's salt: see `keys.KeyScheme`.
     """
 
     url: str
@@ -36,6 +47,8 @@ class KVStoreConfig:
     max_reconnect_backoff_s: float = 5.0
     # Bytes of blocks waiting to be written; past it new writes are dropped (and counted).
     write_queue_mb: float = 256.0
+    password: str | None = field(default=None, repr=False)
+    namespace_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
@@ -53,11 +66,21 @@ class KVStoreConfig:
             raise ValueError(f"--kv-store-max-gb must be positive, got {self.max_gb}")
         if len(self.namespace) > MAX_NAMESPACE_LEN:
             raise ValueError(f"--kv-store-namespace is longer than {MAX_NAMESPACE_LEN} characters")
+        if not NAMESPACE_PATTERN.fullmatch(self.namespace):
+            raise ValueError(
+                "--kv-store-namespace may hold only letters, digits, '_', '.' and '-' (it is "
+                f"part of every key and of Redis ACL key patterns); got {self.namespace!r}"
+            )
         for name in ("timeout_s", "reconnect_backoff_s", "max_reconnect_backoff_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"kv store {name} must be positive, got {getattr(self, name)}")
         if not self.write_queue_mb > 0:
             raise ValueError(f"kv store write_queue_mb must be positive, got {self.write_queue_mb}")
+        if self.password is not None and split_password(self.url)[1] is not None:
+            raise ValueError(
+                f"--kv-store {self.redacted_url} has a password and another was given "
+                f"(${KV_STORE_PASSWORD_ENV} or --kv-store-password-file): give it once"
+            )
 
     @property
     def is_local(self) -> bool:
@@ -73,9 +96,44 @@ class KVStoreConfig:
     @property
     def redacted_url(self) -> str:
         """The URL with any password replaced, for logs and error messages."""
-        parts = urlsplit(self.url)
-        userinfo, at, hostport = parts.netloc.rpartition("@")
-        if at and ":" in userinfo:
-            parts = parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{hostport}")
-        # unix://...?password=...
-        return urlunsplit(parts._replace(query=re.sub(r"(password=)[^&]*", r"\1***", parts.query)))
+        return redact_url(self.url)
+
+
+def split_password(url: str) -> tuple[str, str | None]:
+    """`url` without the password in its user part (the user name kept), and that password
+    (None: it has none)."""
+    parts = urlsplit(url)
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url, None
+    user, password = userinfo.split(":", 1)
+    netloc = f"{user}@{hostport}" if user else hostport
+    return parts._replace(netloc=netloc).geturl(), unquote(password)
+
+
+def read_password(password_file: str | None) -> str | None:
+    """The store password from `password_file`, else from `$PDSERVE_KV_STORE_PASSWORD`."""
+    return read_secret(KV_STORE_PASSWORD_ENV, password_file, "--kv-store-password-file")
+
+
+def read_namespace_secret(secret_file: str | None) -> str | None:
+    """The namespace's secret from `secret_file`, else `$PDSERVE_KV_STORE_NAMESPACE_SECRET`."""
+    return read_secret(
+        KV_STORE_NAMESPACE_SECRET_ENV, secret_file, "--kv-store-namespace-secret-file"
+    )
+
+
+def read_secret(env: str, path: str | None, flag: str) -> str | None:
+    """A secret from the file at `path` (its first line), else taken out of `$env`, so that
+    nothing this process starts inherits it; None when neither gives one."""
+    from_env = os.environ.pop(env, None) or None
+    if path is None:
+        return from_env
+    try:
+        with open(path, encoding="utf-8") as f:
+            secret = f.readline().rstrip("\r\n")
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot read {path}: {exc}") from None
+    if not secret:
+        raise ValueError(f"{flag}: {path} is empty")
+    return secret

@@ -6,8 +6,15 @@ Its bytes also depend on the model and the cache layout, and a tenant's prompts 
 readable under another tenant's keys, so the key salts the hash with the `LayoutFingerprint`
 and the namespace::
 
-    pdserve:kv:<salt: 16 hex>:<block hash: 16 hex>
+    pdserve:kv:[<namespace>:]<salt: 16 hex>:<block hash: 16 hex>
     salt = BLAKE2b-64(value format version, namespace, fingerprint digest)
+      or, with a namespace secret, HMAC-SHA256(secret, the same)[:8 bytes]
+
+The namespace is in the key so that a Redis ACL user can be held to its tenant's keys
+(``~pdserve:kv:<namespace>:*``: it can neither read nor write another's); the secret
+(`--kv-store-namespace-secret-file`) makes the salt unguessable, so whoever knows a
+namespace's name but not its secret cannot compute its keys (nor probe whether a prompt is
+stored there, nor name the `local` store's segment in advance).
 
 The value repeats the fingerprint, the hashes and the token ids (`codec.py`), so a key that
 collides or is overwritten reads as a miss, never as someone else's KV.
@@ -16,7 +23,9 @@ collides or is overwritten reads as a miss, never as someone else's KV.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +36,9 @@ from pdserve.kv_transfer.protocol import DTYPE_ITEMSIZE, KVLayout
 # values then live under other keys and are never read.
 VALUE_FORMAT_VERSION = 1
 KEY_PREFIX = "pdserve:kv:"
+# What a namespace may hold: it is part of keys and of Redis ACL key patterns (no ':' and no
+# glob characters).
+NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_.-]*")
 # model_identity reads this many evenly spread samples of each weight file, of this size.
 _NUM_SAMPLES = 64
 _SAMPLE_BYTES = 64 << 10
@@ -138,19 +150,33 @@ def block_refs(
 
 
 class KeyScheme:
-    """Maps block hashes to store keys for one fingerprint and namespace."""
+    """Maps block hashes to store keys for one fingerprint and namespace (and the namespace's
+    secret, if it has one)."""
 
-    def __init__(self, fingerprint: LayoutFingerprint, namespace: str = "") -> None:
+    def __init__(
+        self, fingerprint: LayoutFingerprint, namespace: str = "", secret: str | None = None
+    ) -> None:
+        if not NAMESPACE_PATTERN.fullmatch(namespace):  # KVStoreConfig names the flag
+            raise ValueError(f"a namespace may hold only [A-Za-z0-9_.-]: {namespace!r}")
         self.fingerprint = fingerprint
         self.fingerprint_digest = fingerprint.digest()
-        salt = hashlib.blake2b(digest_size=8, person=b"pdserve-kvstore")
-        salt.update(VALUE_FORMAT_VERSION.to_bytes(4, "little"))
-        # Length-prefixed, so no namespace is a prefix-shift of another.
         encoded = namespace.encode()
-        salt.update(len(encoded).to_bytes(4, "little") + encoded)
-        salt.update(self.fingerprint_digest)
-        self.salt = salt.hexdigest()
-        self._prefix = f"{KEY_PREFIX}{self.salt}:".encode()
+        # Length-prefixed, so no namespace is a prefix-shift of another.
+        message = b"".join(
+            (
+                VALUE_FORMAT_VERSION.to_bytes(4, "little"),
+                len(encoded).to_bytes(4, "little") + encoded,
+                self.fingerprint_digest,
+            )
+        )
+        if secret:
+            self.salt = hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()[:16]
+        else:
+            self.salt = hashlib.blake2b(
+                message, digest_size=8, person=b"pdserve-kvstore"
+            ).hexdigest()
+        tenant = f"{namespace}:" if namespace else ""
+        self._prefix = f"{KEY_PREFIX}{tenant}{self.salt}:".encode()
 
     def key(self, block_hash: int) -> bytes:
         return self._prefix + f"{block_hash:016x}".encode()

@@ -34,6 +34,7 @@ class RedisBackend(KVStoreBackend):
         try:
             self._client = redis.Redis.from_url(
                 config.url,
+                password=config.password,
                 socket_timeout=config.timeout_s,
                 socket_connect_timeout=config.timeout_s,
                 socket_read_size=_SOCKET_READ_SIZE,

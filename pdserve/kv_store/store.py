@@ -61,7 +61,7 @@ class KVStore:
         backend: KVStoreBackend | None = None,
     ) -> None:
         self.config = config
-        self.keys = KeyScheme(fingerprint, config.namespace)
+        self.keys = KeyScheme(fingerprint, config.namespace, config.namespace_secret)
         self.block_size = fingerprint.block_size
         self.payload_nbytes = fingerprint.payload_nbytes
         self.value_nbytes = value_nbytes(self.block_size, self.payload_nbytes)

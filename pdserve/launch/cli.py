@@ -11,10 +11,18 @@ deployment hands on to its workers.
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 
 from pdserve.cli import add_flags, flag
 from pdserve.engine.args import ENGINE_FLAGS, KV_STORE_FLAGS, KV_TRANSFER_FLAGS
+from pdserve.kv_store.config import (
+    KV_STORE_NAMESPACE_SECRET_ENV,
+    KV_STORE_PASSWORD_ENV,
+    read_namespace_secret,
+    read_password,
+    split_password,
+)
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTING_FLAGS
 from pdserve.server.cli import SERVER_FLAGS, run_server
 
@@ -89,9 +97,13 @@ CLUSTER_FLAGS = (
     ),
 )
 # Set by the launcher for each worker (its role, address, threads and step log) or kept for
-# the router (the mode, the API key: workers listen on loopback behind it).
+# the router (the mode, the API key: workers listen on loopback behind it) or the launcher
+# (the store's secrets' files: workers get the secrets in their environment).
 PER_WORKER_FLAGS = frozenset(
-    {"--mode", "--host", "--port", "--api-key", "--role", "--num-threads", "--step-log"}
+    {
+        *("--mode", "--host", "--port", "--api-key", "--role", "--num-threads", "--step-log"),
+        *("--kv-store-password-file", "--kv-store-namespace-secret-file"),
+    }
 )
 # What every worker of a deployment is started with, where the user gave it: the server's
 # limits, the engine's flags, the KV transfer's and the KV store's. The disaggregation and
@@ -142,9 +154,35 @@ def worker_argv(args: argparse.Namespace, role: str) -> list[str]:
     """The flags each `role` worker is started with besides its role, address, threads and
     step log: `WORKER_FLAGS` the user gave, then --worker-args, then the role's own (the last
     of a flag given twice wins)."""
-    forwarded = [arg for option in WORKER_FLAGS for arg in option.argv(getattr(args, option.dest))]
+    given = {option.dest: getattr(args, option.dest) for option in WORKER_FLAGS}
+    if args.kv_store is not None:  # its password goes in the environment (`kv_store_secrets`)
+        given["kv_store"] = split_password(args.kv_store)[0]
+    forwarded = [arg for option in WORKER_FLAGS for arg in option.argv(given[option.dest])]
     return [
         *forwarded,
         *shlex.split(args.worker_args),
         *shlex.split(getattr(args, f"{role}_worker_args")),
     ]
+
+
+def kv_store_secrets(args: argparse.Namespace) -> dict[str, str]:
+    """The store's secrets a deployment's workers get in their environment (by variable),
+    never in argv: its password (the URL's, the file's or `$PDSERVE_KV_STORE_PASSWORD`) and
+    its namespace's secret."""
+    if args.kv_store is None:
+        return {}
+    password = split_password(args.kv_store)[1]
+    if password is None:
+        password = read_password(args.kv_store_password_file)
+    else:
+        logging.getLogger("pdserve.launch").warning(
+            "--kv-store's password is in this process's argv, which every user of the host "
+            "can read; give it in $%s or --kv-store-password-file (workers get it in their "
+            "environment either way)",
+            KV_STORE_PASSWORD_ENV,
+        )
+    secrets = {
+        KV_STORE_PASSWORD_ENV: password,
+        KV_STORE_NAMESPACE_SECRET_ENV: read_namespace_secret(args.kv_store_namespace_secret_file),
+    }
+    return {name: value for name, value in secrets.items() if value}

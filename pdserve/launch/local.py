@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.launch.cli import worker_argv
-from pdserve.launch.fleet import FLEET_SECRET_ENV, deployment_secret
+from pdserve.launch.cli import kv_store_secrets, worker_argv
+from pdserve.launch.fleet import WORKER_SECRETS, deployment_secret, worker_secrets
 from pdserve.launch.provision import Provisioner, WorkerHandle
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
 from pdserve.router.autoscale import AutoscaleConfig
@@ -202,7 +202,7 @@ class LocalProvisioner:
         secret: str | None = None,
     ) -> None:
         self._args = args
-        self._secret = secret
+        self._env = worker_secrets(secret, kv_store_secrets(args))
         self._slots = list(slots)
         self._log_dir = initial[0].log_path.parent if initial else Path(tempfile.mkdtemp())
         self._lock = threading.Lock()
@@ -270,8 +270,8 @@ class LocalProvisioner:
         # Workers listen on loopback behind the router, which alone checks the API key.
         return WorkerGroup(
             [spec],
-            unset_env=("PDSERVE_API_KEY", FLEET_SECRET_ENV),
-            env={FLEET_SECRET_ENV: self._secret} if self._secret else None,
+            unset_env=("PDSERVE_API_KEY", *WORKER_SECRETS),
+            env=self._env,
         )
 
     def _used_slots(self) -> set[int]:

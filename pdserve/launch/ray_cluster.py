@@ -16,9 +16,10 @@ stopped leaves that list at once and is replaced on a node that has the resource
 placement-group bundle, where it had one), so each pool returns to its size. The router runs
 in this process, as on one host (`launch.local.run_deployment`).
 
-Every worker is handed the deployment's fleet secret (`launch.fleet`) through Ray (its actor's
-arguments) and on to its process in the environment. The Ray cluster itself is the trust
-boundary above that: whoever may submit Ray jobs to it runs code on its nodes.
+Every worker is handed the deployment's fleet secret and the store's password (`launch.fleet`)
+through Ray (its actor's arguments) and on to its process in the environment. The Ray cluster
+itself is the trust boundary above that: whoever may submit Ray jobs to it runs code on its
+nodes.
 
 Ray is imported only here, and only when a cluster is asked for.
 """
@@ -42,8 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.launch.cli import worker_argv
-from pdserve.launch.fleet import FLEET_SECRET_ENV, deployment_secret
+from pdserve.cli import MissingExtraError
+from pdserve.launch.cli import kv_store_secrets, worker_argv
+from pdserve.launch.fleet import WORKER_SECRETS, deployment_secret, worker_secrets
 from pdserve.launch.local import free_port, initial_roles, run_deployment, step_log_flags
 from pdserve.launch.provision import WorkerHandle
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
@@ -128,6 +130,7 @@ class RayPlan:
     log_dir: str | None = None  # on each worker's node (default: its temporary directory)
     step_log: str | None = None
     secret: str | None = field(default=None, repr=False)
+    kv_store_secrets: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     def bundle(self, role: str) -> dict[str, float]:
         """The role's resources as a placement-group bundle (zero amounts left out)."""
@@ -155,6 +158,7 @@ def plan_from_args(args: argparse.Namespace, secret: str | None) -> RayPlan:
         log_dir=args.worker_log_dir,
         step_log=args.step_log,
         secret=secret,
+        kv_store_secrets=kv_store_secrets(args),
     )
 
 
@@ -189,12 +193,13 @@ class WorkerHost:
         )
         # Not pinned: Ray accounts for CPUs, it does not assign cores.
         self.spec = WorkerSpec(name, role, port, (), command, log_dir / f"{name}.log", host)
-        env = {"OMP_NUM_THREADS": str(threads)}
-        if plan.secret is not None:
-            env[FLEET_SECRET_ENV] = plan.secret
+        env = {
+            "OMP_NUM_THREADS": str(threads),
+            **worker_secrets(plan.secret, plan.kv_store_secrets),
+        }
         self._group = WorkerGroup(
             [self.spec],
-            unset_env=("PDSERVE_API_KEY", FLEET_SECRET_ENV),
+            unset_env=("PDSERVE_API_KEY", *WORKER_SECRETS),
             env=env,
             death_signal=signal.SIGKILL,
         )
@@ -481,9 +486,22 @@ def connect(address: str, namespace: str) -> None:
     ray.init(address=address, **options)
 
 
+def require_ray() -> None:
+    """Ray importable, or MissingExtraError saying how to install it (it is an extra)."""
+    try:
+        import ray  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name != "ray":  # Ray is there but broken: its own error says why
+            raise
+        raise MissingExtraError(
+            "--cluster ray needs Ray, which is not installed: pip install 'pdserve[ray]'"
+        ) from None
+
+
 def launch_on_ray(args: argparse.Namespace) -> int:
     """Run the deployment on the cluster until SIGINT/SIGTERM; 0 after a clean stop, 1 if
     its workers could not start."""
+    require_ray()
     roles = initial_roles(args)  # within the --autoscale bounds
     address = ray_address(args.cluster)
     secret = None if args.worker_auth is False else deployment_secret()

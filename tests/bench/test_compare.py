@@ -274,3 +274,49 @@ def test_saved_single_runs_are_judged_from_their_records(tmp_path, capsys):
     assert data["recommendation"]["name"] == "b"
     assert data["config"]["goodput_slos_ms"] == {"max_itl": 300.0}
     assert (out / "itl_timeline-a.png").is_file() and (out / "report.md").is_file()
+
+
+SECRETS = ("sk-never-saved", "redis-pw", "worker-key", "url-pw")
+
+
+def test_compare_json_and_launch_errors_name_no_secret(tmp_path):
+    """API keys, passwords and URLs' credentials in the server command never reach
+    compare.json or the error printed when a server does not start."""
+    from pdserve.bench.benchmark import BenchSpec
+    from pdserve.bench.client import COMPLETIONS, EndpointConfig
+    from pdserve.bench.compare import CompareResult, CompareSpec
+    from pdserve.bench.errors import BenchError
+    from pdserve.bench.launcher import LaunchConfig, launch_server
+    from pdserve.bench.workloads import RandomWorkload
+
+    secret_args = ("--api-key", "sk-never-saved", "--kv-store", "redis://tenant:redis-pw@h/0")
+    launch = LaunchConfig(
+        command=("{python}", "-c", "import sys; sys.exit(3)"),
+        extra_args=(*secret_args, "--api-key=sk-never-saved"),
+        mode_args={"disagg": ("--worker-args", "--api-key worker-key --max-num-seqs 2")},
+        log_dir=tmp_path,
+        health_timeout_s=30,
+    )
+    spec = CompareSpec(
+        BenchSpec(EndpointConfig("http://u:url-pw@127.0.0.1:1", COMPLETIONS), RandomWorkload()),
+        launch=launch,
+        externals=(("other", "http://u:url-pw@127.0.0.1:2"),),
+    )
+    saved = json.dumps(CompareResult(spec, {}, [], None).to_dict())
+    assert not [s for s in SECRETS if s in saved], saved
+    config = json.loads(saved)["config"]
+    assert config["server_command"][-5:] == [
+        "--api-key",
+        "***",
+        "--kv-store",
+        "redis://tenant:***@h/0",
+        "--api-key=***",
+    ]
+    assert config["mode_args"]["disagg"] == ["--worker-args", "--api-key '***' --max-num-seqs 2"]
+    assert config["externals"] == {"other": "http://u:***@127.0.0.1:2"}
+    for command in (launch.command, ("/no/such/server",)):
+        failing = LaunchConfig(command=command, extra_args=secret_args, log_dir=tmp_path)
+        with pytest.raises(BenchError) as failed, launch_server(failing, "disagg"):
+            pass
+        assert "--api-key ***" in str(failed.value) or "'***'" in str(failed.value)
+        assert not [s for s in SECRETS if s in str(failed.value)], str(failed.value)

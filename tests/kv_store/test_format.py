@@ -66,7 +66,23 @@ def test_namespace_salts_the_key():
     keys = {KeyScheme(TINY, ns).key(1) for ns in ("", "a", "b", "ab")}
     assert len(keys) == 4
     assert KeyScheme(TINY, "a").key(1) == KeyScheme(TINY, "a").key(1)
-    assert b"tenant" not in KeyScheme(TINY, "tenant").key(1)  # the name itself is not exposed
+    # The name leads the key, so that a Redis ACL pattern can hold a user to it...
+    assert KeyScheme(TINY, "tenant").key(1).startswith(b"pdserve:kv:tenant:")
+    assert KeyScheme(TINY).key(1).count(b":") == 3  # no namespace: the keys of before
+
+
+def test_a_namespace_secret_keys_the_salt():
+    # ...and without the namespace's secret its keys cannot be computed from its name.
+    plain, keyed = KeyScheme(TINY, "tenant"), KeyScheme(TINY, "tenant", secret="s3cret")
+    assert keyed.salt != plain.salt and keyed.key(1).startswith(b"pdserve:kv:tenant:")
+    assert KeyScheme(TINY, "tenant", secret="other").salt != keyed.salt
+    assert KeyScheme(TINY, "tenant", secret="s3cret").key(1) == keyed.key(1)
+
+
+@pytest.mark.parametrize("namespace", ["a:b", "a*", "te?nt", "[x]", "a b", "ü"])
+def test_a_namespace_that_would_break_a_key_pattern_is_refused(namespace):
+    with pytest.raises(ValueError, match="--kv-store-namespace"):
+        KVStoreConfig("local", namespace=namespace)
 
 
 def test_value_round_trip():

@@ -4,6 +4,7 @@ slow or password-protected server, a full write queue) is a counted miss, never 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -13,6 +14,7 @@ import redis
 
 from pdserve.kv_store import ErrorKind, KVStore
 from pdserve.kv_store.codec import encode_block
+from pdserve.kv_store.config import KV_STORE_PASSWORD_ENV
 from tests.kv_store.conftest import (
     TINY,
     RedisServer,
@@ -237,6 +239,93 @@ def test_password_urls_work_and_a_wrong_password_is_a_miss(tmp_path, make_store,
         assert bad.lookup(seq.blocks) == 0
         assert _errors(bad, ErrorKind.CONNECTION) == 1
         assert "wrong" not in caplog.text and "s3cret" not in caplog.text
+    finally:
+        server.stop()
+
+
+def test_a_password_from_the_environment_or_a_file_reaches_the_server(
+    tmp_path, make_store, monkeypatch
+):
+    from pdserve.cli import build_parser
+    from pdserve.engine.args import kv_store_config
+
+    server = RedisServer(tmp_path, "--requirepass", "s3cret")
+    url = f"redis://127.0.0.1:{server.port}/2"
+
+    def config(*flags: str):
+        return kv_store_config(build_parser().parse_args(["serve", "--kv-store", url, *flags]))
+
+    try:
+        monkeypatch.setenv(KV_STORE_PASSWORD_ENV, "s3cret")
+        from_env = config()
+        assert KV_STORE_PASSWORD_ENV not in os.environ  # taken: nothing started inherits it
+        assert "s3cret" not in repr(from_env)
+        (tmp_path / "password").write_text("s3cret\n")
+        from_file = config("--kv-store-password-file", str(tmp_path / "password"))
+        seq = make_sequence(2)
+        _write_all(make_store(url, password=from_env.password), seq)
+        assert make_store(url, password=from_file.password).lookup(seq.blocks) == 2
+        assert make_store(url).lookup(seq.blocks) == 0  # no password: a counted miss
+        (tmp_path / "empty").write_text("")
+        with pytest.raises(ValueError, match=r"--kv-store-password-file.*empty"):
+            config("--kv-store-password-file", str(tmp_path / "empty"))
+        with pytest.raises(ValueError, match="give it once") as twice:
+            make_store(f"redis://:pw-in-url@127.0.0.1:{server.port}/2", password="s3cret")
+        assert "pw-in-url" not in str(twice.value)
+    finally:
+        server.stop()
+
+
+# What docs/architecture.md tells an operator to give each tenant's workers (README: Use).
+def acl_rules(namespace: str, password: str) -> list[str]:
+    return [
+        *("on", f">{password}", f"~pdserve:kv:{namespace}:*", "resetchannels"),
+        *("-@all", "+@connection", "+exists", "+mget", "+set", "+del"),
+    ]
+
+
+def test_acl_users_hold_each_tenant_to_its_own_namespace(tmp_path, make_store):
+    server = RedisServer(tmp_path)
+    try:
+        admin = server.client()
+        for tenant in ("tenant-a", "tenant-b"):
+            admin.execute_command("ACL", "SETUSER", tenant, *acl_rules(tenant, f"pw-{tenant}"))
+
+        def worker(user: str, namespace: str) -> KVStore:
+            return make_store(
+                f"redis://{user}@127.0.0.1:{server.port}/0",
+                namespace=namespace,
+                password=f"pw-{user}",
+                namespace_secret=f"secret-of-{namespace}",
+            )
+
+        a, b = worker("tenant-a", "tenant-a"), worker("tenant-b", "tenant-b")
+        seq_a, seq_b = make_sequence(3, seed=1), make_sequence(3, seed=2)
+        _write_all(a, seq_a)
+        _write_all(b, seq_b)
+        assert a.lookup(seq_a.blocks) == 3 and b.lookup(seq_b.blocks) == 3
+        # The code's keys are the ones the ACL patterns name.
+        keys = {key.decode() for key in admin.keys("*")}
+        assert len(keys) == 6
+        assert {key.split(":")[2] for key in keys} == {"tenant-a", "tenant-b"}
+        # Tenant A's credentials cannot read or write B's blocks, even knowing B's namespace
+        # and secret: refused by the server, a counted miss.
+        intruder = worker("tenant-a", "tenant-b")
+        assert intruder.keys.key(1) == b.keys.key(1)
+        assert intruder.lookup(seq_b.blocks) == 0
+        assert _errors(intruder, ErrorKind.SERVER) == 1
+        sleep_past_backoff(intruder)
+        assert intruder.write(seq_a.blocks, seq_a.cache_bytes, seq_a.block_ids) == 3
+        intruder.flush()
+        assert _errors(intruder, ErrorKind.SERVER) == 2  # the write refused
+        assert {key.decode() for key in admin.keys("*")} == keys  # nothing written in B's
+        raw = redis.Redis(port=server.port, username="tenant-a", password="pw-tenant-a")
+        b_key = next(k for k in keys if k.startswith("pdserve:kv:tenant-b:"))
+        for forbidden in (lambda: raw.get(b_key), lambda: raw.set(b_key, b"x"), raw.scan):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                forbidden()
+        raw.close()
+        assert b.lookup(seq_b.blocks) == 3
     finally:
         server.stop()
 

@@ -12,7 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.kv_store.conftest import REDIS_SERVER, RedisServer
 from tests.router.harness import wait_until
+from tests.router.real_workers import _children
 from tests.server.conftest import NUM_KV_BLOCKS, ServerProcess, free_port, start_server
 
 pytestmark = pytest.mark.slow
@@ -206,14 +208,26 @@ def test_local_store_is_shared_by_two_processes(tmp_path, tokenizer, prefix, ref
 
 
 def test_disaggregated_prefill_writes_and_the_decode_worker_reads(
-    tmp_path, redis_server, tokenizer, prefix, reference
+    tmp_path, tokenizer, prefix, reference
 ):
+    # A password-protected store: the launcher reads the password from a file and hands it to
+    # its workers in their environment; no process's argv shows it.
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (make install-test installs it)")
+    password = "store-password-never-in-argv"
+    redis_server = RedisServer(tmp_path, "--requirepass", password)
+    (tmp_path / "redis-password").write_text(password + "\n")
     base = free_port()  # prefill worker on base, decode worker on base + 1
     deployment = start_server(
         tmp_path, "--mode", "disagg", "--kv-store", redis_server.url,
+        "--kv-store-password-file", str(tmp_path / "redis-password"),
         "--worker-base-port", str(base),
     )  # fmt: skip
     try:
+        workers = _children(deployment.process.pid)
+        assert len(workers) >= 2
+        for pid in (deployment.process.pid, *workers):
+            assert password.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
         prefill = ServerProcess(None, f"http://127.0.0.1:{base}", tmp_path, None)
         decode = ServerProcess(None, f"http://127.0.0.1:{base + 1}", tmp_path, None)
         # The prefill worker computes a prompt and writes its blocks...
@@ -230,3 +244,4 @@ def test_disaggregated_prefill_writes_and_the_decode_worker_reads(
         _assert_no_leaks(prefill, decode)
     finally:
         deployment.stop()
+        redis_server.stop()

@@ -15,6 +15,7 @@ from pdserve.engine.args import (
     KV_TRANSFER_FLAGS,
     engine_config_from_args,
 )
+from pdserve.kv_store.config import split_password
 from pdserve.launch.cli import CLUSTER_FLAGS, DISAGG_FLAGS, PER_WORKER_FLAGS, WORKER_FLAGS
 from pdserve.launch.local import plan_workers
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTER_FLAGS, ROUTING_FLAGS
@@ -186,10 +187,14 @@ def test_each_worker_gets_every_flag_the_user_gave_it(tmp_path):
     for worker in workers:
         assert worker.command[3] == "serve"
         parsed = serve_parser().parse_args(worker.command[4:])
+        # All as given, but the store's password: that goes in the worker's environment.
+        given = {**vars(args), "kv_store": split_password(args.kv_store)[0]}
+        assert given["kv_store"] == "redis://cache:6379/2"
         for option in WORKER_FLAGS:
-            assert getattr(parsed, option.dest) == getattr(args, option.dest), option.name
+            assert getattr(parsed, option.dest) == given[option.dest], option.name
         # The engine each worker builds is the user's, in its role and on its own cores.
         own = {"role": worker.role, "mode": parsed.mode, "num_threads": parsed.num_threads}
+        own["kv_store"] = given["kv_store"]
         expected = argparse.Namespace(**{**vars(args), **own})
         assert engine_config_from_args(parsed) == engine_config_from_args(expected)
         assert parsed.num_threads == len(worker.cores)
@@ -206,3 +211,12 @@ def test_a_shared_kv_store_tells_the_router_so():
     assert not config("--mode", "disagg").shared_kv_store
     assert config("--mode", "disagg", "--kv-store", "redis://cache:6379").shared_kv_store
     assert config("--mode", "disagg", "--shared-kv-store").shared_kv_store
+
+
+def test_cluster_ray_without_ray_says_what_to_install(monkeypatch, capsys):
+    from pdserve.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as if not installed
+    assert main(["serve", "--mode", "disagg", "--cluster", "ray"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'pdserve[ray]'" in err and "Traceback" not in err

@@ -14,7 +14,9 @@ import textwrap
 import httpx
 import pytest
 
-from pdserve.launch.cli import worker_argv
+from pdserve.kv_store.config import KV_STORE_NAMESPACE_SECRET_ENV, KV_STORE_PASSWORD_ENV
+from pdserve.launch.cli import kv_store_secrets, worker_argv
+from pdserve.launch.fleet import FLEET_SECRET_ENV, worker_secrets
 from pdserve.launch.local import assign_cores, plan_workers
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
 from tests.router.harness import REPO_ROOT, free_port, wait_until
@@ -85,6 +87,31 @@ def test_workers_get_engine_and_server_flags_but_not_the_launchers():
         "--kv-transport",
         "tcp",
     ]
+
+
+def test_the_store_password_reaches_workers_in_their_environment_never_argv(tmp_path, monkeypatch):
+    password_file = tmp_path / "redis-password"
+    password_file.write_text("from-file\n")
+    in_file = ["--kv-store", "redis://tenant-a@h:6379/0"]
+    in_file += ["--kv-store-password-file", str(password_file)]
+    for flags, password in (
+        (["--kv-store", "redis://tenant-a:in-url@h:6379/0"], "in-url"),
+        (in_file, "from-file"),
+    ):
+        args = serve_parser().parse_args(["--mode", "disagg", *flags])
+        argv = worker_argv(args, "prefill")
+        assert argv == ["--kv-store", "redis://tenant-a@h:6379/0"]
+        assert kv_store_secrets(args) == {KV_STORE_PASSWORD_ENV: password}
+    monkeypatch.setenv(KV_STORE_PASSWORD_ENV, "from-env")
+    monkeypatch.setenv(KV_STORE_NAMESPACE_SECRET_ENV, "tenant-secret")
+    args = serve_parser().parse_args(["--mode", "disagg", "--kv-store", "redis://h:6379/0"])
+    assert worker_argv(args, "decode") == ["--kv-store", "redis://h:6379/0"]
+    assert worker_secrets("fleet", kv_store_secrets(args)) == {
+        FLEET_SECRET_ENV: "fleet",
+        KV_STORE_PASSWORD_ENV: "from-env",
+        KV_STORE_NAMESPACE_SECRET_ENV: "tenant-secret",
+    }
+    assert worker_secrets(None, {}) == {}
 
 
 def test_plan_pins_prefill_then_decode_workers(tmp_path):
