@@ -14,7 +14,6 @@ import itertools
 import json
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -86,30 +85,74 @@ def burst(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> li
         return list(pool.map(lambda p: complete(url, p, max_tokens), prompts))
 
 
+class Load:
+    """Every request `keep_sending` sent, by index: its prompt, then its answer (text and
+    routing header) or why it failed."""
+
+    def __init__(self) -> None:
+        self.prompts: dict[int, str] = {}
+        self.answers: dict[int, tuple[str, dict]] = {}
+        self.failures: dict[int, str] = {}
+
+    def latest(self) -> tuple[str, dict] | None:
+        """The answer to the last request sent that has one."""
+        done = sorted(self.answers)
+        return self.answers[done[-1]] if done else None
+
+    def in_order(self) -> list[tuple[str, dict]]:
+        return [self.answers[i] for i in sorted(self.answers)]
+
+    def assert_all_answered(self, expected: dict[str, str] | None) -> None:
+        """None failed, every request sent was answered in full, and with the expected text:
+        `expected[prompt]`, or (None) the same text for every request of the same prompt."""
+        assert not self.failures, self.failures
+        assert self.answers and sorted(self.answers) == sorted(self.prompts)
+        texts: dict[str, set[str]] = {}
+        for i, (text, _) in self.answers.items():
+            texts.setdefault(self.prompts[i], set()).add(text)
+        for prompt, answered in texts.items():
+            assert len(answered) == 1, (prompt, answered)
+            if expected is not None:
+                assert answered == {expected[prompt]}, prompt
+
+
 @contextlib.contextmanager
 def keep_sending(
-    url: str, request: Callable[[int], tuple[str, int]], concurrency: int
-) -> Iterator[list[tuple]]:
+    url: str,
+    request: Callable[[int], tuple[str, int]],
+    concurrency: int,
+    expected: dict[str, str] | None = None,
+) -> Iterator[Load]:
     """Greedy completions (`request(i)`: prompt and max_tokens) sent back to back by
-    `concurrency` clients while the block runs; yields their results as they complete."""
-    results: list[tuple] = []
+    `concurrency` clients while the block runs, so the load lasts until the condition the
+    block waits for holds, however fast this machine computes. After the block every client
+    finishes its request, and every request sent must have been answered in full with the
+    expected text (`Load.assert_all_answered`)."""
+    load = Load()
     stop = threading.Event()
     counter = itertools.count()
 
     def client() -> None:
         while not stop.is_set():
-            results.append(complete(url, *request(next(counter))))
+            i = next(counter)
+            prompt, max_tokens = request(i)
+            load.prompts[i] = prompt
+            try:
+                load.answers[i] = complete(url, prompt, max_tokens)
+            except Exception as error:  # counted, and asserted none after the block
+                load.failures[i] = repr(error)
 
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for thread in threads:
         thread.start()
     try:
-        yield results
+        yield load
     finally:
         stop.set()
         for thread in threads:
             thread.join(timeout=300)
-    assert results
+    assert not any(thread.is_alive() for thread in threads), "a client never finished"
+    load.assert_all_answered(expected)
 
 
 def autoscale_state(server: Disagg) -> dict:
@@ -126,6 +169,11 @@ def pool_sizes(server: Disagg) -> dict[str, int]:
         if worker["state"] == "healthy" and not worker["draining"]:
             sizes[worker["role"]] += 1
     return sizes
+
+
+def served_by(load: Load) -> set[str]:
+    """The decode workers that answered the load's requests so far."""
+    return {timing["decode_worker"] for _, timing in list(load.answers.values())}
 
 
 def wait_for(server: Disagg, what: str, predicate, timeout_s: float = 300.0) -> None:
@@ -168,9 +216,9 @@ def test_a_burst_of_long_prompts_grows_the_prefill_pool_and_quiet_shrinks_it(tmp
         *("--max-decode-workers", "1", "--slo", "ttft:1,itl:100000"),
     ) as server:
         # Bursts until the planner acts: a fast CPU prefills a burst within one interval.
-        with keep_sending(server.url, lambda i: (text_of(600, i), 2), concurrency=3) as sent:
+        with keep_sending(server.url, lambda i: (text_of(600, i), 2), concurrency=3) as load:
             wait_for(server, "a prefill worker", lambda: pool_sizes(server)["prefill"] == 1)
-        assert sent[0][1]["route"] == "local"
+        assert load.in_order()[0][1]["route"] == "local"
         assert decisions(server)[0] == ("add", "prefill", "ttft")
         # Long prompts now go through it...
         _, timing = complete(server.url, text_of(600, 99), 2)
@@ -196,7 +244,8 @@ def test_a_burst_of_long_prompts_grows_the_prefill_pool_and_quiet_shrinks_it(tmp
 
 def test_a_drained_worker_loses_no_request(tmp_path, tiny_model):
     """The prefill worker is quiet (its TTFT far under the SLO) while requests keep coming:
-    it is drained and stopped mid-traffic; every request completes."""
+    it is drained and stopped mid-traffic; every request completes, with the same answer
+    prefilled there or locally."""
     with deployment(
         tmp_path,
         tiny_model,
@@ -204,25 +253,17 @@ def test_a_drained_worker_loses_no_request(tmp_path, tiny_model):
         *("--max-decode-workers", "1", "--slo", "ttft:60000,itl:100000"),
     ) as server:
         prefill_pid = server.worker_pid("prefill-0")
-        results, stop = [], threading.Event()
-
-        def client() -> None:
-            i = 0
-            while not stop.is_set():
-                results.append(complete(server.url, text_of(300, i), 24))
-                i += 1
-
-        worker = threading.Thread(target=client)
-        worker.start()
-        try:
+        with keep_sending(server.url, lambda i: (text_of(300, i), 24), concurrency=1) as load:
             wait_for(
                 server, "the prefill worker drained", lambda: pool_sizes(server)["prefill"] == 0
             )
-            time.sleep(2)  # requests keep flowing, prefilled locally now
-        finally:
-            stop.set()
-            worker.join(timeout=120)
-        routes = [timing["route"] for _, timing in results]
+            # Requests keep flowing, prefilled locally now.
+            wait_until(
+                lambda: (load.latest() or ("", {}))[1].get("route") == "local",
+                300,
+                "an answer prefilled locally",
+            )
+        routes = [timing["route"] for _, timing in load.in_order()]
         assert "remote" in routes and routes[-1] == "local", routes
         assert decisions(server) == [("remove", "prefill", "idle")]
         wait_until(lambda: not Path(f"/proc/{prefill_pid}").exists(), 60, "prefill-0 to exit")
@@ -230,7 +271,8 @@ def test_a_drained_worker_loses_no_request(tmp_path, tiny_model):
 
 
 def test_a_burst_of_long_generations_grows_the_decode_pool(tmp_path, tiny_model):
-    # Two sequences per decode worker: a burst of long generations queues, which is pressure.
+    # Two sequences per decode worker and six clients: four long generations wait (a queue is
+    # over two per worker), which is pressure for as long as the clients keep sending.
     with deployment(
         tmp_path,
         tiny_model,
@@ -238,14 +280,14 @@ def test_a_burst_of_long_generations_grows_the_decode_pool(tmp_path, tiny_model)
         *("--max-decode-workers", "2", "--slo", "ttft:60000,itl:100000"),
         *("--worker-args", "--max-num-seqs 2"),
     ) as server:
-        prompts = [text_of(20, i) for i in range(10)]
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            first = pool.submit(burst, server.url, prompts, 400, 10)
+        with keep_sending(server.url, lambda i: (text_of(20, i), 400), concurrency=6) as load:
             wait_for(server, "a second decode worker", lambda: pool_sizes(server)["decode"] == 2)
-            assert all(text for text, _ in first.result())
+            # While the load lasts (once it ends, the pool is soon drained back to one), the
+            # new worker answers some of it.
+            wait_for(
+                server, "answers from both", lambda: served_by(load) == {"decode-0", "decode-1"}
+            )
         assert decisions(server)[0] == ("add", "decode", "queue")
-        later = burst(server.url, prompts[:4], 16, 4)
-        assert {timing["decode_worker"] for _, timing in later} == {"decode-0", "decode-1"}
         assert_paced(server)
         assert_no_blocks_held(server.healthy_worker_urls())
 
@@ -264,10 +306,8 @@ def test_the_planner_switches_an_idle_prefill_worker_to_a_saturated_decode_pool(
         checks = [text_of(200, i) for i in range(4)]
         reference = [text for text, _ in burst(server.url, checks, 48, 1)]
         # Short prompts, long generations: the decode worker is the bottleneck.
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            first = pool.submit(burst, server.url, [text_of(20, i) for i in range(10)], 400, 10)
+        with keep_sending(server.url, lambda i: (text_of(20, i), 400), concurrency=6):
             wait_for(server, "a switch to decode", lambda: pool_sizes(server)["decode"] == 2)
-            assert all(text for text, _ in first.result())
         assert decisions(server)[0] == ("switch", "decode", "queue")
         (outcome,) = autoscale_state(server)["outcomes"]
         assert outcome["previous_id"] == "prefill-0" and outcome["worker"]["id"] == "decode-1"
@@ -291,6 +331,7 @@ def test_role_switch_under_load_loses_nothing_and_answers_the_same(tmp_path, tin
     ) as server:
         prompts = [text_of(500, i) for i in range(8)]
         reference = [text for text, _ in burst(server.url, prompts, 32, 1)]
+        expected = dict(zip(prompts, reference, strict=True))
         switches = []
 
         def switch(worker_id: str, role: str) -> None:
@@ -303,21 +344,23 @@ def test_role_switch_under_load_loses_nothing_and_answers_the_same(tmp_path, tin
             assert response.status_code == 200, response.text
             switches.append(response.json())
 
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            load = pool.submit(burst, server.url, prompts * 2, 32, 4)
-            time.sleep(1.0)  # prefill legs in flight on prefill-0
+        def in_flight_at(worker_id: str) -> bool:
+            return server.workers()[worker_id]["num_inflight"] > 0
+
+        def request(i: int) -> tuple[str, int]:
+            return prompts[i % len(prompts)], 32
+
+        with keep_sending(server.url, request, concurrency=4, expected=expected):
+            wait_until(lambda: in_flight_at("prefill-0"), 300, "prefill legs on prefill-0")
             switch("prefill-0", "decode")
             assert pool_sizes(server) == {"prefill": 0, "decode": 2}
-            during = load.result()
-        assert [text for text, _ in during] == reference * 2
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            load = pool.submit(burst, server.url, prompts, 32, 4)
-            time.sleep(0.5)  # streams in flight on decode-1
+        with keep_sending(server.url, request, concurrency=4, expected=expected):
+            wait_until(lambda: in_flight_at("decode-1"), 300, "streams on decode-1")
             switch("decode-1", "prefill")
-            after = load.result() + burst(server.url, prompts, 32, 2)
-        assert [text for text, _ in after] == reference * 2
+        after = burst(server.url, prompts, 32, 2)
+        assert [text for text, _ in after] == reference
         assert pool_sizes(server) == {"prefill": 1, "decode": 1}
-        assert {timing["route"] for _, timing in after[-len(prompts) :]} == {"remote"}
+        assert {timing["route"] for _, timing in after} == {"remote"}
         to_decode, to_prefill = switches
         assert (to_decode["previous_id"], to_decode["worker"]["id"]) == ("prefill-0", "decode-1")
         assert (to_prefill["previous_id"], to_prefill["worker"]["id"]) == ("decode-1", "prefill-1")

@@ -493,9 +493,14 @@ def test_client_leaving_mid_prefill_leaves_no_blocks(cluster):
     disagg = cluster.shm
     prefill_url = disagg.worker_url("prefill-0")
     aborted_before = _num_aborted(prefill_url)
-    body = greedy({"prompt": text_of(1500, 3)}, stream=True)
-    with pytest.raises(httpx.ReadTimeout), httpx.Client(trust_env=False, timeout=1.0) as client:
-        client.post(f"{disagg.url}{COMPLETIONS}", json=body)
+    body = json.dumps(greedy({"prompt": text_of(1500, 3)}, stream=True)).encode()
+    host, port = disagg.url.removeprefix("http://").split(":")
+    # A raw connection, closed as soon as the prompt is on the prefill worker (not after a
+    # fixed time, which a fast CPU would need to finish the whole prefill in).
+    with socket.create_connection((host, int(port))) as client:
+        head = f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+        client.sendall(f"{head}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_until(lambda: disagg.workers()["prefill-0"]["num_inflight"] > 0, 60)
     wait_until(lambda: all(w["num_inflight"] == 0 for w in disagg.workers().values()), 60)
     wait_until(
         lambda: _num_aborted(prefill_url) == aborted_before + 1,
