@@ -74,7 +74,8 @@ class LaunchConfig:
             return [part.format(**values) for part in template]
         except (KeyError, IndexError, ValueError) as exc:
             raise BenchError(
-                f"--server-cmd/--server-args: bad placeholder {exc} in {' '.join(template)!r}; "
+                f"--server-cmd/--server-args: bad placeholder {exc} in "
+                f"{shlex.join(redact_argv(template))!r}; "
                 "use {python}, {mode}, {host}, {port}"
             ) from None
 
