@@ -303,16 +303,18 @@ def test_the_planner_switches_an_idle_prefill_worker_to_a_saturated_decode_pool(
         *("--max-decode-workers", "2", "--slo", "ttft:60000,itl:100000"),
         *("--worker-args", "--max-num-seqs 2"),
     ) as server:
-        checks = [text_of(200, i) for i in range(4)]
-        reference = [text for text, _ in burst(server.url, checks, 48, 1)]
-        # Short prompts, long generations: the decode worker is the bottleneck.
+        # Short prompts, long generations: the decode worker is the bottleneck, from the start
+        # (the idle prefill worker would be drained after a few quiet ticks, not switched).
+        # Every prompt gets one answer, whichever worker gave it, before the switch or after.
         with keep_sending(server.url, lambda i: (text_of(20, i), 400), concurrency=6):
             wait_for(server, "a switch to decode", lambda: pool_sizes(server)["decode"] == 2)
         assert decisions(server)[0] == ("switch", "decode", "queue")
         (outcome,) = autoscale_state(server)["outcomes"]
         assert outcome["previous_id"] == "prefill-0" and outcome["worker"]["id"] == "decode-1"
         # Through the router (prefilled locally now) and at the switched worker itself, the
-        # answers are those of before.
+        # answers are those of the worker that never switched.
+        checks = [text_of(200, i) for i in range(4)]
+        reference = [text for text, _ in burst(server.worker_url("decode-0"), checks, 48, 1)]
         assert [text for text, _ in burst(server.url, checks, 48, 4)] == reference
         switched = server.worker_url("decode-1")
         assert [text for text, _ in burst(switched, checks, 48, 2)] == reference
