@@ -292,9 +292,17 @@ def _fit(
     )
     # The curve absorbs the per-step overheads (a constant is linear time at a row count).
     beside_curve = [i for i, name in enumerate(OVERHEADS) if name not in PER_STEP_OVERHEADS]
+    models = [_model_of(cost_model, m) for m in samples]
     curve = CurveFit(
-        [_model_of(cost_model, m) for m in samples],
-        samples,
+        np.array([s.seconds for s in samples]),
+        [
+            [
+                (count, sum(q.num_new_tokens for q in batch), sum(q.is_sampling for q in batch))
+                for count, batch in s.steps
+            ]
+            for s in samples
+        ],
+        [(m.layer_params, m.head_params) for m in models],
         terms.counts[:, beside_curve],
         weights / terms.times,
         lambda a, m: terms.attention_s(np.array([a]), np.array([m]))[:, 0, 0] + terms.comm_s,
