@@ -1,12 +1,18 @@
-"""One-command disaggregated serving on one host: `pdserve serve --mode disagg`.
+"""One-command serving with a router on one host: `pdserve serve --mode disagg`, or
+`--mode colocated|chunked --data-parallel-size N`.
 
-`launch_disagg(args)` starts N prefill and M decode workers (``pdserve serve --role ...``) as
-separate processes, each pinned to its own cores with one torch thread per core, waits until
-all answer /health, then runs the router in this process until SIGINT/SIGTERM and stops every
-child. A worker that dies during startup stops the rest; the launcher exits 1 with its log tail.
+`launch_local(args)` starts N prefill and M decode workers (``pdserve serve --role ...``), or
+N replicas (``pdserve serve --mode colocated|chunked``: the router's decode pool, each
+serving whole requests), as separate processes, each pinned to its own cores with one torch
+thread per core, waits until all answer /health, then runs the router in this process until
+SIGINT/SIGTERM and stops every child. A worker that dies during startup stops the rest; the
+launcher exits 1 with its log tail.
 Workers get the flags `launch.cli.worker_argv` gives them, plus their own role, loopback
 address, thread count and step log (one file per worker, named after it), and with
 `--worker-auth` the deployment's fleet secret in their environment (`launch.fleet`).
+A replica gets the same, without `--decode-worker-args` (that is the disaggregated decode
+pool's); a replica that dies takes only its own requests with it: the router's health checks
+take it out of rotation and its other requests go to the rest.
 
 The workers come from a `LocalProvisioner`, the one-host `Provisioner`: the host's cores are
 cut into slots (one per worker of the initial layout; with ``--autoscale`` one per worker the
@@ -31,7 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.launch.cli import worker_argv
+from pdserve.launch.cli import is_replicated, role_argv, worker_argv
 from pdserve.launch.fleet import FLEET_SECRET_ENV, deployment_secret
 from pdserve.launch.provision import Provisioner, WorkerHandle
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
@@ -47,7 +53,7 @@ logger = logging.getLogger("pdserve.launch")
 WORKER_HOST = "127.0.0.1"
 
 
-def launch_disagg(args: argparse.Namespace) -> int:
+def launch_local(args: argparse.Namespace) -> int:
     """Run the deployment until SIGINT/SIGTERM; 0 after a clean stop, 1 if startup failed."""
     specs = plan_workers(args)
     slots = core_slots(args, len(specs))
@@ -61,7 +67,7 @@ def launch_disagg(args: argparse.Namespace) -> int:
         secret,
     )
     provisioner = LocalProvisioner(args, specs, slots, secret)
-    _print_plan(specs)
+    _print_plan(args, specs)
 
     def start() -> None:
         provisioner.start_initial()
@@ -88,7 +94,7 @@ def run_deployment(
             tokenizer = (
                 _load_tokenizer_while(start, args.model) if config.needs_token_ids else start()
             )
-            print(f"pdserve disagg: serving on http://{config.host}:{config.port}", flush=True)
+            print(f"pdserve {args.mode}: serving on http://{config.host}:{config.port}", flush=True)
             serve_router(config, tokenizer, provisioner, autoscale, discover)
         except WorkerStartupError as exc:
             print(f"pdserve serve --mode disagg: {exc}", file=sys.stderr)
@@ -101,7 +107,10 @@ def run_deployment(
 
 
 def initial_roles(args: argparse.Namespace) -> list[str]:
-    """Prefill workers then decode workers; with --autoscale within the pools' bounds."""
+    """Prefill workers then decode workers; with --autoscale within the pools' bounds.
+    Replicas serve whole requests: they are the router's decode pool."""
+    if is_replicated(args):
+        return ["decode"] * args.data_parallel_size
     num_prefill, num_decode = args.prefill_workers, args.decode_workers
     if num_prefill < 0 or num_decode < 1:
         raise ValueError("--decode-workers must be >= 1 and --prefill-workers >= 0")
@@ -156,14 +165,14 @@ def worker_spec(
     cores: tuple[int, ...],
     log_dir: Path,
 ) -> WorkerSpec:
-    """One worker's command: ``pdserve serve --role ROLE`` on loopback, pinned to `cores`."""
+    """One worker's command: ``pdserve serve --role ROLE`` (a replica: ``--mode MODE``) on
+    loopback, pinned to `cores`."""
     command = (
         sys.executable,
         "-m",
         "pdserve.cli",
         "serve",
-        "--role",
-        role,
+        *role_argv(args, role),
         "--host",
         WORKER_HOST,
         "--port",
@@ -336,11 +345,13 @@ def _load_tokenizer_while(wait: Callable[[], None], model: str | None) -> Prompt
             return None
 
 
-def _print_plan(specs: list[WorkerSpec]) -> None:
+def _print_plan(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
+    kind = f"{args.mode} replica " if is_replicated(args) else ""
     for spec in specs:
         cores = ",".join(map(str, spec.cores))
         print(
-            f"pdserve disagg: {spec.name} on {spec.url}, cores {cores}, log {spec.log_path}",
+            f"pdserve {args.mode}: {kind}{spec.name} on {spec.url}, cores {cores}, "
+            f"log {spec.log_path}",
             file=sys.stderr,
             flush=True,
         )
