@@ -32,7 +32,7 @@ from pdserve.bench.demo import demo_spec, measure_machine, size_demo
 from pdserve.bench.errors import BenchError
 from pdserve.bench.interference import InterferenceConfig
 from pdserve.bench.launcher import DEFAULT_SERVER_COMMAND, LaunchConfig
-from pdserve.bench.layout import Layout, parse_split
+from pdserve.bench.layout import Layout, parse_split, resolve_cores
 from pdserve.bench.metrics import parse_goodput
 from pdserve.bench.report import write_report
 from pdserve.bench.results import save_results
@@ -568,7 +568,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     probe_mode = "colocated" if "colocated" in modes else modes[0]
     print(f"measuring this machine through a {probe_mode} server ...", flush=True)
     profile = measure_machine(launch, probe_mode, tokenizer, args.seed)
-    plan = size_demo(profile, args.time_budget - (time.monotonic() - started), len(modes))
+    num_cores = len(resolve_cores(args.cores))
+    budget_s = args.time_budget - (time.monotonic() - started)
+    plan = size_demo(profile, budget_s, len(modes), num_cores)
     for line in plan.explain():
         print(line, flush=True)
     spec = demo_spec(plan, launch, modes, args.seed, not args.no_progress)

@@ -94,9 +94,9 @@ def test_compare_runs_every_mode_and_writes_all_artefacts(
     # On every core here: chunked's replicas share out the long prompts, and may tie.
     assert data["recommendation"]["name"] in ("disagg", None)
     assert "phase interference in colocated" in data["recommendation"]["reason"]
-    assert rows["colocated"]["num_cores"] == rows["disagg"]["num_cores"] == data["config"][
-        "num_cores"
-    ]
+    assert (
+        rows["colocated"]["num_cores"] == rows["disagg"]["num_cores"] == data["config"]["num_cores"]
+    )
 
     report = (out / "report.md").read_text()
     assert "| mode | layout | cores | ok | TTFT p50 |" in report
