@@ -6,17 +6,16 @@ N such servers, each an engine on its own cores, behind the router (its decode p
 that serve whole requests). `--mode disagg` starts prefill and decode workers and a router in
 front. Both on this host's cores (`launch.local`), or with `--cluster ray` as Ray actors
 across a cluster's nodes (`launch.ray_cluster`); disagg with `--autoscale` sized by the
-router's planner. Each flag is declared once, in its package; `WORKER_FLAGS` says which of them a
-deployment hands on to its workers.
+router's planner. Each flag is declared once, in its package; `WORKER_FLAGS` (`launch.deployment`)
+says which of them a deployment hands on to its workers.
 """
 
 from __future__ import annotations
 
 import argparse
-import shlex
 
-from pdserve.cli import add_flags, flag
 from pdserve.engine.args import ENGINE_FLAGS, KV_STORE_FLAGS, KV_TRANSFER_FLAGS
+from pdserve.flags import add_flags, flag
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTING_FLAGS
 from pdserve.server.cli import SERVER_FLAGS, run_server
 
@@ -100,19 +99,6 @@ CLUSTER_FLAGS = (
         "--cluster, off on one host",
     ),
 )
-# Set by the launcher for each worker (its role, address, threads and step log) or kept for
-# the router (the mode, the API key: workers listen on loopback behind it).
-PER_WORKER_FLAGS = frozenset(
-    {"--mode", "--host", "--port", "--api-key", "--role", "--num-threads", "--step-log"}
-)
-# What every worker of a deployment is started with, where the user gave it: the server's
-# limits, the engine's flags, the KV transfer's and the KV store's. The disaggregation and
-# routing flags are the launcher's and the router's alone.
-WORKER_FLAGS = tuple(
-    option
-    for option in (*SERVER_FLAGS, *ENGINE_FLAGS, *KV_TRANSFER_FLAGS, *KV_STORE_FLAGS)
-    if option.name not in PER_WORKER_FLAGS
-)
 
 
 def add_parser(subparsers) -> None:
@@ -152,24 +138,3 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.launch.local import launch_local
 
     return launch_local(args)
-
-
-def is_replicated(args: argparse.Namespace) -> bool:
-    """Whether the deployment's workers are replicas (whole servers of `--mode`), not pools
-    of a disaggregated one."""
-    return args.mode != "disagg"
-
-
-def role_argv(args: argparse.Namespace, role: str) -> list[str]:
-    """What makes a worker what it is: a replica is a plain server of the deployment's mode,
-    a disaggregated worker a `--role prefill|decode` server."""
-    return ["--mode", args.mode] if is_replicated(args) else ["--role", role]
-
-
-def worker_argv(args: argparse.Namespace, role: str) -> list[str]:
-    """The flags each `role` worker is started with besides its role, address, threads and
-    step log: `WORKER_FLAGS` the user gave, then --worker-args, then the pool's own (a
-    disaggregated worker's; the last of a flag given twice wins)."""
-    forwarded = [arg for option in WORKER_FLAGS for arg in option.argv(getattr(args, option.dest))]
-    pool_args = "" if is_replicated(args) else getattr(args, f"{role}_worker_args")
-    return [*forwarded, *shlex.split(args.worker_args), *shlex.split(pool_args)]

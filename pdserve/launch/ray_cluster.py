@@ -11,14 +11,14 @@ own Ray node, tcp with the others. Actor and process live and die together: the 
 SIGKILL the moment the actor's process is gone (its node died, or `ray.kill`), as it would
 with its node.
 
-`RayProvisioner` implements `launch.provision.Provisioner`: it starts and stops workers, keeps
+`RayProvisioner` implements `router.provision.Provisioner`: it starts and stops workers, keeps
 the list of those running (read by the router before every health round: its discovery, so
 there is no static URL list), and watches every actor. A worker that dies without being
 stopped leaves that list at once and is replaced on a node that has the resources (its
 placement-group bundle, where it had one), so each pool returns to its size. The router runs
-in this process, as on one host (`launch.local.run_deployment`).
+in this process, as on one host (`launch.deployment.run_deployment`).
 
-Every worker is handed the deployment's fleet secret (`launch.fleet`) through Ray (its actor's
+Every worker is handed the deployment's fleet secret (`pdserve.fleet`) through Ray (its actor's
 arguments) and on to its process in the environment. The Ray cluster itself is the trust
 boundary above that: whoever may submit Ray jobs to it runs code on its nodes.
 
@@ -44,12 +44,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.launch.cli import is_replicated, role_argv, worker_argv
-from pdserve.launch.fleet import FLEET_SECRET_ENV, deployment_secret
-from pdserve.launch.local import free_port, initial_roles, run_deployment, step_log_flags
-from pdserve.launch.provision import WorkerHandle
+from pdserve.fleet import FLEET_SECRET_ENV, deployment_secret
+from pdserve.launch.deployment import (
+    free_port,
+    initial_roles,
+    is_replicated,
+    role_argv,
+    run_deployment,
+    step_log_flags,
+    worker_argv,
+)
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
 from pdserve.router.cli import autoscale_config_from_args, router_config_from_args
+from pdserve.router.provision import WorkerHandle
 
 logger = logging.getLogger("pdserve.launch")
 
@@ -122,8 +129,8 @@ def num_threads(resources: Mapping[str, float]) -> int:
 class RayPlan:
     """What each worker of a pool is started with (`plan_from_args`)."""
 
-    # role -> what makes the worker what it is (`launch.cli.role_argv`), its other flags
-    # (`launch.cli.worker_argv`)
+    # role -> what makes the worker what it is (`launch.deployment.role_argv`), its other
+    # flags (`launch.deployment.worker_argv`)
     role_argv: Mapping[str, tuple[str, ...]]
     argv: Mapping[str, tuple[str, ...]]
     resources: Mapping[str, Mapping[str, float]]  # role -> Ray resources

@@ -32,7 +32,7 @@ class RouterConfig:
     `local_prefill_threshold`: prompts whose uncached length (prompt tokens minus the prefix the
     router believes the chosen decode worker has cached) is below it skip the prefill worker.
     0 sends every prompt through a prefill worker. `fleet_secret`: the deployment's
-    (`launch.fleet`), presented to the workers on every leg; None for open workers. Without
+    (`pdserve.fleet`), presented to the workers on every leg; None for open workers. Without
     `decode_urls` the workers come from a discovery (`RouterRuntime`'s).
     """
 

@@ -262,9 +262,17 @@ def _fit(
         **dict(zip(OVERHEADS, overheads, strict=True)),
     )
     # The curve absorbs the per-step overhead (a constant is linear time at a row count).
+    models = [_model_of(cost_model, m) for m in samples]
     curve = CurveFit(
-        [_model_of(cost_model, m) for m in samples],
-        samples,
+        np.array([s.seconds for s in samples]),
+        [
+            [
+                (count, sum(q.num_new_tokens for q in batch), sum(q.is_sampling for q in batch))
+                for count, batch in s.steps
+            ]
+            for s in samples
+        ],
+        [(m.layer_params, m.head_params) for m in models],
         terms.counts[:, 1:],
         weights / terms.times,
         lambda a, m: terms.attention_s(np.array([a]), np.array([m]))[:, 0, 0] + terms.comm_s,

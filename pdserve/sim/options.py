@@ -24,12 +24,19 @@ from pdserve.bench.workloads import (
     make_workload,
 )
 from pdserve.bench.workloads.trace_file import TraceEntry
-from pdserve.cli import add_flags
 from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, SchedulerConfig
+from pdserve.flags import add_flags
 from pdserve.router.cli import AUTOSCALE_FLAGS, autoscale_config_from_args
 from pdserve.router.policies import POLICY_NAMES
-from pdserve.sim.autoscale import DEFAULT_STARTUP_S, DEFAULT_SWITCH_S, SimAutoscale
-from pdserve.sim.config import Mode, PoolConfig, SimConfig, scheduler_config_for
+from pdserve.sim.config import (
+    DEFAULT_STARTUP_S,
+    DEFAULT_SWITCH_S,
+    Mode,
+    PoolConfig,
+    SimAutoscale,
+    SimConfig,
+    scheduler_config_for,
+)
 from pdserve.sim.efficiency import Efficiency
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import Hardware, get_hardware

@@ -15,13 +15,8 @@ from pdserve.engine.args import (
     KV_TRANSFER_FLAGS,
     engine_config_from_args,
 )
-from pdserve.launch.cli import (
-    CLUSTER_FLAGS,
-    DISAGG_FLAGS,
-    PER_WORKER_FLAGS,
-    REPLICA_FLAGS,
-    WORKER_FLAGS,
-)
+from pdserve.launch.cli import CLUSTER_FLAGS, DISAGG_FLAGS, REPLICA_FLAGS
+from pdserve.launch.deployment import PER_WORKER_FLAGS, WORKER_FLAGS
 from pdserve.launch.local import plan_workers
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTER_FLAGS, ROUTING_FLAGS
 from pdserve.router.cli import add_parser as add_router_parser

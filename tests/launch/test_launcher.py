@@ -14,7 +14,7 @@ import textwrap
 import httpx
 import pytest
 
-from pdserve.launch.cli import worker_argv
+from pdserve.launch.deployment import worker_argv
 from pdserve.launch.local import assign_cores, plan_workers
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
 from tests.router.harness import REPO_ROOT, free_port, wait_until
