@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-from pdserve.core.kv_connector import KVConnectorScheduler, KVTransferEvents
+from pdserve.core.kv_connector import (
+    KVAdmission,
+    KVConnectorBase,
+    KVOutcome,
+    KVTransferEvents,
+    KVTransferOutcome,
+)
 from pdserve.core.request import FinishReason, Request
 from pdserve.core.sampling_params import InvalidParameterError
 from pdserve.kv_transfer.blocks import TORCH_DTYPES
@@ -40,21 +46,29 @@ logger = logging.getLogger(__name__)
 
 
 def create_kv_transport(config: KVTransferConfig, layout: KVLayout, num_blocks: int) -> KVTransport:
-    """Allocate the engine's KV cache (CPU memory) and the transport that moves it.
+    """A transport with a cache of its own (tools and tests; an engine's connector registers
+    the cache its model runner allocated, `transport_over`)."""
+    if config.needs_shared_cache:
+        return transport_over(config, layout, SharedKVCache.create(layout, num_blocks))
+    # zero_() rather than torch.zeros: writing every page now means no transfer ever pays
+    # for first-touch page faults (torch.zeros may hand back lazily-zeroed pages).
+    cache = torch.empty(layout.cache_shape(num_blocks), dtype=TORCH_DTYPES[layout.dtype]).zero_()
+    return transport_over(config, layout, cache)
 
-    The engine must use `transport.kv_cache` as its KV cache tensor (for a shm producer it
-    lives in shared memory).
-    """
+
+def transport_over(
+    config: KVTransferConfig, layout: KVLayout, kv_caches: torch.Tensor | SharedKVCache
+) -> KVTransport:
+    """The transport that moves KV in and out of `kv_caches`: a shared segment for shm and
+    auto (receivers on this host map it), any CPU tensor for tcp."""
     leases = LeaseManager(config.kv_lease_timeout) if config.is_producer else None
     if config.transport == "tcp":
-        # zero_() rather than torch.zeros: writing every page now means no transfer ever pays
-        # for first-touch page faults (torch.zeros may hand back lazily-zeroed pages).
-        cache = torch.empty(
-            layout.cache_shape(num_blocks), dtype=TORCH_DTYPES[layout.dtype]
-        ).zero_()
+        cache = kv_caches.tensor if isinstance(kv_caches, SharedKVCache) else kv_caches
         return TcpTransport(cache, layout, config, leases)
+    if not isinstance(kv_caches, SharedKVCache):
+        raise ValueError(f"the {config.transport!r} KV transport needs a shared-memory cache")
     shm_transport = AutoTransport if config.transport == "auto" else ShmTransport
-    return shm_transport(SharedKVCache.create(layout, num_blocks), layout, config, leases)
+    return shm_transport(kv_caches, layout, config, leases)
 
 
 @dataclass(frozen=True)
@@ -118,38 +132,23 @@ class BackgroundReceiver:
             self._finished.append(FinishedTransfer(request_id, stats, error))
 
 
-def add_kv_request(
-    connector: KVConnector | None,
-    request_id: str,
-    kv_transfer_params: Mapping[str, Any] | None,
-    num_prompt_tokens: int,
-) -> list[int]:
-    """Admit a request's ``kv_transfer_params`` (None or empty: an ordinary request) on a
-    worker with `connector` (None: it takes no part in KV transfer); returns the output tokens
-    the request starts with. Raises `InvalidParameterError` naming ``kv_transfer_params``."""
-    if not kv_transfer_params:
-        return []
-    if connector is None:
-        raise _invalid(
-            "this worker takes no part in KV transfer (start it with "
-            "--role prefill or --role decode)"
-        )
-    return connector.add_request(request_id, kv_transfer_params, num_prompt_tokens)
-
-
-class KVConnector(KVConnectorScheduler):
+class KVConnector(KVConnectorBase):
     """Scheduler-side decisions over one worker's transport (see module docstring)."""
+
+    accepts_kv_transfer_params = True
 
     def __init__(
         self,
         config: KVTransferConfig,
         layout: KVLayout,
-        num_blocks: int,
         *,
         recompute_on_failure: bool = True,
     ) -> None:
-        self.transport: KVTransport = create_kv_transport(config, layout, num_blocks)
-        self._receiver = BackgroundReceiver(self.transport) if config.is_consumer else None
+        self._config = config
+        self._layout = layout
+        # Set by `register_kv_caches`, before any request.
+        self.transport: KVTransport | None = None
+        self._receiver: BackgroundReceiver | None = None
         self._recompute_on_failure = recompute_on_failure
         # Prefill legs this worker leases when they finish.
         self._sending: set[str] = set()
@@ -166,12 +165,17 @@ class KVConnector(KVConnectorScheduler):
     def recompute_on_failure(self) -> bool:
         return self._recompute_on_failure
 
+    def register_kv_caches(self, kv_cache: torch.Tensor | SharedKVCache) -> None:
+        self.transport = transport_over(self._config, self._layout, kv_cache)
+        if self._config.is_consumer:
+            self._receiver = BackgroundReceiver(self.transport)
+
     def add_request(
         self, request_id: str, kv_transfer_params: Mapping[str, Any], num_prompt_tokens: int
-    ) -> list[int]:
-        """Parse and check a leg's params and remember what they ask of this worker; returns
-        the output tokens the request starts with (a decode leg: the prefill worker's first
-        token). Raises `InvalidParameterError` naming ``kv_transfer_params``."""
+    ) -> KVAdmission:
+        """Parse and check a leg's params and remember what they ask of this worker; a
+        decode leg starts with the prefill worker's first token. Raises
+        `InvalidParameterError` naming ``kv_transfer_params``."""
         try:
             params = KVTransferParams.from_dict(kv_transfer_params)
         except KVTransferError as exc:
@@ -179,13 +183,13 @@ class KVConnector(KVConnectorScheduler):
         if params.do_remote_decode:
             if self.transport.server is not None:
                 self._sending.add(request_id)
-            return []
+            return KVAdmission()
         if not params.do_remote_prefill:
-            return []
+            return KVAdmission()
         self._check_hand_off(params, num_prompt_tokens)
         if self._receiver is not None:
             self._remote[request_id] = params
-        return [params.first_token_id]
+        return KVAdmission((params.first_token_id,))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         params = self._remote.get(request.request_id)
@@ -252,10 +256,15 @@ class KVConnector(KVConnectorScheduler):
                 events.failed_recving.add(finished.request_id)
         return events
 
-    def pop_transfer_result(self, request_id: str) -> FinishedTransfer | None:
+    def take_result(self, request_id: str) -> KVOutcome:
         """How the request's fetch went (bytes, seconds, or the error), once; for the
         timing breakdown and the error message of the fail policy."""
-        return self._results.pop(request_id, None)
+        result = self._results.pop(request_id, None)
+        if result is None:
+            return KVOutcome()
+        if result.stats is None:
+            return KVOutcome(transfer=KVTransferOutcome(0, 0.0, str(result.error)))
+        return KVOutcome(transfer=KVTransferOutcome(result.stats.num_bytes, result.stats.seconds))
 
     @property
     def kv_role(self) -> KVRole:
@@ -278,7 +287,8 @@ class KVConnector(KVConnectorScheduler):
     def close(self) -> None:
         if self._receiver is not None:
             self._receiver.close()
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()
 
     def _check_hand_off(self, params: KVTransferParams, num_prompt_tokens: int) -> None:
         layout = self.transport.layout
