@@ -95,6 +95,9 @@ class LLMEngine:
             self.kv_connector if self.kv_connector.connectors else None,
         )
         self._tracked: dict[str, _Tracked] = {}
+        # Hand-offs to announce at the next step, before the request computes (streamed
+        # prefill legs: the router starts the decode leg on them).
+        self._announced: list[tuple[str, dict]] = []
         self._num_steps = 0
         self._last_step_time: float | None = None
         # Called with every step's `StepRecord` (batch and wall time), e.g. a `StepLog`.
@@ -203,6 +206,8 @@ class LLMEngine:
         )
         self.scheduler.add_request(request)
         self._tracked[request_id] = _Tracked(request, Detokenizer(self.tokenizer, params.stop))
+        if admission.hand_off is not None:
+            self._announced.append((request_id, admission.hand_off))
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -231,7 +236,7 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         step_start = time.perf_counter()
-        outputs = self._update_kv_transfers()
+        outputs = self._announcements() + self._update_kv_transfers()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if not outputs and self.scheduler.has_pending_transfers():
@@ -258,6 +263,19 @@ class LLMEngine:
         record = StepRecord(batch, self._last_step_time)
         for observe in self.step_observers:
             observe(record)
+        return outputs
+
+    def _announcements(self) -> list[RequestOutput]:
+        """An output without tokens carrying each new streamed hand-off."""
+        announced, self._announced = self._announced, []
+        now = time.monotonic()
+        outputs = []
+        for request_id, hand_off in announced:
+            tracked = self._tracked.get(request_id)
+            if tracked is not None:  # not aborted meanwhile
+                output = self._output_for(tracked, None, now, is_finished=False)
+                output.kv_transfer_params = hand_off
+                outputs.append(output)
         return outputs
 
     def _update_kv_transfers(self) -> list[RequestOutput]:
