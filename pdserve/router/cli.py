@@ -42,7 +42,7 @@ ROUTING_FLAGS = (
         metavar="N",
         help="prompts with fewer uncached tokens skip the prefill worker (0: all go through one)",
     ),
-    flag(
+    KV_HANDOFF_FLAG := flag(
         "--kv-handoff",
         choices=[h.value for h in KVHandoff],
         default=RouterConfig.kv_handoff.value,
