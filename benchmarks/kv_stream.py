@@ -17,7 +17,7 @@ Medians per cell; with them the decode worker's exposed and hidden transfer
 prefill alone and the link (`pdserve.sim.handoff`). Needs root (namespaces, tc).
 
     flock /work/cpu.lock .venv/bin/python benchmarks/kv_stream.py \\
-        [--rates 10gbit 1gbit 100mbit] [--lengths 1024 4096] [--repeats 3] [--json FILE]
+        [--rates 10gbit 1gbit 100mbit] [--lengths 1024 4096] [--repeats 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pdserve.sim.handoff import predicted_ttft
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.router.netns import TwoHosts, two_hosts  # noqa: E402
+from tests.router.netns import TwoHosts, rate_bits_per_s, shape_link, two_hosts  # noqa: E402
 
 PORT = 8100
 MODES = ("alone", "pull", "stream")
@@ -45,28 +45,6 @@ MODES = ("alone", "pull", "stream")
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2
 # Token ids drawn for prompts: ordinary vocabulary, no special tokens.
 TOKEN_RANGE = (1000, 40000)
-RATE_BITS = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
-
-
-def rate_bits_per_s(rate: str) -> float:
-    for suffix, scale in RATE_BITS.items():
-        if rate.endswith(suffix):
-            return float(rate.removesuffix(suffix)) * scale
-    raise ValueError(f"rate {rate!r}: expected e.g. 10gbit, 100mbit")
-
-
-def shape(hosts: TwoHosts, veths: dict[str, str], rate: str) -> None:
-    """tbf on both ends of the veth: `rate`, a burst of 4 ms of it (at least 64 KB)."""
-    burst = max(64 * 1024, int(rate_bits_per_s(rate) / 8 * 0.004))
-    tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
-    for ns, dev in veths.items():
-        subprocess.run(
-            hosts.command(ns, ["tc", "qdisc", "replace", "dev", dev, "root", *tbf]),
-            check=True,
-            capture_output=True,
-        )
-
-
 def serve(hosts: TwoHosts, ns: str, core: int, log: Path, *flags: str) -> subprocess.Popen:
     argv = ["taskset", "-c", str(core), sys.executable, "-m", "pdserve.cli", *flags]
     return subprocess.Popen(
@@ -133,12 +111,23 @@ def start(hosts: TwoHosts, logs: Path, chunk: int) -> list[subprocess.Popen]:
             )
         )
     deadline = time.monotonic() + 600
-    for url in (f"{prefill_url}/health", f"{decode_url}/health", *ROUTERS.values()):
-        while not hosts.is_http_ok(hosts.ns_b, url.replace("/v1/completions", "/health")):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} never became healthy (logs in {logs})")
-            time.sleep(1)
+    routers = [url.replace("/v1/completions", "") for url in ROUTERS.values()]
+    while not all(_routes_to_both(hosts, url) for url in routers):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the routers never saw both workers healthy (logs in {logs})")
+        time.sleep(1)
     return processes
+
+
+def _routes_to_both(hosts: TwoHosts, router_url: str) -> bool:
+    """Whether the router (in B) has both workers in rotation."""
+    code = (
+        "import httpx, sys\ntry:\n  w = httpx.get(sys.argv[1], trust_env=False).json()\n"
+        "except (httpx.HTTPError, ValueError):\n  sys.exit(1)\n"
+        "sys.exit(not all(x['state'] == 'healthy' for x in w['workers']) or len(w['workers']) < 2)"
+    )
+    argv = hosts.command(hosts.ns_b, [sys.executable, "-c", code, f"{router_url}/workers"])
+    return subprocess.run(argv, capture_output=True).returncode == 0
 
 
 ROUTERS = {
@@ -261,7 +250,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", nargs="+", default=["10gbit", "1gbit", "100mbit"])
     parser.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=512, help="prefill worker's token budget")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--logs", type=Path, default=Path("/tmp/pdserve-kv-stream"))
@@ -270,13 +259,12 @@ def main() -> None:
     args.logs.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     with two_hosts() as hosts:
-        veths = {hosts.ns_a: f"va{hosts.veth_b[2:]}", hosts.ns_b: hosts.veth_b}
         processes = start(hosts, args.logs, args.chunk)
         try:
             # Warm-up: first requests pay for lazy initialisation, not for the hand-off.
             measure(hosts, plan(hosts, [256], 3, args.seed + 1))
             for index, rate in enumerate(args.rates):
-                shape(hosts, veths, rate)
+                shape_link(hosts, rate)
                 trials = plan(hosts, args.lengths, args.repeats, args.seed + 10 + index)
                 rows += summarize(rate, measure(hosts, trials), args.chunk)
                 print_table(rows[-len(args.lengths) :])

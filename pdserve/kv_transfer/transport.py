@@ -337,9 +337,10 @@ class KVTransport(ABC):
             self.release_quietly(params)
             raise KVStreamBroken(str(exc), num_confirmed) from exc
         now = time.perf_counter()
-        return TransferStats(
-            num_bytes, num_units, now - start, now - watched_at + complete_age_s, first_token_id
-        )
+        # Exposed: since the sender's request finished (bounded by this transfer's own time,
+        # for a stream that started after its prefill ended).
+        exposed = min(now - watched_at + complete_age_s, now - start)
+        return TransferStats(num_bytes, num_units, now - start, exposed, first_token_id)
 
     def _watch(
         self, remote: RemoteEngine, params: KVTransferParams, num_known: int, num_remote: int
