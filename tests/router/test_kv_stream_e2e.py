@@ -41,7 +41,22 @@ pytestmark = pytest.mark.slow
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 CHUNK = 64
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards judge boxing").split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+    "judge",
+    "boxing",
+]
 
 
 def text_of(num_words: int, seed: int) -> str:
@@ -248,9 +263,7 @@ def _two_host_deployment(hosts: TwoHosts, logs: Path):
         runner = lambda url: hosts.is_http_ok(hosts.ns_b, url)  # noqa: E731
         for process, url in zip(processes, (prefill_url, decode_url), strict=False):
             process.wait_healthy(f"{url}/health", 900, runner=runner)
-        wait_until(
-            lambda: all(_routes_to_both(hosts, p) for p in (8001, 8002)), 120, "the routers"
-        )
+        wait_until(lambda: all(_routes_to_both(hosts, p) for p in (8001, 8002)), 120, "the routers")
         ttft("alone"), ttft("pull"), ttft("stream")  # warm-up
         yield ttft
     finally:
