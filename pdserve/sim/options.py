@@ -26,7 +26,8 @@ from pdserve.bench.workloads import (
 from pdserve.bench.workloads.trace_file import TraceEntry
 from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, SchedulerConfig
 from pdserve.flags import add_flags
-from pdserve.router.cli import AUTOSCALE_FLAGS, autoscale_config_from_args
+from pdserve.router.cli import AUTOSCALE_FLAGS, KV_HANDOFF_FLAG, autoscale_config_from_args
+from pdserve.router.config import KVHandoff
 from pdserve.router.policies import POLICY_NAMES
 from pdserve.sim.config import (
     DEFAULT_STARTUP_S,
@@ -140,6 +141,7 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
         default=SimConfig.local_prefill_threshold,
         help="disagg: prompts with fewer uncached tokens prefill on decode",
     )
+    add_flags(lay, None, (KV_HANDOFF_FLAG,))
     lay.add_argument(
         "--decode-max-num-batched-tokens",
         type=int,
@@ -290,6 +292,7 @@ class Deployment:
             kv_cache_memory_gb=kv_gb,
             prefill_policy=a.prefill_policy,
             decode_policy=a.decode_policy,
+            kv_handoff=KVHandoff(a.kv_handoff),
             seed=a.seed,
         )
         fields.update(overrides)
