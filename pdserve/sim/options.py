@@ -110,6 +110,7 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
     )
     g.add_argument("--prefill-policy", default=SimConfig.prefill_policy, choices=POLICY_NAMES)
     g.add_argument("--decode-policy", default=SimConfig.decode_policy, choices=POLICY_NAMES)
+    add_flags(g, None, (KV_HANDOFF_FLAG,))
     if not with_layout:
         return
     lay = parser.add_argument_group("layout")
@@ -141,7 +142,6 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
         default=SimConfig.local_prefill_threshold,
         help="disagg: prompts with fewer uncached tokens prefill on decode",
     )
-    add_flags(lay, None, (KV_HANDOFF_FLAG,))
     lay.add_argument(
         "--decode-max-num-batched-tokens",
         type=int,
