@@ -171,16 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-start", type=float, default=1050.0, help="trace seconds")
     parser.add_argument("--window", type=float, default=360.0, help="trace seconds")
     parser.add_argument("--time-scale", type=float, default=0.1)
-    parser.add_argument("--copies-per-16", type=float, default=3.0)
+    parser.add_argument("--copies-per-16", type=float, default=1.5)
     parser.add_argument("--max-prompt", type=int, default=8000)
     parser.add_argument("--model", default="Llama-3.1-8B")
     parser.add_argument("--hardware", default="H100-SXM")
     parser.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument(
-        "--prefill-shares", type=float, nargs="+", default=[0.125, 0.25, 0.375, 0.5]
+        "--prefill-shares", type=float, nargs="+", default=[0.25, 0.375, 0.5, 0.625, 0.75]
     )
-    parser.add_argument("--start-share", type=float, default=0.25)
+    parser.add_argument("--start-share", type=float, default=0.5)
     parser.add_argument("--slo", default="ttft:1000,itl:50", help="TTFT and TPOT targets, ms")
     parser.add_argument("--interval", type=float, default=2.0)
     parser.add_argument("--grace", type=float, default=6.0)
