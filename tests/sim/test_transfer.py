@@ -171,3 +171,21 @@ def test_the_stacks_own_all_reduces_set_its_communication():
     fit, rows, held = calibrate_table(points + collectives, model, None)
     assert fit.efficiency.network == pytest.approx(0.5, rel=0.02)
     assert max(abs(r["residual"]) for r in rows) < 0.05 and not held
+
+
+def test_a_calibration_at_a_bound_says_so_when_loaded(tmp_path, capsys):
+    model = CostModel(LLAMA_70B, H100, 8)
+    fast = [
+        {"kind": "itl", "num_streams": b, "context": 512, "prompt_len": 512, "seconds": s}
+        for b in (1, 4, 16, 64)
+        for s in [0.3 * model.step_time((SeqWork(1, 512),) * b)]
+    ]
+    table = tmp_path / "fast.json"
+    table.write_text(json.dumps(fast))
+    out = tmp_path / "fast-cal.json"
+    args = ["simulate", "calibrate", "--points", str(table), "--hardware", "H100-SXM"]
+    assert main([*args, "--model", "Llama-3-70B", "--tp", "8", "--output", str(out)]) == 0
+    assert "fitted at 100% of peak" in capsys.readouterr().out
+    assert "at 100% of peak: memory" in Calibration.load(out).describe()
+    assert main(["simulate", "calibrate", "--bench", str(table), "--hold-out", "tp=4"]) == 2
+    assert "--hold-out goes with --points" in capsys.readouterr().err
