@@ -218,6 +218,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     cost_model = CostModel(model, hardware, args.tp, dtype=args.dtype)
     name = Path(args.output).stem
     deployment = {"model": model.name, "hardware": hardware.name, "tp": args.tp}
+    if args.hold_out and not args.points:
+        raise SimConfigError("--hold-out goes with --points")
     if args.bench:
         points, provenance = load_profile(args.bench)
         fit, measurements = calibrate_points(points, cost_model, args.max_num_batched_tokens)
