@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.core.config import Mode
 from pdserve.engine.args import ENGINE_FLAGS, KV_STORE_FLAGS, KV_TRANSFER_FLAGS
 from pdserve.flags import add_flags, flag
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTING_FLAGS
@@ -105,7 +106,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.mode != "disagg":
+    if Mode(args.mode) is not Mode.DISAGG:
         if args.cluster is not None:
             raise ValueError("--cluster places the workers of --mode disagg")
         return run_server(args)

@@ -24,14 +24,13 @@ from pdserve.bench.workloads import (
     make_workload,
 )
 from pdserve.bench.workloads.trace_file import TraceEntry
-from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, SchedulerConfig
+from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, Mode, SchedulerConfig
 from pdserve.flags import add_flags
 from pdserve.router.cli import AUTOSCALE_FLAGS, autoscale_config_from_args
-from pdserve.router.policies import POLICY_NAMES
+from pdserve.router.policies import POLICIES
 from pdserve.sim.config import (
     DEFAULT_STARTUP_S,
     DEFAULT_SWITCH_S,
-    Mode,
     PoolConfig,
     SimAutoscale,
     SimConfig,
@@ -107,14 +106,14 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
         action="store_false",
         default=CacheConfig.enable_prefix_caching,
     )
-    g.add_argument("--prefill-policy", default=SimConfig.prefill_policy, choices=POLICY_NAMES)
-    g.add_argument("--decode-policy", default=SimConfig.decode_policy, choices=POLICY_NAMES)
+    g.add_argument("--prefill-policy", default=SimConfig.prefill_policy, choices=POLICIES)
+    g.add_argument("--decode-policy", default=SimConfig.decode_policy, choices=POLICIES)
     if not with_layout:
         return
     lay = parser.add_argument_group("layout")
     lay.add_argument(
         "--mode",
-        default="chunked",
+        default=Mode.CHUNKED.value,
         help="colocated, chunked, disagg, or several comma-separated (simulated side by side)",
     )
     lay.add_argument("--tp", type=int, default=1, help="tensor-parallel devices per worker")
@@ -330,7 +329,7 @@ def parse_modes(text: str) -> list[Mode]:
         return [Mode(m.strip()) for m in text.split(",") if m.strip()]
     except ValueError:
         raise SimConfigError(
-            f"--mode: expected colocated, chunked or disagg (comma-separated), got {text!r}"
+            f"--mode: expected {', '.join(m.value for m in Mode)} (comma-separated), got {text!r}"
         ) from None
 
 

@@ -207,3 +207,12 @@ def test_a_shared_kv_store_tells_the_router_so():
     assert not config("--mode", "disagg").shared_kv_store
     assert config("--mode", "disagg", "--kv-store", "redis://cache:6379").shared_kv_store
     assert config("--mode", "disagg", "--shared-kv-store").shared_kv_store
+
+
+def test_every_command_line_offers_the_modes_of_the_one_enum():
+    from pdserve.core.config import Mode
+    from pdserve.sim.options import parse_modes
+
+    serve = next(a for a in serve_parser()._actions if a.dest == "mode")
+    assert list(serve.choices) == [mode.value for mode in Mode]
+    assert parse_modes(",".join(serve.choices)) == list(Mode)

@@ -3,7 +3,8 @@ from dataclasses import replace
 import pytest
 
 import pdserve.core.scheduler as core_scheduler
-from pdserve.sim.config import Mode, with_scheduler
+from pdserve.core.config import Mode
+from pdserve.sim.config import with_scheduler
 from pdserve.sim.efficiency import Efficiency
 from pdserve.sim.network import get_network
 from pdserve.sim.simulator import Simulation, simulate
