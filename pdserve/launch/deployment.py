@@ -24,7 +24,7 @@ from pathlib import Path
 from pdserve.core.config import Mode
 from pdserve.engine.args import ENGINE_FLAGS, KV_STORE_FLAGS, KV_TRANSFER_FLAGS
 from pdserve.launch.worker_group import WorkerStartupError
-from pdserve.router.autoscale import AutoscaleConfig
+from pdserve.router.autoscale.config import AutoscaleConfig
 from pdserve.router.cli import autoscale_config_from_args, serve_router
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import PoolRole

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.flags import add_flags, flag
 from pdserve.fleet import fleet_secret_from_env
-from pdserve.router.autoscale import SLO, AutoscaleConfig
+from pdserve.router.autoscale.config import SLO, AutoscaleConfig
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import POLICIES
 from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pdserve.core.config import CacheConfig, Mode, SchedulerConfig
-from pdserve.router.autoscale import AutoscaleConfig
+from pdserve.router.autoscale.config import AutoscaleConfig
 from pdserve.sim.efficiency import Efficiency, default_efficiency
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import Hardware

@@ -99,8 +99,8 @@ PATCHES = [
     ("pdserve.router.config", "RouterConfig", "balance_factor", 3.5),
     ("pdserve.router.config", "RouterConfig", "unhealthy_threshold", 4),
     ("pdserve.sim.config", "SimConfig", "memory_utilization", 0.5),
-    ("pdserve.router.autoscale", "AutoscaleConfig", "interval_s", 4.5),
-    ("pdserve.router.autoscale", "AutoscaleConfig", "max_decode_workers", 6),
+    ("pdserve.router.autoscale.config", "AutoscaleConfig", "interval_s", 4.5),
+    ("pdserve.router.autoscale.config", "AutoscaleConfig", "max_decode_workers", 6),
 ]
 CHANGED = """
 import importlib, json, sys
