@@ -9,21 +9,16 @@ argv (which every user of the host can read). A worker takes it out of its envir
 - its KV server admits only peers that prove they hold it, and its KV connections prove it,
   by an HMAC challenge-response (`kv_transfer.wire`): the secret itself never crosses the wire.
 The router presents it on every leg (prefill, decode, health checks, scrapes, /tokenize) and
-proves it when it releases a KV lease nobody claimed. The shared store's password travels the
-same way, as does its namespace's secret (`worker_secrets`).
+proves it when it releases a KV lease nobody claimed. The shared store's password and its
+namespace's secret reach workers the same way (`launch.deployment.worker_secrets`).
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Mapping
-
-from pdserve.kv_store.config import KV_STORE_NAMESPACE_SECRET_ENV, KV_STORE_PASSWORD_ENV
 
 FLEET_SECRET_ENV = "PDSERVE_FLEET_SECRET"
-# Every secret a launcher hands its workers, in their environment: none inherited from it.
-WORKER_SECRETS = (FLEET_SECRET_ENV, KV_STORE_PASSWORD_ENV, KV_STORE_NAMESPACE_SECRET_ENV)
 
 
 def deployment_secret() -> str:
@@ -40,12 +35,6 @@ def take_fleet_secret() -> str | None:
 def fleet_secret_from_env() -> str | None:
     """The fleet secret a router started by hand presents (left in place)."""
     return os.environ.get(FLEET_SECRET_ENV) or None
-
-
-def worker_secrets(fleet_secret: str | None, kv_store_secrets: Mapping[str, str]) -> dict[str, str]:
-    """The environment that carries a worker's secrets (never its argv): the fleet secret and
-    the store's (`launch.cli.kv_store_secrets`)."""
-    return {**kv_store_secrets, **({FLEET_SECRET_ENV: fleet_secret} if fleet_secret else {})}
 
 
 def bearer_headers(secret: str | None) -> dict[str, str]:
