@@ -32,6 +32,11 @@ class Flag:
     def default(self) -> Any:
         return self.options.get("default")
 
+    def with_options(self, **changes: Any) -> Flag:
+        """This option as another command declares it: the same name, type and meaning, with
+        its own default or help (the simulator's defaults depend on the simulated device)."""
+        return Flag(self.name, {**self.options, **changes})
+
     def argv(self, value: Any) -> list[str]:
         """The arguments that give this option `value` (none when it is the default)."""
         if value == self.default:
