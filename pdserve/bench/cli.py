@@ -12,6 +12,7 @@ import math
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from pdserve.bench.arrivals import parse_request_rates
@@ -479,7 +480,14 @@ def _run_demo(args: argparse.Namespace) -> int:
     if not modes:
         raise BenchError("bench demo: --modes is empty")
     report_dir = Path(args.report)
+    # Every server logs its engine steps: what `pdserve simulate scale DIR` calibrates from.
+    steps = report_dir / "steps"
+    steps.mkdir(parents=True, exist_ok=True)
+    for old in steps.glob("*.jsonl"):
+        old.unlink()  # step logs append
     launch = _launch_config(args, report_dir)
+    step_log = ("--step-log", str(steps.resolve() / "steps-{mode}.jsonl"))
+    launch = replace(launch, extra_args=(*launch.extra_args, *step_log))
     tokenizer = load_tokenizer(args.tokenizer)
     probe_mode = "colocated" if "colocated" in modes else modes[0]
     print(f"measuring this machine through a {probe_mode} server ...", flush=True)

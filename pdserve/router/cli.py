@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from pdserve.flags import add_flags, config_from_args, flag
 from pdserve.fleet import fleet_secret_from_env
 from pdserve.router.autoscale.config import SLO, AutoscaleConfig
-from pdserve.router.config import RouterConfig
+from pdserve.router.config import KVHandoff, RouterConfig
 from pdserve.router.policies import POLICIES
 from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer
 
@@ -41,6 +41,13 @@ ROUTING_FLAGS = (
         default=RouterConfig.local_prefill_threshold,
         metavar="N",
         help="prompts with fewer uncached tokens skip the prefill worker (0: all go through one)",
+    ),
+    KV_HANDOFF_FLAG := flag(
+        "--kv-handoff",
+        choices=[h.value for h in KVHandoff],
+        default=RouterConfig.kv_handoff.value,
+        help="pull: the decode worker fetches the KV after the prefill leg answered; stream: "
+        "it receives each prompt chunk's KV while the prefill worker computes the next",
     ),
     flag(
         "--shared-kv-store",
@@ -212,6 +219,7 @@ def router_config_from_args(
         decode_urls=tuple(decode_urls),
         prefill_policy=args.prefill_policy or args.policy,
         decode_policy=args.decode_policy or args.policy,
+        kv_handoff=KVHandoff(args.kv_handoff),
         shared_kv_store=args.shared_kv_store or getattr(args, "kv_store", None) is not None,
         host=args.host,
         port=args.port,

@@ -129,6 +129,16 @@ class ServerMetrics:
         self.decode_time = histogram(
             "pdserve:request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS
         )
+        self.kv_transfer_exposed = histogram(
+            "pdserve:kv_transfer_exposed_seconds",
+            "KV transfer from a prefill worker after its last step: on the TTFT's critical path.",
+            LATENCY_BUCKETS,
+        )
+        self.kv_transfer_hidden = histogram(
+            "pdserve:kv_transfer_hidden_seconds",
+            "KV transfer from a prefill worker while it still computed (streamed hand-off).",
+            LATENCY_BUCKETS,
+        )
         self.prompt_tokens_per_request = histogram(
             "pdserve:request_prompt_tokens", "Prompt tokens per finished request.", _TOKEN_BUCKETS
         )
@@ -142,6 +152,10 @@ class ServerMetrics:
         )
         self.prompt_tokens = counter("pdserve:prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("pdserve:generation_tokens", "Generated tokens.")
+        self.kv_stream_kept_tokens = counter(
+            "pdserve:kv_stream_kept_tokens",
+            "Prompt tokens kept from KV streams that broke off (the rest computed here).",
+        )
         self._success = Counter(
             "pdserve:request_success",
             "Finished requests by reason.",

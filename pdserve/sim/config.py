@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from pdserve.core.config import CacheConfig, Mode, SchedulerConfig
 from pdserve.router.autoscale.config import AutoscaleConfig
+from pdserve.router.config import KVHandoff, RouterConfig
 from pdserve.sim.efficiency import Efficiency, default_efficiency
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import Hardware
@@ -66,6 +67,9 @@ class SimConfig:
     # Disagg: prompts with fewer uncached tokens prefill on the decode worker (0: none do),
     # as the router's --local-prefill-threshold.
     local_prefill_threshold: int = 0
+    # Disagg: KV pulled after the prefill, or streamed chunk by chunk during it (the
+    # router's --kv-handoff; only what the link cannot hide is on the TTFT, `sim/handoff.py`).
+    kv_handoff: KVHandoff = RouterConfig.kv_handoff
     efficiency: Efficiency | None = None
     dtype: str = "bf16"
     kv_dtype: str = "bf16"

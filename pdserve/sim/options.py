@@ -26,6 +26,7 @@ from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, Mode, Sched
 from pdserve.engine.args import ENGINE_FLAGS
 from pdserve.flags import Flag, add_flags
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTING_FLAGS, autoscale_config_from_args
+from pdserve.router.config import KVHandoff
 from pdserve.sim.config import (
     DEFAULT_STARTUP_S,
     DEFAULT_SWITCH_S,
@@ -82,6 +83,7 @@ ENGINE_FLAGS_SIMULATED = (
     _reused(ENGINE_FLAGS, "--no-prefix-caching"),
     _reused(ROUTING_FLAGS, "--prefill-policy", default=SimConfig.prefill_policy),
     _reused(ROUTING_FLAGS, "--decode-policy", default=SimConfig.decode_policy),
+    _reused(ROUTING_FLAGS, "--kv-handoff"),
 )
 _BUDGET_HELP = (
     f"chunked token budget (default {DEFAULT_CHUNKED_BUDGET} on cpu-local, "
@@ -275,6 +277,7 @@ class Deployment:
             kv_cache_memory_gb=kv_gb,
             prefill_policy=a.prefill_policy,
             decode_policy=a.decode_policy,
+            kv_handoff=KVHandoff(a.kv_handoff),
             seed=a.seed,
         )
         fields.update(overrides)
