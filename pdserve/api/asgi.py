@@ -119,7 +119,7 @@ class FleetSignatureMiddleware:
         self._key = signing_key(secret)
         self._open_paths = frozenset(open_paths)
         self._on_error = on_error
-        self.replays = ReplayGuard()
+        self._replays = ReplayGuard()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self._open_paths:
@@ -130,7 +130,7 @@ class FleetSignatureMiddleware:
         if signed is None:
             await self._refuse(scope, receive, send, "missing or malformed fleet signature")
             return
-        if not self.replays.is_in_window(signed.unix_time, time.time()):
+        if not self._replays.is_in_window(signed.unix_time, time.time()):
             await self._refuse(scope, receive, send, "fleet signature outside the clock window")
             return
         buffered = await _buffered(receive)
@@ -151,7 +151,7 @@ class FleetSignatureMiddleware:
         if not hmac.compare_digest(signature(self._key, message), signed.signature):
             await self._refuse(scope, receive, send, "wrong fleet signature")
             return
-        if not self.replays.admit(signed.nonce, signed.unix_time, time.time()):
+        if not self._replays.admit(signed.nonce, signed.unix_time, time.time()):
             await self._refuse(scope, receive, send, "replayed fleet signature")
             return
         await self.app(scope, receive, send)
