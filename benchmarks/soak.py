@@ -15,7 +15,9 @@ Every request's outcome is counted: ``ok`` (the whole answer, as many tokens as 
 one), else ``failed`` with its reason; sent = the sum of them. Before the loops (after a
 warm-up) and after them (once the fleet is idle) it reads the RSS and open file descriptors of
 the router (the launcher's process) and of every worker (its children), and every worker's
-KV blocks held (total minus free, from its /metrics, signed as the router signs).
+KV blocks held (total minus free, from its /metrics, signed as the router signs); during them
+it samples every process's RSS each --sample-interval seconds (growth in the second half is
+a leak, not warm-up).
 
     flock /work/cpu.lock .venv/bin/python benchmarks/soak.py [--duration 1800] \\
         [--max-requests 100000] [--concurrency 4] [--json FILE]
@@ -55,6 +57,9 @@ def main() -> int:
     parser.add_argument("--max-requests", type=int, default=100_000)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sample-interval", type=float, default=30.0, help="seconds between RSS samples"
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--log-dir", default=None)
     args = parser.parse_args()
@@ -248,6 +253,25 @@ def held_blocks(url: str, auth: httpx.Auth) -> int:
     return round(values["pdserve:kv_cache_total_blocks"] - values["pdserve:kv_cache_free_blocks"])
 
 
+def rss_sample(url: str, launcher: int) -> dict[str, float]:
+    """RSS (MiB) of the router and of each worker now, by name."""
+    workers = httpx.get(f"{url}/workers", trust_env=False, timeout=30).json()["workers"]
+    sample = {"router": process_facts(launcher)["rss_mib"]}
+    for worker in workers:
+        pid = worker_pid(launcher, worker["url"])
+        if pid is not None:
+            sample[worker["id"]] = process_facts(pid)["rss_mib"]
+    return sample
+
+
+async def sample_rss(url: str, launcher: int, interval_s: float, samples: list) -> None:
+    began = time.monotonic()
+    while True:
+        sample = await asyncio.to_thread(rss_sample, url, launcher)
+        samples.append({"t": round(time.monotonic() - began, 1), **sample})
+        await asyncio.sleep(interval_s)
+
+
 def snapshot(url: str, launcher: int) -> dict[str, Any]:
     auth = FleetAuth(SECRET)
     workers = httpx.get(f"{url}/workers", trust_env=False, timeout=30).json()["workers"]
@@ -273,8 +297,11 @@ async def soak(url: str, launcher: int, args: argparse.Namespace) -> dict[str, A
         start = snapshot(url, launcher)
         traffic = Traffic(url, args)
         began = time.monotonic()
+        samples: list[dict[str, float]] = []
+        sampler = asyncio.create_task(sample_rss(url, launcher, args.sample_interval, samples))
         await asyncio.gather(*(traffic.loop(http) for _ in range(args.concurrency)))
         seconds = time.monotonic() - began
+        sampler.cancel()
     await asyncio.sleep(5.0)  # leases freed on the workers' next steps
     end = snapshot(url, launcher)
     decisions = httpx.get(f"{url}/autoscale", trust_env=False, timeout=30)
@@ -287,6 +314,7 @@ async def soak(url: str, launcher: int, args: argparse.Namespace) -> dict[str, A
         "failures": dict(traffic.failures),
         "start": start,
         "end": end,
+        "rss_samples": samples,
         "scaling_decisions": len(decisions.json().get("decisions", []))
         if decisions.status_code == 200
         else None,
@@ -312,6 +340,18 @@ def render(results: dict[str, Any]) -> str:
         lines.append(
             f"{name:<12} {first[0]:>14} {after['rss_mib']:>8} {first[1]:>10} {after['fds']:>5}"
         )
+    lines.append(
+        "RSS MiB over the run (every sample; the second half shows a leak apart from warm-up):"
+    )
+    samples = results["rss_samples"]
+    for name in ["router", *sorted(end["workers"])]:
+        values = [sample[name] for sample in samples if name in sample]
+        if values:
+            half = values[len(values) // 2]
+            lines.append(
+                f"  {name:<10} min {min(values)} max {max(values)} half-way {half} "
+                f"last {values[-1]} ({len(values)} samples)"
+            )
     held = {w: facts["kv_blocks_held"] for w, facts in end["workers"].items()}
     lines.append(f"KV blocks held at the end: {held}")
     return "\n".join(lines)
