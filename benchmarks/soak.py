@@ -44,7 +44,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.api.signing import FleetAuth
-from pdserve.launch.fleet import FLEET_SECRET_ENV
+from pdserve.fleet import FLEET_SECRET_ENV
 
 SECRET = "soak-fleet-secret"
 KINDS = ("long", "shared", "stream", "cancel", "short", "bad")

@@ -44,7 +44,7 @@ def install_front_door(
     is refused before its body is read (added last = runs first); the OpenAPI document
     states their answers.
 
-    `fleet_secret`: this app is a deployment's worker (`launch.fleet`), which answers only its
+    `fleet_secret`: this app is a deployment's worker (`pdserve.fleet`), which answers only its
     fleet: every path but ``/health`` needs a request signed with the secret (`api.signing`;
     checked inside the body-size guard, since the signature covers the body), and the user's
     `api_key` (checked by the router in front) is not taken here."""

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from pdserve.api.signing import FleetAuth
-from pdserve.launch.fleet import FLEET_SECRET_ENV
+from pdserve.fleet import FLEET_SECRET_ENV
 from pdserve.router.config import RouterConfig
 from tests.relay import FlipDataPayloads, TcpRelay
 from tests.router.harness import ManagedProcess, RouterThread, free_port
