@@ -49,9 +49,9 @@ FLEET_SIZES = (4, 8, 16, 64)
 GPU_HARDWARE = "H100-SXM"
 GPU_MODEL = "Llama-3.1-8B"
 # A fleet run has the demo's requests per core, up to this many (the simulation's time).
-MAX_FLEET_PROMPTS = 160
-# Disagg's prefill shares tried per fleet: the workload's, and this much either side.
-SPLIT_FACTORS = (0.5, 1.0, 2.0)
+MAX_FLEET_PROMPTS = 48
+# Disagg's prefill shares tried per fleet: the workload's, and twice it.
+SPLIT_FACTORS = (1.0, 2.0)
 GOAL = 0.15
 MODES = ("colocated", "chunked", "disagg")
 
