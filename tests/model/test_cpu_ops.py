@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import gguf
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 from gguf.quants import quantize
 
 from pdserve.model.attention import AttentionMetadata, TorchAttentionBackend
+from pdserve.model.kernels import cpu_ops
 from pdserve.model.kernels.build import VARIANTS, can_run
 from pdserve.model.kernels.cpu_ops import PREFILL_KERNEL_WINS, CpuOps, load_cpu_ops
 from pdserve.model.quant import QuantizedWeight, QuantType, quantize_activations, quantize_int8
@@ -322,3 +325,16 @@ def test_quantized_weight_reads_gguf_blocks_like_gguf():
         blocks = quantize(weight.numpy(), ggml_type)
         ours = QuantizedWeight(qtype, blocks, (20, 64)).dequantize()
         np.testing.assert_array_equal(ours.numpy(), dequantize(blocks, ggml_type))
+
+
+def test_the_ctypes_structs_match_the_c_ones(ops, monkeypatch):
+    """Every variant's library reports its structs' sizes and the mirrors have them; a mirror
+    that lost a field is refused at load."""
+    cpu_ops.check_struct_sizes(ops._lib)
+
+    class Shorter(ctypes.Structure):
+        _fields_ = cpu_ops._PackedLinear._fields_[:-1]
+
+    monkeypatch.setattr(cpu_ops, "_STRUCTS", (Shorter, *cpu_ops._STRUCTS[1:]))
+    with pytest.raises(RuntimeError, match="Shorter is 32 bytes, the C struct 40"):
+        CpuOps(ops._lib, ops.isa)
