@@ -60,13 +60,14 @@ def traffic(args: argparse.Namespace, fleet: int) -> list[SimRequestSpec]:
         for e in load_trace(args.trace)
         if args.window_start <= e.timestamp < args.window_start + args.window
     ]
-    copies = max(1, round(args.copies_per_16 * fleet / 16))
+    copies = args.copies_per_16 * fleet / 16
     rng = random.Random(args.seed)
     specs = []
     for this, after in zip(entries, [*entries[1:], None], strict=True):
         gap = (after.timestamp - this.timestamp) if after else 0.0
         start = (this.timestamp - args.window_start) * args.time_scale
-        for _ in range(copies):
+        # A fractional count: the whole part, and one more with the fraction's chance.
+        for _ in range(int(copies) + (rng.random() < copies % 1)):
             arrival = start + rng.random() * gap * args.time_scale
             prompt = min(this.prompt_len, args.max_prompt)
             specs.append(SimRequestSpec(str(len(specs)), arrival, prompt, max(1, this.output_len)))

@@ -26,6 +26,9 @@ def test_traffic_scales_with_the_fleet():
     assert span <= 30 * args.time_scale
     assert max(s.arrival_time for s in large) <= 30 * args.time_scale
     assert [s.arrival_time for s in large] == sorted(s.arrival_time for s in large)
+    # A fractional count per trace request keeps the ratio too.
+    args = fleet.parse_args(["--window", "30", "--copies-per-16", "1.5"])
+    assert len(fleet.traffic(args, 16)) == pytest.approx(1.5 * len(small), rel=0.1)
 
 
 def test_the_table_compares_with_the_best_fixed_split():
