@@ -26,8 +26,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from statistics import fmean
 
+from pdserve.core.config import Mode
 from pdserve.sim.calibration import band_of, fit_efficiency, fit_link, predict
-from pdserve.sim.config import Mode, PoolConfig, SimConfig, scheduler_config_for
+from pdserve.sim.config import PoolConfig, SimConfig, scheduler_config_for
 from pdserve.sim.efficiency import SHIPPED_DIR, Calibration
 from pdserve.sim.network import NETWORKS
 from pdserve.sim.points import deployment, load_source, measurement, source_names

@@ -1,4 +1,5 @@
-"""What every deployment of `--mode disagg` shares, on one host or on a cluster.
+"""What every deployment behind a router shares (`--mode disagg`, or replicas of
+`--mode colocated|chunked --data-parallel-size N`), on one host or on a cluster.
 
 `WORKER_FLAGS`, the flags a worker is started with (and `worker_argv`, their values from the
 command line); the pools' initial sizes (`initial_roles`), each worker's own step log; and
@@ -20,9 +21,10 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from pdserve.core.config import Mode
 from pdserve.engine.args import ENGINE_FLAGS, KV_STORE_FLAGS, KV_TRANSFER_FLAGS
 from pdserve.launch.worker_group import WorkerStartupError
-from pdserve.router.autoscale import AutoscaleConfig
+from pdserve.router.autoscale.config import AutoscaleConfig
 from pdserve.router.cli import autoscale_config_from_args, serve_router
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import PoolRole
@@ -50,16 +52,25 @@ WORKER_FLAGS = tuple(
 )
 
 
+def is_replicated(args: argparse.Namespace) -> bool:
+    """Whether the deployment's workers are replicas (whole servers of `--mode`), not pools
+    of a disaggregated one."""
+    return args.mode != Mode.DISAGG.value
+
+
+def role_argv(args: argparse.Namespace, role: str) -> list[str]:
+    """What makes a worker what it is: a replica is a plain server of the deployment's mode,
+    a disaggregated worker a `--role prefill|decode` server."""
+    return ["--mode", args.mode] if is_replicated(args) else ["--role", role]
+
+
 def worker_argv(args: argparse.Namespace, role: str) -> list[str]:
     """The flags each `role` worker is started with besides its role, address, threads and
-    step log: `WORKER_FLAGS` the user gave, then --worker-args, then the role's own (the last
-    of a flag given twice wins)."""
+    step log: `WORKER_FLAGS` the user gave, then --worker-args, then the pool's own (a
+    disaggregated worker's; the last of a flag given twice wins)."""
     forwarded = [arg for option in WORKER_FLAGS for arg in option.argv(getattr(args, option.dest))]
-    return [
-        *forwarded,
-        *shlex.split(args.worker_args),
-        *shlex.split(getattr(args, f"{role}_worker_args")),
-    ]
+    pool_args = "" if is_replicated(args) else getattr(args, f"{role}_worker_args")
+    return [*forwarded, *shlex.split(args.worker_args), *shlex.split(pool_args)]
 
 
 def run_deployment(
@@ -80,7 +91,7 @@ def run_deployment(
             tokenizer = (
                 _load_tokenizer_while(start, args.model) if config.needs_token_ids else start()
             )
-            print(f"pdserve disagg: serving on http://{config.host}:{config.port}", flush=True)
+            print(f"pdserve {args.mode}: serving on http://{config.host}:{config.port}", flush=True)
             serve_router(config, tokenizer, provisioner, autoscale, discover)
         except WorkerStartupError as exc:
             print(f"pdserve serve --mode disagg: {exc}", file=sys.stderr)
@@ -93,7 +104,10 @@ def run_deployment(
 
 
 def initial_roles(args: argparse.Namespace) -> list[str]:
-    """Prefill workers then decode workers; with --autoscale within the pools' bounds."""
+    """Prefill workers then decode workers; with --autoscale within the pools' bounds.
+    Replicas serve whole requests: they are the router's decode pool."""
+    if is_replicated(args):
+        return ["decode"] * args.data_parallel_size
     num_prefill, num_decode = args.prefill_workers, args.decode_workers
     if num_prefill < 0 or num_decode < 1:
         raise ValueError("--decode-workers must be >= 1 and --prefill-workers >= 0")

@@ -1,12 +1,17 @@
-"""One-command disaggregated serving on one host: `pdserve serve --mode disagg`.
+"""One-command serving with a router on one host: `pdserve serve --mode disagg`, or
+`--mode colocated|chunked --data-parallel-size N`.
 
-`launch_disagg(args)` starts N prefill and M decode workers (``pdserve serve --role ...``) as
-separate processes, each pinned to its own cores with one torch thread per core, waits until
-all answer /health, then runs the router in this process until SIGINT/SIGTERM and stops every
-child. A worker that dies during startup stops the rest; the launcher exits 1 with its log tail.
-Workers get the flags `launch.deployment.worker_argv` gives them, plus their own role, loopback
-address, thread count and step log (one file per worker, named after it), and with
-`--worker-auth` the deployment's fleet secret in their environment (`pdserve.fleet`).
+`launch_local(args)` starts N prefill and M decode workers (``pdserve serve --role ...``), or
+N replicas (``pdserve serve --mode colocated|chunked``: the router's decode pool, each
+serving whole requests), as separate processes, each pinned to its own cores with one torch
+thread per core, waits until all answer /health, then runs the router in this process until
+SIGINT/SIGTERM and stops every child. A worker that dies during startup stops the rest; the
+launcher exits 1 with its log tail. Workers get the flags `launch.deployment.worker_argv`
+gives them, plus their own role, loopback address, thread count and step log (one file per
+worker, named after it), and with `--worker-auth` the deployment's fleet secret in their
+environment (`pdserve.fleet`). A replica gets the same, without `--decode-worker-args` (that
+is the disaggregated decode pool's); a replica that dies takes only its own requests with it:
+the router's health checks take it out of rotation and its other requests go to the rest.
 
 The workers come from a `LocalProvisioner`, the one-host `Provisioner`: the host's cores are
 cut into slots (one per worker of the initial layout; with ``--autoscale`` one per worker the
@@ -32,6 +37,8 @@ from pdserve.launch.deployment import (
     WORKER_HOST,
     free_port,
     initial_roles,
+    is_replicated,
+    role_argv,
     run_deployment,
     step_log_flags,
     worker_argv,
@@ -43,7 +50,7 @@ from pdserve.router.provision import WorkerHandle
 logger = logging.getLogger("pdserve.launch")
 
 
-def launch_disagg(args: argparse.Namespace) -> int:
+def launch_local(args: argparse.Namespace) -> int:
     """Run the deployment until SIGINT/SIGTERM; 0 after a clean stop, 1 if startup failed."""
     specs = plan_workers(args)
     slots = core_slots(args, len(specs))
@@ -57,7 +64,7 @@ def launch_disagg(args: argparse.Namespace) -> int:
         secret,
     )
     provisioner = LocalProvisioner(args, specs, slots, secret)
-    _print_plan(specs)
+    _print_plan(args, specs)
 
     def start() -> None:
         provisioner.start_initial()
@@ -110,14 +117,14 @@ def worker_spec(
     cores: tuple[int, ...],
     log_dir: Path,
 ) -> WorkerSpec:
-    """One worker's command: ``pdserve serve --role ROLE`` on loopback, pinned to `cores`."""
+    """One worker's command: ``pdserve serve --role ROLE`` (a replica: ``--mode MODE``) on
+    loopback, pinned to `cores`."""
     command = (
         sys.executable,
         "-m",
         "pdserve.cli",
         "serve",
-        "--role",
-        role,
+        *role_argv(args, role),
         "--host",
         WORKER_HOST,
         "--port",
@@ -263,11 +270,13 @@ def _worker_port(base_port: int | None, slot: int) -> int:
     return base_port + slot if base_port is not None else free_port()
 
 
-def _print_plan(specs: list[WorkerSpec]) -> None:
+def _print_plan(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
+    kind = f"{args.mode} replica " if is_replicated(args) else ""
     for spec in specs:
         cores = ",".join(map(str, spec.cores))
         print(
-            f"pdserve disagg: {spec.name} on {spec.url}, cores {cores}, log {spec.log_path}",
+            f"pdserve {args.mode}: {kind}{spec.name} on {spec.url}, cores {cores}, "
+            f"log {spec.log_path}",
             file=sys.stderr,
             flush=True,
         )
