@@ -17,7 +17,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from pdserve.kv_transfer.protocol import (
     KVLayout,
     KVLeaseError,
     KVProtocolError,
+    get_float,
     get_int,
     get_int_list,
     get_str,
@@ -49,6 +50,8 @@ from pdserve.kv_transfer.wire import (
 logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 64
+# The longest a WATCH waits for news before answering what it has.
+MAX_WATCH_WAIT_S = 1.0
 # After rejecting a frame: how long and how much to drain before closing.
 _DRAIN_SECONDS = 0.2
 _DRAIN_BYTES = 1 << 20
@@ -64,6 +67,9 @@ class _Connection:
     is_member: bool = False
     # The nonces of an outstanding CHALLENGE (the peer's, which may be "", and ours).
     nonces: tuple[str, str] | None = None
+    # Streamed leases this peer watches and has not released: released when it goes away
+    # (a decode worker that died mid-stream frees them now, not at the lease timeout).
+    watched: set[str] = field(default_factory=set)
 
 
 class KVServer:
@@ -104,6 +110,7 @@ class KVServer:
             MessageType.AUTH: self._on_auth,
             MessageType.FETCH: self._on_fetch,
             MessageType.RELEASE: self._on_release,
+            MessageType.WATCH: self._on_watch,
         }
         self._acceptor = threading.Thread(target=self._accept_loop, name="kv-server", daemon=True)
         self._acceptor.start()
@@ -162,6 +169,13 @@ class KVServer:
             with self._lock:
                 self._connections.discard(conn)
             conn.close()
+            for request_id in connection.watched:
+                if self._leases.release(request_id):
+                    logger.warning(
+                        "KV stream %r: its receiver %s went away; lease released",
+                        request_id,
+                        peer,
+                    )
 
     def _handle_one(self, connection: _Connection) -> bool:
         """Serve one request; False ends the connection."""
@@ -233,8 +247,26 @@ class KVServer:
                 f"RELEASE names engine {engine_id}, this is engine {self._hello['engine_id']}"
             )
         block_ids = get_int_list(meta, "block_ids", "RELEASE", max_len=self._kv_cache.shape[2])
+        connection.watched.discard(request_id)
         released = self._leases.release(request_id, block_ids)
         send_frame(connection.sock, MessageType.REPLY, {"released": released})
+
+    def _on_watch(self, connection: _Connection, meta: dict) -> None:
+        request_id = _request_id(meta, "WATCH")
+        num_known = get_int(meta, "num_known", "WATCH", max_value=self._kv_cache.shape[2])
+        wait_s = get_float(meta, "wait_s", "WATCH", max_value=MAX_WATCH_WAIT_S)
+        connection.watched.add(request_id)
+        state = self._leases.watch(request_id, num_known, wait_s)
+        send_frame(
+            connection.sock,
+            MessageType.REPLY,
+            {
+                "block_ids": list(state.block_ids),
+                "is_complete": state.is_complete,
+                "first_token_id": state.first_token_id,
+                "complete_age_s": state.complete_age_s,
+            },
+        )
 
     def _on_fetch(self, connection: _Connection, meta: dict) -> None:
         request_id = _request_id(meta, "FETCH")

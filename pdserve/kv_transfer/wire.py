@@ -55,6 +55,9 @@ class MessageType(enum.IntEnum):
     AUTH = 2  # {proof} -> REPLY (as HELLO's) or ERROR {code: "unauthorized"}
     FETCH = 3  # {request_id, layer_start, layer_end, block_ids} -> DATA
     RELEASE = 4  # {request_id, engine_id, block_ids} -> REPLY {released}
+    # {request_id, num_known, wait_s} -> REPLY {block_ids, is_complete, first_token_id,
+    # complete_age_s}: a streamed lease's blocks past the first num_known (lease.py)
+    WATCH = 5
     # responses (sender -> receiver)
     REPLY = 16
     DATA = 17  # {dtype, shape} + payload: per layer, [2, num_blocks, block_size, heads, dim]
@@ -63,7 +66,13 @@ class MessageType(enum.IntEnum):
 
 
 REQUEST_TYPES = frozenset(
-    {MessageType.HELLO, MessageType.AUTH, MessageType.FETCH, MessageType.RELEASE}
+    {
+        MessageType.HELLO,
+        MessageType.AUTH,
+        MessageType.FETCH,
+        MessageType.RELEASE,
+        MessageType.WATCH,
+    }
 )
 
 

@@ -12,15 +12,15 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pdserve.cli import add_flags, flag
-from pdserve.launch.fleet import fleet_secret_from_env
-from pdserve.router.autoscale import SLO, AutoscaleConfig
-from pdserve.router.config import RouterConfig
-from pdserve.router.policies import POLICY_NAMES
+from pdserve.flags import add_flags, flag
+from pdserve.fleet import fleet_secret_from_env
+from pdserve.router.autoscale.config import SLO, AutoscaleConfig
+from pdserve.router.config import KVHandoff, RouterConfig
+from pdserve.router.policies import POLICIES
 from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer
 
 if TYPE_CHECKING:
-    from pdserve.launch.provision import Provisioner
+    from pdserve.router.provision import Provisioner
     from pdserve.router.runtime import Discover
 
 # Seconds uvicorn lets in-flight streams finish after SIGINT/SIGTERM.
@@ -29,18 +29,25 @@ GRACEFUL_SHUTDOWN_S = 30
 ROUTING_FLAGS = (
     flag(
         "--policy",
-        choices=POLICY_NAMES,
+        choices=POLICIES,
         default=RouterConfig.prefill_policy,
         help="policy of both pools unless --prefill-policy/--decode-policy",
     ),
-    flag("--prefill-policy", choices=POLICY_NAMES, default=None),
-    flag("--decode-policy", choices=POLICY_NAMES, default=None),
+    flag("--prefill-policy", choices=POLICIES, default=None),
+    flag("--decode-policy", choices=POLICIES, default=None),
     flag(
         "--local-prefill-threshold",
         type=int,
         default=RouterConfig.local_prefill_threshold,
         metavar="N",
         help="prompts with fewer uncached tokens skip the prefill worker (0: all go through one)",
+    ),
+    KV_HANDOFF_FLAG := flag(
+        "--kv-handoff",
+        choices=[h.value for h in KVHandoff],
+        default=RouterConfig.kv_handoff.value,
+        help="pull: the decode worker fetches the KV after the prefill leg answered; stream: "
+        "it receives each prompt chunk's KV while the prefill worker computes the next",
     ),
     flag(
         "--shared-kv-store",
@@ -215,6 +222,7 @@ def router_config_from_args(
         prefill_policy=args.prefill_policy or args.policy,
         decode_policy=args.decode_policy or args.policy,
         local_prefill_threshold=args.local_prefill_threshold,
+        kv_handoff=KVHandoff(args.kv_handoff),
         shared_kv_store=args.shared_kv_store or getattr(args, "kv_store", None) is not None,
         host=args.host,
         port=args.port,

@@ -24,12 +24,14 @@ ROUTER_OWNED_FIELDS = ("kv_transfer_params", "router_timing")
 _NOT_FOR_PREFILL = ("stream_options", "min_tokens", "max_completion_tokens")
 
 
-def prefill_leg_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The client's request as a prefill leg: one token, no stream, KV kept for a decoder."""
+def prefill_leg_body(body: dict[str, Any], *, is_streamed: bool = False) -> dict[str, Any]:
+    """The client's request as a prefill leg: one token, KV kept for a decoder. Pulled: one
+    body at the end. Streamed: an SSE stream whose first event announces the hand-off."""
     leg = {
         k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL and k not in ROUTER_OWNED_FIELDS
     }
-    leg.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    params = {"do_remote_decode": True, **({"is_streamed": True} if is_streamed else {})}
+    leg.update(max_tokens=1, stream=is_streamed, kv_transfer_params=params)
     return leg
 
 

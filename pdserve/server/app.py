@@ -60,8 +60,8 @@ def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
     starts with the app's lifespan and stops with it."""
     metrics = ServerMetrics(settings.served_model_names[0], stats=lambda: engine.stats)
     llm_engine.step_observers.append(lambda record: metrics.step_time.observe(record.step_s))
-    if llm_engine.kv_store is not None:
-        metrics.registry.register(llm_engine.kv_store.store.metrics)
+    for collector in llm_engine.kv_connector.metrics_collectors():
+        metrics.registry.register(collector)
     engine = AsyncLLMEngine(llm_engine, max_queue=settings.max_queue)
     model = ModelInfo(
         settings.served_model_names,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 
 import gguf
@@ -18,6 +19,7 @@ from pdserve.model.attention import (
     prefill_case,
     prefill_kernel_choice,
 )
+from pdserve.model.kernels import cpu_ops
 from pdserve.model.kernels.build import VARIANTS, can_run
 from pdserve.model.kernels.cpu_ops import CpuOps, load_cpu_ops
 from pdserve.model.quant import QuantizedWeight, QuantType, quantize_activations, quantize_int8
@@ -333,3 +335,16 @@ def test_quantized_weight_reads_gguf_blocks_like_gguf():
         blocks = quantize(weight.numpy(), ggml_type)
         ours = QuantizedWeight(qtype, blocks, (20, 64)).dequantize()
         np.testing.assert_array_equal(ours.numpy(), dequantize(blocks, ggml_type))
+
+
+def test_the_ctypes_structs_match_the_c_ones(ops, monkeypatch):
+    """Every variant's library reports its structs' sizes and the mirrors have them; a mirror
+    that lost a field is refused at load."""
+    cpu_ops.check_struct_sizes(ops._lib)
+
+    class Shorter(ctypes.Structure):
+        _fields_ = cpu_ops._PackedLinear._fields_[:-1]
+
+    monkeypatch.setattr(cpu_ops, "_STRUCTS", (Shorter, *cpu_ops._STRUCTS[1:]))
+    with pytest.raises(RuntimeError, match="Shorter is 32 bytes, the C struct 40"):
+        CpuOps(ops._lib, ops.isa)

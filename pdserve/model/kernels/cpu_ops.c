@@ -967,3 +967,11 @@ void decode_forward(const DecoderModel* m, int64_t rows, void* hidden, const flo
         decode_forward_impl(DT_BF16, DT_F32, DECODE_ARGS);
 #undef DECODE_ARGS
 }
+
+/* sizeof each struct the ctypes mirror (cpu_ops.py, `_STRUCTS`) passes, in that order: it
+ * checks them at load, so a field changed on one side only fails loudly, not as a misread. */
+void pdserve_struct_sizes(int64_t* sizes) {
+    sizes[0] = sizeof(PackedLinear);
+    sizes[1] = sizeof(DecoderLayer);
+    sizes[2] = sizeof(DecoderModel);
+}

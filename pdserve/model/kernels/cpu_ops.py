@@ -45,6 +45,7 @@ _SIGNATURES = {
     "linear_has_amx": ([], _C),
     "stream_sum": ([_P, _I], _F),
     "pdserve_isa": ([], ctypes.c_char_p),
+    "pdserve_struct_sizes": ([_P], None),
     "decode_scratch_bytes": ([_P, _I], _I),
     "decode_forward": ([_P, _I, *[_P] * 4, _I, _I, *[_P] * 3, _I, _P], None),
 }
@@ -97,6 +98,7 @@ class CpuOps:
         built = library.pdserve_isa().decode()
         if built != isa:
             raise RuntimeError(f"kernel library reports ISA {built!r}, expected {isa!r}")
+        check_struct_sizes(library)
 
     @property
     def has_bf16_dot(self) -> bool:
@@ -354,6 +356,22 @@ class _DecoderModel(ctypes.Structure):
         ("layers", ctypes.POINTER(_DecoderLayer)),
         ("final_norm", _P),
     )
+
+
+# The structs passed to the library, in the order `pdserve_struct_sizes` reports their sizes.
+_STRUCTS = (_PackedLinear, _DecoderLayer, _DecoderModel)
+
+
+def check_struct_sizes(library: ctypes.CDLL) -> None:
+    """Raise unless every ctypes mirror has its C struct's size (cpu_ops.c's own `sizeof`)."""
+    sizes = (ctypes.c_int64 * len(_STRUCTS))()
+    library.pdserve_struct_sizes(sizes)
+    for struct, size in zip(_STRUCTS, sizes, strict=True):
+        if ctypes.sizeof(struct) != size:
+            raise RuntimeError(
+                f"cpu_ops.py's {struct.__name__} is {ctypes.sizeof(struct)} bytes, "
+                f"the C struct {size}: the mirror no longer matches cpu_ops.c"
+            )
 
 
 @dataclass(frozen=True)
