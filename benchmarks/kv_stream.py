@@ -45,6 +45,8 @@ MODES = ("alone", "pull", "stream")
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2
 # Token ids drawn for prompts: ordinary vocabulary, no special tokens.
 TOKEN_RANGE = (1000, 40000)
+
+
 def serve(hosts: TwoHosts, ns: str, core: int, log: Path, *flags: str) -> subprocess.Popen:
     argv = ["taskset", "-c", str(core), sys.executable, "-m", "pdserve.cli", *flags]
     return subprocess.Popen(

@@ -68,6 +68,7 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
         "roce-400, eth-25, ... or a number of Gb/s "
         "(default: ib-8x400; shm on cpu-local)",
     )
+    add_flags(g, None, (KV_HANDOFF_FLAG,))  # disagg: how the KV crosses that link
     g.add_argument("--dtype", default=SimConfig.dtype, choices=["bf16", "fp8"], help="weights")
     g.add_argument("--kv-dtype", default=SimConfig.kv_dtype, choices=["bf16", "fp8"])
     g.add_argument(
@@ -134,7 +135,6 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
         default=SimConfig.local_prefill_threshold,
         help="disagg: prompts with fewer uncached tokens prefill on decode",
     )
-    add_flags(lay, None, (KV_HANDOFF_FLAG,))
     lay.add_argument(
         "--decode-max-num-batched-tokens",
         type=int,
