@@ -22,11 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from statistics import fmean
 
-from pdserve.sim.calibration import fit_efficiency, fit_link
+from pdserve.sim.calibration import band_of, fit_efficiency, fit_link, predict
 from pdserve.sim.config import Mode, PoolConfig, SimConfig, scheduler_config_for
 from pdserve.sim.efficiency import SHIPPED_DIR, Calibration
 from pdserve.sim.network import NETWORKS
@@ -37,11 +37,12 @@ from pdserve.sim.workload import SimRequestSpec
 
 ENGINE_SOURCE = "trtllm-perf-v0.6"
 KERNEL_SOURCE = "vidur-linear"
-# What each shipped calibration is fitted to. H100: TensorRT-LLM's tables are FP8 only, so
-# the 16-bit linear layers' and the memory's shares come from Vidur's bf16 kernel profiles,
-# then everything else (FP8 GEMMs, attention, overheads) from TensorRT-LLM's tables at that
-# memory share; the check left out is NIM's served figures. A100: TensorRT-LLM's FP16
-# tables alone; the check left out is Vidur's A100 kernels.
+# What each shipped calibration is fitted to: Vidur's kernel profiles on the GPU (every TP)
+# give the roofline's sharpness, the weights' bandwidth share, the 16-bit GEMMs' share and
+# the linears' fixed cost per layer; TensorRT-LLM's tables on that GPU everything else at
+# that sharpness and share (the engine's GEMMs, attention and its KV reads, the fixed costs
+# per step, sequence, request, all-reduce and layer). H100: the engine is FP8, so its GEMM
+# share is the FP8 one; the check left out is NIM's served figures.
 SHIPPED = {
     "h100-sxm-trtllm": {
         "hardware": "H100-SXM",
@@ -49,18 +50,21 @@ SHIPPED = {
         "default_for": ["H100-SXM", "H200"],
         "summary": "TensorRT-LLM engine benchmark (FP8, static batching) over Vidur's bf16 "
         "kernel profiles",
-        "kernel_source": KERNEL_SOURCE,
+        "engine_dtype": "fp8",
         "checks": ["nim-llama-3.3-70b"],
     },
     "a100-80gb-trtllm": {
         "hardware": "A100-80GB",
         "default_for": ["A100-80GB"],
-        "summary": "TensorRT-LLM engine benchmark, FP16, static batching",
-        "kernel_source": None,
-        "checks": [KERNEL_SOURCE],
+        "summary": "TensorRT-LLM engine benchmark (FP16, static batching) over Vidur's fp16 "
+        "kernel profiles",
+        "engine_dtype": "bf16",
+        "checks": [],
     },
 }
 LINK_SOURCE = "vidur-allreduce"
+# Roofline sharpnesses the kernel fit chooses among (None: the textbook max).
+SHARPNESS_CHOICES = (None, 4.0, 3.0, 2.0)
 # NIM's engine: TensorRT-LLM's default token budget per step, vLLM-like sequence cap.
 SERVING_BUDGET = 8192
 SERVING_MAX_SEQS = 256
@@ -141,45 +145,70 @@ def provenance(name: str) -> dict:
 
 
 def fit_shipped(name: str, spec: dict) -> Calibration:
-    """Fit one shipped calibration (see SHIPPED) to its sources' points on its hardware."""
-    kernel = spec["kernel_source"]
-    memory, kernel_fit, kernel_rows = None, None, []
-    if kernel is not None:
-        # One shard's kernels only: sharded ones are short enough that a fixed launch time
-        # the roofline has no term for dominates them (see the A100 check).
-        kernel_fit, kernel_rows = _fit_source(kernel, spec["hardware"], None, tp=1)
-        memory = kernel_fit.efficiency.memory
-    fit, rows = _fit_source(ENGINE_SOURCE, spec["hardware"], memory)
+    """Fit one shipped calibration (see SHIPPED) to its sources' points on its hardware: the
+    kernel profiles (every TP) give the roofline's shape, the 16-bit GEMMs' and the weights'
+    bandwidth share; the engine's tables everything else at that shape and share."""
+    hardware = spec["hardware"]
+    kernel_fit, kernel_rows, sharpness = fit_kernels(hardware)
+    kernel = kernel_fit.efficiency
+    fit, rows = _fit_source(ENGINE_SOURCE, hardware, kernel.memory, sharpness)
     efficiency = fit.efficiency
-    if kernel_fit is not None:
+    if spec["engine_dtype"] == "fp8":
         # The engine's GEMMs are FP8: the 16-bit share is the kernels'.
         efficiency = replace(
             efficiency,
-            linear_compute=kernel_fit.efficiency.linear_compute,
+            linear_compute=kernel.linear_compute,
             fp8_linear_compute=efficiency.linear_compute,
         )
-    sources = [s for s in (kernel, ENGINE_SOURCE) if s]
+    sources = [KERNEL_SOURCE, ENGINE_SOURCE]
     return calibration_of(
         replace(fit, efficiency=efficiency),
         name,
         kernel_rows + rows,
-        hardware=spec["hardware"],
+        hardware=hardware,
         default_for=spec["default_for"],
         summary=spec["summary"],
         stack="; ".join(load_source(s)["stack"] for s in sources),
         sources=[provenance(s) for s in sources],
         checks=spec["checks"],
+        bands={"kernel": kernel_fit.band, "engine": fit.band},
+        # The kernel rows' predictions: the kernel fit's (its per-layer cost is the linears'
+        # alone; the engine's is the whole layer's).
+        kernel_efficiency=asdict(kernel),
+        at_bound={"kernel": list(kernel_fit.at_bound), "engine": list(fit.at_bound)},
     )
 
 
-def _fit_source(source: str, hardware: str, memory: float | None, tp: int | None = None):
-    """The fit of one source's points on `hardware` (of TP `tp`, if given; each on its own
+def fit_kernels(hardware: str, pick=lambda point: True):
+    """The kernel profiles' fit on `hardware` (the points `pick` keeps) at the roofline
+    sharpness that fits them best (lowest band over every point), with its rows."""
+    fits = [
+        (*_fit_source(KERNEL_SOURCE, hardware, None, sharpness, pick), sharpness)
+        for sharpness in SHARPNESS_CHOICES
+    ]
+    return min(fits, key=lambda f: f[0].band)
+
+
+def _fit_source(
+    source: str,
+    hardware: str,
+    memory: float | None,
+    sharpness: float | None,
+    pick=lambda point: True,
+):
+    """The fit of one source's points on `hardware` that `pick` keeps (each on its own
     deployment: model, TP, precision), and its rows. A few published points cannot pin a
     linear-layer curve's knots down: the roofline."""
     points = [{**p, "source": source} for p in load_source(source)["points"]]
-    points = [p for p in points if p["hardware"] == hardware and tp in (None, p["tp"])]
+    points = [p for p in points if p["hardware"] == hardware and pick(p)]
     measurements = [measurement(p, deployment(p)) for p in points]
-    fit = fit_efficiency(measurements[0].cost_model, measurements, allow_curve=False, memory=memory)
+    fit = fit_efficiency(
+        measurements[0].cost_model,
+        measurements,
+        allow_curve=False,
+        memory=memory,
+        sharpness=sharpness,
+    )
     return fit, point_rows(fit, measurements, points, measurements[0].cost_model)
 
 
@@ -190,16 +219,28 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 
 def describe_fit(calibration: Calibration) -> str:
     e, meta = calibration.efficiency, calibration.metadata
+    bands, bound = meta["bands"], meta["at_bound"]
+    served = bands.get("served")
     header = (
         f"### {calibration.name}\n\n{meta['summary']} on {meta['hardware']} (default for "
         f"{', '.join(meta['default_for'])}). Linear layers at {e.linear_compute:.0%} of peak "
         f"FLOP/s, attention {e.attention_compute:.0%}, memory {e.memory:.0%} of peak "
-        f"bandwidth; {e.step_overhead_s * 1e3:.2f} ms per step, "
+        f"bandwidth, KV read {e.kv_read_amplification:.1f}x per step, roofline "
+        f"{_sharpness(e)}; {e.step_overhead_s * 1e3:.2f} ms per step, "
+        f"{e.layer_overhead_s * 1e6:.1f} µs per layer, "
         f"{e.per_seq_overhead_s * 1e6:.1f} µs per sequence, "
         f"{e.request_overhead_s * 1e3:.2f} ms per request, "
-        f"{e.all_reduce_overhead_s * 1e6:.1f} µs per all-reduce{_fp8(e)}. Band "
-        f"±{calibration.band:.1%} (90th percentile of |residual| over the engine's points); "
-        f"{meta['fit']['num_outliers']} of them set aside by the robust fit.\n"
+        f"{e.all_reduce_overhead_s * 1e6:.1f} µs per all-reduce{_fp8(e)}.\n\n"
+        f"Bands (90th percentile of |residual| over every point of the kind, set-aside ones "
+        f"included): kernel ±{bands['kernel']:.1%}, engine ±{bands['engine']:.1%} (the "
+        f"calibration's band: what `simulate` and `plan` print), served "
+        + (
+            f"±{served:.1%} (from the held-out NIM check)"
+            if served
+            else "unknown (no served source)"
+        )
+        + f". {meta['fit']['num_outliers']} engine points set aside by the robust fit. "
+        f"At a bound (100% of peak): {_bound(bound)}.\n"
     )
     rows = [
         [
@@ -212,6 +253,16 @@ def describe_fit(calibration: Calibration) -> str:
         for p in meta["points"]
     ]
     return header + "\n" + table(["point", "table", "measured ms", "model ms", "residual"], rows)
+
+
+def _sharpness(efficiency) -> str:
+    p = efficiency.roofline_sharpness
+    return "max(compute, memory)" if p is None else f"p-norm p={p:g}"
+
+
+def _bound(at_bound: dict) -> str:
+    found = [f"{kind} fit's {name}" for kind, names in at_bound.items() for name in names]
+    return ", ".join(found) or "none"
 
 
 def _fp8(efficiency) -> str:
@@ -255,31 +306,6 @@ def link_report() -> str:
         ]
         lines.append(table(["GPUs", "bytes", "measured µs", "residual"], rows))
     return "\n\n".join(lines)
-
-
-def linear_check(calibration: Calibration) -> tuple[str, list[float]]:
-    """Vidur's per-layer linear times on the calibration's GPU against the model's."""
-    hardware = calibration.metadata["hardware"]
-    rows, errors = [], []
-    for p in load_source(KERNEL_SOURCE)["points"]:
-        if p["hardware"] != hardware:
-            continue
-        model = deployment(p).with_efficiency(calibration.efficiency)
-        predicted = model.layers_linear_s(p["num_tokens"]) / model.model.num_layers
-        error = predicted / p["seconds"] - 1
-        errors.append(error)
-        rows.append(
-            [
-                p["model"],
-                str(p["tp"]),
-                str(p["num_tokens"]),
-                f"{p['seconds'] * 1e3:.3f}",
-                f"{predicted * 1e3:.3f}",
-                f"{error:+.0%}",
-            ]
-        )
-    text = table(["model", "TP", "tokens", "Vidur ms/layer", "model ms/layer", "error"], rows)
-    return text, errors
 
 
 def serving_check(calibration: Calibration) -> tuple[str, list[float]]:
@@ -337,7 +363,100 @@ def simulate_closed_loop(point: dict, calibration: Calibration) -> tuple[float, 
     return fmean(r.ttft for r in done) * 1e3, fmean(g for r in done for g in r.itls) * 1e3
 
 
-CHECKS = {KERNEL_SOURCE: linear_check, "nim-llama-3.3-70b": serving_check}
+CHECKS = {"nim-llama-3.3-70b": serving_check}
+# The kernel fits of the transfer check: these row counts of one TP (the rest held out).
+TRANSFER_TOKENS = (1, 32, 512, 4096)
+TRANSFER_FIT_TPS = (1, 8)
+
+
+def transfer_report() -> str:
+    """Fitted on part of one TP, predicting the rest and the other TPs: Vidur's kernel
+    profiles (four row counts of TP1, or of TP8), and TensorRT-LLM's tables with one
+    (model, TP) group of rows left out of the engine fit and predicted."""
+    parts = [TRANSFER_PREAMBLE]
+    for hardware in sorted({spec["hardware"] for spec in SHIPPED.values()}):
+        parts.append(f"### {hardware}: Vidur's kernel profiles ({KERNEL_SOURCE})")
+        parts.append(kernel_transfer(hardware))
+        parts.append(f"### {hardware}: TensorRT-LLM's tables, one (model, TP) left out")
+        parts.append(engine_transfer(hardware))
+    return "\n\n".join(parts)
+
+
+TRANSFER_PREAMBLE = (
+    "The goal: fitted on a subset of one TP's points, every held-out point of that TP and of "
+    "another TP of the same stack within 15%. Kernels: each fit sees four row counts "
+    f"({', '.join(map(str, TRANSFER_TOKENS))}) of one TP; every other point (other row counts, "
+    "other TPs) is held out. Engine: the shipped recipe (kernel fit, then the engine's table) "
+    "with one model's rows at one TP left out of the engine fit, where the table has that model "
+    "at another TP."
+)
+
+
+def kernel_transfer(hardware: str) -> str:
+    columns, worst = [], []
+    for fit_tp in TRANSFER_FIT_TPS:
+        fit, rows, _ = fit_kernels(
+            hardware, lambda p, t=fit_tp: p["tp"] == t and p["num_tokens"] in TRANSFER_TOKENS
+        )
+        errors = kernel_errors(hardware, fit.efficiency)
+        columns.append(errors)
+        held = [
+            e for p, e in errors if not (p["tp"] == fit_tp and p["num_tokens"] in TRANSFER_TOKENS)
+        ]
+        worst.append(f"fit on TP{fit_tp}: {within(held)}")
+    rows = [
+        [
+            p["model"],
+            str(p["tp"]),
+            str(p["num_tokens"]),
+            f"{p['seconds'] * 1e3:.3f}",
+            *(_mark(p, c[i][1], t) for c, t in zip(columns, TRANSFER_FIT_TPS, strict=True)),
+        ]
+        for i, (p, _) in enumerate(columns[0])
+    ]
+    headers = ["model", "TP", "tokens", "Vidur ms/layer", *(f"fit TP{t}" for t in TRANSFER_FIT_TPS)]
+    return "; ".join(worst) + " (* marks a fitted point).\n\n" + table(headers, rows)
+
+
+def _mark(point: dict, error: float, fit_tp: int) -> str:
+    fitted = point["tp"] == fit_tp and point["num_tokens"] in TRANSFER_TOKENS
+    return f"{error:+.0%}{'*' if fitted else ''}"
+
+
+def kernel_errors(hardware: str, efficiency) -> list[tuple[dict, float]]:
+    """Vidur's per-layer linear times on `hardware` against the model's at `efficiency`."""
+    out = []
+    for p in load_source(KERNEL_SOURCE)["points"]:
+        if p["hardware"] == hardware:
+            m = measurement(p, deployment(p))
+            out.append((p, predict(m.cost_model.with_efficiency(efficiency), m) / m.seconds - 1))
+    return out
+
+
+def engine_transfer(hardware: str) -> str:
+    points = [p for p in load_source(ENGINE_SOURCE)["points"] if p["hardware"] == hardware]
+    tps_of = {}
+    for p in points:
+        tps_of.setdefault(p["model"], set()).add(p["tp"])
+    kernel, _, sharpness = fit_kernels(hardware)
+    rows, held = [], []
+    for model, tp in sorted({(p["model"], p["tp"]) for p in points if len(tps_of[p["model"]]) > 1}):
+        group = [p for p in points if (p["model"], p["tp"]) == (model, tp)]
+        fit, _ = _fit_source(
+            ENGINE_SOURCE,
+            hardware,
+            kernel.efficiency.memory,
+            sharpness,
+            lambda p, m=model, t=tp: (p["model"], p["tp"]) != (m, t),
+        )
+        for p in group:
+            m = measurement(p, deployment(p))
+            error = predict(m.cost_model.with_efficiency(fit.efficiency), m) / m.seconds - 1
+            held.append(error)
+            rows.append([p["label"], f"{m.seconds * 1e3:,.1f}", f"{error:+.1%}"])
+    if not rows:
+        return "(no model at two TPs in this table)"
+    return within(held) + ".\n\n" + table(["left out (predicted)", "measured ms", "error"], rows)
 
 
 def cpu_report(directory: Path) -> str:
@@ -362,8 +481,14 @@ def cpu_report(directory: Path) -> str:
     )
 
 
+def within(held: list[float]) -> str:
+    """The held-out errors' summary."""
+    inside = sum(abs(e) <= 0.15 for e in held)
+    return f"held-out mean |error| {mean_abs(held)}, {inside} of {len(held)} within 15%"
+
+
 def mean_abs(errors: list[float]) -> str:
-    return f"mean |error| {fmean(abs(e) for e in errors):.0%}, max {max(map(abs, errors)):.0%}"
+    return f"{fmean(abs(e) for e in errors):.0%}, max {max(map(abs, errors)):.0%}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,12 +499,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.write:
         for name, spec in SHIPPED.items():
-            fit_shipped(name, spec).save(SHIPPED_DIR / f"{name}.json")
+            calibration = fit_shipped(name, spec)
+            # A served figure's band: the held-out served check's errors, where there is one.
+            served = [e for check in spec["checks"] for e in CHECKS[check](calibration)[1]]
+            if served:
+                calibration.metadata["bands"]["served"] = band_of(served)
+            calibration.save(SHIPPED_DIR / f"{name}.json")
             print(f"wrote {SHIPPED_DIR / name}.json")
     sections = [PREAMBLE, "## Shipped calibrations: residual per fitting point"]
     sections += [describe_fit(Calibration.load(SHIPPED_DIR / f"{name}.json")) for name in SHIPPED]
     sections += ["## Links: all-reduce latency and efficiency", link_report()]
     sections += ["## Sources", sources_report()]
+    sections += ["## Leave one TP out", transfer_report()]
     sections.append("## Leave one source out")
     for name, spec in SHIPPED.items():
         calibration = Calibration.load(SHIPPED_DIR / f"{name}.json")
@@ -387,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             text, errors = CHECKS[check](calibration)
             sections.append(
                 f"### {name} predicts {check} ({load_source(check)['stack'].split(':')[0]})"
-                f"\n\n{mean_abs(errors)}.\n\n{text}"
+                f"\n\nmean |error| {mean_abs(errors)}.\n\n{text}"
             )
     if args.cpu_from:
         sections += [

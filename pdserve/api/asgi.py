@@ -42,7 +42,7 @@ def install_front_door(
     is refused before its body is read (added last = runs first); the OpenAPI document
     states their answers.
 
-    `fleet_secret`: this app is a deployment's worker (`launch.fleet`), which answers only its
+    `fleet_secret`: this app is a deployment's worker (`pdserve.fleet`), which answers only its
     fleet: every path but ``/health`` needs the secret, and the user's `api_key` (checked by the
     router in front) is not taken here."""
     install_handlers(app, on_error)

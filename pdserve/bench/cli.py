@@ -32,6 +32,7 @@ from pdserve.bench.demo import demo_spec, measure_machine, size_demo
 from pdserve.bench.errors import BenchError
 from pdserve.bench.interference import InterferenceConfig
 from pdserve.bench.launcher import DEFAULT_SERVER_COMMAND, LaunchConfig
+from pdserve.bench.layout import Layout, parse_split, resolve_cores
 from pdserve.bench.metrics import parse_goodput
 from pdserve.bench.report import write_report
 from pdserve.bench.results import save_results
@@ -248,8 +249,9 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
         "--external",
         action="append",
         default=[],
-        metavar="NAME=URL",
-        help="an already-running server to add as a row (repeatable)",
+        metavar="NAME=URL[@CORES]",
+        help="an already-running server to add as a row (repeatable); @CORES declares the "
+        "cores it runs on, without which it is shown but not ranked",
     )
     g.add_argument(
         "--saved",
@@ -262,6 +264,13 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
         "only these",
     )
     _add_launch_args(g)
+    _add_resource_args(g)
+    g.add_argument(
+        "--disagg-split",
+        metavar="P:D",
+        help="disagg's prefill and decode workers on the --cores (default: half and half; "
+        "one each on two cores)",
+    )
     found = p.add_argument_group("highest rate meeting the SLOs (goodput as DistServe defines it)")
     found.add_argument(
         "--search-rate",
@@ -293,6 +302,24 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
         type=float,
         metavar="SECONDS",
         help="per server: start no search run that would end after this long",
+    )
+    found.add_argument(
+        "--seeds",
+        type=int,
+        default=CompareSpec.num_seeds,
+        help="seeds the deciding runs (the highest rate met, the lowest missed) run with, "
+        "the first included: each mode's answer becomes an interval (default %(default)s)",
+    )
+
+
+def _add_resource_args(g) -> None:
+    g.add_argument(
+        "--cores",
+        type=int,
+        metavar="N",
+        help="every launched mode on the same N cores of this machine, one engine per core: "
+        "colocated and chunked as N replicas, disagg as P prefill + D decode workers "
+        "(default: every core)",
     )
 
 
@@ -347,7 +374,9 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
         "--save-result", metavar="FILE.json", help="the JSON (default: DIR/compare.json)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _add_launch_args(p.add_argument_group("servers"))
+    servers = p.add_argument_group("servers")
+    _add_launch_args(servers)
+    _add_resource_args(servers)
 
 
 def _add_convert_args(p: argparse.ArgumentParser) -> None:
@@ -539,7 +568,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     probe_mode = "colocated" if "colocated" in modes else modes[0]
     print(f"measuring this machine through a {probe_mode} server ...", flush=True)
     profile = measure_machine(launch, probe_mode, tokenizer, args.seed)
-    plan = size_demo(profile, args.time_budget - (time.monotonic() - started), len(modes))
+    num_cores = len(resolve_cores(args.cores))
+    budget_s = args.time_budget - (time.monotonic() - started)
+    plan = size_demo(profile, budget_s, len(modes), num_cores)
     for line in plan.explain():
         print(line, flush=True)
     spec = demo_spec(plan, launch, modes, args.seed, not args.no_progress)
@@ -568,14 +599,19 @@ def _measure_and_join(
         externals=externals,
         search=_rate_search(args),
         saved=tuple(saved.order),
+        num_cores=args.cores,
+        disagg_split=parse_split(args.disagg_split) if args.disagg_split else None,
+        num_seeds=args.seeds,
     )
     measured = run_compare(spec, load_tokenizer(args.tokenizer))
+    layouts = {r.name: Layout(r.num_engines, r.num_cores, r.layout) for r in measured.rows}
     return judged(
         spec,
         {**measured.results, **saved.results},
         {**measured.searches, **saved.searches},
         {**{r.name: r for r in measured.rows if r.error}, **saved.rows},
         [*(r.name for r in measured.rows), *saved.order],
+        {**layouts, **saved.layouts},
     )
 
 
@@ -588,7 +624,7 @@ def _judge_saved(args: argparse.Namespace, saved: SavedRuns) -> CompareResult:
     bench = first.spec if first else _bench_spec(args, "http://127.0.0.1")
     search = RateSearch(attainment=saved.attainment) if saved.attainment else None
     spec = CompareSpec(bench=bench, modes=(), search=search, saved=tuple(saved.order))
-    return judged(spec, saved.results, saved.searches, saved.rows, saved.order)
+    return judged(spec, saved.results, saved.searches, saved.rows, saved.order, saved.layouts)
 
 
 def _run_convert(args: argparse.Namespace) -> int:

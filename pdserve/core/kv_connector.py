@@ -15,13 +15,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pdserve.core.request import Request
+from pdserve.core.request import Request, SchedulerOutput
 from pdserve.core.sampling_params import InvalidParameterError
-
-if TYPE_CHECKING:
-    from pdserve.core.scheduler import SchedulerOutput
 
 
 @dataclass

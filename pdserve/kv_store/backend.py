@@ -11,8 +11,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
-from pdserve.kv_store.config import KVStoreConfig
-
 
 class KVStoreBackend(ABC):
     name: ClassVar[str]
@@ -35,15 +33,3 @@ class KVStoreBackend(ABC):
 
     def close(self) -> None:  # noqa: B027 - a backend without resources needs no close
         """Release connections or mappings."""
-
-
-def create_backend(config: KVStoreConfig, salt: str, value_nbytes: int) -> KVStoreBackend:
-    """The backend `config.url` names. `salt` names the embedded store's segment (one per
-    namespace and layout), whose slots hold `value_nbytes` each."""
-    if config.is_local:
-        from pdserve.kv_store.local_backend import LocalBackend
-
-        return LocalBackend(config.local_dir, salt, value_nbytes, config.max_gb)
-    from pdserve.kv_store.redis_backend import RedisBackend
-
-    return RedisBackend(config)

@@ -47,7 +47,7 @@ WORKER_URL_PATTERN = rf"^https?://[A-Za-z0-9.-]+(?::(?:{_PORT})?)?/?$"
 _GENERATION_ERRORS = (*GENERATION_ERRORS, ErrorType.BAD_GATEWAY)
 
 if TYPE_CHECKING:
-    from pdserve.launch.provision import Provisioner
+    from pdserve.router.provision import Provisioner
 
 
 class WorkerToAdd(BaseModel):

@@ -34,7 +34,7 @@ from pdserve.router.policies import PoolRole
 from pdserve.router.pool import Worker, WorkerRegistry, WorkerState
 
 if TYPE_CHECKING:
-    from pdserve.launch.provision import Provisioner
+    from pdserve.router.provision import Provisioner
 
 logger = logging.getLogger("pdserve.router.autoscale")
 

@@ -12,15 +12,15 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pdserve.cli import add_flags, flag
-from pdserve.launch.fleet import fleet_secret_from_env
+from pdserve.flags import add_flags, flag
+from pdserve.fleet import fleet_secret_from_env
 from pdserve.router.autoscale import SLO, AutoscaleConfig
 from pdserve.router.config import KVHandoff, RouterConfig
 from pdserve.router.policies import POLICY_NAMES
 from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer
 
 if TYPE_CHECKING:
-    from pdserve.launch.provision import Provisioner
+    from pdserve.router.provision import Provisioner
     from pdserve.router.runtime import Discover
 
 # Seconds uvicorn lets in-flight streams finish after SIGINT/SIGTERM.

@@ -42,7 +42,7 @@ class RouterConfig:
     0 sends every prompt through a prefill worker. `kv_handoff`: pull the KV after the prefill
     leg answered, or stream it (the prefill leg announces where its KV appears before
     computing, and the decode leg starts at once). `fleet_secret`: the deployment's
-    (`launch.fleet`), presented to the workers on every leg; None for open workers. Without
+    (`pdserve.fleet`), presented to the workers on every leg; None for open workers. Without
     `decode_urls` the workers come from a discovery (`RouterRuntime`'s).
     """
 

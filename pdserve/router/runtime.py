@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from pdserve.launch.fleet import bearer_headers
-from pdserve.launch.provision import WorkerHandle
+from pdserve.fleet import bearer_headers
 from pdserve.router.autoscale import AutoscaleConfig
 from pdserve.router.autoscaler import Autoscaler, FleetActions
 from pdserve.router.config import RouterConfig
@@ -23,10 +22,11 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import PoolRole, RoundRobin, make_policy
 from pdserve.router.pool import Worker, WorkerPool, WorkerRegistry
 from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.provision import WorkerHandle
 from pdserve.router.tokenizer import PromptTokenizer, RemoteTokenizer
 
 if TYPE_CHECKING:
-    from pdserve.launch.provision import Provisioner
+    from pdserve.router.provision import Provisioner
 
 logger = logging.getLogger("pdserve.router")
 

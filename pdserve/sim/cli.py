@@ -33,8 +33,10 @@ from pdserve.sim.plan_report import explain, format_ranking, plot_goodput_vs_spl
 from pdserve.sim.planner import PlanInputs, band_of, gpus_for_rate, search
 from pdserve.sim.profile_fit import (
     calibrate_points,
+    calibrate_table,
     calibration_of,
     format_rows,
+    load_points,
     load_profile,
     point_rows,
 )
@@ -81,6 +83,13 @@ def add_parsers(subparsers) -> None:
         "`pdserve bench --workload profile --save-result PROFILE.json`",
     )
     source.add_argument(
+        "--points",
+        metavar="FILE.json",
+        help="published or hand-measured points (ttft, itl, static_batch, linear_layer; "
+        'format: pdserve/sim/points.py), a list or a source file\'s {"points": [...]}; '
+        "each on the deployment it names, else --model/--tp; other hardware left out",
+    )
+    source.add_argument(
         "--measure",
         action="store_true",
         help="run the real engine on this machine to measure steps",
@@ -90,6 +99,13 @@ def add_parsers(subparsers) -> None:
         type=int,
         help="--bench: the server's chunked-prefill token budget (default: prompts prefill "
         "whole, as in colocated serving)",
+    )
+    cal.add_argument(
+        "--hold-out",
+        nargs="+",
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="--points: leave the points matching every pair of one spec out of the fit and "
+        "report the error on them (e.g. tp=4, or kind=itl,num_streams=64)",
     )
     cal.add_argument("--stack", help="what was measured, for the record (default: the URL)")
     cal.add_argument("--num-threads", type=int, help="--measure: torch threads (cores)")
@@ -217,6 +233,29 @@ def _calibrate(args: argparse.Namespace) -> int:
             **deployment,
         )
         print(f"fit per point (profile of {stack}):\n{format_rows(rows)}")
+    elif args.points:
+        points = load_points(args.points)
+        fit, rows, held = calibrate_table(
+            points, cost_model, args.max_num_batched_tokens, args.hold_out
+        )
+        calibration = calibration_of(
+            fit,
+            name,
+            rows + held,
+            stack=args.stack or f"points from {args.points}",
+            sources=[str(args.points)],
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            hold_out=args.hold_out or [],
+            **deployment,
+        )
+        print(f"fit per point ({args.points}):\n{format_rows(rows)}")
+        if held:
+            errors = [abs(r["residual"]) for r in held]
+            print(
+                f"held out, not fitted ({len(held)} points; mean |error| "
+                f"{sum(errors) / len(errors):.1%}, max {max(errors):.1%}, "
+                f"{sum(e <= 0.15 for e in errors)} within 15%):\n{format_rows(held)}"
+            )
     else:
         if args.measure:
             from pdserve.sim.measure import measure_step_samples
@@ -241,10 +280,17 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"fitted on {fit.num_samples} measurements ({fit.num_outliers} set aside as disturbed): "
         f"linear {e.linear_compute:.3f}, attention {e.attention_compute:.3f}, memory "
         f"{e.memory:.3f} of peak; overhead {e.step_overhead_s * 1e3:.2f} ms/step + "
-        f"{e.per_seq_overhead_s * 1e3:.3f} ms/seq + {e.request_overhead_s * 1e3:.2f} ms/request; "
+        f"{e.per_seq_overhead_s * 1e3:.3f} ms/seq + {e.layer_overhead_s * 1e3:.3f} ms/layer + "
+        f"{e.request_overhead_s * 1e3:.2f} ms/request; "
         f"error mean {fit.mean_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}; "
-        f"band ±{fit.band:.1%}"
+        f"band ±{fit.band:.1%} over every fitted point, set-aside ones included "
+        f"(±{fit.kept_band:.1%} over the kept ones)"
     )
+    if fit.at_bound:
+        print(
+            f"warning: {', '.join(fit.at_bound)} fitted at 100% of peak, the search's bound: "
+            "the model has no term for what these points ask of it; read the band with care"
+        )
     if e.linear_curve:
         print(
             f"linear layers: measured curve over {len(e.linear_curve)} row counts "

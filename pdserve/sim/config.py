@@ -6,13 +6,31 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from pdserve.core.config import CacheConfig, SchedulerConfig, SchedulingPolicy
+from pdserve.router.autoscale import AutoscaleConfig
 from pdserve.router.config import KVHandoff, RouterConfig
-from pdserve.sim.autoscale import SimAutoscale
 from pdserve.sim.efficiency import Efficiency, default_efficiency
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import Hardware
 from pdserve.sim.model_spec import ModelSpec
 from pdserve.sim.network import Interconnect, get_network
+
+# What a worker of this engine takes to become healthy and to switch pools, as measured on
+# the CPU machines here (benchmarks/autoscale.py reports both).
+DEFAULT_STARTUP_S = 8.0
+DEFAULT_SWITCH_S = 0.01
+
+
+@dataclass(frozen=True)
+class SimAutoscale:
+    """The autoscaler a simulation runs, and how long its fleet changes take."""
+
+    config: AutoscaleConfig
+    startup_s: float = DEFAULT_STARTUP_S
+    switch_s: float = DEFAULT_SWITCH_S
+
+    def __post_init__(self) -> None:
+        if self.startup_s < 0 or self.switch_s < 0:
+            raise ValueError("worker startup and switch times must be >= 0")
 
 
 class Mode(enum.Enum):

@@ -24,13 +24,20 @@ from pdserve.bench.workloads import (
     make_workload,
 )
 from pdserve.bench.workloads.trace_file import TraceEntry
-from pdserve.cli import add_flags
 from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, SchedulerConfig
+from pdserve.flags import add_flags
 from pdserve.router.cli import AUTOSCALE_FLAGS, KV_HANDOFF_FLAG, autoscale_config_from_args
 from pdserve.router.config import KVHandoff
 from pdserve.router.policies import POLICY_NAMES
-from pdserve.sim.autoscale import DEFAULT_STARTUP_S, DEFAULT_SWITCH_S, SimAutoscale
-from pdserve.sim.config import Mode, PoolConfig, SimConfig, scheduler_config_for
+from pdserve.sim.config import (
+    DEFAULT_STARTUP_S,
+    DEFAULT_SWITCH_S,
+    Mode,
+    PoolConfig,
+    SimAutoscale,
+    SimConfig,
+    scheduler_config_for,
+)
 from pdserve.sim.efficiency import Efficiency
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import Hardware, get_hardware
@@ -68,7 +75,6 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
         "roce-400, eth-25, ... or a number of Gb/s "
         "(default: ib-8x400; shm on cpu-local)",
     )
-    add_flags(g, None, (KV_HANDOFF_FLAG,))  # disagg: how the KV crosses that link
     g.add_argument("--dtype", default=SimConfig.dtype, choices=["bf16", "fp8"], help="weights")
     g.add_argument("--kv-dtype", default=SimConfig.kv_dtype, choices=["bf16", "fp8"])
     g.add_argument(
@@ -104,6 +110,7 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
     )
     g.add_argument("--prefill-policy", default=SimConfig.prefill_policy, choices=POLICY_NAMES)
     g.add_argument("--decode-policy", default=SimConfig.decode_policy, choices=POLICY_NAMES)
+    add_flags(g, None, (KV_HANDOFF_FLAG,))
     if not with_layout:
         return
     lay = parser.add_argument_group("layout")

@@ -15,7 +15,8 @@ from pdserve.engine.args import (
     KV_TRANSFER_FLAGS,
     engine_config_from_args,
 )
-from pdserve.launch.cli import CLUSTER_FLAGS, DISAGG_FLAGS, PER_WORKER_FLAGS, WORKER_FLAGS
+from pdserve.launch.cli import CLUSTER_FLAGS, DISAGG_FLAGS, REPLICA_FLAGS
+from pdserve.launch.deployment import PER_WORKER_FLAGS, WORKER_FLAGS
 from pdserve.launch.local import plan_workers
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTER_FLAGS, ROUTING_FLAGS
 from pdserve.router.cli import add_parser as add_router_parser
@@ -27,9 +28,10 @@ GROUPS = (
     "engine",
     "KV transfer (disaggregated workers)",
     "shared KV store",
+    "data parallel (--mode colocated|chunked)",
     "disaggregation (--mode disagg)",
-    "cluster (--mode disagg)",
-    "routing (--mode disagg)",
+    "cluster (replicas or --mode disagg)",
+    "routing (replicas or --mode disagg)",
     "autoscaling (--mode disagg)",
 )
 
@@ -57,6 +59,7 @@ def test_serve_help_is_grouped_and_lists_each_flag_once():
         ENGINE_FLAGS,
         KV_TRANSFER_FLAGS,
         KV_STORE_FLAGS,
+        REPLICA_FLAGS,
         DISAGG_FLAGS,
         CLUSTER_FLAGS,
         ROUTING_FLAGS,

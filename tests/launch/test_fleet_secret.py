@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.fleet import FLEET_SECRET_ENV
 from pdserve.kv_transfer import KVAuthError, KVTransferParams
 from pdserve.kv_transfer.client import KVClient, release_lease
-from pdserve.launch.fleet import FLEET_SECRET_ENV
 from pdserve.launch.local import plan_workers
 from tests.launch.test_launcher import serve_parser
 from tests.router.real_workers import Disagg

@@ -51,15 +51,13 @@ class Server:
         self.process.wait_healthy(f"{self.url}/health", STARTUP_TIMEOUT_S, runner=runner)
 
 
-class Disagg(Server):
-    """`pdserve serve --mode disagg` (router + 1 prefill + 1 decode worker, pinned)."""
+class Routed(Server):
+    """A launcher of pinned workers behind a router (`flags` give the deployment)."""
 
     def __init__(self, log_dir: Path, name: str, *flags: str) -> None:
         super().__init__(
             log_dir,
             name,
-            "--mode",
-            "disagg",
             "--worker-log-dir",
             str(log_dir / f"{name}-workers"),
             "--health-check-interval",
@@ -85,6 +83,13 @@ class Disagg(Server):
 
     def healthy_worker_urls(self) -> list[str]:
         return [w["url"] for w in self.workers().values() if w["state"] == "healthy"]
+
+
+class Disagg(Routed):
+    """`pdserve serve --mode disagg` (router + 1 prefill + 1 decode worker, pinned)."""
+
+    def __init__(self, log_dir: Path, name: str, *flags: str) -> None:
+        super().__init__(log_dir, name, "--mode", "disagg", *flags)
 
 
 class Reference:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pdserve.launch.provision import WorkerHandle
 from pdserve.router.app import build_app
 from pdserve.router.config import RouterConfig
+from pdserve.router.provision import WorkerHandle
 from pdserve.router.runtime import RouterRuntime
 from tests.router.harness import AppThread, router_config, start_stubs, wait_until
 
