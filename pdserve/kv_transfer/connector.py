@@ -33,9 +33,8 @@ from pdserve.core.kv_connector import (
     KVTransferEvents,
     KVTransferOutcome,
 )
-from pdserve.core.request import FinishReason, Request
+from pdserve.core.request import FinishReason, Request, SchedulerOutput
 from pdserve.core.sampling_params import InvalidParameterError
-from pdserve.core.scheduler import SchedulerOutput
 from pdserve.kv_transfer.blocks import TORCH_DTYPES
 from pdserve.kv_transfer.config import KVRole, KVTransferConfig
 from pdserve.kv_transfer.lease import LeaseManager
