@@ -237,7 +237,9 @@ def _two_host_deployment(hosts: TwoHosts, logs: Path):
     prefill_url, decode_url = f"http://{hosts.addr_a}:{port}", f"http://{hosts.addr_b}:{port}"
 
     def worker(ns: str, role: str, addr: str) -> ManagedProcess:
+        # 128-token chunks: the prompt's KV leaves in eight pieces.
         flags = ("--kv-transport", "tcp", "--kv-host", addr, "--num-threads", "1")
+        flags += ("--max-num-batched-tokens", "128")
         argv = serve_argv("--role", role, "--host", addr, "--port", str(port), *flags)
         return ManagedProcess(hosts.command(ns, argv), logs / f"{role}.log")
 
