@@ -18,7 +18,8 @@ from pathlib import Path
 from statistics import median
 
 from pdserve.bench.workloads import TraceWindow, WorkloadOptions, make_workload
-from pdserve.sim.config import Mode, PoolConfig, SimConfig, scheduler_config_for
+from pdserve.core.config import Mode
+from pdserve.sim.config import PoolConfig, SimConfig, scheduler_config_for
 from pdserve.sim.cost_model import CostModel, SeqWork
 from pdserve.sim.efficiency import Efficiency, default_calibration
 from pdserve.sim.hardware import HARDWARE, get_hardware

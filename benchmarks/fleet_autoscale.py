@@ -4,15 +4,15 @@ every fixed prefill:decode split of the same workers (the best one chosen in hin
 
     python benchmarks/fleet_autoscale.py [--fleets 16 64] [--out DIR]
 
-1. Traffic: the trace from --window-start for --window seconds (by default minutes 17.5-23.5:
+1. Traffic: the trace from --window-start for --window seconds (by default minutes 18.5-21:
    prompts of ~1,100 tokens and ~250-token answers, then from minute 20 the input-heavy
    window, prompts ~1,400 and answers ~140), its arrivals compressed by --time-scale and
    each request repeated --copies-per-16 × (fleet / 16) times (spread over the gap to the
    next arrival), so that the load per worker is the same on every fleet.
 2. Layouts: `disagg P:D` for each P in --prefill-shares × fleet, one --model on one
    --hardware per worker (TP1, the shipped calibration), and the router's autoscaler
-   (`pdserve simulate --autoscale`) within the same workers, starting at the best fixed
-   split's neighbour --start-share and free to switch workers between the pools.
+   (`pdserve simulate --autoscale`) within the same workers, starting with --start-share
+   of them prefilling and free to switch workers between the pools or drain them.
 3. Figures: goodput (requests within --slo TTFT and TPOT per second of the run),
    worker-seconds (fixed: workers × run; autoscaled: each worker from its start to its end)
    and goodput per worker-second.
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.workloads.trace_file import default_trace_path, load_trace
-from pdserve.router.autoscale import SLO, AutoscaleConfig
+from pdserve.router.autoscale.config import SLO, AutoscaleConfig
 from pdserve.sim.config import Mode, PoolConfig, SimAutoscale, SimConfig, scheduler_config_for
 from pdserve.sim.hardware import get_hardware
 from pdserve.sim.model_spec import load_model_spec
@@ -164,23 +164,21 @@ def render(rows: list[Row], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fleets", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--trace", type=Path, default=default_trace_path())
-    parser.add_argument("--window-start", type=float, default=1050.0, help="trace seconds")
-    parser.add_argument("--window", type=float, default=360.0, help="trace seconds")
+    parser.add_argument("--window-start", type=float, default=1110.0, help="trace seconds")
+    parser.add_argument("--window", type=float, default=150.0, help="trace seconds")
     parser.add_argument("--time-scale", type=float, default=0.1)
-    parser.add_argument("--copies-per-16", type=float, default=3.0)
+    parser.add_argument("--copies-per-16", type=float, default=1.5)
     parser.add_argument("--max-prompt", type=int, default=8000)
     parser.add_argument("--model", default="Llama-3.1-8B")
     parser.add_argument("--hardware", default="H100-SXM")
     parser.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument(
-        "--prefill-shares", type=float, nargs="+", default=[0.125, 0.25, 0.375, 0.5]
-    )
-    parser.add_argument("--start-share", type=float, default=0.25)
+    parser.add_argument("--prefill-shares", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    parser.add_argument("--start-share", type=float, default=0.5)
     parser.add_argument("--slo", default="ttft:1000,itl:50", help="TTFT and TPOT targets, ms")
     parser.add_argument("--interval", type=float, default=2.0)
     parser.add_argument("--grace", type=float, default=6.0)
@@ -188,7 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--switch", type=float, default=1.0, help="a role switch, s")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     rows = [row for fleet in args.fleets for row in run_fleet(args, fleet)]
     text = render(rows, args)
     print(text)

@@ -48,8 +48,9 @@ from pdserve.bench.search import (
     search_max_rate,
 )
 from pdserve.bench.tokenizer import TokenizerLike, load_tokenizer
+from pdserve.core.config import Mode
 
-DEFAULT_MODES = ("colocated", "chunked", "disagg")
+DEFAULT_MODES = tuple(mode.value for mode in Mode)
 # A search run at a low rate still has this many requests (its attainment means something).
 MIN_SEARCH_PROMPTS = 10
 # Without SLOs, modes within this share of the best output throughput compete on ITL p99.

@@ -16,8 +16,7 @@ import os
 from dataclasses import dataclass
 
 from pdserve.bench.errors import BenchError
-
-DISAGG = "disagg"
+from pdserve.core.config import Mode
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ def parse_split(text: str) -> tuple[int, int]:
 
 def mode_layout(mode: str, num_cores: int, split: tuple[int, int] | None = None) -> Layout:
     """The layout `mode` runs on `num_cores` cores (module doc)."""
-    if mode == DISAGG:
+    if mode == Mode.DISAGG.value:
         num_prefill, num_decode = split or disagg_split(num_cores)
         return Layout(
             num_prefill + num_decode,

@@ -25,8 +25,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from pdserve.kv_store.backend import KVStoreBackend
-from pdserve.kv_store.backends import create_backend
+from pdserve.kv_store.backend import KVStoreBackend, create_backend
 from pdserve.kv_store.codec import decode_block, new_value, payload_view, seal, value_nbytes
 from pdserve.kv_store.config import KVStoreConfig
 from pdserve.kv_store.errors import ErrorKind, StoreUnavailable, ValueRejected

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.core.config import Mode
 from pdserve.engine.args import ENGINE_FLAGS, KV_STORE_FLAGS, KV_TRANSFER_FLAGS
 from pdserve.flags import add_flags, flag
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTING_FLAGS
@@ -118,7 +119,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.mode != "disagg":
+    if Mode(args.mode) is not Mode.DISAGG:
         if args.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
         if args.autoscale:

@@ -21,9 +21,10 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from pdserve.core.config import Mode
 from pdserve.engine.args import ENGINE_FLAGS, KV_STORE_FLAGS, KV_TRANSFER_FLAGS
 from pdserve.launch.worker_group import WorkerStartupError
-from pdserve.router.autoscale import AutoscaleConfig
+from pdserve.router.autoscale.config import AutoscaleConfig
 from pdserve.router.cli import autoscale_config_from_args, serve_router
 from pdserve.router.config import RouterConfig
 from pdserve.router.policies import PoolRole
@@ -54,7 +55,7 @@ WORKER_FLAGS = tuple(
 def is_replicated(args: argparse.Namespace) -> bool:
     """Whether the deployment's workers are replicas (whole servers of `--mode`), not pools
     of a disaggregated one."""
-    return args.mode != "disagg"
+    return args.mode != Mode.DISAGG.value
 
 
 def role_argv(args: argparse.Namespace, role: str) -> list[str]:

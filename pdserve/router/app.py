@@ -32,7 +32,7 @@ from pdserve.api.protocol import (
     ModelList,
     RoleChange,
 )
-from pdserve.router.autoscale import AutoscaleConfig
+from pdserve.router.autoscale.config import AutoscaleConfig
 from pdserve.router.config import RouterConfig, normalize_worker_url
 from pdserve.router.policies import PoolRole
 from pdserve.router.pool import DuplicateWorkerError, Worker, WorkerRegistry

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 from pdserve.flags import add_flags, flag
 from pdserve.fleet import fleet_secret_from_env
-from pdserve.router.autoscale import SLO, AutoscaleConfig
+from pdserve.router.autoscale.config import SLO, AutoscaleConfig
 from pdserve.router.config import KVHandoff, RouterConfig
-from pdserve.router.policies import POLICY_NAMES
+from pdserve.router.policies import POLICIES
 from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer
 
 if TYPE_CHECKING:
@@ -29,12 +29,12 @@ GRACEFUL_SHUTDOWN_S = 30
 ROUTING_FLAGS = (
     flag(
         "--policy",
-        choices=POLICY_NAMES,
+        choices=POLICIES,
         default=RouterConfig.prefill_policy,
         help="policy of both pools unless --prefill-policy/--decode-policy",
     ),
-    flag("--prefill-policy", choices=POLICY_NAMES, default=None),
-    flag("--decode-policy", choices=POLICY_NAMES, default=None),
+    flag("--prefill-policy", choices=POLICIES, default=None),
+    flag("--decode-policy", choices=POLICIES, default=None),
     flag(
         "--local-prefill-threshold",
         type=int,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from pdserve.core.config import CacheConfig
-from pdserve.router.policies import POLICY_NAMES
+from pdserve.router.policies import POLICIES
 
 
 def normalize_worker_url(url: str, where: str = "worker url") -> str:
@@ -86,10 +86,10 @@ class RouterConfig:
             tuple(normalize_worker_url(u, "--decode") for u in self.decode_urls),
         )
         for name in ("prefill_policy", "decode_policy"):
-            if getattr(self, name) not in POLICY_NAMES:
+            if getattr(self, name) not in POLICIES:
                 raise ValueError(
                     f"--{name.replace('_', '-')}: unknown policy "
-                    f"{getattr(self, name)!r}; known: {', '.join(POLICY_NAMES)}"
+                    f"{getattr(self, name)!r}; known: {', '.join(POLICIES)}"
                 )
         _at_least("local_prefill_threshold", self.local_prefill_threshold, 0)
         _at_least("port", self.port, 0)

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import httpx
 
 from pdserve.fleet import bearer_headers
-from pdserve.router.autoscale import AutoscaleConfig
-from pdserve.router.autoscaler import Autoscaler, FleetActions
+from pdserve.router.autoscale.config import AutoscaleConfig
+from pdserve.router.autoscale.loop import Autoscaler, FleetActions
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.health import HealthMonitor

@@ -15,12 +15,12 @@ from collections.abc import Callable
 
 import uvicorn
 
-from pdserve.core.config import SchedulerConfig, SchedulingPolicy
+from pdserve.core.config import Mode, SchedulerConfig
 from pdserve.flags import flag
 from pdserve.server.settings import ServerSettings
 
 DEFAULT_PORT = 8000
-MODES = (*(policy.value for policy in SchedulingPolicy), "disagg")
+MODES = tuple(mode.value for mode in Mode)
 
 SERVER_FLAGS = (
     flag(

@@ -3,7 +3,7 @@
 Every `interval_s` of simulated time, unless a change is under way, each routable worker's
 `WorkerSample` (what its /metrics would say: the scheduler's gauges, its busy seconds, TTFT
 and ITL histograms in the server's own buckets, plus the router's pending prompt tokens) goes
-to the same `router.autoscale.AutoscaleController` the live router runs, and its decision is
+to the same `router.autoscale.planner.AutoscaleController` the live router runs, and its decision is
 carried out on the simulated fleet as the router's `FleetActions` would:
 
 - add: a new worker joins its pool `startup_s` later (its model loads meanwhile);
@@ -21,13 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pdserve.router.autoscale import (
-    Action,
-    AutoscaleController,
-    Decision,
-    HistogramRecorder,
-    WorkerSample,
-)
+from pdserve.router.autoscale.histogram import HistogramRecorder
+from pdserve.router.autoscale.planner import Action, AutoscaleController, Decision
+from pdserve.router.autoscale.signals import WorkerSample
 from pdserve.router.policies import PoolRole
 from pdserve.router.pool import Worker
 from pdserve.server.metrics import LATENCY_BUCKETS

@@ -57,7 +57,17 @@ def add_parsers(subparsers) -> None:
     add_workload_args(sim)
     _add_output_args(sim)
     sim.set_defaults(run=run, sim_command=None)
-    sub = sim.add_subparsers(dest="sim_command", metavar="{calibrate}")
+    sub = sim.add_subparsers(dest="sim_command", metavar="{calibrate,scale}")
+    scale = sub.add_parser(
+        "scale",
+        help="a bench demo's answer past this machine: re-predict its table, then goodput "
+        "per core on larger CPU and GPU fleets",
+        description="Calibrate from a `bench demo` run's own step logs, re-predict its "
+        "measured table, then each mode's goodput per core on fleets of 4-64 cores and "
+        "GPUs; writes DIR/scale.md, scale.json, scale.png.",
+    )
+    scale.add_argument("demo_dir", metavar="DIR", help="the demo's --report directory")
+    scale.add_argument("--quiet", action="store_true", help="no progress lines")
     cal = sub.add_parser(
         "calibrate",
         help="fit the cost model's efficiencies to measured engine steps",
@@ -157,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.sim_command == "calibrate":
             return _calibrate(args)
+        if args.sim_command == "scale":
+            return _scale(args)
         if args.sim_command == "plan":
             return _plan(args)
         return _simulate(args)
@@ -213,11 +225,22 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale(args: argparse.Namespace) -> int:
+    from pdserve.sim.scale import run_scale
+
+    report = run_scale(Path(args.demo_dir), _progress(args.quiet))
+    print("\n".join(report.lines))
+    print(f"report: {Path(args.demo_dir) / 'scale.md'}")
+    return 0
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     model, hardware = load_model_spec(args.model), get_hardware(args.hardware)
     cost_model = CostModel(model, hardware, args.tp, dtype=args.dtype)
     name = Path(args.output).stem
     deployment = {"model": model.name, "hardware": hardware.name, "tp": args.tp}
+    if args.hold_out and not args.points:
+        raise SimConfigError("--hold-out goes with --points")
     if args.bench:
         points, provenance = load_profile(args.bench)
         fit, measurements = calibrate_points(points, cost_model, args.max_num_batched_tokens)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field, replace
 
-from pdserve.core.config import CacheConfig, SchedulerConfig, SchedulingPolicy
-from pdserve.router.autoscale import AutoscaleConfig
+from pdserve.core.config import CacheConfig, Mode, SchedulerConfig
+from pdserve.router.autoscale.config import AutoscaleConfig
 from pdserve.router.config import KVHandoff, RouterConfig
 from pdserve.sim.efficiency import Efficiency, default_efficiency
 from pdserve.sim.errors import SimConfigError
@@ -31,12 +30,6 @@ class SimAutoscale:
     def __post_init__(self) -> None:
         if self.startup_s < 0 or self.switch_s < 0:
             raise ValueError("worker startup and switch times must be >= 0")
-
-
-class Mode(enum.Enum):
-    COLOCATED = "colocated"
-    CHUNKED = "chunked"
-    DISAGG = "disagg"
 
 
 @dataclass(frozen=True)
@@ -121,7 +114,7 @@ class SimConfig:
         if self.autoscale is not None and self.mode is not Mode.DISAGG:
             raise SimConfigError("--autoscale sizes the pools of --mode disagg")
         if self.mode is not Mode.DISAGG:
-            expected = SchedulingPolicy(self.mode.value)
+            expected = self.mode.scheduling
             if self.pool.scheduler_config.scheduling is not expected:
                 raise SimConfigError(
                     f"mode {self.mode.value} needs a {expected.value} scheduler config"
@@ -160,8 +153,7 @@ def scheduler_config_for(mode: Mode, *fields, **named_fields) -> SchedulerConfig
     """The core scheduler config a worker of `mode` runs (disagg workers chunk): `fields` are
     `SchedulerConfig`'s after `scheduling` (`max_num_batched_tokens`, `max_num_seqs`,
     `max_model_len`, ...), with its defaults."""
-    scheduling = SchedulingPolicy.COLOCATED if mode is Mode.COLOCATED else SchedulingPolicy.CHUNKED
-    return SchedulerConfig(scheduling, *fields, **named_fields)
+    return SchedulerConfig(mode.scheduling, *fields, **named_fields)
 
 
 def with_scheduler(pool: PoolConfig, **changes) -> PoolConfig:

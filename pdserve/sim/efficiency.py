@@ -182,6 +182,15 @@ class Calibration:
     def describe(self) -> str:
         """One line: the name, the stack, the band."""
         band = "no band: uncalibrated" if self.band is None else f"band ±{self.band:.0%}"
+        served = self.metadata.get("bands", {}).get("served")
+        if served is not None:
+            band += f"; a served stack under load ±{served:.0%}, its held-out check"
+        # A shipped calibration's by kind of source; a fitted one's in its fit statistics.
+        by_kind = self.metadata.get("at_bound", {})
+        bound = [n for names in by_kind.values() for n in names]
+        bound += self.metadata.get("fit", {}).get("at_bound", [])
+        if bound:
+            band += f"; at 100% of peak: {', '.join(bound)}"
         summary = self.metadata.get("summary") or self.stack
         return f"{self.name} ({summary}; {band})"
 

@@ -15,24 +15,20 @@ from pdserve.bench.benchmark import TRACE_WINDOW_STREAM, seeded_rng
 from pdserve.bench.errors import BenchError
 from pdserve.bench.metrics import parse_goodput
 from pdserve.bench.workloads import (
-    WORKLOAD_NAMES,
-    LengthRange,
-    TraceWindow,
     TraceWorkload,
     Workload,
-    WorkloadOptions,
     make_workload,
 )
+from pdserve.bench.workloads.flags import WORKLOAD_FLAGS, workload_options
 from pdserve.bench.workloads.trace_file import TraceEntry
-from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, SchedulerConfig
+from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, Mode, SchedulerConfig
 from pdserve.flags import add_flags
 from pdserve.router.cli import AUTOSCALE_FLAGS, KV_HANDOFF_FLAG, autoscale_config_from_args
 from pdserve.router.config import KVHandoff
-from pdserve.router.policies import POLICY_NAMES
+from pdserve.router.policies import POLICIES
 from pdserve.sim.config import (
     DEFAULT_STARTUP_S,
     DEFAULT_SWITCH_S,
-    Mode,
     PoolConfig,
     SimAutoscale,
     SimConfig,
@@ -108,15 +104,15 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
         action="store_false",
         default=CacheConfig.enable_prefix_caching,
     )
-    g.add_argument("--prefill-policy", default=SimConfig.prefill_policy, choices=POLICY_NAMES)
-    g.add_argument("--decode-policy", default=SimConfig.decode_policy, choices=POLICY_NAMES)
+    g.add_argument("--prefill-policy", default=SimConfig.prefill_policy, choices=POLICIES)
+    g.add_argument("--decode-policy", default=SimConfig.decode_policy, choices=POLICIES)
     add_flags(g, None, (KV_HANDOFF_FLAG,))
     if not with_layout:
         return
     lay = parser.add_argument_group("layout")
     lay.add_argument(
         "--mode",
-        default="chunked",
+        default=Mode.CHUNKED.value,
         help="colocated, chunked, disagg, or several comma-separated (simulated side by side)",
     )
     lay.add_argument("--tp", type=int, default=1, help="tensor-parallel devices per worker")
@@ -173,14 +169,13 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The benchmark's workload options (same names), plus --duration and --workload-from."""
-    g = parser.add_argument_group("workload (as pdserve bench)")
-    g.add_argument("--workload", default="mixed", choices=WORKLOAD_NAMES)
+    add_flags(parser, "workload (as pdserve bench)", WORKLOAD_FLAGS)
+    g = parser.add_argument_group("traffic")
     g.add_argument(
         "--workload-from",
         metavar="FILE.json",
         help="replay the requests of a `pdserve bench --save-result` run",
     )
-    g.add_argument("--num-prompts", type=int)
     g.add_argument("--request-rate", help="req/s or inf (default: the workload's)")
     g.add_argument(
         "--duration",
@@ -190,20 +185,6 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--burstiness", type=float, default=1.0)
     g.add_argument("--max-concurrency", type=int)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--input-len", type=int)
-    g.add_argument("--output-len", type=int)
-    g.add_argument("--range-ratio", type=float, default=0.0)
-    g.add_argument("--prefix-len", type=int)
-    g.add_argument("--num-prefixes", type=int)
-    g.add_argument("--long-fraction", type=float)
-    g.add_argument("--burst-size", type=int)
-    for name in ("chat-input-len", "chat-output-len", "long-input-len", "long-output-len"):
-        g.add_argument(f"--{name}", metavar="LOW:HIGH")
-    g.add_argument("--trace", help="trace file (default: the Azure conversation trace)")
-    g.add_argument("--trace-window-start", type=float, default=0.0)
-    g.add_argument("--trace-time-scale", type=float, default=1.0)
-    g.add_argument("--trace-max-input-len", type=int)
-    g.add_argument("--trace-max-output-len", type=int)
 
 
 # ---- deployments -----------------------------------------------------------------------
@@ -333,7 +314,7 @@ def parse_modes(text: str) -> list[Mode]:
         return [Mode(m.strip()) for m in text.split(",") if m.strip()]
     except ValueError:
         raise SimConfigError(
-            f"--mode: expected colocated, chunked or disagg (comma-separated), got {text!r}"
+            f"--mode: expected {', '.join(m.value for m in Mode)} (comma-separated), got {text!r}"
         ) from None
 
 
@@ -392,41 +373,18 @@ def _single_rate(text: str | None) -> float | None:
 
 
 def _workload(args: argparse.Namespace, rate: float | None) -> Workload:
-    num_prompts, window = (
-        args.num_prompts,
-        TraceWindow(
-            start_s=args.trace_window_start,
-            time_scale=args.trace_time_scale,
-            max_input_len=args.trace_max_input_len,
-            max_output_len=args.trace_max_output_len,
-            duration_s=args.duration if args.workload == "trace" else None,
-        ),
-    )
-    if args.duration is not None and args.workload != "trace" and num_prompts is None:
+    """`pdserve bench`'s workload; --duration is a trace's window (as --trace-duration), or
+    else the prompts `rate` sends in that long."""
+    options = workload_options(args)
+    if args.duration is not None and args.workload == "trace":
+        options = replace(
+            options, trace_window=replace(options.trace_window, duration_s=args.duration)
+        )
+    elif args.duration is not None and options.num_prompts is None:
         if rate is None or math.isinf(rate):
             raise SimConfigError("--duration needs a finite --request-rate")
-        num_prompts = max(1, math.ceil(rate * args.duration))
-    options = WorkloadOptions(
-        num_prompts=num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        range_ratio=args.range_ratio,
-        prefix_len=args.prefix_len,
-        num_prefixes=args.num_prefixes,
-        long_fraction=args.long_fraction,
-        burst_size=args.burst_size,
-        chat_input_len=_range(args.chat_input_len, "--chat-input-len"),
-        chat_output_len=_range(args.chat_output_len, "--chat-output-len"),
-        long_input_len=_range(args.long_input_len, "--long-input-len"),
-        long_output_len=_range(args.long_output_len, "--long-output-len"),
-        trace=args.trace,
-        trace_window=window,
-    )
+        options = replace(options, num_prompts=max(1, math.ceil(rate * args.duration)))
     return make_workload(args.workload, options, seeded_rng(args.seed, TRACE_WINDOW_STREAM))
-
-
-def _range(text: str | None, option: str) -> LengthRange | None:
-    return None if text is None else LengthRange.parse(text, option)
 
 
 def _replayed(args: argparse.Namespace) -> PlannedWorkload:

@@ -11,7 +11,7 @@ from pathlib import Path
 from pdserve.bench.errors import BenchError
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.workloads.profile import profile_points
-from pdserve.sim.calibration import Fit, Measurement, fit_efficiency, predict
+from pdserve.sim.calibration import Fit, Measurement, fit_efficiency, fit_link, predict
 from pdserve.sim.cost_model import CostModel
 from pdserve.sim.efficiency import Calibration
 from pdserve.sim.errors import SimConfigError
@@ -86,6 +86,8 @@ def calibrate_table(
     fit's error on them. Returns the fit, the fitted rows and the held-out rows."""
     hardware = cost_model.hardware.name
     mine = [p for p in points if p.get("hardware", hardware) == hardware]
+    collectives = [p for p in mine if p.get("kind") == "all_reduce"]
+    mine = [p for p in mine if p.get("kind") != "all_reduce"]
     if not mine:
         raise SimConfigError(f"--points: no point on {hardware} (give --hardware)")
     is_held = hold_out_matcher(hold_out)
@@ -96,10 +98,26 @@ def calibrate_table(
         raise SimConfigError(f"--hold-out leaves {len(fitted)} points to fit; need 3")
     # A curve needs many row counts of one deployment: published tables get the roofline.
     named = any("model" in p for p in mine)
-    fit = fit_efficiency(cost_model, [m for _, m in fitted], allow_curve=not named)
+    network = network_share(collectives, cost_model)
+    fit = fit_efficiency(cost_model, [m for _, m in fitted], network=network, allow_curve=not named)
     rows = point_rows(fit, [m for _, m in fitted], [p for p, _ in fitted], cost_model)
     held_rows = [{**_row(fit, m, p, cost_model), "held_out": True} for p, m in held]
     return fit, rows, held_rows
+
+
+def network_share(collectives: Sequence[dict], cost_model: CostModel) -> float:
+    """`Efficiency.network` from the stack's own all-reduce points: their fitted share of
+    the TP link's line rate over the link's catalogued share (1.0 without such points)."""
+    if not collectives:
+        return 1.0
+    link = cost_model.tp_link
+    try:
+        fit = fit_link(link.bandwidth, collectives)
+    except (KeyError, TypeError) as exc:
+        raise SimConfigError(
+            f"--points: all_reduce points need num_gpus, bytes, seconds: {exc!r}"
+        ) from None
+    return min(1.0, max(fit.efficiency / link.efficiency, 1e-3))
 
 
 def _deployment(point: dict, cost_model: CostModel) -> CostModel:

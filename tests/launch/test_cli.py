@@ -99,8 +99,8 @@ PATCHES = [
     ("pdserve.router.config", "RouterConfig", "balance_factor", 3.5),
     ("pdserve.router.config", "RouterConfig", "unhealthy_threshold", 4),
     ("pdserve.sim.config", "SimConfig", "memory_utilization", 0.5),
-    ("pdserve.router.autoscale", "AutoscaleConfig", "interval_s", 4.5),
-    ("pdserve.router.autoscale", "AutoscaleConfig", "max_decode_workers", 6),
+    ("pdserve.router.autoscale.config", "AutoscaleConfig", "interval_s", 4.5),
+    ("pdserve.router.autoscale.config", "AutoscaleConfig", "max_decode_workers", 6),
 ]
 CHANGED = """
 import importlib, json, sys
@@ -209,3 +209,12 @@ def test_a_shared_kv_store_tells_the_router_so():
     assert not config("--mode", "disagg").shared_kv_store
     assert config("--mode", "disagg", "--kv-store", "redis://cache:6379").shared_kv_store
     assert config("--mode", "disagg", "--shared-kv-store").shared_kv_store
+
+
+def test_every_command_line_offers_the_modes_of_the_one_enum():
+    from pdserve.core.config import Mode
+    from pdserve.sim.options import parse_modes
+
+    serve = next(a for a in serve_parser()._actions if a.dest == "mode")
+    assert list(serve.choices) == [mode.value for mode in Mode]
+    assert parse_modes(",".join(serve.choices)) == list(Mode)

@@ -3,8 +3,9 @@ from dataclasses import replace
 import pytest
 
 import pdserve.core.scheduler as core_scheduler
+from pdserve.core.config import Mode
 from pdserve.router.config import KVHandoff
-from pdserve.sim.config import Mode, with_scheduler
+from pdserve.sim.config import with_scheduler
 from pdserve.sim.efficiency import Efficiency
 from pdserve.sim.handoff import exposed_seconds, predicted_ttft
 from pdserve.sim.network import get_network

@@ -3,17 +3,19 @@ points from a table (`simulate calibrate --points`); a band that counts every po
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from pdserve.cli import main
 from pdserve.sim.calibration import Measurement, fit_efficiency, predict
-from pdserve.sim.cost_model import CostModel, SeqWork
+from pdserve.sim.cost_model import CostModel, SeqWork, ring_all_reduce_s
 from pdserve.sim.efficiency import Calibration, Efficiency
 from pdserve.sim.hardware import get_hardware
 from pdserve.sim.model_spec import MODELS
 from pdserve.sim.points import SOURCES_DIR, deployment, load_source, measurement
+from pdserve.sim.profile_fit import calibrate_table
 
 H100 = get_hardware("H100-SXM")
 LLAMA_70B = MODELS["Llama-3-70B"]
@@ -143,3 +145,47 @@ def test_kernel_profiles_fitted_at_one_tp_predict_the_sharded_kernels():
         m = measured(point)
         error = predict(m.cost_model.with_efficiency(fit.efficiency), m) / m.seconds - 1
         assert abs(error) < 0.05, (point, error)
+
+
+def test_the_stacks_own_all_reduces_set_its_communication():
+    # A stack whose collectives reach half the link's measured share of line rate.
+    slow = dataclasses.replace(STUB, network=0.5)
+    model = CostModel(LLAMA_70B, H100, 8)
+    link = model.tp_link
+    collectives = [
+        {
+            "kind": "all_reduce",
+            "num_gpus": n,
+            "bytes": b,
+            "seconds": ring_all_reduce_s(b, n, link.achieved_bandwidth * 0.5, link.latency_s),
+        }
+        for n in (4, 8)
+        for b in (2**20, 2**24, 2**26)
+    ]
+    truth = model.with_efficiency(slow)
+    points = [
+        {**p, "seconds": predict(truth, m)}
+        for p, m in _points(8)
+        for p in [{k: v for k, v in p.items() if k != "tp"}]
+    ]
+    fit, rows, held = calibrate_table(points + collectives, model, None)
+    assert fit.efficiency.network == pytest.approx(0.5, rel=0.02)
+    assert max(abs(r["residual"]) for r in rows) < 0.05 and not held
+
+
+def test_a_calibration_at_a_bound_says_so_when_loaded(tmp_path, capsys):
+    model = CostModel(LLAMA_70B, H100, 8)
+    fast = [
+        {"kind": "itl", "num_streams": b, "context": 512, "prompt_len": 512, "seconds": s}
+        for b in (1, 4, 16, 64)
+        for s in [0.3 * model.step_time((SeqWork(1, 512),) * b)]
+    ]
+    table = tmp_path / "fast.json"
+    table.write_text(json.dumps(fast))
+    out = tmp_path / "fast-cal.json"
+    args = ["simulate", "calibrate", "--points", str(table), "--hardware", "H100-SXM"]
+    assert main([*args, "--model", "Llama-3-70B", "--tp", "8", "--output", str(out)]) == 0
+    assert "fitted at 100% of peak" in capsys.readouterr().out
+    assert "at 100% of peak: memory" in Calibration.load(out).describe()
+    assert main(["simulate", "calibrate", "--bench", str(table), "--hold-out", "tp=4"]) == 2
+    assert "--hold-out goes with --points" in capsys.readouterr().err
