@@ -105,6 +105,10 @@ class KVConnectorScheduler(ABC):
         computed here (nothing remote, or its local prefix cache holds all of it): any
         remote copy may be given up. Called on every admission, also after a preemption."""
 
+    def request_preempted(self, request: Request) -> None:  # noqa: B027 - a no-op by default
+        """The request's blocks were just freed for a preemption (before any other request
+        can write into them); it will be admitted again later."""
+
     @abstractmethod
     def request_finished(self, request: Request) -> tuple[bool, dict | None]:
         """A request ends (finished, aborted); the request is not modified. Returns
@@ -248,6 +252,10 @@ class MultiConnector(KVConnectorBase):
             connector.update_state_after_alloc(
                 request, num_external_tokens if connector is server else 0
             )
+
+    def request_preempted(self, request: Request) -> None:
+        for connector in self.connectors:
+            connector.request_preempted(request)
 
     def request_finished(self, request: Request) -> tuple[bool, dict | None]:
         is_held, hand_off = False, None

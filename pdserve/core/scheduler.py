@@ -278,6 +278,8 @@ class Scheduler:
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         self.running.remove(request)
         self._requeue(request)
+        if self.connector is not None:
+            self.connector.request_preempted(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1

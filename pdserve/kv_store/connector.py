@@ -34,8 +34,7 @@ import numpy as np
 
 from pdserve.core.block_manager import extend_block_hashes
 from pdserve.core.kv_connector import KVConnectorBase, KVOutcome, KVStoreOutcome, KVTransferEvents
-from pdserve.core.request import Request
-from pdserve.core.scheduler import SchedulerOutput
+from pdserve.core.request import Request, SchedulerOutput
 from pdserve.kv_store.keys import BlockRef, block_refs
 from pdserve.kv_store.store import KVStore, cache_bytes
 

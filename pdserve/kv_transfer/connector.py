@@ -33,9 +33,8 @@ from pdserve.core.kv_connector import (
     KVTransferEvents,
     KVTransferOutcome,
 )
-from pdserve.core.request import FinishReason, Request
+from pdserve.core.request import FinishReason, Request, SchedulerOutput
 from pdserve.core.sampling_params import InvalidParameterError
-from pdserve.core.scheduler import SchedulerOutput
 from pdserve.kv_transfer.blocks import TORCH_DTYPES
 from pdserve.kv_transfer.config import KVRole, KVTransferConfig
 from pdserve.kv_transfer.lease import LeaseManager
@@ -236,9 +235,6 @@ class KVConnector(KVConnectorBase):
         return max(params.remote_num_tokens - num_computed_tokens, 0)
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
-        if self._streaming.get(request.request_id):
-            # Admitted again after a preemption: the published blocks were freed.
-            self._end_stream(request.request_id)
         params = self._remote.pop(request.request_id, None)
         if params is None:
             return
@@ -256,6 +252,12 @@ class KVConnector(KVConnectorBase):
         if params.is_streamed:
             self._streams[request.request_id] = (request, skip_blocks)
         self._receiver.submit(request.request_id, params, local_block_ids, skip_blocks)
+
+    def request_preempted(self, request: Request) -> None:
+        if request.request_id in self._streaming:
+            # Its published blocks are free now: end the stream before anything reuses them
+            # (a WATCH answered after this cannot confirm a copy).
+            self._end_stream(request.request_id)
 
     def _end_stream(self, request_id: str) -> None:
         """A streamed prefill leg that will not deliver its KV: its receiver hears now."""

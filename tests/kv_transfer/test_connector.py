@@ -16,7 +16,7 @@ from pdserve.core.kv_connector import KVAdmission, MultiConnector
 from pdserve.core.request import FinishReason, Request, RequestStatus
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
 from pdserve.core.scheduler import Scheduler
-from pdserve.kv_transfer import KVTransferConfig, KVTransferParams
+from pdserve.kv_transfer import KVLeaseError, KVTransferConfig, KVTransferParams
 from pdserve.kv_transfer.connector import KVConnector
 from tests.kv_transfer.helpers import bits, count_parses, engine_cache, tiny_layout
 
@@ -60,7 +60,9 @@ class Worker:
             for s in output.scheduled
             if s.is_sampling
         }
-        return self.scheduler.update_from_output(output, sampled)
+        finished = self.scheduler.update_from_output(output, sampled)
+        self.connector.save_after_step(output, 0.0)
+        return finished
 
     def run_until(self, done, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -307,3 +309,23 @@ def test_bad_params_are_refused_naming_the_field(workers):
     with pytest.raises(InvalidParameterError, match="takes no part in KV transfer"):
         MultiConnector().add_request("x", {"do_remote_decode": True}, len(PROMPT))
     assert MultiConnector().add_request("x", None, len(PROMPT)) == KVAdmission()
+
+
+def test_a_preempted_streamed_prefill_leg_ends_its_stream_at_once(workers):
+    """Preemption frees the blocks a streamed lease published: the stream ends there (a
+    receiver's next WATCH fails, so no copy made after can be confirmed); the request is
+    computed again as an ordinary one and nothing stays held."""
+    prefill, _ = workers
+    leases = prefill.connector.transport.leases
+    request = _request("p", 1, prompt=list(range(100, 200)))  # 100 tokens: two steps of 64
+    prefill.add(request, {"do_remote_decode": True, "is_streamed": True})
+    prefill.step()
+    assert len(leases.watch("p", 0, 0.0).block_ids) == 64 // LAYOUT.block_size
+    prefill.connector.request_preempted(request)
+    with pytest.raises(KVLeaseError):
+        leases.watch("p", 0, 0.0)
+    prefill.run_until(lambda: request.is_finished)
+    assert request.kv_hand_off is None
+    prefill.run_until(lambda: not prefill.scheduler.held)
+    assert leases.num_held_blocks == 0
+    assert prefill.scheduler.block_manager.num_free_blocks == NUM_BLOCKS

@@ -6,7 +6,8 @@ prefill worker computes 64 tokens a step (a long prompt is many chunks) and logs
 With root and iproute2 a last test shapes a veth between two namespaces with `tc` and checks
 that streaming beats pulling where the link is about as slow as the prefill.
 
-Tests that kill a worker run last. After each, the survivors hold no KV blocks.
+Tests that kill a worker run last (a spare decode worker is the one killed). After each,
+the survivors hold no KV blocks.
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.router.harness import ManagedProcess, http, iter_sse, stream_text, wait_until
+from pdserve.router.config import KVHandoff, RouterConfig
+from tests.router.harness import (
+    ManagedProcess,
+    RouterThread,
+    http,
+    iter_sse,
+    stream_text,
+    wait_until,
+)
 from tests.router.netns import TwoHosts, netns_unavailable_reason, shape_link, two_hosts
 from tests.router.real_workers import (
     Disagg,
@@ -85,6 +94,10 @@ class Deployment:
             "--step-log",
             str(self.step_log),
         )
+        # A decode worker of its own, for the test that kills one (behind its own router).
+        self.spare_decode = Server(
+            logs, "spare-decode", "--role", "decode", "--kv-transport", "tcp", "--num-threads", "1"
+        )
 
     @property
     def prefill_steps(self) -> int:
@@ -95,10 +108,10 @@ class Deployment:
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory) -> Iterator[Deployment]:
     made = Deployment(tmp_path_factory.mktemp("kv-stream"))
-    processes = [made.ref.process, made.disagg.process]
+    processes = [made.ref.process, made.disagg.process, made.spare_decode.process]
     try:
-        made.ref.wait_healthy()
-        made.disagg.wait_healthy()
+        for server in (made.ref, made.disagg, made.spare_decode):
+            server.wait_healthy()
         wait_until(lambda: len(made.disagg.healthy_worker_urls()) == 2, 120, "both workers")
         yield made
     finally:
@@ -151,6 +164,29 @@ def _long_stream(url: str, prompt: str, events: list) -> threading.Thread:
     return thread
 
 
+def test_decode_worker_killed_mid_stream_frees_the_prefill_blocks_at_once(deployment):
+    """The deployment's prefill worker streams to the spare decode worker (an in-process
+    router over the two), which is killed after a few chunks."""
+    prefill_url = deployment.disagg.worker_url("prefill-0")
+    config = RouterConfig(
+        prefill_urls=(prefill_url,),
+        decode_urls=(deployment.spare_decode.url,),
+        kv_handoff=KVHandoff.STREAM,
+        health_interval_s=0.5,
+    )
+    with RouterThread(config) as router:
+        wait_until(lambda: all(w["state"] == "healthy" for w in router.workers().values()), 60)
+        steps_before = deployment.prefill_steps
+        events: list = []
+        thread = _long_stream(router.url, text_of(1200, 4), events)
+        wait_until(lambda: deployment.prefill_steps >= steps_before + 3, 300, "three chunks")
+        os.kill(deployment.spare_decode.pid, signal.SIGKILL)
+        thread.join(timeout=600)
+    assert "error" in events[-2]
+    # The lease would hold them 300 s: they are free once the prefill leg has ended.
+    assert_no_blocks_held([prefill_url], timeout_s=60)
+
+
 def test_prefill_worker_killed_after_some_chunks_the_decode_worker_keeps_them(deployment):
     disagg = deployment.disagg
     prompt = text_of(1200, 3)  # ~1200 tokens: ~19 chunks of 64
@@ -171,25 +207,6 @@ def test_prefill_worker_killed_after_some_chunks_the_decode_worker_keeps_them(de
     assert 16 <= timing["kv_kept_tokens"] < num_prompt and "kv_transfer_error" in timing
     assert metric_values(decode_url)["pdserve:kv_stream_kept_tokens_total"] >= 16
     assert_no_blocks_held([decode_url])
-
-
-def test_decode_worker_killed_mid_stream_frees_the_prefill_blocks_at_once(deployment):
-    disagg = deployment.disagg
-    wait_until(lambda: len(disagg.healthy_worker_urls()) == 2, 300, "a prefill worker again")
-    prefill_url = disagg.worker_url(_prefill_id(disagg))
-    steps_before = deployment.prefill_steps
-    events: list = []
-    thread = _long_stream(disagg.url, text_of(1200, 4), events)
-    wait_until(lambda: deployment.prefill_steps >= steps_before + 3, 300, "three chunks")
-    os.kill(disagg.worker_pid("decode-0"), signal.SIGKILL)
-    thread.join(timeout=600)
-    assert "error" in events[-2]
-    # The lease would hold them 300 s: they are free once the prefill leg has ended.
-    assert_no_blocks_held([prefill_url], timeout_s=60)
-
-
-def _prefill_id(disagg: Disagg) -> str:
-    return next(w for w, info in disagg.workers().items() if info["role"] == "prefill")
 
 
 # ---- a shaped link between two hosts ----------------------------------------------------------
@@ -220,7 +237,9 @@ def _two_host_deployment(hosts: TwoHosts, logs: Path):
     prefill_url, decode_url = f"http://{hosts.addr_a}:{port}", f"http://{hosts.addr_b}:{port}"
 
     def worker(ns: str, role: str, addr: str) -> ManagedProcess:
+        # 128-token chunks: the prompt's KV leaves in eight pieces.
         flags = ("--kv-transport", "tcp", "--kv-host", addr, "--num-threads", "1")
+        flags += ("--max-num-batched-tokens", "128")
         argv = serve_argv("--role", role, "--host", addr, "--port", str(port), *flags)
         return ManagedProcess(hosts.command(ns, argv), logs / f"{role}.log")
 
