@@ -10,7 +10,9 @@ consistent with a sequence number. A restart is a new epoch: a subscriber asking
 an old one gets a snapshot. Thread-safe: the engine thread appends, HTTP handlers read.
 
 Events carry the chained block hashes of `core.block_manager` (the same every process
-computes from the same tokens), so a router matches a prompt against them directly.
+computes from the same tokens), so a router matches a prompt against them directly. A worker
+with a shared KV store also reports, on the same log, what it learned the store holds
+(`Medium.STORE`: its writes landed; a lookup or read found a block gone).
 """
 
 from __future__ import annotations
@@ -30,23 +32,34 @@ class KVEventKind(enum.Enum):
     REMOVED = "removed"
 
 
+class Medium(enum.Enum):
+    DEVICE = "device"  # the worker's own KV cache
+    STORE = "store"  # the shared KV store, as this worker saw it
+
+
 @dataclass(frozen=True)
 class KVEvent:
     seq: int
     kind: KVEventKind
     block_hashes: tuple[BlockHash, ...]
+    medium: Medium = Medium.DEVICE
 
     def to_dict(self) -> dict:
-        return {"type": self.kind.value, "seq": self.seq, "block_hashes": list(self.block_hashes)}
+        record = {"type": self.kind.value, "seq": self.seq, "block_hashes": list(self.block_hashes)}
+        if self.medium is not Medium.DEVICE:
+            record["medium"] = self.medium.value
+        return record
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Every hash cached once the events up to `seq` (of `epoch`) are applied."""
+    """Every hash cached (and known in the store) once the events up to `seq` (of `epoch`)
+    are applied."""
 
     epoch: str
     seq: int
     block_hashes: tuple[BlockHash, ...]
+    store_block_hashes: tuple[BlockHash, ...] = ()
 
     def to_dict(self) -> dict:
         return {
@@ -54,6 +67,7 @@ class Snapshot:
             "epoch": self.epoch,
             "seq": self.seq,
             "block_hashes": list(self.block_hashes),
+            "store_block_hashes": list(self.store_block_hashes),
         }
 
 
@@ -75,7 +89,7 @@ class KVEventLog(KVCacheObserver):
         self._lock = threading.Lock()
         self._seq = 0
         self._events: deque[KVEvent] = deque(maxlen=max_events)
-        self._cached: set[BlockHash] = set()
+        self._cached: dict[Medium, set[BlockHash]] = {medium: set() for medium in Medium}
         # Called (on the appending thread, outside the lock) after every new event.
         self._listeners: list[Callable[[], None]] = []
 
@@ -91,7 +105,16 @@ class KVEventLog(KVCacheObserver):
 
     def snapshot(self) -> Snapshot:
         with self._lock:
-            return Snapshot(self.epoch, self._seq, tuple(self._cached))
+            return Snapshot(
+                self.epoch,
+                self._seq,
+                tuple(self._cached[Medium.DEVICE]),
+                tuple(self._cached[Medium.STORE]),
+            )
+
+    def store_observer(self) -> KVCacheObserver:
+        """The observer a worker's KV store reports to (events of `Medium.STORE`)."""
+        return _StoreEvents(self)
 
     def events_after(self, epoch: str, seq: int) -> list[KVEvent] | None:
         """The events after `seq` of `epoch`, oldest first; None when they cannot be replayed
@@ -115,17 +138,30 @@ class KVEventLog(KVCacheObserver):
             if listener in self._listeners:
                 self._listeners.remove(listener)
 
-    def _append(self, kind: KVEventKind, block_hashes: Iterable[BlockHash]) -> None:
+    def _append(
+        self, kind: KVEventKind, block_hashes: Iterable[BlockHash], medium: Medium = Medium.DEVICE
+    ) -> None:
         hashes = tuple(block_hashes)
         if not hashes:
             return
         with self._lock:
             self._seq += 1
-            self._events.append(KVEvent(self._seq, kind, hashes))
+            self._events.append(KVEvent(self._seq, kind, hashes, medium))
             if kind is KVEventKind.STORED:
-                self._cached.update(hashes)
+                self._cached[medium].update(hashes)
             else:
-                self._cached.difference_update(hashes)
+                self._cached[medium].difference_update(hashes)
             listeners = list(self._listeners)
         for listener in listeners:
             listener()
+
+
+class _StoreEvents(KVCacheObserver):
+    def __init__(self, log: KVEventLog) -> None:
+        self._log = log
+
+    def blocks_stored(self, block_hashes: list[BlockHash]) -> None:
+        self._log._append(KVEventKind.STORED, block_hashes, Medium.STORE)
+
+    def blocks_removed(self, block_hashes: list[BlockHash]) -> None:
+        self._log._append(KVEventKind.REMOVED, block_hashes, Medium.STORE)

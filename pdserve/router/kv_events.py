@@ -115,15 +115,17 @@ class KVEventSubscriber:
         kind, seq, hashes = record["type"], int(record["seq"]), record["block_hashes"]
         if kind == "snapshot":
             self.index.replace(url, hashes)
+            self.index.replace_store(url, record.get("store_block_hashes", ()))
             position.epoch, position.seq = str(record["epoch"]), seq
             self.num_snapshots += 1
             return
         if position.seq is None or seq != position.seq + 1:
             raise EventGap(f"event {seq} after {position.seq}")
+        is_store = record.get("medium") == "store"
         if kind == "stored":
-            self.index.add(url, hashes)
+            self.index.add_store(url, hashes) if is_store else self.index.add(url, hashes)
         elif kind == "removed":
-            self.index.discard(url, hashes)
+            self.index.discard_store(hashes) if is_store else self.index.discard(url, hashes)
         else:
             raise ValueError(f"unknown KV event type {kind!r}")
         position.seq = seq

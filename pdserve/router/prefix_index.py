@@ -12,7 +12,7 @@ the worker caps a hit (one token is always computed).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,12 +46,11 @@ class PrefixIndex:
     """Per worker URL, the set of block hashes in its prefix cache.
 
     With `shared_store` (the workers share a KV store, `--kv-store`) a prompt's prefix also
-    counts on every worker as far as the store holds it, per the store's own entries
-    (`STORE`, fed like a worker's): every worker then matches alike, so load, not affinity,
-    picks among them.
+    counts on every worker as far as the store holds it: the union of what the workers' store
+    events say (each worker reports the writes it landed and the blocks it found gone; a gone
+    block leaves every worker's share). Every worker then matches alike, so load, not
+    affinity, picks among them.
     """
-
-    STORE = "<kv store>"
 
     def __init__(self, block_size: int, shared_store: bool = False) -> None:
         if block_size < 1:
@@ -59,6 +58,9 @@ class PrefixIndex:
         self.block_size = block_size
         self.shared_store = shared_store
         self._blocks: dict[str, set[BlockHash]] = {}
+        # Per worker, the store blocks its events named; per block, how many workers name it.
+        self._store_by_worker: dict[str, set[BlockHash]] = {}
+        self._store: dict[BlockHash, int] = {}
 
     def num_cached_tokens(
         self, url: str, block_hashes: Sequence[BlockHash], num_prompt_tokens: int
@@ -67,21 +69,14 @@ class PrefixIndex:
         from it): the longest indexed prefix of `block_hashes`, never the last token."""
         limit = min(len(block_hashes), (num_prompt_tokens - 1) // self.block_size)
         hashes = block_hashes[:limit]
-        own = self._num_matched(url, hashes)
+        own = _num_matched(self._blocks.get(url), hashes)
         if self.shared_store and own < limit:
-            own = max(own, self._num_matched(self.STORE, hashes))
+            own = max(own, _num_matched(self._store, hashes))
         return own * self.block_size
 
-    def _num_matched(self, source: str, block_hashes: Sequence[BlockHash]) -> int:
-        cached = self._blocks.get(source)
-        if not cached:
-            return 0
-        num_blocks = 0
-        for block_hash in block_hashes:
-            if block_hash not in cached:
-                break
-            num_blocks += 1
-        return num_blocks
+    @property
+    def num_store_blocks(self) -> int:
+        return len(self._store)
 
     def num_blocks(self, url: str) -> int:
         return len(self._blocks.get(url, ()))
@@ -98,10 +93,50 @@ class PrefixIndex:
 
     def forget(self, url: str) -> None:
         self._blocks.pop(url, None)
+        self.replace_store(url, ())
+
+    def replace_store(self, url: str, block_hashes: Iterable[BlockHash]) -> None:
+        """A snapshot of what the worker knows the store holds."""
+        for block_hash in self._store_by_worker.pop(url, ()):
+            self._unname(block_hash)
+        self.add_store(url, block_hashes)
+
+    def add_store(self, url: str, block_hashes: Iterable[BlockHash]) -> None:
+        named = self._store_by_worker.setdefault(url, set())
+        for block_hash in block_hashes:
+            if block_hash not in named:
+                named.add(block_hash)
+                self._store[block_hash] = self._store.get(block_hash, 0) + 1
+
+    def discard_store(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Gone from the store (whoever wrote them)."""
+        for block_hash in block_hashes:
+            if self._store.pop(block_hash, None) is not None:
+                for named in self._store_by_worker.values():
+                    named.discard(block_hash)
+
+    def _unname(self, block_hash: BlockHash) -> None:
+        count = self._store.get(block_hash, 0) - 1
+        if count > 0:
+            self._store[block_hash] = count
+        else:
+            self._store.pop(block_hash, None)
 
     def feed(self, url: str) -> KVCacheObserver:
         """A block manager's observer that applies its changes here as they happen."""
         return _DirectFeed(self, url)
+
+
+def _num_matched(cached: Collection[BlockHash] | None, block_hashes: Sequence[BlockHash]) -> int:
+    """How many of `block_hashes`, from the first on, are in `cached`."""
+    if not cached:
+        return 0
+    num_blocks = 0
+    for block_hash in block_hashes:
+        if block_hash not in cached:
+            break
+        num_blocks += 1
+    return num_blocks
 
 
 class _DirectFeed(KVCacheObserver):

@@ -68,6 +68,8 @@ def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
     block_manager = llm_engine.scheduler.block_manager
     kv_events = KVEventStreams(KVEventLog())
     block_manager.cache_observer = kv_events.log
+    if llm_engine.kv_store is not None:
+        llm_engine.kv_store.store.observer = kv_events.log.store_observer()
     engine = AsyncLLMEngine(llm_engine, max_queue=settings.max_queue)
     model = ModelInfo(
         settings.served_model_names,

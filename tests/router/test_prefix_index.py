@@ -53,11 +53,15 @@ def test_with_a_shared_store_what_the_store_holds_counts_on_every_worker():
     query = prompt_block_hashes([*system, 70, 71, 72, 73], 4)
     # Nothing is assumed: a prefix counts once the store's own entries hold it.
     assert index.num_cached_tokens("p1", query, 21) == 0
-    index.add(PrefixIndex.STORE, prompt_block_hashes([*system, 90, 91, 92, 93], 4))
+    written = prompt_block_hashes([*system, 90, 91, 92, 93], 4)
+    index.add_store("p0", written[:2])  # p0 wrote the first half, p2 the rest
+    index.add_store("p2", written[2:])
     index.add("p0", query[:1])
     assert index.num_cached_tokens("p1", query, 21) == 16
     assert index.num_cached_tokens("p0", query, 21) == 16
-    assert PrefixIndex(4).num_cached_tokens("p1", query, 21) == 0  # no store: only own
+    plain = PrefixIndex(4)
+    plain.add_store("p0", written)
+    assert plain.num_cached_tokens("p1", query, 21) == 0  # no shared store: only own
     # Every worker matches alike, so load decides: no hot spot on p0.
     loads = [
         WorkerLoad(num_running=3, num_cached_tokens=index.num_cached_tokens("p0", query, 21)),
@@ -80,3 +84,17 @@ def test_a_block_managers_feed_keeps_the_index_equal_to_its_cache():
         manager.cache_full_blocks(request)
         manager.free(request)
         assert index.num_blocks("sim://w") == len(manager.cached_block_hashes())
+
+
+def test_a_block_gone_from_the_store_leaves_every_workers_share_and_snapshots_recount():
+    index = PrefixIndex(block_size=2, shared_store=True)
+    hashes = prompt_block_hashes([1, 2, 3, 4, 5, 6], 2)
+    index.add_store("a", hashes)
+    index.add_store("b", hashes[:2])
+    assert index.num_cached_tokens("c", hashes, 7) == 6
+    index.discard_store(hashes[1:2])  # b's lookup found it evicted
+    assert index.num_cached_tokens("c", hashes, 7) == 2
+    index.replace_store("a", ())
+    assert index.num_store_blocks == 1  # b still names the first
+    index.forget("b")
+    assert index.num_store_blocks == 0
