@@ -27,7 +27,7 @@ _BYTES_PER_TOKEN_ESTIMATE = 4
 @dataclass(frozen=True)
 class PromptInfo:
     num_tokens: int
-    # Empty when the token ids are unknown (then nothing is believed cached anywhere).
+    # Empty when the token ids are unknown (then nothing counts as cached anywhere).
     block_hashes: tuple[BlockHash, ...] = ()
 
     @classmethod
