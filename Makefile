@@ -35,13 +35,18 @@ install-redis:
 # model's prefill speed and decode step through one server, a few seconds), then sizes the mixed
 # traffic (document length, chat length, request rate), the SLOs (in this machine's units, with
 # a longest-gap SLO for frozen streams) and each mode's token budget to what it measured; runs
-# colocated, chunked and disaggregated serving of the same requests; and searches each mode's
-# highest rate at which 90% of requests meet the SLOs. It prints what it measured, what it chose
-# and why. Table, JSON and plots in results/demo/; at most about 15 minutes on 2 CPU cores.
-DEMO_ARGS ?= --report results/demo
+# colocated, chunked and disaggregated serving of the same requests on the same cores (replicas,
+# or prefill + decode workers); and searches each mode's highest rate at which 90% of requests
+# meet the SLOs, its deciding rates at three seeds. It prints what it measured, what it chose
+# and why. Then `simulate scale`, calibrated from the demo's own step logs, re-predicts the
+# table and goes past this machine (fleets of 4-64 cores, and GPUs). Table, JSON and plots in
+# results/demo/; at most about 20 minutes on 2 CPU cores.
+DEMO_DIR ?= results/demo
+DEMO_ARGS ?= --report $(DEMO_DIR)
 
 demo: install
 	$(VENV)/bin/pdserve bench demo $(DEMO_ARGS)
+	$(VENV)/bin/pdserve simulate scale $(DEMO_DIR) --quiet
 
 test: install-test
 	$(VENV)/bin/ruff check pdserve tests benchmarks

@@ -7,18 +7,24 @@ sequence holding a 512-token context). Next to each figure: transformers on the 
 in the same dtype (float32 for the quantized runs), llama.cpp on the same GGUF with one thread
 (when `--llama-cpp-python` names a Python with llama-cpp-python, see llama_cpp_venv.sh), and
 the floor: the bytes a decode step reads (weights in their stored format + the KV cache) over
-the read bandwidth measured here (one core streaming a 1 GiB buffer). Quantized and bf16 runs
-also report teacher-forced quality against float32 (`pdserve.model.quality`). The CPU's ISA
-flags and the kernel variant that ran are printed and saved.
+the read bandwidth measured here (one core streaming a 1 GiB buffer), and the roof: the
+activations' dtype's best GEMM on these threads (a 2048^3 `torch.mm`, oneDNN/MKL: AMX tiles
+for bfloat16 where the CPU has them), against which prefill's rate (the linears' and the
+causal attention's FLOPs per second) is reported. Quantized and bf16 runs also report
+teacher-forced quality against float32 (`pdserve.model.quality`). The CPU's ISA flags and the
+kernel variant that ran are printed and saved; `--isa` runs another variant this CPU runs
+(as PDSERVE_CPU_ISA does).
 
     .venv/bin/python benchmarks/engine.py [--runs float32 bfloat16 gguf int8] [--json F]
-        [--llama-cpp-python .venv-llama-cpp/bin/python] [--no-transformers] [--no-quality]
+        [--isa amx|avx512_bf16|avx512|avx2|portable] [--no-transformers] [--no-quality]
+        [--llama-cpp-python .venv-llama-cpp/bin/python]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -32,8 +38,9 @@ from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.attention import kv_bytes_per_token
+from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_runtime import read_cpu_flags
-from pdserve.model.kernels.cpu_ops import load_cpu_ops
+from pdserve.model.kernels.cpu_ops import ISA_ENV, load_cpu_ops
 from pdserve.model.loader import load_model
 from pdserve.model.quality import reference_token_ids, teacher_force
 
@@ -71,6 +78,31 @@ def measure_bandwidth(repeats: int = 5) -> float:
         reader()
         best = min(best, time.perf_counter() - start)
     return values.numel() * 4 / best
+
+
+def measure_gemm_roof(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of the best square `torch.mm` in `dtype` here (best of `repeats`)."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def prefill_flop(config: ModelConfig, length: int) -> float:
+    """Multiply-add FLOPs of one `length`-token prefill: every layer's linears on every token,
+    the LM head on the last, and causal attention (QK^T and PV over the visible pairs)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    per_layer = hidden * (config.q_size + 2 * config.kv_size) + config.q_size * hidden
+    per_layer += 3 * hidden * inter
+    linear = 2 * length * per_layer * config.num_hidden_layers + 2 * hidden * config.vocab_size
+    pairs = length * (length + 1) / 2
+    attention = 4 * config.head_dim * config.num_attention_heads * pairs
+    return linear + attention * config.num_hidden_layers
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:
@@ -164,7 +196,9 @@ def llama_cpp(python: str, gguf: Path, threads: int) -> dict | None:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def bench_run(name: str, args, bandwidth: float, hf_folder: Path | None, reference) -> dict:
+def bench_run(
+    name: str, args, bandwidth: float, roofs: dict, hf_folder: Path | None, reference
+) -> dict:
     dtype, quantization = RUNS[name]
     loaded = load_model(
         None, dtype=dtype or args.quant_dtype, device="cpu", quantization=quantization
@@ -174,6 +208,7 @@ def bench_run(name: str, args, bandwidth: float, hf_folder: Path | None, referen
     if hf_folder is not None:
         hf = hf_model(hf_folder, loaded.dtype if quantization == "none" else torch.float32)
     weights = loaded.model.weight_nbytes
+    roof = roofs[loaded.dtype]
     kv_per_token = kv_bytes_per_token(loaded.config, engine.kv_cache_dtype)
     row = {
         "run": name,
@@ -182,6 +217,7 @@ def bench_run(name: str, args, bandwidth: float, hf_folder: Path | None, referen
         "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
         "kernel_variant": loaded.kernel_isa,
         "weight_bytes": weights,
+        "roof_gflop_s": roof / 1e9,
         "prefill": {},
         "decode": {},
     }
@@ -191,6 +227,8 @@ def bench_run(name: str, args, bandwidth: float, hf_folder: Path | None, referen
         theirs = hf_prefill(hf, length) if hf else None
         row["prefill"][length] = {
             "pdserve_tokens_per_s": length / ours,
+            "gflop_s": prefill_flop(loaded.config, length) / ours / 1e9,
+            "of_roof": prefill_flop(loaded.config, length) / ours / roof,
             "transformers_tokens_per_s": length / theirs if theirs else None,
         }
     chunked = pdserve_prefill(make_engine(loaded, args.threads, "chunked", CHUNK), CHUNKED_LENGTH)
@@ -233,25 +271,28 @@ def _cell(value: float | None, width: int, digits: int) -> str:
 def print_table(result: dict) -> None:
     print(
         f"\nCPU flags: {' '.join(result['cpu_isa_flags']) or '-'}; read bandwidth "
-        f"{result['bandwidth_gb_s']:.1f} GB/s (one core); {result['threads']} thread(s)"
+        f"{result['bandwidth_gb_s']:.1f} GB/s (one core); {result['threads']} thread(s); "
+        "GEMM roof "
+        + ", ".join(f"{dtype} {gflop:.0f} GFLOP/s" for dtype, gflop in result["roofs"].items())
     )
     for r in result["runs"]:
         lc = r.get("llama_cpp") or {}
         print(
             f"\n{r['run']}: {r['dtype']} activations, weights {r['quantization']} "
             f"({r['weight_bytes'] / 1e6:.0f} MB), KV {r['kv_cache_dtype']}, "
-            f"kernels {r['kernel_variant']}"
+            f"kernels {r['kernel_variant']}, roof {r['roof_gflop_s']:.0f} GFLOP/s"
         )
         print(
-            f"{'prefill':>14} {'pdserve tok/s':>14} {'transformers':>13} {'x hf':>6} "
-            f"{'llama.cpp':>10}"
+            f"{'prefill':>14} {'pdserve tok/s':>14} {'GFLOP/s':>8} {'of roof':>8} "
+            f"{'transformers':>13} {'x hf':>6} {'llama.cpp':>10}"
         )
         for length, p in r["prefill"].items():
             hf = p["transformers_tokens_per_s"]
             peer = lc.get("prefill_tokens_per_s", {}).get(str(length))
             ratio = p["pdserve_tokens_per_s"] / hf if hf else None
             print(
-                f"{length:>14} {p['pdserve_tokens_per_s']:>14.0f} {_cell(hf, 13, 0)} "
+                f"{length:>14} {p['pdserve_tokens_per_s']:>14.0f} {p['gflop_s']:>8.1f} "
+                f"{p['of_roof']:>8.0%} {_cell(hf, 13, 0)} "
                 f"{_cell(ratio, 5, 2)}x {_cell(peer, 10, 0)}"
             )
         c = r["chunked_prefill"]
@@ -290,11 +331,15 @@ def main() -> int:
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--no-quality", action="store_true")
     parser.add_argument("--llama-cpp-python", default=None, metavar="PYTHON")
+    parser.add_argument("--isa", default=None, help="kernel variant (default: the best here)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.isa:
+        os.environ[ISA_ENV] = args.isa
     torch.set_num_threads(args.threads)
     # One figure for every run's floor (the best of two measurements, a quiet moment's).
     bandwidth = max(measure_bandwidth(), measure_bandwidth())
+    roofs = {dtype: measure_gemm_roof(dtype) for dtype in (torch.float32, torch.bfloat16)}
     reference = None
     if not args.no_quality:
         float32 = load_model(None, dtype="float32", device="cpu")
@@ -310,10 +355,11 @@ def main() -> int:
             export_hf(None, folder, "float32")
         runs = []
         for name in args.runs:
-            runs.append(bench_run(name, args, bandwidth, folder, reference))
+            runs.append(bench_run(name, args, bandwidth, roofs, folder, reference))
     result = {
         "cpu_isa_flags": sorted(read_cpu_flags() & set(ISA_FLAGS)),
         "bandwidth_gb_s": bandwidth / 1e9,
+        "roofs": {str(d).removeprefix("torch."): roof / 1e9 for d, roof in roofs.items()},
         "threads": args.threads,
         "runs": runs,
     }

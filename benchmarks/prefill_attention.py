@@ -1,7 +1,8 @@
 """Prefill attention: the native paged kernel against torch SDPA, per kernel variant and dtype.
 
-This is the measurement behind `PREFILL_KERNEL_WINS` (pdserve/model/kernels/cpu_ops.py): for
-every variant this CPU runs and each model dtype, the attention of one layer of the default
+The engine makes this choice itself, measured at first use on the machine it runs on
+(`prefill_kernel_choice` in pdserve/model/attention.py); this script shows the figures for
+every variant this CPU runs and each model dtype: the attention of one layer of the default
 model's shape (9 query heads on 3 KV heads of 64) for a one-shot prefill and for chunks over a
 cached context, timed both ways in the same run (best of `--repeats`), with the rate in
 GFLOP/s of the causal attention's multiply-adds (4 * head_dim per visible query/key pair).

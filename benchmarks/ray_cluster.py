@@ -47,7 +47,7 @@ from pdserve.bench.prompts import PromptSynthesizer
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.tokenizer import load_tokenizer
 from pdserve.bench.workloads.base import BenchRequest
-from pdserve.launch.fleet import FLEET_SECRET_ENV
+from pdserve.fleet import FLEET_SECRET_ENV
 
 SECRET = "benchmark-fleet-secret"
 LONG_PROMPT_TOKENS = 3000

@@ -3,7 +3,7 @@
 Each subcommand lives with its package and registers itself through `add_parser`; user errors
 (bad model files, bad parameters) print one line on stderr and exit non-zero, no traceback.
 Options shared between subcommands, or handed on to child processes, are declared once as
-`Flag`s.
+`Flag`s (`pdserve.flags`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,6 @@ import argparse
 import importlib
 import logging
 import sys
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
 
 # Modules exposing add_parser(subparsers) and run(args) -> int, in help order.
 SUBCOMMAND_MODULES = (
@@ -25,45 +22,6 @@ SUBCOMMAND_MODULES = (
     "pdserve.sim.cli",
     "pdserve.model.export_cli",
 )
-
-
-@dataclass(frozen=True)
-class Flag:
-    """One command-line option, declared once: added to any parser that takes it, and turned
-    back into arguments to hand its value on to a child process (a worker)."""
-
-    name: str  # "--max-num-seqs"
-    options: Mapping[str, Any] = field(default_factory=dict)  # add_argument's keywords
-
-    @property
-    def dest(self) -> str:
-        return self.options.get("dest", self.name.removeprefix("--").replace("-", "_"))
-
-    @property
-    def default(self) -> Any:
-        return self.options.get("default")
-
-    def argv(self, value: Any) -> list[str]:
-        """The arguments that give this option `value` (none when it is the default)."""
-        if value == self.default:
-            return []
-        if self.options.get("action") in ("store_true", "store_false"):
-            return [self.name]
-        if isinstance(value, list | tuple):
-            return [self.name, *map(str, value)]
-        return [self.name, str(value)]
-
-
-def flag(name: str, **options: Any) -> Flag:
-    """`Flag(name, options)` spelled like `add_argument(name, **options)`."""
-    return Flag(name, options)
-
-
-def add_flags(parser: argparse.ArgumentParser, title: str | None, flags: Iterable[Flag]) -> None:
-    """Add `flags` to `parser`, under the help heading `title` (None: the parser's own)."""
-    group = parser.add_argument_group(title) if title else parser
-    for option in flags:
-        group.add_argument(option.name, **option.options)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,39 +18,37 @@ Metrics follow `vllm bench serve` (TTFT, TPOT, ITL, E2EL, goodput); see `metrics
 pdserve's tokenizer is imported only when no tokenizer file is given.
 """
 
-from pdserve.bench.arrivals import ArrivalProcess
-from pdserve.bench.benchmark import BenchResult, BenchSpec, plan_workload, run_benchmark
-from pdserve.bench.client import EndpointConfig
-from pdserve.bench.compare import CompareResult, CompareSpec, run_compare, save_compare
-from pdserve.bench.errors import BenchError
-from pdserve.bench.interference import InterferenceConfig, detect_interference
-from pdserve.bench.launcher import LaunchConfig, launch_server
-from pdserve.bench.metrics import compute_metrics
-from pdserve.bench.report import write_report
-from pdserve.bench.results import save_results
-from pdserve.bench.summary import format_summary
-from pdserve.bench.tokenizer import HFTokenizer, load_tokenizer
+import importlib
 
-__all__ = [
-    "ArrivalProcess",
-    "BenchError",
-    "BenchResult",
-    "BenchSpec",
-    "CompareResult",
-    "CompareSpec",
-    "EndpointConfig",
-    "HFTokenizer",
-    "InterferenceConfig",
-    "LaunchConfig",
-    "compute_metrics",
-    "detect_interference",
-    "format_summary",
-    "launch_server",
-    "load_tokenizer",
-    "plan_workload",
-    "run_benchmark",
-    "run_compare",
-    "save_compare",
-    "save_results",
-    "write_report",
-]
+# The package's Python API, each name from its module, imported when first asked for: a
+# `pdserve.bench.<module>` import (the simulator's, say) loads that module alone.
+_EXPORTS = {
+    "ArrivalProcess": "arrivals",
+    "BenchError": "errors",
+    "BenchResult": "benchmark",
+    "BenchSpec": "benchmark",
+    "CompareResult": "compare",
+    "CompareSpec": "compare",
+    "EndpointConfig": "client",
+    "HFTokenizer": "tokenizer",
+    "InterferenceConfig": "interference",
+    "LaunchConfig": "launcher",
+    "compute_metrics": "metrics",
+    "detect_interference": "interference",
+    "format_summary": "summary",
+    "launch_server": "launcher",
+    "load_tokenizer": "tokenizer",
+    "plan_workload": "benchmark",
+    "run_benchmark": "benchmark",
+    "run_compare": "compare",
+    "save_compare": "compare",
+    "save_results": "results",
+    "write_report": "report",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pdserve.bench' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"pdserve.bench.{_EXPORTS[name]}"), name)

@@ -12,6 +12,7 @@ import math
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from pdserve.bench.arrivals import parse_request_rates
@@ -32,6 +33,7 @@ from pdserve.bench.demo import demo_spec, measure_machine, size_demo
 from pdserve.bench.errors import BenchError
 from pdserve.bench.interference import InterferenceConfig
 from pdserve.bench.launcher import DEFAULT_SERVER_COMMAND, LaunchConfig
+from pdserve.bench.layout import Layout, parse_split, resolve_cores
 from pdserve.bench.metrics import parse_goodput
 from pdserve.bench.report import write_report
 from pdserve.bench.results import save_results
@@ -39,15 +41,18 @@ from pdserve.bench.search import DEFAULT_ATTAINMENT, RateSearch
 from pdserve.bench.summary import format_summary
 from pdserve.bench.tokenizer import load_tokenizer
 from pdserve.bench.workloads import (
-    WORKLOAD_NAMES,
-    LengthRange,
-    TraceWindow,
-    WorkloadOptions,
     default_trace_path,
     load_trace,
     make_workload,
     write_trace_jsonl,
 )
+from pdserve.bench.workloads.flags import (
+    TRACE_WINDOW_FLAGS,
+    WORKLOAD_FLAGS,
+    trace_window,
+    workload_options,
+)
+from pdserve.flags import add_flags
 
 _DESCRIPTION = (
     "Load-test an OpenAI-compatible server (pdserve, vLLM, llama.cpp) with streaming requests "
@@ -140,8 +145,6 @@ def _add_run_args(p: argparse.ArgumentParser, default_report: str | None) -> Non
     )
 
     load = p.add_argument_group("load")
-    load.add_argument("--workload", default="mixed", choices=WORKLOAD_NAMES)
-    load.add_argument("--num-prompts", type=int, help="requests per run (default: per workload)")
     load.add_argument(
         "--request-rate",
         help="req/s, 'inf' (all at once), or a sweep '0.5,1,2,4' "
@@ -165,26 +168,7 @@ def _add_run_args(p: argparse.ArgumentParser, default_report: str | None) -> Non
     )
     load.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    shape = p.add_argument_group("workload shape")
-    shape.add_argument(
-        "--input-len",
-        type=int,
-        help="random: prompt tokens; prefix-repetition: tokens after the shared prefix",
-    )
-    shape.add_argument("--output-len", type=int, help="random, prefix-repetition: output tokens")
-    shape.add_argument("--range-ratio", type=float, default=0.0, help="random: length spread")
-    shape.add_argument("--prefix-len", type=int, help="prefix-repetition: shared prefix tokens")
-    shape.add_argument("--num-prefixes", type=int, help="prefix-repetition: distinct prefixes")
-    shape.add_argument("--long-fraction", type=float, help="mixed: share of long documents")
-    shape.add_argument("--burst-size", type=int, help="mixed: long documents per burst")
-    for name, what in (
-        ("chat-input-len", "mixed: chat prompt tokens"),
-        ("chat-output-len", "mixed: chat output tokens"),
-        ("long-input-len", "mixed, long-context: document tokens"),
-        ("long-output-len", "mixed, long-context: summary tokens"),
-    ):
-        shape.add_argument(f"--{name}", metavar="LOW:HIGH", help=f"{what} (N or LOW:HIGH)")
-    _add_trace_args(shape, with_path=True)
+    add_flags(p, "workload", WORKLOAD_FLAGS)
 
     out = p.add_argument_group("analysis and output")
     detector = InterferenceConfig()
@@ -215,28 +199,6 @@ def _add_run_args(p: argparse.ArgumentParser, default_report: str | None) -> Non
     )
 
 
-def _add_trace_args(p, with_path: bool) -> None:
-    if with_path:
-        p.add_argument(
-            "--trace", help=f"trace: JSONL or Azure CSV (default: {default_trace_path()})"
-        )
-    p.add_argument(
-        "--trace-window-start",
-        default="0",
-        metavar="SECONDS|random",
-        help="trace: where the replayed window starts",
-    )
-    p.add_argument("--trace-duration", type=float, help="trace: window length, seconds")
-    p.add_argument(
-        "--trace-time-scale",
-        type=float,
-        default=1.0,
-        help="trace: multiply timestamps (2 = half speed)",
-    )
-    p.add_argument("--trace-max-input-len", type=int, help="trace: clip prompt lengths")
-    p.add_argument("--trace-max-output-len", type=int, help="trace: clip output lengths")
-
-
 def _add_compare_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("servers")
     g.add_argument(
@@ -248,8 +210,9 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
         "--external",
         action="append",
         default=[],
-        metavar="NAME=URL",
-        help="an already-running server to add as a row (repeatable)",
+        metavar="NAME=URL[@CORES]",
+        help="an already-running server to add as a row (repeatable); @CORES declares the "
+        "cores it runs on, without which it is shown but not ranked",
     )
     g.add_argument(
         "--saved",
@@ -262,6 +225,13 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
         "only these",
     )
     _add_launch_args(g)
+    _add_resource_args(g)
+    g.add_argument(
+        "--disagg-split",
+        metavar="P:D",
+        help="disagg's prefill and decode workers on the --cores (default: half and half; "
+        "one each on two cores)",
+    )
     found = p.add_argument_group("highest rate meeting the SLOs (goodput as DistServe defines it)")
     found.add_argument(
         "--search-rate",
@@ -293,6 +263,24 @@ def _add_compare_args(p: argparse.ArgumentParser) -> None:
         type=float,
         metavar="SECONDS",
         help="per server: start no search run that would end after this long",
+    )
+    found.add_argument(
+        "--seeds",
+        type=int,
+        default=CompareSpec.num_seeds,
+        help="seeds the deciding runs (the highest rate met, the lowest missed) run with, "
+        "the first included: each mode's answer becomes an interval (default %(default)s)",
+    )
+
+
+def _add_resource_args(g) -> None:
+    g.add_argument(
+        "--cores",
+        type=int,
+        metavar="N",
+        help="every launched mode on the same N cores of this machine, one engine per core: "
+        "colocated and chunked as N replicas, disagg as P prefill + D decode workers "
+        "(default: every core)",
     )
 
 
@@ -347,7 +335,9 @@ def _add_demo_args(p: argparse.ArgumentParser) -> None:
         "--save-result", metavar="FILE.json", help="the JSON (default: DIR/compare.json)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _add_launch_args(p.add_argument_group("servers"))
+    servers = p.add_argument_group("servers")
+    _add_launch_args(servers)
+    _add_resource_args(servers)
 
 
 def _add_convert_args(p: argparse.ArgumentParser) -> None:
@@ -355,60 +345,16 @@ def _add_convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True, help="JSONL file to write")
     p.add_argument("--num-prompts", type=int, help="requests to keep")
     p.add_argument("--seed", type=int, default=0, help="picks a random window start")
-    _add_trace_args(p, with_path=False)
+    add_flags(p, None, TRACE_WINDOW_FLAGS)
 
 
 # --- building specs from arguments ---------------------------------------------------------
 
 
-def _length_range(text: str | None, option: str) -> LengthRange | None:
-    return None if text is None else LengthRange.parse(text, option)
-
-
-def _trace_window(args: argparse.Namespace, num_prompts: int | None) -> TraceWindow:
-    start = args.trace_window_start
-    if start == "random":
-        start_s = None
-    else:
-        try:
-            start_s = float(start)
-        except ValueError:
-            raise BenchError(
-                f"--trace-window-start: expected seconds or 'random', got {start!r}"
-            ) from None
-    return TraceWindow(
-        start_s=start_s,
-        num_prompts=num_prompts,
-        duration_s=args.trace_duration,
-        time_scale=args.trace_time_scale,
-        max_input_len=args.trace_max_input_len,
-        max_output_len=args.trace_max_output_len,
-    )
-
-
-def _workload_options(args: argparse.Namespace) -> WorkloadOptions:
-    return WorkloadOptions(
-        num_prompts=args.num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        range_ratio=args.range_ratio,
-        prefix_len=args.prefix_len,
-        num_prefixes=args.num_prefixes,
-        long_fraction=args.long_fraction,
-        burst_size=args.burst_size,
-        chat_input_len=_length_range(args.chat_input_len, "--chat-input-len"),
-        chat_output_len=_length_range(args.chat_output_len, "--chat-output-len"),
-        long_input_len=_length_range(args.long_input_len, "--long-input-len"),
-        long_output_len=_length_range(args.long_output_len, "--long-output-len"),
-        trace=args.trace,
-        trace_window=_trace_window(args, None),
-    )
-
-
 def _bench_spec(args: argparse.Namespace, base_url: str) -> BenchSpec:
     rates = parse_request_rates(args.request_rate) if args.request_rate else [None]
     workload = make_workload(
-        args.workload, _workload_options(args), seeded_rng(args.seed, TRACE_WINDOW_STREAM)
+        args.workload, workload_options(args), seeded_rng(args.seed, TRACE_WINDOW_STREAM)
     )
     return BenchSpec(
         endpoint=EndpointConfig(
@@ -534,12 +480,21 @@ def _run_demo(args: argparse.Namespace) -> int:
     if not modes:
         raise BenchError("bench demo: --modes is empty")
     report_dir = Path(args.report)
+    # Every server logs its engine steps: what `pdserve simulate scale DIR` calibrates from.
+    steps = report_dir / "steps"
+    steps.mkdir(parents=True, exist_ok=True)
+    for old in steps.glob("*.jsonl"):
+        old.unlink()  # step logs append
     launch = _launch_config(args, report_dir)
+    step_log = ("--step-log", str(steps.resolve() / "steps-{mode}.jsonl"))
+    launch = replace(launch, extra_args=(*launch.extra_args, *step_log))
     tokenizer = load_tokenizer(args.tokenizer)
     probe_mode = "colocated" if "colocated" in modes else modes[0]
     print(f"measuring this machine through a {probe_mode} server ...", flush=True)
     profile = measure_machine(launch, probe_mode, tokenizer, args.seed)
-    plan = size_demo(profile, args.time_budget - (time.monotonic() - started), len(modes))
+    num_cores = len(resolve_cores(args.cores))
+    budget_s = args.time_budget - (time.monotonic() - started)
+    plan = size_demo(profile, budget_s, len(modes), num_cores)
     for line in plan.explain():
         print(line, flush=True)
     spec = demo_spec(plan, launch, modes, args.seed, not args.no_progress)
@@ -568,14 +523,19 @@ def _measure_and_join(
         externals=externals,
         search=_rate_search(args),
         saved=tuple(saved.order),
+        num_cores=args.cores,
+        disagg_split=parse_split(args.disagg_split) if args.disagg_split else None,
+        num_seeds=args.seeds,
     )
     measured = run_compare(spec, load_tokenizer(args.tokenizer))
+    layouts = {r.name: Layout(r.num_engines, r.num_cores, r.layout) for r in measured.rows}
     return judged(
         spec,
         {**measured.results, **saved.results},
         {**measured.searches, **saved.searches},
         {**{r.name: r for r in measured.rows if r.error}, **saved.rows},
         [*(r.name for r in measured.rows), *saved.order],
+        {**layouts, **saved.layouts},
     )
 
 
@@ -588,11 +548,11 @@ def _judge_saved(args: argparse.Namespace, saved: SavedRuns) -> CompareResult:
     bench = first.spec if first else _bench_spec(args, "http://127.0.0.1")
     search = RateSearch(attainment=saved.attainment) if saved.attainment else None
     spec = CompareSpec(bench=bench, modes=(), search=search, saved=tuple(saved.order))
-    return judged(spec, saved.results, saved.searches, saved.rows, saved.order)
+    return judged(spec, saved.results, saved.searches, saved.rows, saved.order, saved.layouts)
 
 
 def _run_convert(args: argparse.Namespace) -> int:
-    window = _trace_window(args, args.num_prompts)
+    window = trace_window(args, args.num_prompts)
     entries = window.select(load_trace(args.input), seeded_rng(args.seed, TRACE_WINDOW_STREAM))
     write_trace_jsonl(entries, args.output)
     span = entries[-1].timestamp

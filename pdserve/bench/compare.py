@@ -1,9 +1,14 @@
-"""`bench compare`: the same workload and seed against each serving mode, side by side.
+"""`bench compare`: the same workload and seed against each serving mode, side by side, on
+the same cores (`layout.py`: colocated and chunked as replicas, disagg as P + D workers).
 
 Each server gets its warm-ups, then the run at the offered rate (the table's row), then,
 with `search`, a short search for the highest rate at which the target share of requests
-meets every SLO (`search.py`: goodput as DistServe defines it), on the same server. Saved
-runs join as rows judged from their records exactly like measured ones.
+meets every SLO (`search.py`: goodput as DistServe defines it), on the same server, then
+with `num_seeds` > 1 the runs that decide it (the highest rate met and the lowest missed)
+again with other seeds: a rate counts as met only where every seed met it, as missed only
+where every seed missed it, so each mode's answer is an interval, and a winner is named only
+where the intervals separate. Saved runs join as rows judged from their records exactly like
+measured ones. Only rows on the comparison's cores are ranked.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -28,6 +35,7 @@ from pdserve.bench.benchmark import (
 from pdserve.bench.client import make_http_client
 from pdserve.bench.errors import BenchError
 from pdserve.bench.launcher import LaunchConfig, launch_server
+from pdserve.bench.layout import Layout, mode_layout, parse_external, resolve_cores
 from pdserve.bench.report import write_report
 from pdserve.bench.results import has_records, rate_text, result_from_dict, result_to_dict
 from pdserve.bench.runner import ServerInfo, warm_up
@@ -36,11 +44,13 @@ from pdserve.bench.search import (
     RateSearch,
     SearchPoint,
     SearchResult,
+    repeat_boundary,
     search_max_rate,
 )
 from pdserve.bench.tokenizer import TokenizerLike, load_tokenizer
+from pdserve.core.config import Mode
 
-DEFAULT_MODES = ("colocated", "chunked", "disagg")
+DEFAULT_MODES = tuple(mode.value for mode in Mode)
 # A search run at a low rate still has this many requests (its attainment means something).
 MIN_SEARCH_PROMPTS = 10
 # Without SLOs, modes within this share of the best output throughput compete on ITL p99.
@@ -49,10 +59,13 @@ _THROUGHPUT_TOLERANCE = 0.9
 
 @dataclass(frozen=True)
 class CompareSpec:
-    """Modes to launch in turn (with `launch`), plus already-running servers as
-    (name, base URL) rows; `bench` is the workload and load applied to every one of them
-    (its endpoint's base URL is replaced per server); `search`, when set, also finds each
-    server's highest rate meeting the SLOs; `saved` names the rows read from saved runs."""
+    """Modes to launch in turn (with `launch`) on `num_cores` cores each (None: every core
+    here; disagg as `disagg_split` prefill and decode workers, default `layout.disagg_split`),
+    plus already-running servers as (name, URL or URL@CORES) rows; `bench` is the workload
+    and load applied to every one of them (its endpoint's base URL is replaced per server);
+    `search`, when set, also finds each server's highest rate meeting the SLOs, its deciding
+    runs repeated for `num_seeds` seeds in all; `saved` names the rows read from saved
+    runs."""
 
     bench: BenchSpec
     launch: LaunchConfig = field(default_factory=LaunchConfig)
@@ -60,10 +73,17 @@ class CompareSpec:
     externals: tuple[tuple[str, str], ...] = ()
     search: RateSearch | None = None
     saved: tuple[str, ...] = ()
+    num_cores: int | None = None
+    disagg_split: tuple[int, int] | None = None
+    num_seeds: int = 1
 
     def __post_init__(self) -> None:
         if len(self.bench.request_rates) != 1:
             raise BenchError("bench compare takes one --request-rate, not a sweep")
+        if self.num_seeds < 1:
+            raise BenchError(f"--seeds must be >= 1, got {self.num_seeds}")
+        if self.modes:
+            resolve_cores(self.num_cores)  # a --cores this machine has
         names = [*self.modes, *(name for name, _ in self.externals), *self.saved]
         if not names:
             raise BenchError(
@@ -90,13 +110,26 @@ class CompareSpec:
     def attainment(self) -> float:
         return self.search.attainment if self.search else DEFAULT_ATTAINMENT
 
+    @property
+    def cores(self) -> tuple[int, ...]:
+        """The cores every launched mode runs on."""
+        return resolve_cores(self.num_cores)
+
+    def layout(self, mode: str) -> Layout:
+        return mode_layout(mode, len(self.cores), self.disagg_split)
+
+    def external_layouts(self) -> dict[str, tuple[str, Layout]]:
+        """Each external row's URL and declared resources."""
+        return {name: parse_external(name, text) for name, text in self.externals}
+
 
 @dataclass(frozen=True)
 class CompareRow:
     """One server's line of the table (latencies in ms). `error` is set when it never ran.
     `max_rate` is the highest searched rate meeting the SLOs (None: none did, or, when
-    `is_searched` is False, no search ran); `finding` is the detector's ("interference",
-    "overload", "both", "neither")."""
+    `is_searched` is False, no search ran); with `min_missed_rate` the interval the highest
+    rate lies in; `finding` is the detector's ("interference", "overload", "both",
+    "neither"); `layout`, `num_engines`, `num_cores` what it ran on (None: not declared)."""
 
     name: str
     completed: int = 0
@@ -122,13 +155,24 @@ class CompareRow:
     is_overload: bool = False
     finding: str = ""
     verdict: str = ""
+    layout: str = ""
+    num_engines: int | None = None
+    num_cores: int | None = None
+    num_seeds: int = 1
     error: str | None = None
 
     @classmethod
-    def of(cls, name: str, result: BenchResult, search: SearchResult | None = None) -> CompareRow:
+    def of(
+        cls,
+        name: str,
+        result: BenchResult,
+        search: SearchResult | None = None,
+        layout: Layout | None = None,
+    ) -> CompareRow:
         m, report = result.metrics, result.interference
         return cls(
             name=name,
+            **_resources(layout),
             completed=m.completed,
             failed=m.failed,
             ttft_p50=m.ttft.median,
@@ -152,16 +196,24 @@ class CompareRow:
             is_overload=report.is_overload,
             finding=report.finding,
             verdict=report.verdict,
+            num_seeds=1 if search is None else search.num_seeds,
         )
 
+    @property
+    def goodput_per_core(self) -> float | None:
+        """The highest rate meeting the SLOs (else the goodput at the offered rate) per core."""
+        best = self.max_rate if self.is_searched else self.goodput
+        return None if best is None or not self.num_cores else best / self.num_cores
+
     @classmethod
-    def from_saved(cls, name: str, run: dict) -> CompareRow:
+    def from_saved(cls, name: str, run: dict, layout: Layout | None = None) -> CompareRow:
         """A row from the numbers of a saved run without per-request records (e.g. another
         tool's result file); pdserve's files are judged again from their records instead."""
         interference = run.get("pdserve", {}).get("interference", {})
         try:
             return cls(
                 name=name,
+                **_resources(layout),
                 completed=run["completed"],
                 failed=run.get("failed", 0),
                 ttft_p50=run["median_ttft_ms"],
@@ -181,12 +233,24 @@ class CompareRow:
             raise BenchError(f"--saved {name}: not a saved benchmark run (missing {exc})") from None
 
 
+def _resources(layout: Layout | None) -> dict:
+    if layout is None:
+        return {}
+    return {
+        "layout": layout.description,
+        "num_engines": layout.num_engines,
+        "num_cores": layout.num_cores,
+    }
+
+
 @dataclass
 class SavedRuns:
     """Runs read back from `--saved` files and judged again from their records; `rows` are
-    runs known only by their numbers (no records); `attainment` the saved searches' target."""
+    runs known only by their numbers (no records); `layouts` the resources a compare file
+    recorded for its rows; `attainment` the saved searches' target."""
 
     results: dict[str, BenchResult] = field(default_factory=dict)
+    layouts: dict[str, Layout] = field(default_factory=dict)
     searches: dict[str, tuple[SearchResult, list[BenchResult]]] = field(default_factory=dict)
     rows: dict[str, CompareRow] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
@@ -216,11 +280,15 @@ def load_saved(
     target = attainment or saved_search.get("attainment") or DEFAULT_ATTAINMENT
     if searches:
         into.attainment = target
+    recorded = {row["name"]: row for row in data.get("rows") or [] if isinstance(row, dict)}
     for mode, run in (runs or {name: data}).items():
         label = f"{name}/{mode}" if runs is not None else name
         into.order.append(label)
+        if mode in recorded and "layout" in recorded[mode]:
+            row = recorded[mode]
+            into.layouts[label] = Layout(row["num_engines"], row["num_cores"], row["layout"])
         if not has_records(run):
-            into.rows[label] = CompareRow.from_saved(label, run)
+            into.rows[label] = CompareRow.from_saved(label, run, into.layouts.get(label))
             continue
         result = result_from_dict(run, label, slos, interference)
         into.results[label] = result
@@ -266,6 +334,9 @@ class CompareResult:
                 **shared,
                 "request_rate": self.spec.request_rate,
                 "modes": list(self.spec.modes),
+                "num_cores": len(self.spec.cores) if self.spec.modes else None,
+                "layouts": {m: self.spec.layout(m).to_dict() for m in self.spec.modes},
+                "num_seeds": self.spec.num_seeds,
                 "externals": dict(self.spec.externals),
                 "saved": list(self.spec.saved),
                 "server_command": [*self.spec.launch.command, *self.spec.launch.extra_args],
@@ -291,13 +362,15 @@ def run_compare(spec: CompareSpec, tokenizer: TokenizerLike | None = None) -> Co
     error; the comparison goes on.
     """
     runner = _Runner(spec, tokenizer)
-    for mode in spec.modes:
+    layouts = {mode: spec.layout(mode) for mode in spec.modes}
+    for mode, layout in layouts.items():
         try:
-            with launch_server(spec.launch, mode) as server:
+            with launch_server(spec.launch, mode, layout.argv, spec.cores) as server:
                 runner.run(mode, server.base_url)
         except BenchError as exc:
             runner.fail(mode, str(exc))
-    for name, url in spec.externals:
+    for name, (url, layout) in spec.external_layouts().items():
+        layouts[name] = layout
         try:
             runner.run(name, url)
         except BenchError as exc:
@@ -305,7 +378,8 @@ def run_compare(spec: CompareSpec, tokenizer: TokenizerLike | None = None) -> Co
     if not runner.results:
         details = "; ".join(f"{r.name}: {r.error}" for r in runner.failed.values())
         raise BenchError(f"bench compare: no server completed a run ({details})")
-    return judged(spec, runner.results, runner.searches, runner.failed, runner.order)
+    failed = {name: replace(r, **_resources(layouts[name])) for name, r in runner.failed.items()}
+    return judged(spec, runner.results, runner.searches, failed, runner.order, layouts)
 
 
 def judged(
@@ -314,18 +388,25 @@ def judged(
     searches: dict[str, tuple[SearchResult, list[BenchResult]]],
     rows: dict[str, CompareRow] | None = None,
     order: list[str] | None = None,
+    layouts: Mapping[str, Layout] | None = None,
 ) -> CompareResult:
     """The comparison of measured (or saved) runs, in `order` (default: results, then
-    `rows`): a row per result, the prebuilt `rows` (servers that never ran, saved runs known
-    only by their numbers) as they are, and the recommendation."""
-    rows = rows or {}
+    `rows`): a row per result (on its `layouts` entry), the prebuilt `rows` (servers that
+    never ran, saved runs known only by their numbers) as they are, and the recommendation
+    among the rows on the comparison's cores."""
+    rows, layouts = rows or {}, layouts or {}
     table = [
         rows[name]
         if name in rows
-        else CompareRow.of(name, results[name], searches.get(name, (None, []))[0])
+        else CompareRow.of(
+            name, results[name], searches.get(name, (None, []))[0], layouts.get(name)
+        )
         for name in order or [*results, *rows]
     ]
-    recommendation = recommend(table, bool(spec.bench.slos), spec.request_rate, spec.attainment)
+    num_cores = len(spec.cores) if spec.modes else None
+    recommendation = recommend(
+        table, bool(spec.bench.slos), spec.request_rate, spec.attainment, num_cores
+    )
     return CompareResult(spec, dict(results), table, recommendation, dict(searches))
 
 
@@ -336,8 +417,8 @@ class _Runner:
         self._spec = spec
         self._tokenizer = tokenizer
         self._plan: WorkloadPlan | None = None
-        # Search runs' plans by request count (every server sees the same ones).
-        self._plans: dict[int, WorkloadPlan] = {}
+        # Search runs' plans by request count and seed (every server sees the same ones).
+        self._plans: dict[tuple[int, int], WorkloadPlan] = {}
         self.results: dict[str, BenchResult] = {}
         self.searches: dict[str, tuple[SearchResult, list[BenchResult]]] = {}
         self.failed: dict[str, CompareRow] = {}
@@ -372,14 +453,15 @@ class _Runner:
                 return
             runs: list[BenchResult] = []
 
-            async def measure(rate: float) -> SearchPoint:
+            async def measure(rate: float, seed: int = bench.seed) -> SearchPoint:
+                label = rate_label(name, rate) + (f"-seed{seed}" if seed != bench.seed else "")
                 run = await run_rate(
                     http,
-                    bench,
-                    self._plan_at(rate, plan),
+                    replace(bench, seed=seed),
+                    self._plan_at(rate, plan, seed),
                     server,
                     rate,
-                    rate_label(name, rate),
+                    label,
                     warmups,
                     search.is_hopeless(bench.slos),
                 )
@@ -391,23 +473,28 @@ class _Runner:
                     await warm_up(http, bench.endpoint, server.model, list(plan.warmups[-1:]))
                 return point
 
+            started = time.monotonic()
             outcome = await search_max_rate(SearchPoint.of(result), measure, search)
+            seeds = [bench.seed + i for i in range(1, self._spec.num_seeds)]
+            outcome = await repeat_boundary(outcome, measure, seeds, search, started)
             self.searches[name] = (outcome, runs)
 
-    def _plan_at(self, rate: float, first: WorkloadPlan) -> WorkloadPlan:
-        """A search run's requests: as many as keep the first run's span at `rate`, so that
-        the rate is sustained (the first plan, for a workload without a request count)."""
+    def _plan_at(self, rate: float, first: WorkloadPlan, seed: int) -> WorkloadPlan:
+        """A search run's requests, drawn with `seed`: as many as keep the first run's span
+        at `rate`, so that the rate is sustained (the first plan's count, for a workload
+        without a request count)."""
         workload = first.workload
-        if not any(f.name == "num_prompts" for f in fields(workload)):
+        has_count = any(f.name == "num_prompts" for f in fields(workload))
+        if not has_count and seed == first.seed:
             return first
         scale = rate / self._spec.request_rate
-        count = max(MIN_SEARCH_PROMPTS, round(workload.num_prompts * scale))
-        if count not in self._plans:
+        count = max(MIN_SEARCH_PROMPTS, round(workload.num_prompts * scale)) if has_count else 0
+        if (count, seed) not in self._plans:
             tokenizer = self._tokenizer or load_tokenizer(None)
-            resized = replace(workload, num_prompts=count)
-            plan = plan_workload(resized, tokenizer, first.seed, first.max_model_len)
-            self._plans[count] = replace(plan, warmups=first.warmups)
-        return self._plans[count]
+            resized = replace(workload, num_prompts=count) if has_count else workload
+            plan = plan_workload(resized, tokenizer, seed, first.max_model_len)
+            self._plans[count, seed] = replace(plan, warmups=first.warmups)
+        return self._plans[count, seed]
 
     def fail(self, name: str, error: str) -> None:
         self.failed[name] = CompareRow(name, error=error)
@@ -419,22 +506,49 @@ def recommend(
     has_slos: bool,
     request_rate: float | None = None,
     attainment: float = DEFAULT_ATTAINMENT,
+    num_cores: int | None = None,
 ) -> Recommendation | None:
-    """Pick a mode and say why, or say why none: with SLOs and a search, the highest rate at
-    which `attainment` of the requests meet them (DistServe's goodput); with SLOs only,
-    the highest goodput at the offered rate; a tie, or nothing meeting the SLOs, recommends
-    none. Without SLOs, the lowest ITL p99 among rows with the fewest failures and near-best
-    output throughput."""
+    """Pick a mode and say why, or say why none, among the rows on `num_cores` cores (None:
+    the core count most rows declare; every row when none does): with SLOs and a search,
+    the highest rate at which `attainment` of the requests meet them (DistServe's goodput),
+    named only when its interval is clear of every other's; with SLOs only, the highest
+    goodput at the offered rate; a tie, or nothing meeting the SLOs, recommends none.
+    Without SLOs, the lowest ITL p99 among rows with the fewest failures and near-best
+    output throughput. Rows left out are named with the reason."""
     ran = [r for r in rows if r.error is None and r.completed + r.failed > 0]
     if not ran:
         return None
+    ranked, left_out = _on_equal_resources(ran, num_cores)
+    note = "".join(f"; {r.name} not ranked: {why}" for r, why in left_out)
+    if not ranked:
+        return Recommendation(None, "no row ran on the comparison's cores" + note)
     if not has_slos:
-        recommendation = _by_itl(ran)
-    elif any(r.is_searched for r in ran):
-        recommendation = _by_max_rate(ran, request_rate, attainment)
+        recommendation = _by_itl(ranked)
+    elif any(r.is_searched for r in ranked):
+        recommendation = _by_max_rate(ranked, request_rate, attainment)
     else:
-        recommendation = _by_goodput(ran, request_rate)
-    return Recommendation(recommendation.name, recommendation.reason + _findings(ran))
+        recommendation = _by_goodput(ranked, request_rate)
+    return Recommendation(recommendation.name, recommendation.reason + _findings(ranked) + note)
+
+
+def _on_equal_resources(
+    ran: list[CompareRow], num_cores: int | None
+) -> tuple[list[CompareRow], list[tuple[CompareRow, str]]]:
+    """The rows to rank, and the others with the reason they are not."""
+    if num_cores is None:
+        declared = Counter(r.num_cores for r in ran if r.num_cores is not None)
+        if not declared:
+            return ran, []  # nothing recorded: compared as given
+        num_cores = declared.most_common(1)[0][0]
+    ranked, left_out = [], []
+    for row in ran:
+        if row.num_cores == num_cores:
+            ranked.append(row)
+        elif row.num_cores is None:
+            left_out.append((row, "its cores are not declared (--external NAME=URL@CORES)"))
+        else:
+            left_out.append((row, f"it ran on {row.num_cores} cores, the others on {num_cores}"))
+    return ranked, left_out
 
 
 def _by_max_rate(
@@ -443,19 +557,37 @@ def _by_max_rate(
     searched = [r for r in ran if r.is_searched]
     ranked = sorted(searched, key=lambda r: r.max_rate or 0.0, reverse=True)
     best = ranked[0]
-    sustains = ", ".join(f"{r.name} {_max_rate_text(r)}" for r in ranked)
+    sustains = ", ".join(f"{r.name} {_interval_text(r)}" for r in ranked)
     share = f"{attainment:.0%} of requests within the SLOs"
     at_rate = _at_offered_rate(ran, request_rate)
     if not best.max_rate:
-        lowest = ", ".join(f"{r.name} {_max_rate_text(r)}" for r in ranked)
-        return Recommendation(None, f"none at any searched load: no mode kept {share} ({lowest})")
-    if len(ranked) > 1 and ranked[1].max_rate == best.max_rate:
-        tied = " and ".join(r.name for r in ranked if r.max_rate == best.max_rate)
+        return Recommendation(None, f"none at any searched load: no mode kept {share} ({sustains})")
+    # Clear: every other mode missed at a rate (at every seed) that the best met (at every
+    # seed), so no seed's luck decides it.
+    if not all(
+        r.min_missed_rate is not None and best.max_rate >= r.min_missed_rate for r in ranked[1:]
+    ):
         return Recommendation(
-            None, f"a tie: {tied} each sustain {best.max_rate:.3g} req/s with {share}{at_rate}"
+            None,
+            f"no clear winner on this machine: the highest loads with {share} overlap "
+            f"({sustains} req/s){at_rate}",
         )
-    reason = f"highest load with {share}, {best.max_rate:.3g} req/s (highest loads: {sustains})"
+    reason = (
+        f"highest load with {share}, {best.max_rate:.3g} req/s, clear of the others "
+        f"(highest loads: {sustains} req/s)"
+    )
     return Recommendation(best.name, reason + at_rate)
+
+
+def _interval_text(row: CompareRow) -> str:
+    """The interval a searched row's highest rate lies in, e.g. "0.5-0.71", ">=0.5",
+    "none (<0.1)"."""
+    if not row.is_searched:
+        return "-"
+    low, high = row.max_rate, row.min_missed_rate
+    if low is None:
+        return "none" if high is None else f"none (<{high:.3g})"
+    return f">={low:.3g}" if high is None else f"{low:.3g}-{high:.3g}"
 
 
 def _at_offered_rate(ran: list[CompareRow], request_rate: float | None) -> str:
@@ -533,16 +665,10 @@ def _versus(rows: list[CompareRow], best: CompareRow, value) -> str:
     return f" (vs {', '.join(others)})" if others else ""
 
 
-def _max_rate_text(row: CompareRow) -> str:
-    if not row.is_searched:
-        return "-"
-    if row.max_rate is None:
-        return "none"
-    return f"{row.max_rate:.3g}" + ("+" if row.min_missed_rate is None else "")
-
-
 _COLUMNS = (
     ("mode", "{r.name}"),
+    ("layout", "{r.layout}"),
+    ("cores", "{cores}"),
     ("ok", "{r.completed}/{total}"),
     ("TTFT p50", "{r.ttft_p50:.0f}"),
     ("TTFT p99", "{r.ttft_p99:.0f}"),
@@ -554,6 +680,7 @@ _COLUMNS = (
     ("goodput", "{goodput}"),
     ("SLO met", "{attainment}"),
     ("max rate", "{max_rate}"),
+    ("per core", "{per_core}"),
     ("in prefill", "{r.in_prefill_fraction:.0%}"),
     ("finding", "{r.finding}"),
 )
@@ -578,13 +705,17 @@ def _aligned(cells: list[str], widths: list[int]) -> str:
 
 
 def _cells(row: CompareRow) -> list[str]:
+    cores = "?" if row.num_cores is None else str(row.num_cores)
     if row.error is not None:
-        return [row.name, "failed", *(["-"] * (len(_COLUMNS) - 2))]
+        return [row.name, row.layout, cores, "failed", *(["-"] * (len(_COLUMNS) - 4))]
+    per_core = row.goodput_per_core
     values = {
         "total": row.completed + row.failed,
+        "cores": cores,
         "goodput": "-" if row.goodput is None else f"{row.goodput:.3f}",
         "attainment": "-" if row.attainment is None else f"{row.attainment:.0%}",
-        "max_rate": _max_rate_text(row),
+        "max_rate": _interval_text(row),
+        "per_core": "-" if per_core is None else f"{per_core:.3g}",
     }
     return [fmt.format(r=row, **values) for _, fmt in _COLUMNS]
 
@@ -607,10 +738,14 @@ def save_compare(
         *intro,
         "## Comparison",
         "",
-        f"Offered load {rate_text(result.spec.request_rate)} req/s; SLOs: {slos}. Latencies in "
-        "ms, goodput and max rate in req/s. *SLO met*: share of requests meeting every SLO; "
-        f"*max rate*: the highest searched rate at which {result.spec.attainment:.0%} do "
-        "(+: met at every rate tried); *in prefill*: share of stalled time (gaps above "
+        f"Offered load {rate_text(result.spec.request_rate)} req/s; SLOs: {slos}. Every mode "
+        f"on the same cores ({_cores_text(result.spec)}); *layout*: the engines each row ran. "
+        "Latencies in ms, goodput and max rate in req/s. *SLO met*: share of requests meeting "
+        f"every SLO; *max rate*: the interval in which the highest rate lies at which "
+        f"{result.spec.attainment:.0%} do: met by every seed that ran its low end, missed by "
+        f"every seed at its high end ({result.spec.num_seeds} seeds at the deciding rates; "
+        ">=: met at every rate tried); *per core*: its low end (else the goodput) per core; "
+        "*in prefill*: share of stalled time (gaps above "
         f"{bench.interference.spike_factor:g}× their stream's pace) during long prompts' "
         "prefills; *finding*: interference, overload, both or neither (per run below).",
         "",
@@ -624,6 +759,13 @@ def save_compare(
         list(result.results.values()), out, "pdserve bench compare", "\n".join(preamble)
     )
     return json_file, report
+
+
+def _cores_text(spec: CompareSpec) -> str:
+    if not spec.modes:
+        return "as each saved run recorded"
+    cores = spec.cores
+    return f"{len(cores)} cores: {','.join(map(str, cores))}"
 
 
 def _search_section(result: CompareResult, out: Path) -> list[str]:
@@ -650,7 +792,8 @@ def _search_section(result: CompareResult, out: Path) -> list[str]:
     ]
     for name, (search, _) in result.searches.items():
         tried = ", ".join(
-            f"{p.rate:.3g} ({p.attainment:.0%}{'*' if p.is_stopped_early else ''})"
+            f"{p.rate:.3g} ({p.attainment:.0%}{'*' if p.is_stopped_early else ''}"
+            f"{'' if p.seed in (None, result.spec.bench.seed) else f' seed {p.seed}'})"
             for p in sorted(search.points, key=lambda p: p.rate)
         )
         lines.append(f"| {name} | {search.describe()} | {tried} | {search.stop_reason} |")

@@ -2,24 +2,30 @@
 
 A load chosen on one CPU says nothing on another: several times over capacity, every mode
 misses every SLO and the comparison is a tie at zero. So the demo first measures this machine
-through one server (a few seconds: a long prompt's prefill at two lengths, the decode step of
-one stream alone and of `PROBE_BATCH` at once), then sizes everything from those numbers:
+through one server (one engine, one thread; a few seconds: a long prompt's prefill at two
+lengths, the decode step of one stream alone and of `PROBE_BATCH` at once), then sizes
+everything from those numbers, for every mode on the same cores (`layout.py`: one engine per
+core, colocated and chunked as replicas, disagg as P prefill + D decode workers):
 
 - documents long enough that one prefill takes `DOC_SHARE` of a run (a stall no scheduler
   hides), `DOC_FRACTION` of the requests (more than the share the attainment target lets
   miss: a mode that fails every document fails the target), and chats that stream for
   `CHAT_SHARE` of a run;
 - SLOs in this machine's units, as DistServe's SLO scale does: TTFT within `TTFT_SCALE` × a
-  document's unloaded prefill (the second of a burst waits for the first; a disaggregated
-  prefill worker has one core of the two), TPOT within `TPOT_SCALE` × the decode step at batch
+  document's unloaded prefill (the second of a burst may wait for the first where one
+  prefill engine takes both), TPOT within `TPOT_SCALE` × the decode step at batch
   `PROBE_BATCH`, and no stream frozen longer than `STALL_SCALE` decode steps (`max_itl`);
 - each mode's token budget so that one slice stalls the streams at most a third of that: the
   last slice of a document (it attends to all the document before it), and a chat's slice
-  on a decode worker (one core);
-- the rate at `LOAD` × the one-engine capacity those costs imply (near capacity for at least
-  one mode, hopelessly over it for none), and as many requests as fit a run of the time the
-  demo's budget leaves per run;
-- then each mode's highest rate meeting the SLOs by a short search around that rate.
+  on a decode worker (one engine, like the probe's);
+- disagg's split of the cores as the workload's share of engine time in prefill (one prefill
+  and one decode worker on two cores);
+- the rate at `LOAD` × the capacity those costs imply for one engine per core (near capacity
+  for at least one mode, hopelessly over it for none), and as many requests as fit a run of
+  the time the demo's budget leaves per run;
+- then each mode's highest rate meeting the SLOs by a short search around that rate, and
+  the two rates that decide it run again at `NUM_SEEDS` seeds in all: an interval per mode,
+  and a winner only where the intervals separate.
 
 The same logic on a fast or a slow CPU: only the measured numbers differ.
 """
@@ -41,6 +47,7 @@ from pdserve.bench.compare import CompareSpec
 from pdserve.bench.errors import BenchError
 from pdserve.bench.interference import InterferenceConfig
 from pdserve.bench.launcher import LaunchConfig, launch_server
+from pdserve.bench.layout import disagg_split
 from pdserve.bench.prompts import PromptSynthesizer
 from pdserve.bench.records import RequestRecord
 from pdserve.bench.runner import probe_server, warm_up
@@ -70,9 +77,11 @@ STALL_SCALE = 10.0
 LOAD = 0.7
 MIN_PROMPTS, MAX_PROMPTS = 12, 40
 # Of the time per mode (after its start), the runs take about this many run lengths (each
-# with its drain): the run at the sized rate and a search of up to three more, every one as
-# long as the first; runs decided early stop early.
-RUNS_PER_MODE = 5
+# with its drain): the run at the sized rate, a search of up to three more, and the two
+# deciding rates again at each further seed, every one as long as the first; runs decided
+# early stop early (a missed rate's usually do).
+NUM_SEEDS = 3
+RUNS_PER_MODE = 4 + 2 * (NUM_SEEDS - 1)
 SEARCH = RateSearch(step=1.5, max_runs=3)
 NUM_WARMUPS = 2
 
@@ -127,6 +136,13 @@ class DemoPlan:
     decode_worker_budget: int
     capacity: float
     search: RateSearch
+    num_cores: int = 1
+    prefill_share: float = 0.5
+    num_seeds: int = NUM_SEEDS
+
+    @property
+    def disagg_split(self) -> tuple[int, int]:
+        return disagg_split(self.num_cores, self.prefill_share)
 
     def mode_args(self) -> dict[str, tuple[str, ...]]:
         """Each mode's settings for this CPU."""
@@ -159,14 +175,19 @@ class DemoPlan:
             f"({TTFT_SCALE:g} × a document's prefill), TPOT {self.slos['tpot']:.0f} ms "
             f"({TPOT_SCALE:g} × the batch-{PROBE_BATCH} step), longest gap "
             f"{self.slos['max_itl']:.0f} ms ({STALL_SCALE:g} steps)",
+            f"every mode on {self.num_cores} cores, one engine per core: colocated and chunked "
+            f"as {self.num_cores} replicas, disagg as {self.disagg_split[0]} prefill + "
+            f"{self.disagg_split[1]} decode (prefill is {self.prefill_share:.0%} of the "
+            "workload's engine time)",
             f"token budgets: chunked {self.chunk_budget} (a document's last slice "
             f"{p.slice_time(w.long_input_len.high, self.chunk_budget) * 1000:.0f} ms), disagg's "
             f"decode worker {self.decode_worker_budget} (a slice stalls streams at most a third "
             "of the longest-gap SLO)",
-            f"load: these costs make one engine's capacity ~{self.capacity:.2f} req/s; offered "
-            f"{self.request_rate:.3g} req/s ({LOAD:.0%} of it), {w.num_prompts} requests "
-            f"({w.num_long} documents); then each mode's highest rate meeting the SLOs for "
-            f"{self.search.attainment:.0%} of requests, searched from there",
+            f"load: these costs make {self.num_cores} engines' capacity ~{self.capacity:.2f} "
+            f"req/s; offered {self.request_rate:.3g} req/s ({LOAD:.0%} of it), "
+            f"{w.num_prompts} requests ({w.num_long} documents); then each mode's highest rate "
+            f"meeting the SLOs for {self.search.attainment:.0%} of requests, searched from "
+            f"there, its deciding rates run again at {self.num_seeds} seeds in all",
         ]
 
     def to_dict(self) -> dict:
@@ -180,11 +201,18 @@ class DemoPlan:
             "mode_args": {m: list(a) for m, a in self.mode_args().items()},
             "capacity_estimate": self.capacity,
             "search": asdict(self.search),
+            "num_cores": self.num_cores,
+            "prefill_share": self.prefill_share,
+            "disagg_split": list(self.disagg_split),
+            "num_seeds": self.num_seeds,
         }
 
 
-def size_demo(profile: MachineProfile, budget_s: float, num_modes: int) -> DemoPlan:
-    """The demo's workload, load, SLOs and settings for the measured machine (module doc)."""
+def size_demo(
+    profile: MachineProfile, budget_s: float, num_modes: int, num_cores: int = 1
+) -> DemoPlan:
+    """The demo's workload, load, SLOs and settings for the measured machine, every mode on
+    `num_cores` cores (module doc)."""
     per_mode = budget_s / num_modes - profile.start_s
     run_s = per_mode / RUNS_PER_MODE
     if run_s <= 0:
@@ -205,13 +233,16 @@ def size_demo(profile: MachineProfile, budget_s: float, num_modes: int) -> DemoP
     }
     # One engine's seconds per request: its prefill, and its share of batched decode steps.
     per_token = step / PROBE_BATCH
-    chat_cost = profile.prefill_time(_mean(CHAT_INPUT)) + _mean(chats) * per_token
-    doc_cost = profile.prefill_time(_mean(docs)) + _mean(DOC_OUTPUT) * per_token
+    chat_prefill = profile.prefill_time(_mean(CHAT_INPUT))
+    doc_prefill = profile.prefill_time(_mean(docs))
+    chat_cost = chat_prefill + _mean(chats) * per_token
+    doc_cost = doc_prefill + _mean(DOC_OUTPUT) * per_token
     # Guess the document share from a run at capacity, then count requests for the run.
     num_prompts = MIN_PROMPTS
     for _ in range(3):
         share = _num_docs(num_prompts) / num_prompts
-        capacity = 1.0 / (share * doc_cost + (1 - share) * chat_cost)
+        mean_cost = share * doc_cost + (1 - share) * chat_cost
+        capacity = num_cores / mean_cost
         # The mixed workload's rate is the chats'; the documents come on top.
         rate = LOAD * capacity * (1 - share)
         num_prompts = _clamp(round(rate * run_s / (1 - share)), MIN_PROMPTS, MAX_PROMPTS)
@@ -232,13 +263,14 @@ def size_demo(profile: MachineProfile, budget_s: float, num_modes: int) -> DemoP
         slos=slos,
         long_prompt_tokens=min(1024, max(2 * CHAT_INPUT.high, docs.low // 2)),
         chunk_budget=_budget(lambda n: profile.slice_time(docs.high, n), max_itl / 3, 64, 512),
-        # The decode worker has one core of the two the probe's server had.
-        decode_worker_budget=_budget(
-            lambda n: 2 * profile.prefill_time(n), max_itl / 3, 32, CHAT_INPUT.high
-        ),
+        # A decode worker is one engine, as the probe's server was.
+        decode_worker_budget=_budget(profile.prefill_time, max_itl / 3, 32, CHAT_INPUT.high),
         capacity=capacity,
-        # The search has the mode's time left after its first run (and that run's drain).
+        # The search and its repeats have the mode's time left after its first run (and
+        # that run's drain).
         search=replace(SEARCH, budget_s=max(1.0, per_mode - 1.25 * run_s)),
+        num_cores=num_cores,
+        prefill_share=(share * doc_prefill + (1 - share) * chat_prefill) / mean_cost,
     )
 
 
@@ -258,7 +290,15 @@ def demo_spec(
         interference=InterferenceConfig(long_prompt_tokens=plan.long_prompt_tokens),
         show_progress=show_progress,
     )
-    return CompareSpec(bench=bench, launch=launch, modes=modes, search=plan.search)
+    return CompareSpec(
+        bench=bench,
+        launch=launch,
+        modes=modes,
+        search=plan.search,
+        num_cores=plan.num_cores,
+        disagg_split=plan.disagg_split,
+        num_seeds=plan.num_seeds,
+    )
 
 
 def measure_machine(

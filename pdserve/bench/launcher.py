@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,10 +64,11 @@ class LaunchConfig:
         if not self.stop_grace_s >= 0:
             raise BenchError(f"--stop-grace must be >= 0, got {self.stop_grace_s}")
 
-    def argv(self, mode: str, port: int) -> list[str]:
-        """The command for one mode, placeholders filled in."""
+    def argv(self, mode: str, port: int, layout: Sequence[str] = ()) -> list[str]:
+        """The command for one mode, placeholders filled in; `layout` (its engines, e.g.
+        `--data-parallel-size 2`) before the mode's own args."""
         values = {"python": sys.executable, "mode": mode, "host": self.host, "port": str(port)}
-        template = (*self.command, *self.extra_args, *self.mode_args.get(mode, ()))
+        template = (*self.command, *self.extra_args, *layout, *self.mode_args.get(mode, ()))
         try:
             return [part.format(**values) for part in template]
         except (KeyError, IndexError, ValueError) as exc:
@@ -89,8 +90,14 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def launch_server(config: LaunchConfig, mode: str) -> Iterator[RunningServer]:
-    """Start the server for `mode`, yield it once `GET /health` answers 200, stop it after.
+def launch_server(
+    config: LaunchConfig,
+    mode: str,
+    layout: Sequence[str] = (),
+    cores: Sequence[int] | None = None,
+) -> Iterator[RunningServer]:
+    """Start the server for `mode` (with the `layout` flags, on `cores` only when given: it
+    and every worker it starts), yield it once `GET /health` answers 200, stop it after.
 
     Stopping sends SIGTERM, waits `stop_grace_s`, then SIGKILLs the whole process group (the
     server and any workers it started). Raises BenchError, with the log's tail, when the
@@ -99,7 +106,8 @@ def launch_server(config: LaunchConfig, mode: str) -> Iterator[RunningServer]:
     port = free_port(config.host)
     config.log_dir.mkdir(parents=True, exist_ok=True)
     log_path = config.log_dir / f"server-{mode}.log"
-    argv = config.argv(mode, port)
+    argv = config.argv(mode, port, layout)
+    pinned = None if cores is None else set(cores)
     with open(log_path, "wb") as log:
         try:
             process = subprocess.Popen(
@@ -110,6 +118,8 @@ def launch_server(config: LaunchConfig, mode: str) -> Iterator[RunningServer]:
                 cwd=config.cwd,
                 env=None if config.env is None else dict(config.env),
                 start_new_session=True,
+                # The server's launcher cuts these cores into its workers' slots.
+                preexec_fn=None if pinned is None else lambda: os.sched_setaffinity(0, pinned),
             )
         except OSError as exc:
             raise BenchError(f"cannot start {' '.join(argv)!r}: {exc}") from exc

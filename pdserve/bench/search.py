@@ -12,13 +12,20 @@ longer in proportion for a lower rate: a run's request count has a floor),
 none below `min_rate_ratio` × the first rate. A run whose outcome is decided (more requests
 missed an SLO than the target allows) stops early. The answer is the highest rate met below
 the lowest rate missed, so one noisy run above a miss cannot raise it.
+
+Then `repeat_boundary` runs the two rates that decide the answer (the highest met, the lowest
+missed) again with other seeds (other requests, other arrival times), within the same
+budget. A rate with several runs counts as met only where every run met the target, as
+missed only where every run missed it; where they disagree it lies between the answer and
+its bound. So [max_rate, min_missed_rate) is an interval that one lucky or unlucky run
+cannot shrink: the noise of a few dozen requests per run widens it instead.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from pdserve.bench.benchmark import BenchResult
@@ -75,6 +82,7 @@ class SearchPoint:
     num_requests: int
     goodput: float = 0.0
     is_stopped_early: bool = False
+    seed: int | None = None
 
     @property
     def attainment(self) -> float:
@@ -91,6 +99,7 @@ class SearchPoint:
             num_requests=len(result.records),
             goodput=m.request_goodput or 0.0,
             is_stopped_early=any(r.error == STOPPED_EARLY for r in result.records),
+            seed=result.spec.seed,
         )
 
 
@@ -105,19 +114,39 @@ class SearchResult:
     def meets(self, point: SearchPoint) -> bool:
         return point.attainment >= self.attainment - 1e-9
 
+    def _verdicts(self) -> dict[float, set[bool]]:
+        """Each rate tried: whether its runs met the target (both: they disagree)."""
+        verdicts: dict[float, set[bool]] = {}
+        for p in self.points:
+            verdicts.setdefault(p.rate, set()).add(self.meets(p))
+        return verdicts
+
     @property
     def min_missed_rate(self) -> float | None:
-        """The lowest rate that missed the target: the search's upper bound."""
-        missed = [p.rate for p in self.points if not self.meets(p)]
+        """The lowest rate every run of which missed the target: the search's upper bound."""
+        missed = [rate for rate, met in self._verdicts().items() if met == {False}]
         return min(missed) if missed else None
 
     @property
     def max_rate(self) -> float | None:
-        """The highest rate that met the target below the lowest that missed it (None: no
-        searched rate did): the goodput in DistServe's sense."""
+        """The highest rate every run of which met the target, below the lowest missed
+        (None: no searched rate did): the goodput in DistServe's sense."""
         bound = self.min_missed_rate
-        met = [p.rate for p in self.points if self.meets(p) and (bound is None or p.rate < bound)]
+        met = [
+            rate
+            for rate, verdict in self._verdicts().items()
+            if verdict == {True} and (bound is None or rate < bound)
+        ]
         return max(met) if met else None
+
+    @property
+    def uncertain_rates(self) -> list[float]:
+        """Rates at which the seeds disagree."""
+        return sorted(rate for rate, met in self._verdicts().items() if len(met) > 1)
+
+    @property
+    def num_seeds(self) -> int:
+        return max(1, len({p.seed for p in self.points}))
 
     @property
     def min_rate(self) -> float:
@@ -126,17 +155,20 @@ class SearchResult:
     def describe(self) -> str:
         """E.g. "0.71 req/s (missed at 1)", "none down to 0.06 req/s", ">= 4 req/s"."""
         best, bound = self.max_rate, self.min_missed_rate
+        disagree = ", ".join(f"{r:.3g}" for r in self.uncertain_rates)
+        seeds = f"; {self.num_seeds} seeds disagree at {disagree}" if disagree else ""
         if best is None:
-            return f"none down to {self.min_rate:.3g} req/s"
+            return f"none down to {self.min_rate:.3g} req/s{seeds}"
         if bound is None:
-            return f">= {best:.3g} req/s (met at every searched rate)"
-        return f"{best:.3g} req/s (missed at {bound:.3g})"
+            return f">= {best:.3g} req/s (met at every searched rate{seeds})"
+        return f"{best:.3g} req/s (missed at {bound:.3g}{seeds})"
 
     def to_dict(self) -> dict:
         return {
             "slo_attainment": self.attainment,
             "max_rate": self.max_rate,
             "min_missed_rate": self.min_missed_rate,
+            "num_seeds": self.num_seeds,
             "stop_reason": self.stop_reason,
             "points": [{**asdict(p), "attainment": p.attainment} for p in self.points],
         }
@@ -185,3 +217,31 @@ def _next_rate(
     if high / low <= config.step * (1 + 1e-9):
         return None, f"bracketed within {config.step:g}x"
     return math.sqrt(low * high), ""
+
+
+async def repeat_boundary(
+    result: SearchResult,
+    measure: Callable[[float, int], Awaitable[SearchPoint]],
+    seeds: Sequence[int],
+    config: RateSearch,
+    started: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> SearchResult:
+    """`result` with its deciding rates (the highest met, the lowest missed) run again at
+    each of `seeds` by `measure(rate, seed)`, none started that would end after
+    `config.budget_s` from `started` (module doc)."""
+    rates = [r for r in (result.max_rate, result.min_missed_rate) if r is not None]
+    if not rates:
+        rates = [result.min_rate]  # nothing met: is the lowest rate a miss at every seed?
+    points, reason = list(result.points), result.stop_reason
+    last_run_s = 0.0
+    for seed in seeds:
+        for rate in rates:
+            now = clock()
+            if config.budget_s is not None and now - started + last_run_s > config.budget_s:
+                done = len({p.seed for p in points}) - 1
+                note = f"time budget ({config.budget_s:.3g} s) after {done} more seeds"
+                return SearchResult(config.attainment, tuple(points), f"{reason}; {note}")
+            points.append(await measure(rate, seed))
+            last_run_s = clock() - now
+    return SearchResult(config.attainment, tuple(points), reason)

@@ -21,6 +21,21 @@ class SchedulingPolicy(enum.Enum):
     CHUNKED = "chunked"
 
 
+class Mode(enum.Enum):
+    """How a deployment shares machines between prefill and decode (`--mode`): the serving
+    modes of `serve`, `simulate` and `bench compare`, named here once."""
+
+    COLOCATED = "colocated"
+    CHUNKED = "chunked"
+    # Prefill and decode workers behind a router; each worker chunks its prompts.
+    DISAGG = "disagg"
+
+    @property
+    def scheduling(self) -> SchedulingPolicy:
+        """What each engine of this mode schedules by."""
+        return SchedulingPolicy.COLOCATED if self is Mode.COLOCATED else SchedulingPolicy.CHUNKED
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """`max_num_batched_tokens` None takes the policy's budget: `DEFAULT_CHUNKED_BUDGET` when

@@ -117,3 +117,30 @@ class Request:
         if last in params.stop_token_ids:
             return FinishReason.STOP
         return None
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: `num_new_tokens` tokens from its `num_computed_tokens`."""
+
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def is_sampling(self) -> bool:
+        """Whether this step brings the request level with its tokens, so it samples one."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -17,32 +17,13 @@ from dataclasses import dataclass, field
 from pdserve.core.block_manager import BlockManager
 from pdserve.core.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from pdserve.core.kv_connector import KVConnectorScheduler
-from pdserve.core.request import FinishReason, Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-
-    @property
-    def is_sampling(self) -> bool:
-        """Whether this step brings the request level with its tokens, so it samples one."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from pdserve.core.request import (
+    FinishReason,
+    Request,
+    RequestStatus,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 
 class _Admission(enum.Enum):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve.cli import flag
 from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, SchedulerConfig
 from pdserve.engine.config import DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS, EngineConfig
+from pdserve.flags import flag
 from pdserve.kv_store.config import KVStoreConfig
 from pdserve.kv_transfer.config import TRANSPORT_CHOICES, KVRole, KVTransferConfig
 from pdserve.model.config import KV_CACHE_DTYPES

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pdserve.cli import add_flags
 from pdserve.core.config import SchedulerConfig, SchedulingPolicy
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
 from pdserve.engine.args import ENGINE_FLAGS
+from pdserve.flags import add_flags
 
 
 def add_parser(subparsers) -> None:

@@ -10,21 +10,21 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.core.kv_connector import MultiConnector
+from pdserve.core.kv_connector import KVConnectorBase, KVOutcome, MultiConnector
 from pdserve.core.request import FinishReason, Request, RequestMetrics
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
-from pdserve.core.scheduler import EngineStats, Scheduler, SchedulerOutput
+from pdserve.core.scheduler import EngineStats, Scheduler
 from pdserve.engine.config import DEFAULT_NUM_THREADS, EngineConfig
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import KVStoreOutcome, KVTransferOutcome, RequestOutput
+from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampler import SampledToken
 from pdserve.engine.step_log import StepLog, StepRecord, step_batch
-from pdserve.kv_store import KVStore, KVStoreMetrics, LayoutFingerprint, cache_bytes
+from pdserve.kv_store import KVStore, KVStoreMetrics, LayoutFingerprint
 from pdserve.kv_store.connector import KVStoreConnector
 from pdserve.kv_store.keys import model_identity
 from pdserve.kv_transfer.config import KVRole
-from pdserve.kv_transfer.connector import KVConnector, add_kv_request
+from pdserve.kv_transfer.connector import KVConnector
 from pdserve.kv_transfer.protocol import KVLayout
 from pdserve.model.attention import kv_bytes_per_token, resolve_kv_cache_dtype
 from pdserve.model.loader import LoadedModel, load_model
@@ -40,10 +40,9 @@ class _Tracked:
 
     request: Request
     detokenizer: Detokenizer
-    # How this request's KV arrived from a prefill worker (decode legs only).
-    transfer: KVTransferOutcome | None = None
-    # What the shared KV store gave its prompt (requests it held blocks for).
-    store_fetch: KVStoreOutcome | None = None
+    # What the KV connectors did for it: its KV from a prefill worker (decode legs), what
+    # the shared KV store gave its prompt.
+    kv: KVOutcome = dataclasses.field(default_factory=KVOutcome)
 
 
 class LLMEngine:
@@ -78,23 +77,27 @@ class LLMEngine:
         )
         scheduler_config = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         cache_config = dataclasses.replace(config.cache, num_blocks=num_blocks)
-        self.connector = self._make_connector(num_blocks)
+        is_shared = config.kv_transfer is not None and config.kv_transfer.needs_shared_cache
         self.runner = ModelRunner(
             self.loaded,
             num_blocks,
             config.cache.block_size,
             config.seed,
-            self.connector.transport.kv_cache if self.connector else None,
             self.kv_cache_dtype,
+            shared_kv_layout=self.kv_layout() if is_shared else None,
         )
-        self.kv_store = self._make_store_connector()
-        connectors = [c for c in (self.connector, self.kv_store) if c is not None]
+        # The one connector the engine talks to (none, one, or several as one).
+        self.kv_connector = MultiConnector(*self._make_connectors())
+        self.kv_connector.register_kv_caches(self.runner.kv_caches)
         self.scheduler = Scheduler(
             scheduler_config,
             cache_config,
-            MultiConnector(*connectors) if len(connectors) > 1 else next(iter(connectors), None),
+            self.kv_connector if self.kv_connector.connectors else None,
         )
         self._tracked: dict[str, _Tracked] = {}
+        # Hand-offs to announce at the next step, before the request computes (streamed
+        # prefill legs: the router starts the decode leg on them).
+        self._announced: list[tuple[str, dict]] = []
         self._num_steps = 0
         self._last_step_time: float | None = None
         # Called with every step's `StepRecord` (batch and wall time), e.g. a `StepLog`.
@@ -118,24 +121,23 @@ class LLMEngine:
         """Build from flat keyword arguments (the CLI's names); see `EngineConfig.from_kwargs`."""
         return cls(EngineConfig.from_kwargs(**kwargs))
 
-    def _make_connector(self, num_blocks: int) -> KVConnector | None:
-        if self.config.kv_transfer is None:
-            return None
-        return KVConnector(
-            self.config.kv_transfer,
-            self.kv_layout(),
-            num_blocks,
-            recompute_on_failure=self.config.kv_failure_policy == "recompute",
-        )
+    def _make_connectors(self) -> list[KVConnectorBase]:
+        """KV transfer first (it serves a decode leg's tokens before the store is asked)."""
+        connectors: list[KVConnectorBase] = []
+        if self.config.kv_transfer is not None:
+            connectors.append(
+                KVConnector(
+                    self.config.kv_transfer,
+                    self.kv_layout(),
+                    recompute_on_failure=self.config.kv_failure_policy == "recompute",
+                )
+            )
+        if self.config.kv_store is not None:
+            connectors.append(self._make_store_connector())
+        return connectors
 
-    def _make_store_connector(self) -> KVStoreConnector | None:
-        """The shared KV store's connector (`--kv-store`), over this engine's cache."""
-        if self.config.kv_store is None:
-            return None
-        cache = self.runner.kv_cache
-        if cache.device.type != "cpu":
-            # Reading and writing a GPU cache would need host staging buffers: not built yet.
-            raise ValueError("--kv-store needs the KV cache in CPU memory (--device cpu)")
+    def _make_store_connector(self) -> KVStoreConnector:
+        """The shared KV store's connector (`--kv-store`)."""
         identity = model_identity(self.model_name, self.loaded.path)
         fingerprint = LayoutFingerprint.from_layout(
             dataclasses.replace(self.kv_layout(), model_id=identity),
@@ -149,7 +151,7 @@ class LLMEngine:
             self.config.kv_store.namespace,
             store.keys.salt,
         )
-        return KVStoreConnector(store, cache_bytes(cache.view(torch.uint8).numpy()))
+        return KVStoreConnector(store)
 
     def kv_layout(self) -> KVLayout:
         """What this engine's KV blocks mean, for checking a transfer's other end."""
@@ -191,8 +193,8 @@ class LLMEngine:
             )
         if request_id in self._tracked:  # refused before the connector records it
             raise ValueError(f"request_id {request_id!r} is already in use")
-        first_tokens = add_kv_request(
-            self.connector, request_id, kv_transfer_params, len(prompt_token_ids)
+        admission = self.kv_connector.add_request(
+            request_id, kv_transfer_params, len(prompt_token_ids)
         )
         request = Request(
             request_id,
@@ -200,10 +202,12 @@ class LLMEngine:
             params,
             eos_token_ids=self._eos_token_ids,
             metrics=RequestMetrics() if arrival_time is None else RequestMetrics(arrival_time),
-            output_token_ids=first_tokens,
+            output_token_ids=list(admission.output_token_ids),
         )
         self.scheduler.add_request(request)
         self._tracked[request_id] = _Tracked(request, Detokenizer(self.tokenizer, params.stop))
+        if admission.hand_off is not None:
+            self._announced.append((request_id, admission.hand_off))
 
     def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -232,7 +236,7 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         step_start = time.perf_counter()
-        outputs = self._update_kv_transfers()
+        outputs = self._announcements() + self._update_kv_transfers()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             if not outputs and self.scheduler.has_pending_transfers():
@@ -249,8 +253,7 @@ class LLMEngine:
         self._num_steps += 1
         for request in prefilling:
             request.metrics.prefill_time += self._last_step_time
-        if self.kv_store is not None:
-            self._save_to_store(scheduler_output, prefilling)
+        self.kv_connector.save_after_step(scheduler_output, self._last_step_time)
         finished_ids = {r.request_id for r in finished}
         now = time.monotonic()
         outputs += [
@@ -262,14 +265,18 @@ class LLMEngine:
             observe(record)
         return outputs
 
-    def _save_to_store(self, output: SchedulerOutput, prefilling: list[Request]) -> None:
-        """Write the prompt blocks this step completed; time the step's prefill tokens (the
-        store's fetch-or-recompute break-even)."""
-        num_prefill = sum(s.num_new_tokens for s in output.scheduled if s.request in prefilling)
-        self.kv_store.store.policy.observe_prefill(num_prefill, self._last_step_time)
-        for scheduled in output.scheduled:
-            if not scheduled.request.is_finished:  # finished ones were saved as they ended
-                self.kv_store.save_computed_blocks(scheduled.request)
+    def _announcements(self) -> list[RequestOutput]:
+        """An output without tokens carrying each new streamed hand-off."""
+        announced, self._announced = self._announced, []
+        now = time.monotonic()
+        outputs = []
+        for request_id, hand_off in announced:
+            tracked = self._tracked.get(request_id)
+            if tracked is not None:  # not aborted meanwhile
+                output = self._output_for(tracked, None, now, is_finished=False)
+                output.kv_transfer_params = hand_off
+                outputs.append(output)
+        return outputs
 
     def _update_kv_transfers(self) -> list[RequestOutput]:
         """A decode leg's first token (sampled by the prefill worker) is emitted once its KV
@@ -280,33 +287,17 @@ class LLMEngine:
         outputs = []
         for request in update.settled:
             tracked = self._tracked[request.request_id]
-            if self.kv_store is not None:
-                fetch = self.kv_store.pop_fetch_result(request.request_id)
-                if fetch is not None:
-                    tracked.store_fetch = KVStoreOutcome(
-                        fetch.num_read * self.kv_store.block_size, fetch.seconds
-                    )
-            transfer = self._transfer_outcome(request.request_id)
-            if transfer is None:  # not a decode leg's transfer
-                continue
-            tracked.transfer = transfer
+            outcome = self.kv_connector.take_result(request.request_id)
+            tracked.kv = tracked.kv.merged(outcome)
+            if outcome.transfer is None or not request.output_token_ids:
+                continue  # not a decode leg's transfer, or its first token is computed here
             token = SampledToken(request.output_token_ids[0])
             outputs.append(self._output_for(tracked, token, now, is_finished=False))
         for request in update.failed:
             tracked = self._tracked[request.request_id]
-            tracked.transfer = self._transfer_outcome(request.request_id)
+            tracked.kv = tracked.kv.merged(self.kv_connector.take_result(request.request_id))
             outputs.append(self._output_for(tracked, None, now, is_finished=True))
         return outputs
-
-    def _transfer_outcome(self, request_id: str) -> KVTransferOutcome | None:
-        if self.connector is None:
-            return None
-        result = self.connector.pop_transfer_result(request_id)
-        if result is None:
-            return None
-        if result.stats is None:
-            return KVTransferOutcome(0, 0.0, str(result.error))
-        return KVTransferOutcome(result.stats.num_bytes, result.stats.seconds)
 
     def _output_for(
         self, tracked: _Tracked, token: SampledToken | None, now: float, is_finished: bool
@@ -333,12 +324,12 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             # Not computed here: found in the local prefix cache or read from the KV store.
             num_cached_tokens=request.num_cached_tokens
-            + (tracked.store_fetch.num_hit_tokens if tracked.store_fetch else 0),
+            + (tracked.kv.store.num_hit_tokens if tracked.kv.store else 0),
             metrics=metrics,
             logprobs=[token.logprob] if token is not None and token.logprob else None,
             kv_transfer_params=request.kv_hand_off,
-            kv_transfer=tracked.transfer,
-            kv_store=tracked.store_fetch,
+            kv_transfer=tracked.kv.transfer,
+            kv_store=tracked.kv.store,
         )
 
     def _release(self, request_id: str) -> None:
@@ -349,21 +340,19 @@ class LLMEngine:
         """Take the other part in disaggregated serving (prefill ⇄ decode) in place: the
         weights, the KV cache and its prefix cache stay. Only with nothing in flight (no
         request, no KV held for or coming from another worker). Returns the previous role."""
-        if self.connector is None:
+        previous = self.kv_connector.kv_role
+        if previous is None:
             raise ValueError("this worker takes no part in KV transfer (started without --role)")
         if self.has_unfinished_requests():
             raise RuntimeError("cannot switch roles with requests or KV transfers in flight")
-        previous = self.connector.kv_role
-        self.connector.switch_role(kv_role)
+        self.kv_connector.switch_role(kv_role)
         logger.info("KV role: %s -> %s", previous.value, kv_role.value)
         return previous
 
     def shutdown(self) -> None:
-        """Stop the KV transport's threads and release its shared memory."""
-        if self.connector is not None:
-            self.connector.close()
-        if self.kv_store is not None:
-            self.kv_store.close()
+        """Stop the KV connectors' threads and release the cache's shared memory."""
+        self.kv_connector.close()
+        self.runner.close()
         if self._step_log is not None:
             self._step_log.close()
 

@@ -6,6 +6,8 @@ import torch
 
 from pdserve.core.scheduler import SchedulerOutput
 from pdserve.engine.sampler import SampledToken, Sampler
+from pdserve.kv_transfer.protocol import KVLayout
+from pdserve.kv_transfer.shm import SharedKVCache
 from pdserve.model.attention import AttentionMetadata, allocate_kv_cache
 from pdserve.model.loader import LoadedModel
 
@@ -22,22 +24,35 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         seed: int,
-        kv_cache: torch.Tensor | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        shared_kv_layout: KVLayout | None = None,
     ) -> None:
-        """`kv_cache`: an existing cache tensor to use (e.g. one in shared memory that a KV
-        transport serves from); allocated here when None, in `kv_cache_dtype` (default: the
-        model's dtype)."""
+        """The cache is allocated here, in `kv_cache_dtype` (default: the model's dtype);
+        with `shared_kv_layout` (that dtype's layout) in a shared-memory segment, which a
+        KV transport's receivers on this host copy from directly."""
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
         self.block_size = block_size
-        if kv_cache is None:
-            kv_cache = allocate_kv_cache(
+        self.kv_cache_segment: SharedKVCache | None = None
+        if shared_kv_layout is not None:
+            self.kv_cache_segment = SharedKVCache.create(shared_kv_layout, num_blocks)
+            self.kv_cache = self.kv_cache_segment.tensor
+        else:
+            self.kv_cache = allocate_kv_cache(
                 loaded.config, num_blocks, block_size, kv_cache_dtype or loaded.dtype, loaded.device
             )
-        self.kv_cache = kv_cache
         self.sampler = Sampler(seed)
+
+    @property
+    def kv_caches(self) -> torch.Tensor | SharedKVCache:
+        """What KV connectors register: the cache, or the shared segment holding it."""
+        return self.kv_cache_segment or self.kv_cache
+
+    def close(self) -> None:
+        """Unlink the shared segment (mappings stay valid while referenced)."""
+        if self.kv_cache_segment is not None:
+            self.kv_cache_segment.close()
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:

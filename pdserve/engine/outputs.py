@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The connectors' outcome types live with the connector contract; re-exported here.
+from pdserve.core.kv_connector import KVStoreOutcome, KVTransferOutcome
 from pdserve.core.request import FinishReason, RequestMetrics
+
+__all__ = ["KVStoreOutcome", "KVTransferOutcome", "RequestOutput", "TokenLogprob"]
 
 
 @dataclass
@@ -14,23 +18,6 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class KVTransferOutcome:
-    """How a decode leg's KV arrived from its prefill worker."""
-
-    num_bytes: int
-    seconds: float
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class KVStoreOutcome:
-    """What the shared KV store gave a request's prompt: tokens read, and how long it took."""
-
-    num_hit_tokens: int
-    seconds: float
 
 
 @dataclass

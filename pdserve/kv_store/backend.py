@@ -3,15 +3,22 @@
 Backends are thread-safe (the engine thread looks up, a fetch thread reads, the write-behind
 thread writes) and raise only `StoreUnavailable` for a failed operation; the `KVStore` in
 front of them turns that into misses, counts it and backs off.
+
+Each is registered by the URL scheme of `--kv-store` that names it, by module and class
+name (`kv_store.config.register_backend`, as vLLM registers its KV connectors): a backend's
+module (and what it imports: redis-py) loads only when a URL names it, and it imports this
+interface, never the other way round.
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from pdserve.kv_store.config import KVStoreConfig
+if TYPE_CHECKING:
+    from pdserve.kv_store.config import KVStoreConfig
 
 
 class KVStoreBackend(ABC):
@@ -33,17 +40,19 @@ class KVStoreBackend(ABC):
     def delete_many(self, keys: Sequence[bytes]) -> None:
         """Remove `keys` (absent ones are ignored)."""
 
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: KVStoreConfig, salt: str, value_nbytes: int) -> KVStoreBackend:
+        """The backend `config.url` names. `salt` names the embedded store's segment (one per
+        namespace and layout), whose slots hold `value_nbytes` each."""
+
     def close(self) -> None:  # noqa: B027 - a backend without resources needs no close
         """Release connections or mappings."""
 
 
 def create_backend(config: KVStoreConfig, salt: str, value_nbytes: int) -> KVStoreBackend:
-    """The backend `config.url` names. `salt` names the embedded store's segment (one per
-    namespace and layout), whose slots hold `value_nbytes` each."""
-    if config.is_local:
-        from pdserve.kv_store.local_backend import LocalBackend
-
-        return LocalBackend(config.local_dir, salt, value_nbytes, config.max_gb)
-    from pdserve.kv_store.redis_backend import RedisBackend
-
-    return RedisBackend(config)
+    """The backend `config.url` names (its scheme is a registered one: `KVStoreConfig`
+    checked it)."""
+    module, class_name = config.backend
+    backend = getattr(importlib.import_module(module), class_name)
+    return backend.from_config(config, salt, value_nbytes)

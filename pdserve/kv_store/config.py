@@ -8,10 +8,30 @@ import tempfile
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
-REDIS_SCHEMES = ("redis", "rediss", "unix")
 LOCAL = "local"
 # Namespaces salt keys; a bound keeps keys and log lines short.
 MAX_NAMESPACE_LEN = 128
+# URL scheme -> (module, class) of the `kv_store.backend.KVStoreBackend` it names, imported
+# only when a URL names it (`create_backend`).
+_BACKENDS: dict[str, tuple[str, str]] = {}
+
+
+def register_backend(scheme: str, module: str, class_name: str) -> None:
+    """Make `module.class_name` (a `KVStoreBackend`) the one `--kv-store SCHEME...` names."""
+    if scheme in _BACKENDS:
+        raise ValueError(f"KV store scheme {scheme!r} is registered already")
+    _BACKENDS[scheme] = (module, class_name)
+
+
+def backend_schemes() -> tuple[str, ...]:
+    """Every scheme a `--kv-store` URL may have, `local` first."""
+    return tuple(_BACKENDS)
+
+
+# `local` and `local:DIR`: the embedded store in shared memory or in files under DIR.
+register_backend(LOCAL, "pdserve.kv_store.local_backend", "LocalBackend")
+for _scheme in ("redis", "rediss", "unix"):
+    register_backend(_scheme, "pdserve.kv_store.redis_backend", "RedisBackend")
 
 
 @dataclass(frozen=True)
@@ -40,13 +60,12 @@ class KVStoreConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
             raise ValueError("--kv-store must be 'local', 'local:DIR' or a redis:// URL")
-        if not self.is_local:
-            scheme = urlsplit(self.url).scheme
-            if scheme not in REDIS_SCHEMES:
-                raise ValueError(
-                    f"--kv-store must be 'local', 'local:DIR' or a URL with scheme "
-                    f"{', '.join(s + '://' for s in REDIS_SCHEMES)}; got {self.redacted_url!r}"
-                )
+        if self.scheme not in backend_schemes():
+            url_schemes = [s + "://" for s in backend_schemes() if s != LOCAL]
+            raise ValueError(
+                f"--kv-store must be 'local', 'local:DIR' or a URL with scheme "
+                f"{', '.join(url_schemes)}; got {self.redacted_url!r}"
+            )
         elif self.url != LOCAL and not self.url.removeprefix(LOCAL + ":"):
             raise ValueError("--kv-store local:DIR needs a directory after 'local:'")
         if not self.max_gb > 0:
@@ -58,6 +77,16 @@ class KVStoreConfig:
                 raise ValueError(f"kv store {name} must be positive, got {getattr(self, name)}")
         if not self.write_queue_mb > 0:
             raise ValueError(f"kv store write_queue_mb must be positive, got {self.write_queue_mb}")
+
+    @property
+    def backend(self) -> tuple[str, str]:
+        """The module and class of the backend the URL names."""
+        return _BACKENDS[self.scheme]
+
+    @property
+    def scheme(self) -> str:
+        """What names the backend: ``local``, or the URL's scheme."""
+        return LOCAL if self.is_local else urlsplit(self.url).scheme
 
     @property
     def is_local(self) -> bool:

@@ -33,10 +33,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.core.block_manager import extend_block_hashes
-from pdserve.core.kv_connector import KVConnectorScheduler, KVTransferEvents
+from pdserve.core.kv_connector import KVConnectorBase, KVOutcome, KVStoreOutcome, KVTransferEvents
 from pdserve.core.request import Request
+from pdserve.core.scheduler import SchedulerOutput
 from pdserve.kv_store.keys import BlockRef, block_refs
-from pdserve.kv_store.store import KVStore
+from pdserve.kv_store.store import KVStore, cache_bytes
 
 logger = logging.getLogger(__name__)
 # Block hashes remembered as stored: 64k blocks are a million tokens at block size 16.
@@ -61,11 +62,12 @@ class _Found:
     is_worth_fetching: bool
 
 
-class KVStoreConnector(KVConnectorScheduler):
+class KVStoreConnector(KVConnectorBase):
     """See the module docstring. `cache` is the engine's KV cache as bytes
-    (`store.cache_bytes`): fetched blocks are written into it, saved blocks read from it."""
+    (`store.cache_bytes`; or registered later, `register_kv_caches`): fetched blocks are
+    written into it, saved blocks read from it."""
 
-    def __init__(self, store: KVStore, cache: np.ndarray) -> None:
+    def __init__(self, store: KVStore, cache: np.ndarray | None = None) -> None:
         self.store = store
         self.cache = cache
         self.block_size = store.block_size
@@ -90,6 +92,18 @@ class KVStoreConnector(KVConnectorScheduler):
     @property
     def recompute_on_failure(self) -> bool:
         return True
+
+    def register_kv_caches(self, kv_cache) -> None:
+        import torch  # only here: the package itself stays torch-free (store.py)
+
+        tensor = getattr(kv_cache, "tensor", kv_cache)  # a shared segment holds its tensor
+        if tensor.device.type != "cpu":
+            # Reading and writing a GPU cache would need host staging buffers: not built yet.
+            raise ValueError("--kv-store needs the KV cache in CPU memory (--device cpu)")
+        self.cache = cache_bytes(tensor.view(torch.uint8).numpy())
+
+    def metrics_collectors(self) -> list:
+        return [self.store.metrics]
 
     # ---- read path ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
@@ -163,9 +177,12 @@ class KVStoreConnector(KVConnectorScheduler):
             events.finished_recving.add(request_id)
         return events
 
-    def pop_fetch_result(self, request_id: str) -> StoreFetch | None:
+    def take_result(self, request_id: str) -> KVOutcome:
         """How the request's store read went, once; for its timing breakdown."""
-        return self._results.pop(request_id, None)
+        fetch = self._results.pop(request_id, None)
+        if fetch is None:
+            return KVOutcome()
+        return KVOutcome(store=KVStoreOutcome(fetch.num_read * self.block_size, fetch.seconds))
 
     def request_finished(self, request: Request) -> tuple[bool, dict | None]:
         request_id = request.request_id
@@ -180,6 +197,19 @@ class KVStoreConnector(KVConnectorScheduler):
         return False, None
 
     # ---- write path --------------------------------------------------------------------
+    def save_after_step(self, output: SchedulerOutput, step_seconds: float) -> None:
+        """Write the prompt blocks this step completed; time the step's prompt tokens (the
+        store's fetch-or-recompute break-even)."""
+        num_prefill = sum(
+            s.num_new_tokens
+            for s in output.scheduled
+            if s.request.num_computed_tokens - s.num_new_tokens < s.request.num_prompt_tokens
+        )
+        self.store.policy.observe_prefill(num_prefill, step_seconds)
+        for scheduled in output.scheduled:
+            if not scheduled.request.is_finished:  # finished ones were saved as they ended
+                self.save_computed_blocks(scheduled.request)
+
     def save_computed_blocks(self, request: Request) -> int:
         """Queue the prompt's full blocks completed since the last call that the store is not
         known to hold; returns how many were queued."""

@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from pdserve.kv_store.backend import KVStoreBackend
+from pdserve.kv_store.config import KVStoreConfig
 from pdserve.kv_store.errors import ErrorKind, StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,10 @@ def _key_id(key: bytes) -> int:
 
 class LocalBackend(KVStoreBackend):
     name = "local"
+
+    @classmethod
+    def from_config(cls, config: KVStoreConfig, salt: str, value_nbytes: int) -> LocalBackend:
+        return cls(config.local_dir, salt, value_nbytes, config.max_gb)
 
     def __init__(self, directory: str, salt: str, slot_bytes: int, max_gb: float) -> None:
         self.path = segment_path(directory, salt)

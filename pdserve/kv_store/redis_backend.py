@@ -29,6 +29,10 @@ _SOCKET_READ_SIZE = 1 << 20
 class RedisBackend(KVStoreBackend):
     name = "redis"
 
+    @classmethod
+    def from_config(cls, config: KVStoreConfig, salt: str, value_nbytes: int) -> RedisBackend:
+        return cls(config)
+
     def __init__(self, config: KVStoreConfig) -> None:
         self._where = config.redacted_url
         try:

@@ -66,5 +66,11 @@ class KVTransferConfig:
         return self.kv_role in (KVRole.CONSUMER, KVRole.BOTH)
 
     @property
+    def needs_shared_cache(self) -> bool:
+        """Whether the engine's KV cache must live in shared memory (receivers on this host
+        copy straight out of it)."""
+        return self.transport != "tcp"
+
+    @property
     def advertise_host(self) -> str:
         return self.kv_advertise_host or self.kv_host

@@ -26,9 +26,16 @@ from typing import Any
 
 import torch
 
-from pdserve.core.kv_connector import KVConnectorScheduler, KVTransferEvents
+from pdserve.core.kv_connector import (
+    KVAdmission,
+    KVConnectorBase,
+    KVOutcome,
+    KVTransferEvents,
+    KVTransferOutcome,
+)
 from pdserve.core.request import FinishReason, Request
 from pdserve.core.sampling_params import InvalidParameterError
+from pdserve.core.scheduler import SchedulerOutput
 from pdserve.kv_transfer.blocks import TORCH_DTYPES
 from pdserve.kv_transfer.config import KVRole, KVTransferConfig
 from pdserve.kv_transfer.lease import LeaseManager
@@ -40,21 +47,29 @@ logger = logging.getLogger(__name__)
 
 
 def create_kv_transport(config: KVTransferConfig, layout: KVLayout, num_blocks: int) -> KVTransport:
-    """Allocate the engine's KV cache (CPU memory) and the transport that moves it.
+    """A transport with a cache of its own (tools and tests; an engine's connector registers
+    the cache its model runner allocated, `transport_over`)."""
+    if config.needs_shared_cache:
+        return transport_over(config, layout, SharedKVCache.create(layout, num_blocks))
+    # zero_() rather than torch.zeros: writing every page now means no transfer ever pays
+    # for first-touch page faults (torch.zeros may hand back lazily-zeroed pages).
+    cache = torch.empty(layout.cache_shape(num_blocks), dtype=TORCH_DTYPES[layout.dtype]).zero_()
+    return transport_over(config, layout, cache)
 
-    The engine must use `transport.kv_cache` as its KV cache tensor (for a shm producer it
-    lives in shared memory).
-    """
+
+def transport_over(
+    config: KVTransferConfig, layout: KVLayout, kv_caches: torch.Tensor | SharedKVCache
+) -> KVTransport:
+    """The transport that moves KV in and out of `kv_caches`: a shared segment for shm and
+    auto (receivers on this host map it), any CPU tensor for tcp."""
     leases = LeaseManager(config.kv_lease_timeout) if config.is_producer else None
     if config.transport == "tcp":
-        # zero_() rather than torch.zeros: writing every page now means no transfer ever pays
-        # for first-touch page faults (torch.zeros may hand back lazily-zeroed pages).
-        cache = torch.empty(
-            layout.cache_shape(num_blocks), dtype=TORCH_DTYPES[layout.dtype]
-        ).zero_()
+        cache = kv_caches.tensor if isinstance(kv_caches, SharedKVCache) else kv_caches
         return TcpTransport(cache, layout, config, leases)
+    if not isinstance(kv_caches, SharedKVCache):
+        raise ValueError(f"the {config.transport!r} KV transport needs a shared-memory cache")
     shm_transport = AutoTransport if config.transport == "auto" else ShmTransport
-    return shm_transport(SharedKVCache.create(layout, num_blocks), layout, config, leases)
+    return shm_transport(kv_caches, layout, config, leases)
 
 
 @dataclass(frozen=True)
@@ -70,13 +85,19 @@ class FinishedTransfer:
         return self.error is None
 
 
+# Streamed receives running at once: each lasts as long as its prefill, so pulls (one at a
+# time, `BackgroundReceiver`) never queue behind them.
+MAX_STREAMS = 8
+
+
 class BackgroundReceiver:
-    """A small thread pool around `KVTransport.receive`."""
+    """Small thread pools around `KVTransport.receive` and `receive_stream`."""
 
     def __init__(self, transport: KVTransport) -> None:
         self._transport = transport
         # One transfer at a time, in submission order: they share one link anyway.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-recv")
+        self._stream_pool = ThreadPoolExecutor(MAX_STREAMS, thread_name_prefix="kv-stream")
         self._lock = threading.Lock()
         self._finished: list[FinishedTransfer] = []
 
@@ -88,9 +109,12 @@ class BackgroundReceiver:
         skip_blocks: int = 0,
     ) -> None:
         """Start fetching `params`' blocks into `local_block_ids` (see `KVTransport.receive`)."""
-        future = self._pool.submit(
-            self._transport.receive, params, tuple(local_block_ids), skip_blocks=skip_blocks
+        pool, receive = (
+            (self._stream_pool, self._transport.receive_stream)
+            if params.is_streamed
+            else (self._pool, self._transport.receive)
         )
+        future = pool.submit(receive, params, tuple(local_block_ids), skip_blocks=skip_blocks)
         future.add_done_callback(lambda f: self._done(request_id, f))
 
     def submit_release(self, params: KVTransferParams) -> None:
@@ -105,8 +129,9 @@ class BackgroundReceiver:
             return finished
 
     def close(self) -> None:
-        """Wait for running transfers (bounded by the transfer timeout) and stop the pool."""
+        """Wait for running transfers (bounded by the transfer timeout) and stop the pools."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._stream_pool.shutdown(wait=True, cancel_futures=True)
 
     def _done(self, request_id: str, future: Future) -> None:
         if future.cancelled():
@@ -118,41 +143,32 @@ class BackgroundReceiver:
             self._finished.append(FinishedTransfer(request_id, stats, error))
 
 
-def add_kv_request(
-    connector: KVConnector | None,
-    request_id: str,
-    kv_transfer_params: Mapping[str, Any] | None,
-    num_prompt_tokens: int,
-) -> list[int]:
-    """Admit a request's ``kv_transfer_params`` (None or empty: an ordinary request) on a
-    worker with `connector` (None: it takes no part in KV transfer); returns the output tokens
-    the request starts with. Raises `InvalidParameterError` naming ``kv_transfer_params``."""
-    if not kv_transfer_params:
-        return []
-    if connector is None:
-        raise _invalid(
-            "this worker takes no part in KV transfer (start it with "
-            "--role prefill or --role decode)"
-        )
-    return connector.add_request(request_id, kv_transfer_params, num_prompt_tokens)
-
-
-class KVConnector(KVConnectorScheduler):
+class KVConnector(KVConnectorBase):
     """Scheduler-side decisions over one worker's transport (see module docstring)."""
+
+    accepts_kv_transfer_params = True
 
     def __init__(
         self,
         config: KVTransferConfig,
         layout: KVLayout,
-        num_blocks: int,
         *,
         recompute_on_failure: bool = True,
     ) -> None:
-        self.transport: KVTransport = create_kv_transport(config, layout, num_blocks)
-        self._receiver = BackgroundReceiver(self.transport) if config.is_consumer else None
+        self._config = config
+        self._layout = layout
+        # Set by `register_kv_caches`, before any request.
+        self.transport: KVTransport | None = None
+        self._receiver: BackgroundReceiver | None = None
         self._recompute_on_failure = recompute_on_failure
         # Prefill legs this worker leases when they finish.
         self._sending: set[str] = set()
+        # Streamed prefill legs: how many of their blocks are published so far.
+        self._streaming: dict[str, int] = {}
+        # Streamed decode legs being received: the request, and its blocks found locally.
+        self._streams: dict[str, tuple[Request, int]] = {}
+        # Streamed decode legs that broke off: prompt tokens kept from the stream.
+        self._kept: dict[str, int] = {}
         # Decode legs whose remote KV is neither fetched nor given up yet: entries leave at
         # their first admission, so a request that comes back (recompute after a failure,
         # preemption) is computed here.
@@ -166,26 +182,52 @@ class KVConnector(KVConnectorScheduler):
     def recompute_on_failure(self) -> bool:
         return self._recompute_on_failure
 
+    def register_kv_caches(self, kv_cache: torch.Tensor | SharedKVCache) -> None:
+        self.transport = transport_over(self._config, self._layout, kv_cache)
+        if self._config.is_consumer:
+            self._receiver = BackgroundReceiver(self.transport)
+
     def add_request(
         self, request_id: str, kv_transfer_params: Mapping[str, Any], num_prompt_tokens: int
-    ) -> list[int]:
-        """Parse and check a leg's params and remember what they ask of this worker; returns
-        the output tokens the request starts with (a decode leg: the prefill worker's first
-        token). Raises `InvalidParameterError` naming ``kv_transfer_params``."""
+    ) -> KVAdmission:
+        """Parse and check a leg's params and remember what they ask of this worker; a
+        decode leg starts with the prefill worker's first token. Raises
+        `InvalidParameterError` naming ``kv_transfer_params``."""
         try:
             params = KVTransferParams.from_dict(kv_transfer_params)
         except KVTransferError as exc:
             raise _invalid(str(exc)) from exc
         if params.do_remote_decode:
-            if self.transport.server is not None:
-                self._sending.add(request_id)
-            return []
+            if self.transport.server is None:
+                return KVAdmission()
+            self._sending.add(request_id)
+            if not params.is_streamed:
+                return KVAdmission()
+            self._streaming[request_id] = 0
+            hand_off = self.transport.open_stream(request_id, num_prompt_tokens)
+            return KVAdmission(hand_off=hand_off.to_dict())
         if not params.do_remote_prefill:
-            return []
+            return KVAdmission()
         self._check_hand_off(params, num_prompt_tokens)
         if self._receiver is not None:
             self._remote[request_id] = params
-        return [params.first_token_id]
+        # A streamed leg's first token comes with its last chunk (`get_finished`).
+        return KVAdmission(() if params.is_streamed else (params.first_token_id,))
+
+    def save_after_step(self, output: SchedulerOutput, step_seconds: float) -> None:
+        """Publish the prompt blocks this step completed of each streamed prefill leg."""
+        block_size = self.transport.layout.block_size
+        for scheduled in output.scheduled:
+            request = scheduled.request
+            num_published = self._streaming.get(request.request_id)
+            if num_published is None:
+                continue
+            num_full = min(request.num_computed_tokens, request.num_prompt_tokens) // block_size
+            if num_full > num_published:
+                self.transport.publish(
+                    request.request_id, request.block_table[num_published:num_full]
+                )
+                self._streaming[request.request_id] = num_full
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         params = self._remote.get(request.request_id)
@@ -194,6 +236,9 @@ class KVConnector(KVConnectorScheduler):
         return max(params.remote_num_tokens - num_computed_tokens, 0)
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        if self._streaming.get(request.request_id):
+            # Admitted again after a preemption: the published blocks were freed.
+            self._end_stream(request.request_id)
         params = self._remote.pop(request.request_id, None)
         if params is None:
             return
@@ -208,10 +253,20 @@ class KVConnector(KVConnectorScheduler):
             skip_blocks : layout.num_blocks_for(params.remote_num_tokens)
         ]
         self._receiving.add(request.request_id)
+        if params.is_streamed:
+            self._streams[request.request_id] = (request, skip_blocks)
         self._receiver.submit(request.request_id, params, local_block_ids, skip_blocks)
+
+    def _end_stream(self, request_id: str) -> None:
+        """A streamed prefill leg that will not deliver its KV: its receiver hears now."""
+        self._streaming.pop(request_id, None)
+        self._sending.discard(request_id)
+        self.transport.abandon_stream(request_id)
 
     def request_finished(self, request: Request) -> tuple[bool, dict | None]:
         request_id = request.request_id
+        if request_id in self._streaming:
+            return self._stream_finished(request), None
         is_prefill_leg = request_id in self._sending
         self._sending.discard(request_id)
         unfetched = self._remote.pop(request_id, None)
@@ -220,14 +275,7 @@ class KVConnector(KVConnectorScheduler):
         if request_id in self._receiving:
             self._abandoned.add(request_id)
             return True, None  # the fetch still writes into its blocks
-        # Only the router's prefill leg ended by its max_tokens (core checks length before
-        # stop tokens, so an EOS first token is leased too: the decode leg decides); an
-        # aborted leg has nobody to fetch it.
-        if not (
-            is_prefill_leg
-            and request.finish_reason is FinishReason.LENGTH
-            and request.num_computed_tokens >= request.num_prompt_tokens
-        ):
+        if not (is_prefill_leg and _is_complete_prefill_leg(request)):
             return False, None
         num_tokens = request.num_prompt_tokens
         block_ids = request.block_table[: self.transport.layout.num_blocks_for(num_tokens)]
@@ -235,14 +283,33 @@ class KVConnector(KVConnectorScheduler):
         params = self.transport.expose(request_id, block_ids, num_tokens, first_token)
         return True, params.to_dict()
 
+    def _stream_finished(self, request: Request) -> bool:
+        """Close a streamed prefill leg's lease with all its blocks (True: they stay held
+        for the receiver), or end it when the leg did not compute its prompt (aborted)."""
+        if not _is_complete_prefill_leg(request):
+            self._end_stream(request.request_id)
+            return False
+        self._streaming.pop(request.request_id)
+        self._sending.discard(request.request_id)
+        num_blocks = self.transport.layout.num_blocks_for(request.num_prompt_tokens)
+        first_token = request.output_token_ids[0] if request.output_token_ids else None
+        self.transport.close_stream(
+            request.request_id, request.block_table[:num_blocks], first_token
+        )
+        return True
+
     def get_finished(self) -> KVTransferEvents:
         events = KVTransferEvents(finished_sending=set(self.transport.collect()))
         for finished in self._receiver.poll() if self._receiver is not None else []:
             self._receiving.discard(finished.request_id)
+            stream = self._streams.pop(finished.request_id, None)
             if finished.request_id in self._abandoned:
                 self._abandoned.discard(finished.request_id)
             else:
                 self._results[finished.request_id] = finished
+                if stream is not None and self._settle_stream(finished, *stream):
+                    events.finished_recving.add(finished.request_id)
+                    continue
             if finished.is_ok:
                 events.finished_recving.add(finished.request_id)
             else:
@@ -252,10 +319,49 @@ class KVConnector(KVConnectorScheduler):
                 events.failed_recving.add(finished.request_id)
         return events
 
-    def pop_transfer_result(self, request_id: str) -> FinishedTransfer | None:
+    def _settle_stream(
+        self, finished: FinishedTransfer, request: Request, skip_blocks: int
+    ) -> bool:
+        """A streamed receive ended: True when the request goes on with what arrived (all of
+        it, with the first token; or the chunks confirmed before it broke off, computing the
+        rest here), False when nothing arrived (then it failed)."""
+        if finished.is_ok:
+            request.append_output_token(finished.stats.first_token_id)
+            return True
+        block_size = self.transport.layout.block_size
+        num_confirmed = getattr(finished.error, "num_confirmed_blocks", 0)
+        # At least one prompt token stays to compute here, to sample the first token from.
+        num_kept = min(num_confirmed, (request.num_prompt_tokens - 1) // block_size)
+        num_kept_tokens = (num_kept - skip_blocks) * block_size
+        if num_kept_tokens <= 0:
+            return False
+        request.num_external_tokens = num_kept_tokens
+        self._kept[request.request_id] = num_kept_tokens
+        logger.warning(
+            "KV stream for request %r broke off (%s): kept %d of %d prompt tokens, "
+            "computing the rest here",
+            request.request_id,
+            finished.error,
+            num_kept_tokens,
+            request.num_prompt_tokens - skip_blocks * block_size,
+        )
+        return True
+
+    def take_result(self, request_id: str) -> KVOutcome:
         """How the request's fetch went (bytes, seconds, or the error), once; for the
         timing breakdown and the error message of the fail policy."""
-        return self._results.pop(request_id, None)
+        result = self._results.pop(request_id, None)
+        num_kept = self._kept.pop(request_id, None)
+        if result is None:
+            return KVOutcome()
+        if result.stats is None:
+            return KVOutcome(
+                transfer=KVTransferOutcome(0, 0.0, str(result.error), num_kept_tokens=num_kept)
+            )
+        stats = result.stats
+        return KVOutcome(
+            transfer=KVTransferOutcome(stats.num_bytes, stats.seconds, None, stats.exposed_seconds)
+        )
 
     @property
     def kv_role(self) -> KVRole:
@@ -265,7 +371,7 @@ class KVConnector(KVConnectorScheduler):
         """Send or receive KV from now on as `kv_role`, on the same cache (a prefill worker
         turned decode worker, or back). Only between requests: nothing leased, nothing
         moving, no leg waiting for its KV."""
-        if self._sending or self._remote or self._receiving or self._abandoned:
+        if self._sending or self._remote or self._receiving or self._abandoned or self._streams:
             raise RuntimeError("cannot switch the KV role while transfers are under way")
         self.transport.switch_role(kv_role)
         is_consumer = self.transport.config.is_consumer
@@ -276,9 +382,12 @@ class KVConnector(KVConnectorScheduler):
             self._receiver = None
 
     def close(self) -> None:
+        if self.transport is not None:
+            self.transport.stop_receiving()
         if self._receiver is not None:
             self._receiver.close()
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()
 
     def _check_hand_off(self, params: KVTransferParams, num_prompt_tokens: int) -> None:
         layout = self.transport.layout
@@ -289,11 +398,23 @@ class KVConnector(KVConnectorScheduler):
                 f"{layout.num_layers} layers x {layout.num_kv_heads} KV heads x "
                 f"{layout.head_dim}): the prefill worker runs another model, dtype or layout"
             )
-        if params.remote_num_tokens != num_prompt_tokens or params.first_token_id is None:
+        if params.remote_num_tokens != num_prompt_tokens or (
+            params.first_token_id is None and not params.is_streamed
+        ):
             raise _invalid(
                 f"remote_num_tokens must equal the prompt's {num_prompt_tokens} "
                 "tokens and first_token_id must be set"
             )
+
+
+def _is_complete_prefill_leg(request: Request) -> bool:
+    """Only the router's prefill leg ended by its max_tokens (core checks length before stop
+    tokens, so an EOS first token is leased too: the decode leg decides); an aborted leg has
+    nobody to fetch it."""
+    return (
+        request.finish_reason is FinishReason.LENGTH
+        and request.num_computed_tokens >= request.num_prompt_tokens
+    )
 
 
 def _invalid(message: str) -> InvalidParameterError:

@@ -71,6 +71,15 @@ class KVLeaseError(KVTransferError):
     """The sender holds no live lease for the request (unknown, released or expired)."""
 
 
+class KVStreamBroken(KVTransferError):
+    """A streamed receive broke off (sender gone, lease ended) after the first
+    `num_confirmed_blocks` remote blocks arrived and were confirmed valid."""
+
+    def __init__(self, message: str, num_confirmed_blocks: int) -> None:
+        super().__init__(message)
+        self.num_confirmed_blocks = num_confirmed_blocks
+
+
 class KVAuthError(KVTransferError):
     """The peer is not a member of this deployment: it has no fleet secret, or another one
     (see the HELLO handshake in wire.py)."""
@@ -112,6 +121,16 @@ def get_int(
     if value is None:
         return None
     return check_int(value, f"{where}.{key}", min_value=min_value, max_value=max_value)
+
+
+def get_float(data: Mapping[str, Any], key: str, where: str, *, max_value: float) -> float:
+    """A required number in ``[0, max_value]``."""
+    value = _raw(data, key, where, True)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise KVProtocolError(f"{where}.{key} must be a number, got {type(value).__name__}")
+    if not 0 <= value <= max_value:
+        raise KVProtocolError(f"{where}.{key} must be in [0, {max_value}], got {value}")
+    return float(value)
 
 
 def check_int(value: Any, name: str, *, min_value: int = 0, max_value: int | None = None) -> int:
@@ -283,7 +302,13 @@ class KVTransferParams:
     layout_hash           `KVLayout.layout_hash()` of the prefill worker's cache
     protocol_version      `KV_TRANSFER_PROTOCOL_VERSION` of the prefill worker
     first_token_id        optional: the token the prefill leg sampled
+    is_streamed           optional: the KV is announced chunk by chunk as the prefill worker
+                          computes it (a streamed lease, lease.py): `remote_block_ids` is
+                          empty, no `first_token_id`; the receiver WATCHes for both
     ====================  =====================================================================
+
+    A streamed prefill leg is ``{"do_remote_decode": true, "is_streamed": true}``: its worker
+    announces the decode leg's params at admission, before computing.
 
     Unknown fields are refused (the version is bumped instead).
     """
@@ -301,6 +326,7 @@ class KVTransferParams:
     layout_hash: str | None = None
     protocol_version: int = KV_TRANSFER_PROTOCOL_VERSION
     first_token_id: int | None = None
+    is_streamed: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "remote_block_ids", tuple(self.remote_block_ids))
@@ -341,6 +367,7 @@ def _validate_params_dict(data: Mapping[str, Any], where: str) -> None:
         get_int_list(data, "remote_block_ids", where, max_len=MAX_BLOCKS_PER_REQUEST)
     get_int(data, "remote_num_tokens", where, required=False)
     get_int(data, "first_token_id", where, required=False)
+    is_streamed = get_bool(data, "is_streamed", where)
     transport = get_str(data, "transport", where, required=do_remote_prefill)
     if transport is not None and transport not in TRANSPORT_NAMES:
         raise KVProtocolError(
@@ -348,15 +375,16 @@ def _validate_params_dict(data: Mapping[str, Any], where: str) -> None:
         )
     get_str(data, "shm_name", where, required=do_remote_prefill and transport == "shm")
     if do_remote_prefill:
-        _validate_hand_off(data, where)
+        _validate_hand_off(data, where, is_streamed)
 
 
-def _validate_hand_off(data: Mapping[str, Any], where: str) -> None:
-    if not data.get("remote_block_ids"):
+def _validate_hand_off(data: Mapping[str, Any], where: str, is_streamed: bool) -> None:
+    if not is_streamed and not data.get("remote_block_ids"):
         raise KVProtocolError(f"{where}.remote_block_ids must name at least one block")
     if not data.get("remote_num_tokens"):
         raise KVProtocolError(f"{where}.remote_num_tokens must be at least 1")
-    if len(set(data["remote_block_ids"])) != len(data["remote_block_ids"]):
+    block_ids = data.get("remote_block_ids") or []
+    if len(set(block_ids)) != len(block_ids):
         raise KVProtocolError(f"{where}.remote_block_ids has duplicates")
 
 

@@ -7,7 +7,9 @@ connection only; a semantic refusal (unknown or expired lease) keeps the connect
 
 With a fleet secret, a connection serves nothing (not even the HELLO facts: engine id, layout,
 shm segment) until its peer proved membership (wire.py's handshake); any other request first,
-or a wrong proof, is refused as ``unauthorized`` and the connection closed.
+or a wrong proof, is refused as ``unauthorized`` and the connection closed. After the proof
+every frame both ways is sealed with the connection's session keys; a frame failing its tag
+closes the connection.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ from pdserve.kv_transfer.protocol import (
     KVLayout,
     KVLeaseError,
     KVProtocolError,
+    get_float,
     get_int,
     get_int_list,
     get_str,
@@ -38,17 +41,21 @@ from pdserve.kv_transfer.wire import (
     REQUEST_TYPES,
     ConnectionClosed,
     MessageType,
+    Session,
     VersionMismatch,
     is_proof,
     new_nonce,
     proof,
     read_frame,
     send_frame,
+    send_payload,
 )
 
 logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 64
+# The longest a WATCH waits for news before answering what it has.
+MAX_WATCH_WAIT_S = 1.0
 # After rejecting a frame: how long and how much to drain before closing.
 _DRAIN_SECONDS = 0.2
 _DRAIN_BYTES = 1 << 20
@@ -64,6 +71,14 @@ class _Connection:
     is_member: bool = False
     # The nonces of an outstanding CHALLENGE (the peer's, which may be "", and ours).
     nonces: tuple[str, str] | None = None
+    # Streamed leases this peer watches and has not released: released when it goes away
+    # (a decode worker that died mid-stream frees them now, not at the lease timeout).
+    watched: set[str] = field(default_factory=set)
+    # Seals every frame after a right AUTH (None: before it, or an open server).
+    session: Session | None = None
+
+    def send(self, msg_type: MessageType, meta: dict[str, Any], payload_len: int = 0) -> None:
+        send_frame(self.sock, msg_type, meta, payload_len, self.session)
 
 
 class KVServer:
@@ -104,6 +119,7 @@ class KVServer:
             MessageType.AUTH: self._on_auth,
             MessageType.FETCH: self._on_fetch,
             MessageType.RELEASE: self._on_release,
+            MessageType.WATCH: self._on_watch,
         }
         self._acceptor = threading.Thread(target=self._accept_loop, name="kv-server", daemon=True)
         self._acceptor.start()
@@ -162,12 +178,18 @@ class KVServer:
             with self._lock:
                 self._connections.discard(conn)
             conn.close()
+            for request_id in connection.watched:
+                if self._leases.release(request_id):
+                    logger.warning(
+                        "KV stream %r: its receiver %s went away; lease released",
+                        request_id,
+                        peer,
+                    )
 
     def _handle_one(self, connection: _Connection) -> bool:
         """Serve one request; False ends the connection."""
-        conn, peer = connection.sock, connection.peer
         try:
-            frame = read_frame(conn, max_payload=0)
+            frame = read_frame(connection.sock, max_payload=0, session=connection.session)
             if frame.msg_type not in REQUEST_TYPES:
                 raise KVProtocolError(f"{frame.msg_type.name} is not a request")
             if not connection.is_member and frame.msg_type not in (
@@ -180,29 +202,29 @@ class KVServer:
         except (ConnectionClosed, OSError):
             return False  # peer gone, idle timeout, or server closing
         except VersionMismatch as exc:
-            return self._reject(conn, peer, "incompatible", str(exc))
+            return self._reject(connection, "incompatible", str(exc))
         except KVProtocolError as exc:
-            return self._reject(conn, peer, "bad_request", str(exc))
+            return self._reject(connection, "bad_request", str(exc))
         except KVAuthError as exc:
-            return self._reject(conn, peer, "unauthorized", str(exc))
+            return self._reject(connection, "unauthorized", str(exc))
         except KVLeaseError as exc:
             # A refusal, not an attack: the connection stays usable.
             try:
-                send_frame(conn, MessageType.ERROR, {"code": "lease", "error": str(exc)})
+                connection.send(MessageType.ERROR, {"code": "lease", "error": str(exc)})
             except OSError:
                 return False
             return True
 
-    def _reject(self, conn: socket.socket, peer: Any, code: str, reason: str) -> bool:
-        logger.warning("KV server rejected a frame from %s: %s", peer, reason)
+    def _reject(self, connection: _Connection, code: str, reason: str) -> bool:
+        logger.warning("KV server rejected a frame from %s: %s", connection.peer, reason)
         with contextlib.suppress(OSError):
-            send_frame(conn, MessageType.ERROR, {"code": code, "error": reason})
-            _drain(conn)
+            connection.send(MessageType.ERROR, {"code": code, "error": reason})
+            _drain(connection.sock)
         return False
 
     def _on_hello(self, connection: _Connection, meta: dict) -> None:
         if connection.is_member:
-            send_frame(connection.sock, MessageType.REPLY, self._hello)
+            connection.send(MessageType.REPLY, self._hello)
             return
         theirs = get_str(meta, "nonce", "HELLO", required=False, max_len=64) or ""
         ours = new_nonce()
@@ -210,7 +232,7 @@ class KVServer:
         challenge = {"nonce": ours}
         if theirs:  # a peer that holds the secret checks ours before it answers
             challenge["proof"] = proof(self._secret, "server", theirs, ours)
-        send_frame(connection.sock, MessageType.CHALLENGE, challenge)
+        connection.send(MessageType.CHALLENGE, challenge)
 
     def _on_auth(self, connection: _Connection, meta: dict) -> None:
         if connection.is_member:
@@ -222,7 +244,8 @@ class KVServer:
         if not is_proof(meta.get("proof"), self._secret, "client", ours, theirs):
             raise KVAuthError("wrong proof: not a member of this deployment")
         connection.is_member = True
-        send_frame(connection.sock, MessageType.REPLY, self._hello)
+        connection.session = Session(self._secret, theirs, ours, is_client=False)
+        connection.send(MessageType.REPLY, self._hello)
 
     def _on_release(self, connection: _Connection, meta: dict) -> None:
         request_id = _request_id(meta, "RELEASE")
@@ -233,8 +256,25 @@ class KVServer:
                 f"RELEASE names engine {engine_id}, this is engine {self._hello['engine_id']}"
             )
         block_ids = get_int_list(meta, "block_ids", "RELEASE", max_len=self._kv_cache.shape[2])
+        connection.watched.discard(request_id)
         released = self._leases.release(request_id, block_ids)
-        send_frame(connection.sock, MessageType.REPLY, {"released": released})
+        connection.send(MessageType.REPLY, {"released": released})
+
+    def _on_watch(self, connection: _Connection, meta: dict) -> None:
+        request_id = _request_id(meta, "WATCH")
+        num_known = get_int(meta, "num_known", "WATCH", max_value=self._kv_cache.shape[2])
+        wait_s = get_float(meta, "wait_s", "WATCH", max_value=MAX_WATCH_WAIT_S)
+        connection.watched.add(request_id)
+        state = self._leases.watch(request_id, num_known, wait_s)
+        connection.send(
+            MessageType.REPLY,
+            {
+                "block_ids": list(state.block_ids),
+                "is_complete": state.is_complete,
+                "first_token_id": state.first_token_id,
+                "complete_age_s": state.complete_age_s,
+            },
+        )
 
     def _on_fetch(self, connection: _Connection, meta: dict) -> None:
         request_id = _request_id(meta, "FETCH")
@@ -254,22 +294,16 @@ class KVServer:
                     f"FETCH.block_ids {sorted(outside)[:8]} are not leased to "
                     f"request {request_id!r}"
                 )
-            self._send_layers(connection.sock, start, end, block_ids, connection.staging)
+            self._send_layers(connection, start, end, block_ids)
 
     def _send_layers(
-        self,
-        conn: socket.socket,
-        start: int,
-        end: int,
-        block_ids: tuple[int, ...],
-        staging: StagingBuffer,
+        self, connection: _Connection, start: int, end: int, block_ids: tuple[int, ...]
     ) -> None:
         # Gather one layer at a time into a small staging buffer that stays in cache while the
         # kernel copies it into the socket: bounded memory, no whole-request temporary.
-        layer = staging.layer(len(block_ids))
+        layer = connection.staging.layer(len(block_ids))
         payload_len = (end - start) * layer.numel() * layer.element_size()
-        send_frame(
-            conn,
+        connection.send(
             MessageType.DATA,
             {"dtype": dtype_name(layer.dtype), "shape": [end - start, *layer.shape[1:]]},
             payload_len,
@@ -277,7 +311,7 @@ class KVServer:
         blocks = StagedBlocks(block_ids)
         for index in range(start, end):
             blocks.gather(self._kv_cache[index : index + 1], layer)
-            conn.sendall(byte_view(layer))
+            send_payload(connection.sock, byte_view(layer), connection.session)
 
 
 def _request_id(meta: dict, where: str) -> str:

@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from abc import ABC
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
@@ -46,6 +47,7 @@ from pdserve.kv_transfer.protocol import (
     KVLayout,
     KVLeaseError,
     KVProtocolError,
+    KVStreamBroken,
     KVTransferError,
     KVTransferParams,
     KVTransferUnit,
@@ -60,14 +62,28 @@ from pdserve.kv_transfer.wire import MessageType
 
 logger = logging.getLogger(__name__)
 
+# Prefill engines a decode worker stays connected to at once: an autoscaled fleet replaces its
+# prefill workers over time, and each one gone would otherwise keep its socket (and under shm
+# its mapped cache) for the life of the process.
+MAX_REMOTES = 32
+
+
+# How long one WATCH waits for a streamed lease to grow before answering: short, since it
+# holds the connection to that prefill worker (other requests' reads wait behind it).
+WATCH_WAIT_S = 0.05
+
 
 @dataclass(frozen=True)
 class TransferStats:
-    """What one `fetch`/`receive` moved, for the per-request timing breakdown."""
+    """What one `fetch`/`receive` moved, for the per-request timing breakdown.
+    `exposed_seconds`: the part of `seconds` after the sender's request finished (all of it
+    when pulled after prefill); `first_token_id`: what a streamed lease's sender sampled."""
 
     num_bytes: int
     num_units: int
     seconds: float
+    exposed_seconds: float | None = None
+    first_token_id: int | None = None
 
 
 @dataclass
@@ -112,8 +128,11 @@ class KVTransport(ABC):
         self.leases = leases
         self.engine_id = config.engine_id or uuid.uuid4().hex
         self._lock = threading.Lock()
-        self._remotes: dict[tuple[str, str, int], RemoteEngine] = {}
+        # Least recently used first; at most MAX_REMOTES.
+        self._remotes: OrderedDict[tuple[str, str, int], RemoteEngine] = OrderedDict()
         self._server = self._start_server() if config.is_producer else None
+        # Set when this worker shuts down: streamed receives stop at their next round.
+        self._is_stopping = threading.Event()
 
     def _start_server(self) -> KVServer:
         config = self.config
@@ -186,6 +205,41 @@ class KVTransport(ABC):
         for block_id in block_ids:
             check_int(block_id, "block_ids[]", max_value=self.num_blocks - 1)
         self.leases.grant(request_id, block_ids)
+        return self._hand_off(request_id, block_ids, num_tokens, first_token_id)
+
+    def open_stream(self, request_id: str, num_tokens: int) -> KVTransferParams:
+        """Announce `request_id`'s KV before it is computed (a streamed lease, lease.py):
+        `publish` then adds its blocks as steps complete them, `close_stream` the rest."""
+        if self._server is None:
+            raise KVTransferError("this transport is not a kv_producer")
+        check_int(num_tokens, "num_tokens", min_value=1)
+        self.leases.open_stream(request_id)
+        return self._hand_off(request_id, (), num_tokens, None, is_streamed=True)
+
+    def publish(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Blocks of a streamed lease whose KV is final, in token order."""
+        self.leases.publish(request_id, block_ids)
+
+    def close_stream(
+        self, request_id: str, block_ids: Sequence[int], first_token_id: int | None
+    ) -> None:
+        """A streamed request finished: `block_ids` hold all its prompt (the published ones
+        first); held until released or the lease timeout."""
+        self.leases.close_stream(request_id, block_ids, first_token_id)
+
+    def abandon_stream(self, request_id: str) -> None:
+        """A streamed request ended without its KV (aborted, preempted)."""
+        self.leases.abandon(request_id)
+
+    def _hand_off(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        first_token_id: int | None,
+        *,
+        is_streamed: bool = False,
+    ) -> KVTransferParams:
         return KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.engine_id,
@@ -196,6 +250,7 @@ class KVTransport(ABC):
             remote_num_tokens=num_tokens,
             layout_hash=self.layout.layout_hash(),
             first_token_id=first_token_id,
+            is_streamed=is_streamed,
             **{"transport": self.name, **self._params_extra()},
         )
 
@@ -231,13 +286,96 @@ class KVTransport(ABC):
         except KVTransferError:
             self.release_quietly(params)
             raise
+        self._confirm(params)
+        seconds = time.perf_counter() - start
+        return TransferStats(fetched.num_bytes, fetched.num_units, seconds, seconds)
+
+    def _confirm(self, params: KVTransferParams) -> None:
         if not self.release(params):
             raise KVLeaseError(
                 f"the prefill worker's lease on request {params.remote_request_id!r} ended "
                 "before the transfer was confirmed (kv_lease_timeout passed, or it was released "
                 "already); the received KV is discarded"
             )
-        return TransferStats(fetched.num_bytes, fetched.num_units, time.perf_counter() - start)
+
+    def receive_stream(
+        self, params: KVTransferParams, local_block_ids: Sequence[int], *, skip_blocks: int = 0
+    ) -> TransferStats:
+        """Receive a streamed lease's KV into `local_block_ids` (remote block
+        ``skip_blocks + i`` into ``local_block_ids[i]``, as `receive`) while the sender still
+        computes it: WATCH for the blocks published since the last round, copy them, repeat
+        until the request finished, then release. Raises `KVStreamBroken` with the number of
+        remote blocks that arrived and were confirmed (by a later WATCH) when it breaks off."""
+        num_remote = self.layout.num_blocks_for(params.remote_num_tokens)
+        if skip_blocks < 0 or skip_blocks + len(local_block_ids) != num_remote:
+            raise KVProtocolError(
+                f"cannot place remote blocks {skip_blocks}.. of {num_remote} into "
+                f"{len(local_block_ids)} local blocks"
+            )
+        start = time.perf_counter()
+        remote_ids: list[int] = []
+        num_bytes = num_units = num_copied = num_confirmed = 0
+        try:
+            remote = self._remote(params)
+            while True:
+                if self._is_stopping.is_set():
+                    raise KVTransferError("this worker is shutting down")
+                is_complete, new_ids, first_token_id, complete_age_s = self._watch(
+                    remote, params, len(remote_ids), num_remote
+                )
+                watched_at = time.perf_counter()
+                num_confirmed = num_copied  # the lease was intact after those copies
+                remote_ids += new_ids
+                first = max(num_copied, skip_blocks)
+                if len(remote_ids) > first:
+                    units = plan_units(
+                        self.layout.num_layers,
+                        remote_ids[first:],
+                        local_block_ids[first - skip_blocks : len(remote_ids) - skip_blocks],
+                    )
+                    with self._using(remote):
+                        num_bytes += self._read_units(remote, params.remote_request_id, units)
+                    num_units += len(units)
+                num_copied = max(num_copied, len(remote_ids))
+                if is_complete:
+                    break
+            self._confirm(replace(params, remote_block_ids=tuple(remote_ids)))
+        except KVTransferError as exc:
+            self.release_quietly(params)
+            raise KVStreamBroken(str(exc), num_confirmed) from exc
+        now = time.perf_counter()
+        # Exposed: since the sender's request finished (bounded by this transfer's own time,
+        # for a stream that started after its prefill ended).
+        exposed = min(now - watched_at + complete_age_s, now - start)
+        return TransferStats(num_bytes, num_units, now - start, exposed, first_token_id)
+
+    def _watch(
+        self, remote: RemoteEngine, params: KVTransferParams, num_known: int, num_remote: int
+    ) -> tuple[bool, list[int], int | None, float]:
+        """One WATCH round: (is_complete, new block ids, first token, seconds since the
+        sender's request finished)."""
+        with self._using(remote):
+            reply = remote.client.call(
+                MessageType.WATCH,
+                {
+                    "request_id": params.remote_request_id,
+                    "num_known": num_known,
+                    "wait_s": WATCH_WAIT_S,
+                },
+            )
+        where = f"KV server {remote.client.address} WATCH reply"
+        new_ids = reply.get("block_ids")
+        if not isinstance(new_ids, list) or num_known + len(new_ids) > num_remote:
+            raise KVProtocolError(f"{where}.block_ids must list at most {num_remote} blocks")
+        for block_id in new_ids:
+            check_int(block_id, f"{where}.block_ids[]", max_value=remote.num_blocks - 1)
+        is_complete = reply.get("is_complete") is True
+        first_token_id = get_int(reply, "first_token_id", where, required=False)
+        if is_complete and (num_known + len(new_ids) != num_remote or first_token_id is None):
+            raise KVProtocolError(f"{where}: a complete stream names all blocks and a token")
+        age = reply.get("complete_age_s")
+        age_s = float(age) if isinstance(age, int | float) and not isinstance(age, bool) else 0.0
+        return is_complete, new_ids, first_token_id, max(age_s, 0.0)
 
     def fetch(self, params: KVTransferParams, units: Sequence[KVTransferUnit]) -> TransferStats:
         """Copy each unit's remote blocks into this engine's `kv_cache`; blocks until done.
@@ -283,8 +421,14 @@ class KVTransport(ABC):
         except KVTransferError as exc:
             logger.info("could not release KV lease %r: %s", params.remote_request_id, exc)
 
+    def stop_receiving(self) -> None:
+        """End streamed receives at their next round (shutdown: they may wait on a sender
+        that makes no progress)."""
+        self._is_stopping.set()
+
     def close(self) -> None:
         """Stop serving, free every lease, drop remote connections."""
+        self._is_stopping.set()
         if self._server is not None:
             self._server.close()
             self.leases.close()
@@ -379,7 +523,21 @@ class KVTransport(ABC):
             if remote is None:
                 remote = self._connect(params)
                 self._remotes[key] = remote
+                self._evict_beyond_limit()
+            self._remotes.move_to_end(key)
             return remote
+
+    def _evict_beyond_limit(self) -> None:
+        """Drop the least recently used remotes beyond `MAX_REMOTES` that nobody is using
+        (with `_lock` held); a later request to one reconnects."""
+        for key in list(self._remotes)[: max(0, len(self._remotes) - MAX_REMOTES)]:
+            remote = self._remotes[key]
+            if remote.lock.acquire(blocking=False):
+                try:
+                    del self._remotes[key]
+                    remote.client.close()
+                finally:
+                    remote.lock.release()
 
     def _connect(self, params: KVTransferParams) -> RemoteEngine:
         client = KVClient(

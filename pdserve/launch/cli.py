@@ -1,20 +1,22 @@
 """`pdserve serve`: one OpenAI-compatible server, or a disaggregated deployment of them.
 
 `--mode colocated|chunked` (and every worker, `--role prefill|decode`) runs the server on one
-engine (`server.cli.run_server`); `--mode disagg` starts prefill and decode workers and a
-router in front: on this host's cores (`launch.local`), or with `--cluster ray` as Ray actors
-across a cluster's nodes (`launch.ray_cluster`); with `--autoscale` sized by the router's
-planner. Each flag is declared once, in its package; `WORKER_FLAGS` says which of them a
-deployment hands on to its workers.
+engine (`server.cli.run_server`); with `--data-parallel-size N` (N > 1, or any N on a cluster)
+N such servers, each an engine on its own cores, behind the router (its decode pool: workers
+that serve whole requests). `--mode disagg` starts prefill and decode workers and a router in
+front. Both on this host's cores (`launch.local`), or with `--cluster ray` as Ray actors
+across a cluster's nodes (`launch.ray_cluster`); disagg with `--autoscale` sized by the
+router's planner. Each flag is declared once, in its package; `WORKER_FLAGS` (`launch.deployment`)
+says which of them a deployment hands on to its workers.
 """
 
 from __future__ import annotations
 
 import argparse
-import shlex
 
-from pdserve.cli import add_flags, flag
+from pdserve.core.config import Mode
 from pdserve.engine.args import ENGINE_FLAGS, KV_STORE_FLAGS, KV_TRANSFER_FLAGS
+from pdserve.flags import add_flags, flag
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTING_FLAGS
 from pdserve.server.cli import SERVER_FLAGS, run_server
 
@@ -47,6 +49,16 @@ DISAGG_FLAGS = (
         metavar="FLAGS",
         help="extra flags for decode workers only, e.g. '--max-num-batched-tokens 128' "
         "to chunk their local prefills finely",
+    ),
+)
+REPLICA_FLAGS = (
+    flag(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="colocated/chunked: N engine processes, each on its own cores, behind the router "
+        "(its routing policies, health checks, /workers, /metrics); 1: one server, no router",
     ),
 )
 CLUSTER_FLAGS = (
@@ -88,19 +100,6 @@ CLUSTER_FLAGS = (
         "--cluster, off on one host",
     ),
 )
-# Set by the launcher for each worker (its role, address, threads and step log) or kept for
-# the router (the mode, the API key: workers listen on loopback behind it).
-PER_WORKER_FLAGS = frozenset(
-    {"--mode", "--host", "--port", "--api-key", "--role", "--num-threads", "--step-log"}
-)
-# What every worker of a deployment is started with, where the user gave it: the server's
-# limits, the engine's flags, the KV transfer's and the KV store's. The disaggregation and
-# routing flags are the launcher's and the router's alone.
-WORKER_FLAGS = tuple(
-    option
-    for option in (*SERVER_FLAGS, *ENGINE_FLAGS, *KV_TRANSFER_FLAGS, *KV_STORE_FLAGS)
-    if option.name not in PER_WORKER_FLAGS
-)
 
 
 def add_parser(subparsers) -> None:
@@ -109,9 +108,10 @@ def add_parser(subparsers) -> None:
     add_flags(parser, "engine", ENGINE_FLAGS)
     add_flags(parser, "KV transfer (disaggregated workers)", KV_TRANSFER_FLAGS)
     add_flags(parser, "shared KV store", KV_STORE_FLAGS)
+    add_flags(parser, "data parallel (--mode colocated|chunked)", REPLICA_FLAGS)
     add_flags(parser, "disaggregation (--mode disagg)", DISAGG_FLAGS)
-    add_flags(parser, "cluster (--mode disagg)", CLUSTER_FLAGS)
-    add_flags(parser, "routing (--mode disagg)", ROUTING_FLAGS)
+    add_flags(parser, "cluster (replicas or --mode disagg)", CLUSTER_FLAGS)
+    add_flags(parser, "routing (replicas or --mode disagg)", ROUTING_FLAGS)
     add_flags(parser, "autoscaling (--mode disagg)", AUTOSCALE_FLAGS)
     parser.set_defaults(run=run)
 
@@ -119,10 +119,13 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.mode != "disagg":
-        if args.cluster is not None:
-            raise ValueError("--cluster places the workers of --mode disagg")
-        return run_server(args)
+    if Mode(args.mode) is not Mode.DISAGG:
+        if args.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+        if args.autoscale:
+            raise ValueError("--autoscale sizes the pools of --mode disagg")
+        if args.data_parallel_size == 1 and args.cluster is None:
+            return run_server(args)
     if args.cluster is None:
         for name in ("prefill_worker_resources", "decode_worker_resources", "placement_strategy"):
             if getattr(args, name) is not None:
@@ -133,18 +136,6 @@ def run(args: argparse.Namespace) -> int:
         from pdserve.launch.ray_cluster import launch_on_ray
 
         return launch_on_ray(args)
-    from pdserve.launch.local import launch_disagg
+    from pdserve.launch.local import launch_local
 
-    return launch_disagg(args)
-
-
-def worker_argv(args: argparse.Namespace, role: str) -> list[str]:
-    """The flags each `role` worker is started with besides its role, address, threads and
-    step log: `WORKER_FLAGS` the user gave, then --worker-args, then the role's own (the last
-    of a flag given twice wins)."""
-    forwarded = [arg for option in WORKER_FLAGS for arg in option.argv(getattr(args, option.dest))]
-    return [
-        *forwarded,
-        *shlex.split(args.worker_args),
-        *shlex.split(getattr(args, f"{role}_worker_args")),
-    ]
+    return launch_local(args)

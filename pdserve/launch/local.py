@@ -1,53 +1,56 @@
-"""One-command disaggregated serving on one host: `pdserve serve --mode disagg`.
+"""One-command serving with a router on one host: `pdserve serve --mode disagg`, or
+`--mode colocated|chunked --data-parallel-size N`.
 
-`launch_disagg(args)` starts N prefill and M decode workers (``pdserve serve --role ...``) as
-separate processes, each pinned to its own cores with one torch thread per core, waits until
-all answer /health, then runs the router in this process until SIGINT/SIGTERM and stops every
-child. A worker that dies during startup stops the rest; the launcher exits 1 with its log tail.
-Workers get the flags `launch.cli.worker_argv` gives them, plus their own role, loopback
-address, thread count and step log (one file per worker, named after it), and with
-`--worker-auth` the deployment's fleet secret in their environment (`launch.fleet`).
+`launch_local(args)` starts N prefill and M decode workers (``pdserve serve --role ...``), or
+N replicas (``pdserve serve --mode colocated|chunked``: the router's decode pool, each
+serving whole requests), as separate processes, each pinned to its own cores with one torch
+thread per core, waits until all answer /health, then runs the router in this process until
+SIGINT/SIGTERM and stops every child. A worker that dies during startup stops the rest; the
+launcher exits 1 with its log tail. Workers get the flags `launch.deployment.worker_argv`
+gives them, plus their own role, loopback address, thread count and step log (one file per
+worker, named after it), and with `--worker-auth` the deployment's fleet secret in their
+environment (`pdserve.fleet`). A replica gets the same, without `--decode-worker-args` (that
+is the disaggregated decode pool's); a replica that dies takes only its own requests with it:
+the router's health checks take it out of rotation and its other requests go to the rest.
 
 The workers come from a `LocalProvisioner`, the one-host `Provisioner`: the host's cores are
 cut into slots (one per worker of the initial layout; with ``--autoscale`` one per worker the
 fleet may grow to, at most one per core), and the router's autoscaler starts a worker on a
-free slot and stops a drained one, within the cores it has. `run_deployment` is the part
-every launcher shares (the Ray one too).
+free slot and stops a drained one, within the cores it has. What every launcher shares (the
+Ray one too) is `launch.deployment`.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import contextlib
 import logging
 import os
-import signal
-import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.launch.cli import worker_argv
-from pdserve.launch.fleet import FLEET_SECRET_ENV, deployment_secret
-from pdserve.launch.provision import Provisioner, WorkerHandle
+from pdserve.fleet import FLEET_SECRET_ENV, deployment_secret
+from pdserve.launch.deployment import (
+    WORKER_HOST,
+    free_port,
+    initial_roles,
+    is_replicated,
+    role_argv,
+    run_deployment,
+    step_log_flags,
+    worker_argv,
+)
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
-from pdserve.router.autoscale import AutoscaleConfig
-from pdserve.router.cli import autoscale_config_from_args, router_config_from_args, serve_router
-from pdserve.router.config import RouterConfig
-from pdserve.router.policies import PoolRole
-from pdserve.router.runtime import Discover
-from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer
+from pdserve.router.cli import autoscale_config_from_args, router_config_from_args
+from pdserve.router.provision import WorkerHandle
 
 logger = logging.getLogger("pdserve.launch")
 
-WORKER_HOST = "127.0.0.1"
 
-
-def launch_disagg(args: argparse.Namespace) -> int:
+def launch_local(args: argparse.Namespace) -> int:
     """Run the deployment until SIGINT/SIGTERM; 0 after a clean stop, 1 if startup failed."""
     specs = plan_workers(args)
     slots = core_slots(args, len(specs))
@@ -61,55 +64,13 @@ def launch_disagg(args: argparse.Namespace) -> int:
         secret,
     )
     provisioner = LocalProvisioner(args, specs, slots, secret)
-    _print_plan(specs)
+    _print_plan(args, specs)
 
     def start() -> None:
         provisioner.start_initial()
         provisioner.wait_healthy(args.startup_timeout)
 
     return run_deployment(args, config, start, provisioner.stop_all, provisioner, autoscale)
-
-
-def run_deployment(
-    args: argparse.Namespace,
-    config: RouterConfig,
-    start: Callable[[], None],
-    stop: Callable[[], None],
-    provisioner: Provisioner | None = None,
-    autoscale: AutoscaleConfig | None = None,
-    discover: Discover | None = None,
-) -> int:
-    """`start` the workers (returns once all are healthy, or raises `WorkerStartupError`), run
-    the router in this process until SIGINT/SIGTERM, and `stop` them whatever happened; 0
-    after a clean stop, 1 if startup failed. `provisioner`, `autoscale` and `discover` as
-    `router.runtime.RouterRuntime` takes them."""
-    with _sigterm_raises_shutdown():
-        try:
-            tokenizer = (
-                _load_tokenizer_while(start, args.model) if config.needs_token_ids else start()
-            )
-            print(f"pdserve disagg: serving on http://{config.host}:{config.port}", flush=True)
-            serve_router(config, tokenizer, provisioner, autoscale, discover)
-        except WorkerStartupError as exc:
-            print(f"pdserve serve --mode disagg: {exc}", file=sys.stderr)
-            return 1
-        except _Shutdown:
-            pass
-        finally:
-            stop()
-    return 0
-
-
-def initial_roles(args: argparse.Namespace) -> list[str]:
-    """Prefill workers then decode workers; with --autoscale within the pools' bounds."""
-    num_prefill, num_decode = args.prefill_workers, args.decode_workers
-    if num_prefill < 0 or num_decode < 1:
-        raise ValueError("--decode-workers must be >= 1 and --prefill-workers >= 0")
-    bounds = autoscale_config_from_args(args)
-    if bounds is not None:
-        num_prefill = bounds.clamp(PoolRole.PREFILL, num_prefill)
-        num_decode = bounds.clamp(PoolRole.DECODE, num_decode)
-    return ["prefill"] * num_prefill + ["decode"] * num_decode
 
 
 def core_slots(args: argparse.Namespace, num_initial: int) -> list[tuple[int, ...]]:
@@ -156,14 +117,14 @@ def worker_spec(
     cores: tuple[int, ...],
     log_dir: Path,
 ) -> WorkerSpec:
-    """One worker's command: ``pdserve serve --role ROLE`` on loopback, pinned to `cores`."""
+    """One worker's command: ``pdserve serve --role ROLE`` (a replica: ``--mode MODE``) on
+    loopback, pinned to `cores`."""
     command = (
         sys.executable,
         "-m",
         "pdserve.cli",
         "serve",
-        "--role",
-        role,
+        *role_argv(args, role),
         "--host",
         WORKER_HOST,
         "--port",
@@ -305,58 +266,17 @@ def assign_cores(cores: Sequence[int], num_workers: int) -> list[tuple[int, ...]
     return shares
 
 
-def step_log_flags(path: str | None, worker_name: str) -> list[str]:
-    """Each worker logs its steps to its own file: steps.jsonl -> steps.prefill-0.jsonl."""
-    if path is None:
-        return []
-    path = Path(path)
-    return ["--step-log", str(path.with_name(f"{path.stem}.{worker_name}{path.suffix}"))]
-
-
 def _worker_port(base_port: int | None, slot: int) -> int:
     return base_port + slot if base_port is not None else free_port()
 
 
-def free_port(host: str = WORKER_HOST) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _load_tokenizer_while(wait: Callable[[], None], model: str | None) -> PromptTokenizer | None:
-    """Load the router's tokenizer while `wait` (workers starting) runs; on failure the router
-    asks the workers' /tokenize instead."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        loading = pool.submit(LocalTokenizer.load, model)
-        wait()
-        try:
-            return loading.result()
-        except ValueError as exc:
-            logger.warning("router tokenizer: %s; asking the workers' /tokenize", exc)
-            return None
-
-
-def _print_plan(specs: list[WorkerSpec]) -> None:
+def _print_plan(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
+    kind = f"{args.mode} replica " if is_replicated(args) else ""
     for spec in specs:
         cores = ",".join(map(str, spec.cores))
         print(
-            f"pdserve disagg: {spec.name} on {spec.url}, cores {cores}, log {spec.log_path}",
+            f"pdserve {args.mode}: {kind}{spec.name} on {spec.url}, cores {cores}, "
+            f"log {spec.log_path}",
             file=sys.stderr,
             flush=True,
         )
-
-
-class _Shutdown(Exception):
-    """SIGTERM arrived: unwind, stopping every child on the way."""
-
-
-@contextlib.contextmanager
-def _sigterm_raises_shutdown() -> Iterator[None]:
-    def handler(signum: int, frame: object) -> None:
-        raise _Shutdown
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -1,7 +1,9 @@
-"""`pdserve serve --mode disagg --cluster ray`: the workers as Ray actors across a cluster.
+"""`pdserve serve --mode disagg --cluster ray` (or `--mode colocated|chunked
+--data-parallel-size N --cluster ray`): the workers as Ray actors across a cluster.
 
-Each worker is one `pdserve serve --role prefill|decode` process, started by a small Ray actor
-(`WorkerHost`) on the node Ray places it on with the resources its pool asks for
+Each worker is one `pdserve serve --role prefill|decode` process (a replica: `pdserve serve
+--mode colocated|chunked`, in the decode pool, with its resources), started by a small Ray
+actor (`WorkerHost`) on the node Ray places it on with the resources its pool asks for
 (`--prefill-worker-resources`, `--decode-worker-resources`, Ray's JSON spelling; with
 `--placement-strategy`, the first workers in one placement group). The process listens on its
 node's address, and its KV moves with `--kv-transport auto`: shared memory with a peer on its
@@ -9,14 +11,14 @@ own Ray node, tcp with the others. Actor and process live and die together: the 
 SIGKILL the moment the actor's process is gone (its node died, or `ray.kill`), as it would
 with its node.
 
-`RayProvisioner` implements `launch.provision.Provisioner`: it starts and stops workers, keeps
+`RayProvisioner` implements `router.provision.Provisioner`: it starts and stops workers, keeps
 the list of those running (read by the router before every health round: its discovery, so
 there is no static URL list), and watches every actor. A worker that dies without being
 stopped leaves that list at once and is replaced on a node that has the resources (its
 placement-group bundle, where it had one), so each pool returns to its size. The router runs
-in this process, as on one host (`launch.local.run_deployment`).
+in this process, as on one host (`launch.deployment.run_deployment`).
 
-Every worker is handed the deployment's fleet secret (`launch.fleet`) through Ray (its actor's
+Every worker is handed the deployment's fleet secret (`pdserve.fleet`) through Ray (its actor's
 arguments) and on to its process in the environment. The Ray cluster itself is the trust
 boundary above that: whoever may submit Ray jobs to it runs code on its nodes.
 
@@ -42,12 +44,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.launch.cli import worker_argv
-from pdserve.launch.fleet import FLEET_SECRET_ENV, deployment_secret
-from pdserve.launch.local import free_port, initial_roles, run_deployment, step_log_flags
-from pdserve.launch.provision import WorkerHandle
+from pdserve.fleet import FLEET_SECRET_ENV, deployment_secret
+from pdserve.launch.deployment import (
+    free_port,
+    initial_roles,
+    is_replicated,
+    role_argv,
+    run_deployment,
+    step_log_flags,
+    worker_argv,
+)
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
 from pdserve.router.cli import autoscale_config_from_args, router_config_from_args
+from pdserve.router.provision import WorkerHandle
 
 logger = logging.getLogger("pdserve.launch")
 
@@ -120,9 +129,12 @@ def num_threads(resources: Mapping[str, float]) -> int:
 class RayPlan:
     """What each worker of a pool is started with (`plan_from_args`)."""
 
-    argv: Mapping[str, tuple[str, ...]]  # role -> its flags (`launch.cli.worker_argv`)
+    # role -> what makes the worker what it is (`launch.deployment.role_argv`), its other
+    # flags (`launch.deployment.worker_argv`)
+    role_argv: Mapping[str, tuple[str, ...]]
+    argv: Mapping[str, tuple[str, ...]]
     resources: Mapping[str, Mapping[str, float]]  # role -> Ray resources
-    kv_transport: str  # "auto", or "tcp" where the user asked for it
+    kv_transport: str | None  # "auto", or "tcp" where the user asked for it; None: replicas
     startup_timeout_s: float
     strategy: str | None = None  # a key of PLACEMENT_STRATEGIES
     log_dir: str | None = None  # on each worker's node (default: its temporary directory)
@@ -141,6 +153,7 @@ def plan_from_args(args: argparse.Namespace, secret: str | None) -> RayPlan:
             "on its node"
         )
     return RayPlan(
+        role_argv={role: tuple(role_argv(args, role)) for role in ROLES},
         argv={role: tuple(worker_argv(args, role)) for role in ROLES},
         resources={
             role: parse_resources(
@@ -149,7 +162,11 @@ def plan_from_args(args: argparse.Namespace, secret: str | None) -> RayPlan:
             for role in ROLES
         },
         # Shared memory alone cannot cross nodes: "shm" (the default) becomes "auto".
-        kv_transport="tcp" if args.kv_transport == "tcp" else "auto",
+        kv_transport=None
+        if is_replicated(args)
+        else "tcp"
+        if args.kv_transport == "tcp"
+        else "auto",
         startup_timeout_s=args.startup_timeout,
         strategy=args.placement_strategy,
         log_dir=args.worker_log_dir,
@@ -179,13 +196,13 @@ class WorkerHost:
             "-m",
             "pdserve.cli",
             "serve",
-            *("--role", role, "--host", host, "--port", str(port)),
+            *plan.role_argv[role],
+            *("--host", host, "--port", str(port)),
             *("--num-threads", str(threads)),
             *plan.argv[role],
             *step_log_flags(plan.step_log, name),
             # After the user's flags: these are the node's, they win.
-            *("--kv-transport", plan.kv_transport, "--kv-host", host),
-            *("--kv-node-id", self.node_id),
+            *self._kv_flags(plan, host),
         )
         # Not pinned: Ray accounts for CPUs, it does not assign cores.
         self.spec = WorkerSpec(name, role, port, (), command, log_dir / f"{name}.log", host)
@@ -203,6 +220,14 @@ class WorkerHost:
         started = threading.Event()
         threading.Thread(target=self._run, args=(started,), name=name, daemon=True).start()
         started.wait()
+
+    def _kv_flags(self, plan: RayPlan, host: str) -> tuple[str, ...]:
+        if plan.kv_transport is None:  # replicas move no KV
+            return ()
+        return (
+            *("--kv-transport", plan.kv_transport, "--kv-host", host),
+            *("--kv-node-id", self.node_id),
+        )
 
     def _run(self, started: threading.Event) -> None:
         try:
@@ -497,7 +522,7 @@ def launch_on_ray(args: argparse.Namespace) -> int:
     def start() -> None:
         for handle in provisioner.start(roles.count("prefill"), roles.count("decode")):
             print(
-                f"pdserve disagg: {handle.name} on {handle.url}, Ray node {handle.node_id}, "
+                f"pdserve {args.mode}: {handle.name} on {handle.url}, Ray node {handle.node_id}, "
                 f"log {provisioner.log_path(handle.name)} (on that node)",
                 file=sys.stderr,
                 flush=True,

@@ -8,9 +8,11 @@ tokens computed in earlier steps.
 `AttentionBackend` is the seam for faster kernels: it receives the step's new K/V and the
 cache and returns the attention output. `TorchAttentionBackend` serves CPU and CUDA. On CPU,
 native kernels (every ISA) read K/V in place through the block tables: decodes always, prefill
-chunks (flash-style, causal, offset by the cached context) where they beat torch SDPA
-(`CpuOps.prefill_kernel_wins`). Elsewhere SDPA runs prefill chunks, over the context gathered
-from the cache when there is one, and decodes are batched matmuls over gathered K/V.
+chunks (flash-style, causal, offset by the cached context) where they beat torch SDPA, as
+measured on this machine per variant, dtypes, heads, threads and chunk/context size at first
+use and cached on disk (`prefill_kernel_choice`, `kernels/choice.py`). Elsewhere SDPA runs
+prefill chunks, over the context gathered from the cache when there is one, and decodes are
+batched matmuls over gathered K/V.
 The cache may hold a narrower dtype than the model's (`--kv-cache-dtype bfloat16`): new K/V
 are rounded once on write and read back in the model dtype.
 """
@@ -18,7 +20,7 @@ are rounded once on write and read back in the model dtype.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.config import KV_CACHE_DTYPES, ModelConfig
+from pdserve.model.kernels.build import cache_dir
+from pdserve.model.kernels.choice import MeasuredChoice, size_bucket
 from pdserve.model.kernels.cpu_ops import CpuOps
 
 
@@ -280,18 +284,37 @@ class TorchAttentionBackend(AttentionBackend):
         )
         if decode is not None and decode.num_seqs == num_tokens:
             return self._decode(q, kv_layer, decode, kernel)
-        prefill_kernel = (
-            kernel if kernel is not None and kernel.prefill_kernel_wins(q.dtype) else None
-        )
         if len(meta.prefills) == 1 and decode is None:
-            return self._prefill(q, k, v, kv_layer, meta.prefills[0], prefill_kernel)
+            chunk = meta.prefills[0]
+            return self._prefill(
+                q, k, v, kv_layer, chunk, self._prefill_kernel(kernel, q, kv_layer, chunk)
+            )
         out = q.new_empty(num_tokens, num_heads * head_dim)
         if decode is not None:
             out[decode.token_index] = self._decode(q[decode.token_index], kv_layer, decode, kernel)
         for chunk in meta.prefills:
             rows = chunk.rows
+            prefill_kernel = self._prefill_kernel(kernel, q, kv_layer, chunk)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_layer, chunk, prefill_kernel)
         return out
+
+    @staticmethod
+    def _prefill_kernel(
+        kernel: CpuOps | None, q: torch.Tensor, kv_layer: torch.Tensor, chunk: PrefillChunk
+    ) -> CpuOps | None:
+        """`kernel` where its paged prefill beats SDPA on this chunk's case here, else None."""
+        if kernel is None:
+            return None
+        case = prefill_case(
+            q.dtype,
+            kv_layer.dtype,
+            q.shape[1],
+            kv_layer.shape[-2],
+            q.shape[2],
+            chunk.token_end - chunk.token_start,
+            chunk.num_computed_tokens,
+        )
+        return kernel if prefill_kernel_choice(kernel).a_wins(case) else None
 
     def _decode(
         self, q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch, kernel: CpuOps | None
@@ -350,6 +373,80 @@ class TorchAttentionBackend(AttentionBackend):
             enable_gqa=True,
         )
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+
+# ---- which prefill attention runs: measured here ------------------------------------------
+
+
+def prefill_case(
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_new: int,
+    num_computed: int,
+) -> tuple:
+    """The case `prefill_kernel_choice` measures a chunk as: dtypes, heads, torch's threads
+    and the new tokens and cached context, each rounded up to a power of two."""
+    return (
+        str(q_dtype).removeprefix("torch."),
+        str(kv_dtype).removeprefix("torch."),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        torch.get_num_threads(),
+        size_bucket(num_new),
+        size_bucket(num_computed),
+    )
+
+
+@functools.cache
+def prefill_kernel_choice(ops: CpuOps) -> MeasuredChoice:
+    """Whether `ops.paged_prefill` (A) beats SDPA (B) per `prefill_case`, timed on first use
+    on this machine and cached next to the compiled kernels."""
+    try:
+        directory = cache_dir()
+    except OSError:
+        directory = None
+    return MeasuredChoice(
+        f"prefill-attention-{ops.isa}",
+        ops.build_id,
+        functools.partial(prefill_paths, ops),
+        directory,
+    )
+
+
+def prefill_paths(ops: CpuOps, case: tuple) -> tuple[Callable[[], object], Callable[[], object]]:
+    """(kernel, SDPA) runs of one layer's prefill attention for `case` on a synthetic context
+    (random K/V in a shuffled paged cache of 16-token blocks), on the case's threads."""
+    q_name, kv_name, num_heads, num_kv_heads, head_dim, threads, num_new, num_computed = case
+    q_dtype, kv_dtype = getattr(torch, q_name), getattr(torch, kv_name)
+    block_size, seq_len = 16, num_computed + num_new
+    num_blocks = -(-seq_len // block_size)
+    generator = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(
+        kv_dtype
+    )
+    table = torch.randperm(num_blocks, generator=generator)
+    meta = AttentionMetadata.build([(table.tolist(), num_computed, num_new)], block_size, "cpu")
+    chunk = meta.prefills[0]
+    q = torch.randn(num_new, num_heads, head_dim, generator=generator).to(q_dtype)
+    k, v = cache.view(2, -1, num_kv_heads, head_dim)[:, meta.slot_mapping].to(q_dtype)
+    backend = TorchAttentionBackend(head_dim**-0.5)
+
+    def kernel():
+        ops.paged_prefill(q, cache, chunk.block_table, num_computed, backend.scale, threads)
+
+    def sdpa():
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            backend._prefill(q, k, v, cache, chunk)
+        finally:
+            torch.set_num_threads(previous)
+
+    return kernel, sdpa
 
 
 # ---- the paged KV cache -------------------------------------------------------------------

@@ -10,15 +10,16 @@ from __future__ import annotations
 import importlib.util
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from pdserve.model.auto_dtype import measured_cpu_dtype
 from pdserve.model.config import ModelConfig, ModelLoadError, Quantization
-from pdserve.model.cpu_runtime import BF16_MATMUL_CPU_FLAGS, read_cpu_flags, tune_cpu_allocator
+from pdserve.model.cpu_runtime import tune_cpu_allocator
 from pdserve.model.gguf_file import GGUFModelFile
 from pdserve.model.hf_folder import HFModelFolder
 from pdserve.model.llama import LlamaForCausalLM, hf_weight_shapes
@@ -113,17 +114,19 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(
-    dtype: str, device: torch.device, cpu_flags: frozenset[str] | None = None
+    dtype: str,
+    device: torch.device,
+    measure_cpu: Callable[[], torch.dtype] = measured_cpu_dtype,
 ) -> torch.dtype:
-    """ "auto" -> bfloat16 on CUDA and on CPUs with AMX or AVX-512 bf16, else float32."""
+    """ "auto" -> bfloat16 on CUDA; on CPU the faster of bfloat16 and float32 as measured on
+    this CPU (`measure_cpu`, see auto_dtype.py)."""
     if dtype in DTYPES:
         return DTYPES[dtype]
     if dtype != "auto":
         raise ModelLoadError(f"dtype must be one of {', '.join(DTYPES)} or auto, got {dtype!r}")
     if device.type == "cuda":
         return torch.bfloat16
-    flags = read_cpu_flags() if cpu_flags is None else cpu_flags
-    return torch.bfloat16 if flags & BF16_MATMUL_CPU_FLAGS else torch.float32
+    return measure_cpu()
 
 
 def resolve_quantization(quantization: str, checkpoint: Checkpoint) -> Quantization:

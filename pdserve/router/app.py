@@ -32,7 +32,7 @@ from pdserve.api.protocol import (
     ModelList,
     RoleChange,
 )
-from pdserve.router.autoscale import AutoscaleConfig
+from pdserve.router.autoscale.config import AutoscaleConfig
 from pdserve.router.config import RouterConfig, normalize_worker_url
 from pdserve.router.policies import PoolRole
 from pdserve.router.pool import DuplicateWorkerError, Worker, WorkerRegistry
@@ -47,7 +47,7 @@ WORKER_URL_PATTERN = rf"^https?://[A-Za-z0-9.-]+(?::(?:{_PORT})?)?/?$"
 _GENERATION_ERRORS = (*GENERATION_ERRORS, ErrorType.BAD_GATEWAY)
 
 if TYPE_CHECKING:
-    from pdserve.launch.provision import Provisioner
+    from pdserve.router.provision import Provisioner
 
 
 class WorkerToAdd(BaseModel):

@@ -12,15 +12,15 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pdserve.cli import add_flags, flag
-from pdserve.launch.fleet import fleet_secret_from_env
-from pdserve.router.autoscale import SLO, AutoscaleConfig
-from pdserve.router.config import RouterConfig
-from pdserve.router.policies import POLICY_NAMES
+from pdserve.flags import add_flags, config_from_args, flag
+from pdserve.fleet import fleet_secret_from_env
+from pdserve.router.autoscale.config import SLO, AutoscaleConfig
+from pdserve.router.config import KVHandoff, RouterConfig
+from pdserve.router.policies import POLICIES
 from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer
 
 if TYPE_CHECKING:
-    from pdserve.launch.provision import Provisioner
+    from pdserve.router.provision import Provisioner
     from pdserve.router.runtime import Discover
 
 # Seconds uvicorn lets in-flight streams finish after SIGINT/SIGTERM.
@@ -29,18 +29,25 @@ GRACEFUL_SHUTDOWN_S = 30
 ROUTING_FLAGS = (
     flag(
         "--policy",
-        choices=POLICY_NAMES,
+        choices=POLICIES,
         default=RouterConfig.prefill_policy,
         help="policy of both pools unless --prefill-policy/--decode-policy",
     ),
-    flag("--prefill-policy", choices=POLICY_NAMES, default=None),
-    flag("--decode-policy", choices=POLICY_NAMES, default=None),
+    flag("--prefill-policy", choices=POLICIES, default=None),
+    flag("--decode-policy", choices=POLICIES, default=None),
     flag(
         "--local-prefill-threshold",
         type=int,
         default=RouterConfig.local_prefill_threshold,
         metavar="N",
         help="prompts with fewer uncached tokens skip the prefill worker (0: all go through one)",
+    ),
+    KV_HANDOFF_FLAG := flag(
+        "--kv-handoff",
+        choices=[h.value for h in KVHandoff],
+        default=RouterConfig.kv_handoff.value,
+        help="pull: the decode worker fetches the KV after the prefill leg answered; stream: "
+        "it receives each prompt chunk's KV while the prefill worker computes the next",
     ),
     flag(
         "--shared-kv-store",
@@ -58,6 +65,7 @@ ROUTING_FLAGS = (
     ),
     flag(
         "--health-check-interval",
+        dest="health_interval_s",
         type=float,
         default=RouterConfig.health_interval_s,
         metavar="SECONDS",
@@ -65,6 +73,7 @@ ROUTING_FLAGS = (
     ),
     flag(
         "--health-check-timeout",
+        dest="health_timeout_s",
         type=float,
         default=RouterConfig.health_timeout_s,
         metavar="SECONDS",
@@ -77,6 +86,7 @@ ROUTING_FLAGS = (
     ),
     flag(
         "--request-timeout",
+        dest="request_timeout_s",
         type=float,
         default=RouterConfig.request_timeout_s,
         metavar="SECONDS",
@@ -111,6 +121,7 @@ AUTOSCALE_FLAGS = (
     ),
     flag(
         "--autoscale-interval",
+        dest="interval_s",
         type=float,
         default=AutoscaleConfig.interval_s,
         metavar="SECONDS",
@@ -118,6 +129,7 @@ AUTOSCALE_FLAGS = (
     ),
     flag(
         "--autoscale-grace",
+        dest="grace_s",
         type=float,
         default=AutoscaleConfig.grace_s,
         metavar="SECONDS",
@@ -140,17 +152,7 @@ def autoscale_config_from_args(
     workers the caller can run at once (its cores), when it knows."""
     if not args.autoscale:
         return None
-    config = AutoscaleConfig(
-        min_prefill_workers=args.min_prefill_workers,
-        max_prefill_workers=args.max_prefill_workers,
-        min_decode_workers=args.min_decode_workers,
-        max_decode_workers=args.max_decode_workers,
-        max_workers=args.max_workers,
-        slo=SLO.parse(args.slo),
-        interval_s=args.autoscale_interval,
-        grace_s=args.autoscale_grace,
-        allow_role_switch=args.allow_role_switch,
-    )
+    config = config_from_args(AutoscaleConfig, args, AUTOSCALE_FLAGS, slo=SLO.parse(args.slo))
     if room is not None and room < config.total_limit:
         config = dataclasses.replace(config, max_workers=room)
     return config
@@ -209,22 +211,20 @@ def router_config_from_args(
     fleet_secret: str | None = None,
 ) -> RouterConfig:
     """A `RouterConfig` from `ROUTING_FLAGS` plus --host, --port, --api-key and --block-size."""
-    return RouterConfig(
+    return config_from_args(
+        RouterConfig,
+        args,
+        ROUTING_FLAGS,
         prefill_urls=tuple(prefill_urls),
         decode_urls=tuple(decode_urls),
         prefill_policy=args.prefill_policy or args.policy,
         decode_policy=args.decode_policy or args.policy,
-        local_prefill_threshold=args.local_prefill_threshold,
+        kv_handoff=KVHandoff(args.kv_handoff),
         shared_kv_store=args.shared_kv_store or getattr(args, "kv_store", None) is not None,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
         block_size=args.block_size,
-        balance_factor=args.balance_factor,
-        health_interval_s=args.health_check_interval,
-        health_timeout_s=args.health_check_timeout,
-        unhealthy_threshold=args.unhealthy_threshold,
-        request_timeout_s=args.request_timeout,
         fleet_secret=fleet_secret,
     )
 

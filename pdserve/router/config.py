@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from pdserve.core.config import CacheConfig
-from pdserve.router.policies import POLICY_NAMES
+from pdserve.router.policies import POLICIES
 
 
 def normalize_worker_url(url: str, where: str = "worker url") -> str:
@@ -25,14 +26,23 @@ def normalize_worker_url(url: str, where: str = "worker url") -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
+class KVHandoff(enum.Enum):
+    """How a decode worker gets a prefill worker's KV (docs/architecture.md)."""
+
+    PULL = "pull"  # fetched after the prefill leg answered
+    STREAM = "stream"  # received chunk by chunk while the prefill worker computes
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """Everything `pdserve router` is started with.
 
     `local_prefill_threshold`: prompts whose uncached length (prompt tokens minus the prefix the
     chosen decode worker's KV events say it has cached) is below it skip the prefill worker.
-    0 sends every prompt through a prefill worker. `fleet_secret`: the deployment's
-    (`launch.fleet`), presented to the workers on every leg; None for open workers. Without
+    0 sends every prompt through a prefill worker. `kv_handoff`: pull the KV after the prefill
+    leg answered, or stream it (the prefill leg announces where its KV appears before
+    computing, and the decode leg starts at once). `fleet_secret`: the deployment's
+    (`pdserve.fleet`), presented to the workers on every leg; None for open workers. Without
     `decode_urls` the workers come from a discovery (`RouterRuntime`'s).
     """
 
@@ -41,6 +51,7 @@ class RouterConfig:
     prefill_policy: str = "least_loaded"
     decode_policy: str = "least_loaded"
     local_prefill_threshold: int = 0
+    kv_handoff: KVHandoff = KVHandoff.PULL
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -74,10 +85,10 @@ class RouterConfig:
             tuple(normalize_worker_url(u, "--decode") for u in self.decode_urls),
         )
         for name in ("prefill_policy", "decode_policy"):
-            if getattr(self, name) not in POLICY_NAMES:
+            if getattr(self, name) not in POLICIES:
                 raise ValueError(
                     f"--{name.replace('_', '-')}: unknown policy "
-                    f"{getattr(self, name)!r}; known: {', '.join(POLICY_NAMES)}"
+                    f"{getattr(self, name)!r}; known: {', '.join(POLICIES)}"
                 )
         _at_least("local_prefill_threshold", self.local_prefill_threshold, 0)
         _at_least("port", self.port, 0)

@@ -10,13 +10,21 @@
    worker unreachable before answering is replaced once; one that breaks mid-stream ends the
    client's stream with an error event. KV the decode leg never took (refused, unreachable,
    client gone) is released on the prefill worker at once (`handoff.UnclaimedKV`).
+
+With ``--kv-handoff stream`` the prefill leg is an SSE stream whose first event announces
+where its KV will appear; the decode leg starts on that announcement, while the prefill worker
+still computes (the decode worker receives chunk by chunk), and the rest of the prefill leg
+drains in the background. A flight that ends first closes it, which aborts it there.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn
@@ -32,7 +40,7 @@ from pdserve.api.asgi import (
     until_disconnected,
 )
 from pdserve.api.errors import APIError, ErrorType
-from pdserve.router.config import RouterConfig
+from pdserve.router.config import KVHandoff, RouterConfig
 from pdserve.router.handoff import UnclaimedKV, decode_leg_body, prefill_leg_body, wants_usage
 from pdserve.router.health import HealthMonitor
 from pdserve.router.metrics import RouterMetrics
@@ -74,6 +82,8 @@ class _Flight:
     timing: RequestTiming
     decode: Lease | None = None
     is_finished: bool = False
+    # A streamed prefill leg's answer, still draining after its hand-off was announced.
+    prefill_drain: asyncio.Task | None = None
 
 
 class Dispatcher:
@@ -170,7 +180,7 @@ class Dispatcher:
 
     async def _prefill(self, flight: _Flight) -> dict[str, Any] | None:
         started = now_ms()
-        leg = prefill_leg_body(flight.body)
+        leg = prefill_leg_body(flight.body, is_streamed=self.config.kv_handoff is KVHandoff.STREAM)
         tried: list[str] = []
         try:
             for attempt in range(PREFILL_ATTEMPTS):
@@ -196,6 +206,8 @@ class Dispatcher:
     ) -> dict[str, Any] | None:
         """The KV params of one attempt; None when it failed in a way worth retrying."""
         lease = self.registry.prefill.acquire(worker, flight.prompt.num_tokens)
+        if leg["stream"]:
+            return await self._prefill_streamed(worker, flight, leg, lease)
         try:
             response = await self.client.post(
                 f"{worker.url}{flight.endpoint}", json=leg, headers=self._leg_headers(flight)
@@ -205,15 +217,8 @@ class Dispatcher:
             return None
         finally:
             lease.release()
-        if response.status_code == 429 or response.status_code >= 500:
-            logger.warning(
-                "prefill worker %s answered %d; retrying elsewhere",
-                worker.worker_id,
-                response.status_code,
-            )
+        if not _is_prefill_answer(worker, response):
             return None
-        if response.status_code != 200:
-            raise _UpstreamAnswer(_relayed(response, response.content))
         answer = _json(response.content)
         params = _object_field(answer, "kv_transfer_params")
         flight.timing.hit_tokens = _cached_tokens(answer)
@@ -221,6 +226,37 @@ class Dispatcher:
             logger.warning(
                 "prefill worker %s answered without kv_transfer_params", worker.worker_id
             )
+        return params
+
+    async def _prefill_streamed(
+        self, worker: Worker, flight: _Flight, leg: dict[str, Any], lease: Lease
+    ) -> dict[str, Any] | None:
+        """Open a streamed prefill leg; return the hand-off its first event announces, and
+        leave the rest of the answer draining (holding the pool lease) on the flight."""
+        request = self.client.build_request(
+            "POST", f"{worker.url}{flight.endpoint}", json=leg, headers=self._leg_headers(flight)
+        )
+        response: httpx.Response | None = None
+        params = None
+        try:
+            response = await self.client.send(request, stream=True)
+            if response.status_code != 200:
+                await response.aread()
+            if _is_prefill_answer(worker, response):  # raises to relay a 4xx
+                lines = response.aiter_lines()
+                params = await _announced_hand_off(lines)
+                if params is None:
+                    logger.warning("prefill worker %s announced no hand-off", worker.worker_id)
+        except httpx.TransportError as exc:
+            self.health.report_failure(worker, f"prefill leg: {_describe(exc)}")
+        finally:
+            if params is None:  # also on a relayed answer or cancellation
+                if response is not None:
+                    await response.aclose()
+                lease.release()
+        if params is None:
+            return None
+        flight.prefill_drain = asyncio.create_task(_drain(response, lines, lease))
         return params
 
     # ---- decode leg --------------------------------------------------------------------
@@ -313,6 +349,8 @@ class Dispatcher:
         if flight.is_finished:
             return
         flight.is_finished = True
+        if flight.prefill_drain is not None:
+            flight.prefill_drain.cancel()  # a no-op once it answered; else aborts it there
         if flight.decode is not None:
             flight.decode.release()
         flight.timing.mark_done()
@@ -335,6 +373,54 @@ class Dispatcher:
             TIMING_HEADER: flight.timing.header_value(),
             "x-request-id": flight.timing.request_id,
         }
+
+
+def _is_prefill_answer(worker: Worker, response: httpx.Response) -> bool:
+    """A 200 is an answer; 429 and 5xx are worth a retry elsewhere (False); another 4xx is
+    the client's fault, relayed as is. `response`'s body is read already."""
+    if response.status_code == 429 or response.status_code >= 500:
+        logger.warning(
+            "prefill worker %s answered %d; retrying elsewhere",
+            worker.worker_id,
+            response.status_code,
+        )
+        return False
+    if response.status_code != 200:
+        raise _UpstreamAnswer(_relayed(response, response.content))
+    return True
+
+
+async def _announced_hand_off(lines: AsyncIterator[str]) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` of a streamed prefill leg's first events (None: the stream
+    ended, or failed, without one)."""
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line.removeprefix("data:").strip()
+        if data == "[DONE]":
+            return None
+        event = _json(data.encode())
+        params = _object_field(event, "kv_transfer_params")
+        if params is not None:
+            return params
+        if _object_field(event, "error") is not None:
+            return None
+    return None
+
+
+async def _drain(response: httpx.Response, lines: AsyncIterator[str], lease: Lease) -> None:
+    """Read a streamed prefill leg to its end (its worker finishes the request), then free
+    the prefill pool's lease. Cancelled: the connection closes, which aborts it there."""
+    try:
+        async for _ in lines:
+            pass
+    except httpx.HTTPError as exc:
+        # The decode worker keeps what arrived and computes the rest: only worth a log line.
+        logger.warning("streamed prefill leg broke off: %s", _describe(exc))
+    finally:
+        with contextlib.suppress(httpx.HTTPError):
+            await response.aclose()
+        lease.release()
 
 
 def _relayed(

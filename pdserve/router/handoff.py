@@ -20,16 +20,21 @@ logger = logging.getLogger("pdserve.router")
 
 # Fields only the router may set on a leg; a client's own copies are dropped.
 ROUTER_OWNED_FIELDS = ("kv_transfer_params", "router_timing")
+# RELEASEs in flight at once; past it an unclaimed lease is left to its --kv-lease-timeout
+# (a storm of refused requests against a KV port that does not answer must not pile up tasks).
+MAX_PENDING_RELEASES = 256
 # Dropped from the prefill leg: it generates exactly one token and answers in one body.
 _NOT_FOR_PREFILL = ("stream_options", "min_tokens", "max_completion_tokens")
 
 
-def prefill_leg_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The client's request as a prefill leg: one token, no stream, KV kept for a decoder."""
+def prefill_leg_body(body: dict[str, Any], *, is_streamed: bool = False) -> dict[str, Any]:
+    """The client's request as a prefill leg: one token, KV kept for a decoder. Pulled: one
+    body at the end. Streamed: an SSE stream whose first event announces the hand-off."""
     leg = {
         k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL and k not in ROUTER_OWNED_FIELDS
     }
-    leg.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    params = {"do_remote_decode": True, **({"is_streamed": True} if is_streamed else {})}
+    leg.update(max_tokens=1, stream=is_streamed, kv_transfer_params=params)
     return leg
 
 
@@ -75,6 +80,13 @@ class UnclaimedKV:
     def release(self, kv_transfer_params: dict[str, Any] | None) -> None:
         """Free the lease these params (a prefill worker's answer) name; None: no lease."""
         if kv_transfer_params is None:
+            return
+        if len(self._tasks) >= MAX_PENDING_RELEASES:
+            logger.warning(
+                "%d KV releases pending: lease %s is left to its timeout",
+                len(self._tasks),
+                kv_transfer_params.get("remote_request_id"),
+            )
             return
         task = asyncio.get_running_loop().create_task(self._release(kv_transfer_params))
         self._tasks.add(task)  # held until done: the loop keeps only weak references

@@ -22,16 +22,14 @@ from collections.abc import Callable, Collection
 
 import httpx
 
-from pdserve.router.autoscale import Histogram
+from pdserve.api.metric_names import KV_USAGE_GAUGE, RUNNING_GAUGE, WAITING_GAUGE
+from pdserve.router.autoscale.histogram import Histogram
 from pdserve.router.policies import PoolRole
 from pdserve.router.pool import ScrapedLoad, Worker, WorkerRegistry, WorkerState
 
 logger = logging.getLogger("pdserve.router")
 
-# The worker gauges routing reads (`pdserve.server.metrics` exports them).
-RUNNING_GAUGE = "pdserve:num_requests_running"
-WAITING_GAUGE = "pdserve:num_requests_waiting"
-KV_USAGE_GAUGE = "pdserve:kv_cache_usage_perc"
+# The worker gauges routing reads.
 _GAUGES = (RUNNING_GAUGE, WAITING_GAUGE, KV_USAGE_GAUGE)
 
 

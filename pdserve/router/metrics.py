@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 
-from pdserve.router.autoscale import Decision
+from pdserve.router.autoscale.planner import Decision
 from pdserve.router.policies import PoolRole
 from pdserve.router.pool import Worker, WorkerState
 from pdserve.router.timing import RequestTiming

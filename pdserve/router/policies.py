@@ -1,8 +1,9 @@
 """Which worker of a pool takes a request: round robin, least loaded, prefix aware.
 
-Pure Python (no I/O, no clocks) so the cluster simulator can reuse them. A policy sees one
-`WorkerLoad` per candidate worker, in a stable order, and returns an index; the same shape as
-`pdserve.sim.policies.RouterPolicy` (`select(loads, prompt_len) -> int`).
+Pure Python (no I/O, no clocks) so the cluster simulator runs the same ones (`sim/router.py`).
+A policy sees one `WorkerLoad` per candidate worker, in a stable order, and returns an index.
+Each is registered by the name `--prefill-policy` / `--decode-policy` take (`POLICIES`; the
+flags' choices and `RouterConfig`'s check read it).
 
 Load means different things per pool (`PoolRole`):
 - prefill: prompt tokens the router has sent and not yet seen answered (what a prefill worker
@@ -13,7 +14,7 @@ Load means different things per pool (`PoolRole`):
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -109,18 +110,29 @@ class PrefixAware:
         return least if best_load > self.balance_factor * least_load else best
 
 
-POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")
+# A policy's builder: (its pool's role, the router's balance factor) -> the policy.
+PolicyFactory = Callable[[PoolRole, float], RoutingPolicy]
+# Every policy by its command-line name, in help order.
+POLICIES: dict[str, PolicyFactory] = {}
+
+
+def register_policy(name: str, factory: PolicyFactory) -> None:
+    """Make `factory`'s policy the one `--prefill-policy NAME` / `--decode-policy NAME` pick."""
+    if name in POLICIES:
+        raise ValueError(f"routing policy {name!r} is registered already")
+    POLICIES[name] = factory
+
+
+register_policy("round_robin", lambda role, balance_factor: RoundRobin(role))
+register_policy("least_loaded", lambda role, balance_factor: LeastLoaded(role))
+register_policy("prefix_aware", PrefixAware)
 
 
 def make_policy(name: str, role: PoolRole, balance_factor: float = 2.0) -> RoutingPolicy:
     """Build a policy by its CLI name; raises ValueError naming the known ones."""
-    if name == "round_robin":
-        return RoundRobin(role)
-    if name == "least_loaded":
-        return LeastLoaded(role)
-    if name == "prefix_aware":
-        return PrefixAware(role, balance_factor)
-    raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICY_NAMES)}")
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}")
+    return POLICIES[name](role, balance_factor)
 
 
 def _check_nonempty(loads: Sequence[WorkerLoad]) -> None:

@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from pdserve.launch.fleet import bearer_headers
-from pdserve.launch.provision import WorkerHandle
-from pdserve.router.autoscale import AutoscaleConfig
-from pdserve.router.autoscaler import Autoscaler, FleetActions
+from pdserve.api.signing import FleetAuth
+from pdserve.router.autoscale.config import AutoscaleConfig
+from pdserve.router.autoscale.loop import Autoscaler, FleetActions
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.health import HealthMonitor
@@ -24,10 +23,11 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import PoolRole, RoundRobin, make_policy
 from pdserve.router.pool import Worker, WorkerPool, WorkerRegistry
 from pdserve.router.prefix_index import PrefixIndex
+from pdserve.router.provision import WorkerHandle
 from pdserve.router.tokenizer import PromptTokenizer, RemoteTokenizer
 
 if TYPE_CHECKING:
-    from pdserve.launch.provision import Provisioner
+    from pdserve.router.provision import Provisioner
 
 logger = logging.getLogger("pdserve.router")
 
@@ -131,9 +131,9 @@ class RouterRuntime:
                 max_connections=None, max_keepalive_connections=256, keepalive_expiry=4.0
             ),
             trust_env=False,
-            # Every leg, health check and scrape is the fleet's (the client's own
-            # Authorization header is never relayed).
-            headers=bearer_headers(config.fleet_secret),
+            # Every leg, health check, scrape and fleet change is signed as the fleet's (the
+            # secret itself never leaves; the client's own Authorization is never relayed).
+            auth=FleetAuth(config.fleet_secret) if config.fleet_secret is not None else None,
         )
         scrape = [
             role

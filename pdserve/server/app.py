@@ -38,6 +38,7 @@ from pdserve.api.protocol import (
 from pdserve.core.kv_events import KVEventLog
 from pdserve.engine.args import ROLE_TO_KV_ROLE
 from pdserve.engine.async_engine import AsyncLLMEngine
+from pdserve.kv_store.connector import KVStoreConnector
 from pdserve.server.inputs import (
     ModelInfo,
     PreparedRequest,
@@ -63,13 +64,14 @@ def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
     starts with the app's lifespan and stops with it."""
     metrics = ServerMetrics(settings.served_model_names[0], stats=lambda: engine.stats)
     llm_engine.step_observers.append(lambda record: metrics.step_time.observe(record.step_s))
-    if llm_engine.kv_store is not None:
-        metrics.registry.register(llm_engine.kv_store.store.metrics)
+    for collector in llm_engine.kv_connector.metrics_collectors():
+        metrics.registry.register(collector)
     block_manager = llm_engine.scheduler.block_manager
     kv_events = KVEventStreams(KVEventLog())
     block_manager.cache_observer = kv_events.log
-    if llm_engine.kv_store is not None:
-        llm_engine.kv_store.store.observer = kv_events.log.store_observer()
+    for connector in llm_engine.kv_connector.connectors:
+        if isinstance(connector, KVStoreConnector):
+            connector.store.observer = kv_events.log.store_observer()
     engine = AsyncLLMEngine(llm_engine, max_queue=settings.max_queue)
     model = ModelInfo(
         settings.served_model_names,

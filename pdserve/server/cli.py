@@ -15,12 +15,12 @@ from collections.abc import Callable
 
 import uvicorn
 
-from pdserve.cli import flag
-from pdserve.core.config import SchedulerConfig, SchedulingPolicy
+from pdserve.core.config import Mode, SchedulerConfig
+from pdserve.flags import flag
 from pdserve.server.settings import ServerSettings
 
 DEFAULT_PORT = 8000
-MODES = (*(policy.value for policy in SchedulingPolicy), "disagg")
+MODES = tuple(mode.value for mode in Mode)
 
 SERVER_FLAGS = (
     flag(
@@ -70,7 +70,7 @@ def run_server(args: argparse.Namespace) -> int:
     """Serve one engine (`--mode colocated` or `chunked`) until SIGINT/SIGTERM."""
     from pdserve.engine.args import engine_config_from_args
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.launch.fleet import take_fleet_secret
+    from pdserve.fleet import take_fleet_secret
     from pdserve.server.app import create_app
 
     fleet_secret = take_fleet_secret()

@@ -15,6 +15,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pdserve.api.errors import ErrorType
+from pdserve.api.metric_names import (
+    ITL_HISTOGRAM,
+    KV_USAGE_GAUGE,
+    RUNNING_GAUGE,
+    STEP_TIME_HISTOGRAM,
+    TTFT_HISTOGRAM,
+    WAITING_GAUGE,
+)
 from pdserve.core.request import FinishReason
 from pdserve.core.scheduler import EngineStats
 
@@ -93,10 +101,10 @@ class ServerMetrics:
             return Counter(name, doc, [LABEL], registry=self.registry).labels(model_name)
 
         self.time_to_first_token = histogram(
-            "pdserve:time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
+            TTFT_HISTOGRAM, "Arrival to first token.", LATENCY_BUCKETS
         )
         self.inter_token_latency = histogram(
-            "pdserve:inter_token_latency_seconds",
+            ITL_HISTOGRAM,
             "Gap between consecutive tokens.",
             LATENCY_BUCKETS,
         )
@@ -121,6 +129,16 @@ class ServerMetrics:
         self.decode_time = histogram(
             "pdserve:request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS
         )
+        self.kv_transfer_exposed = histogram(
+            "pdserve:kv_transfer_exposed_seconds",
+            "KV transfer from a prefill worker after its last step: on the TTFT's critical path.",
+            LATENCY_BUCKETS,
+        )
+        self.kv_transfer_hidden = histogram(
+            "pdserve:kv_transfer_hidden_seconds",
+            "KV transfer from a prefill worker while it still computed (streamed hand-off).",
+            LATENCY_BUCKETS,
+        )
         self.prompt_tokens_per_request = histogram(
             "pdserve:request_prompt_tokens", "Prompt tokens per finished request.", _TOKEN_BUCKETS
         )
@@ -130,10 +148,14 @@ class ServerMetrics:
             _TOKEN_BUCKETS,
         )
         self.step_time = histogram(
-            "pdserve:engine_step_time_seconds", "Duration of one LLMEngine.step().", _STEP_BUCKETS
+            STEP_TIME_HISTOGRAM, "Duration of one LLMEngine.step().", _STEP_BUCKETS
         )
         self.prompt_tokens = counter("pdserve:prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("pdserve:generation_tokens", "Generated tokens.")
+        self.kv_stream_kept_tokens = counter(
+            "pdserve:kv_stream_kept_tokens",
+            "Prompt tokens kept from KV streams that broke off (the rest computed here).",
+        )
         self._success = Counter(
             "pdserve:request_success",
             "Finished requests by reason.",
@@ -173,14 +195,14 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         gauges = (
-            ("pdserve:num_requests_running", "Requests in the running batch.", stats.num_running),
+            (RUNNING_GAUGE, "Requests in the running batch.", stats.num_running),
             (
-                "pdserve:num_requests_waiting",
+                WAITING_GAUGE,
                 "Requests waiting for their first step.",
                 stats.num_waiting,
             ),
             (
-                "pdserve:kv_cache_usage_perc",
+                KV_USAGE_GAUGE,
                 "Fraction of KV blocks in use (0-1).",
                 stats.kv_cache_usage,
             ),

@@ -87,14 +87,14 @@ class Responses:
 
     def chunk(self, output: RequestOutput) -> str | None:
         """The SSE event for one engine output, or None when it carries nothing to send."""
-        if not (output.new_text or output.logprobs or output.finished):
+        if not (output.new_text or output.logprobs or output.finished or output.kv_transfer_params):
             return None
         finish_reason = output.finish_reason.value if output.finished else None
         choice = self._stream_choice(output.new_text, output.logprobs, finish_reason)
         payload = self._envelope(self.chunk_object_name, [choice])
         if self.include_usage:
             payload["usage"] = None
-        if output.finished and output.kv_transfer_params is not None:
+        if output.kv_transfer_params is not None:  # a hand-off (final, or announced early)
             payload["kv_transfer_params"] = output.kv_transfer_params
         return sse_event(payload)
 

@@ -11,7 +11,7 @@ from pdserve.engine.async_engine import DEFAULT_HEALTH_TIMEOUT_S, DEFAULT_MAX_QU
 class ServerSettings:
     """`served_model_names[0]` is reported by /v1/models and in responses; requests may name
     any of them. `api_key` None disables authentication. `fleet_secret`: this server is a
-    deployment's worker and answers only its fleet (`launch.fleet`), whatever `api_key` says."""
+    deployment's worker and answers only its fleet (`pdserve.fleet`), whatever `api_key` says."""
 
     served_model_names: tuple[str, ...]
     api_key: str | None = None

@@ -101,6 +101,12 @@ class RequestTracker:
             metrics.queue_time.observe(engine_clock.first_scheduled_time - self.arrival_time)
         if engine_clock.prefill_time:
             metrics.prefill_time.observe(engine_clock.prefill_time)
+        transfer = final.kv_transfer
+        if transfer is not None and transfer.exposed_seconds is not None:
+            metrics.kv_transfer_exposed.observe(transfer.exposed_seconds)
+            metrics.kv_transfer_hidden.observe(transfer.seconds - transfer.exposed_seconds)
+        if transfer is not None and transfer.num_kept_tokens:
+            metrics.kv_stream_kept_tokens.inc(transfer.num_kept_tokens)
         first, last = self._first_token_time, self._last_token_time
         if first is not None and last is not None:
             metrics.decode_time.observe(last - first)

@@ -8,7 +8,11 @@ usage chunk of a stream or the body of a plain response:
 (router_timing entries)  echoed as given (numbers only)
 kv_transfer_bytes        KV bytes this worker fetched from a prefill worker (0: none)
 kv_transfer_ms           how long that fetch took
+kv_transfer_exposed_ms   the part of it after the prefill worker's last step (on the TTFT's
+                         critical path; all of it when pulled after prefill)
+kv_transfer_hidden_ms    the part while the prefill worker still computed (streamed)
 kv_transfer_error        only when the fetch failed (the prompt was recomputed here)
+kv_kept_tokens           only when a stream broke off: prompt tokens kept from it
 kv_store_hit_tokens      prompt tokens read from the shared KV store (0: none)
 kv_store_fetch_ms        how long reading them took
 prefix_cache_hit_tokens  prompt tokens found in this worker's own prefix cache
@@ -57,8 +61,13 @@ class WorkerTiming:
         transfer = final.kv_transfer
         report["kv_transfer_bytes"] = transfer.num_bytes if transfer is not None else 0
         report["kv_transfer_ms"] = _ms(transfer.seconds) if transfer is not None else 0.0
+        if transfer is not None and transfer.exposed_seconds is not None:
+            report["kv_transfer_exposed_ms"] = _ms(transfer.exposed_seconds)
+            report["kv_transfer_hidden_ms"] = _ms(transfer.seconds - transfer.exposed_seconds)
         if transfer is not None and transfer.error is not None:
             report["kv_transfer_error"] = transfer.error
+        if transfer is not None and transfer.num_kept_tokens:
+            report["kv_kept_tokens"] = transfer.num_kept_tokens
         store = final.kv_store
         report["kv_store_hit_tokens"] = store.num_hit_tokens if store is not None else 0
         report["kv_store_fetch_ms"] = _ms(store.seconds) if store is not None else 0.0

@@ -3,7 +3,7 @@
 Every `interval_s` of simulated time, unless a change is under way, each routable worker's
 `WorkerSample` (what its /metrics would say: the scheduler's gauges, its busy seconds, TTFT
 and ITL histograms in the server's own buckets, plus the router's pending prompt tokens) goes
-to the same `router.autoscale.AutoscaleController` the live router runs, and its decision is
+to the same `router.autoscale.planner.AutoscaleController` the live router runs, and its decision is
 carried out on the simulated fleet as the router's `FleetActions` would:
 
 - add: a new worker joins its pool `startup_s` later (its model loads meanwhile);
@@ -17,42 +17,44 @@ of the run: what a fleet of that shape would have held.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from pdserve.router.autoscale import (
-    Action,
-    AutoscaleConfig,
-    AutoscaleController,
-    Decision,
-    HistogramRecorder,
-    WorkerSample,
-)
+from pdserve.router.autoscale.histogram import HistogramRecorder
+from pdserve.router.autoscale.planner import Action, AutoscaleController, Decision
+from pdserve.router.autoscale.signals import WorkerSample
 from pdserve.router.policies import PoolRole
 from pdserve.router.pool import Worker
 from pdserve.server.metrics import LATENCY_BUCKETS
-
-if TYPE_CHECKING:
-    from pdserve.sim.simulator import Simulation
-    from pdserve.sim.worker import SimWorker
-
-# What a worker of this engine takes to become healthy and to switch pools, as measured on
-# the CPU machines here (benchmarks/autoscale.py reports both).
-DEFAULT_STARTUP_S = 8.0
-DEFAULT_SWITCH_S = 0.01
+from pdserve.sim.config import SimAutoscale
+from pdserve.sim.router import SimRouter
+from pdserve.sim.worker import SimWorker
 
 
-@dataclass(frozen=True)
-class SimAutoscale:
-    """The autoscaler a simulation runs, and how long its fleet changes take."""
+class _Pool(Protocol):
+    workers: list[SimWorker]
 
-    config: AutoscaleConfig
-    startup_s: float = DEFAULT_STARTUP_S
-    switch_s: float = DEFAULT_SWITCH_S
 
-    def __post_init__(self) -> None:
-        if self.startup_s < 0 or self.switch_s < 0:
-            raise ValueError("worker startup and switch times must be >= 0")
+class SimFleet(Protocol):
+    """What a `SimAutoscaler` drives: the `Simulation` that makes it (`sim.simulator`), its
+    clock, events, router and pools; a protocol, so that this module needs none of it."""
+
+    now: float
+    router: SimRouter
+    prefill: _Pool | None
+    main: _Pool
+
+    @property
+    def has_open_requests(self) -> bool: ...
+
+    def schedule(self, when: float, handler: Callable[[object], None]) -> None: ...
+
+    def add_worker(self, role: PoolRole) -> SimWorker: ...
+
+    def remove_worker(self, entry: Worker) -> None: ...
+
+    def move_worker(self, entry: Worker, role: PoolRole) -> Worker: ...
 
 
 @dataclass
@@ -65,7 +67,7 @@ class _Drain:
 class SimAutoscaler:
     """Drives one `Simulation`'s pools (see the module docstring)."""
 
-    def __init__(self, sim: Simulation, spec: SimAutoscale) -> None:
+    def __init__(self, sim: SimFleet, spec: SimAutoscale) -> None:
         self.sim = sim
         self.spec = spec
         self.controller = AutoscaleController(spec.config)

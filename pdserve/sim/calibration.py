@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.sim.cost_model import CostModel, SeqWork
-from pdserve.sim.efficiency import OVERHEADS, Efficiency
+from pdserve.sim.cost_model import CostModel, SeqWork, overlap
+from pdserve.sim.efficiency import FITTED_SHARES, OVERHEADS, PER_STEP_OVERHEADS, Efficiency
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.linear_curve import CurveFit
 
@@ -41,6 +41,8 @@ _JITTER_QUANTILES = 101
 _MIN_JITTER_SAMPLES = 20
 # The calibration's band: this quantile of the fitting points' |relative residual|.
 BAND_QUANTILE = 0.9
+# A fitted share this close to 1 sits at the search's bound (the grid ends at the peak).
+_AT_BOUND = 0.995
 
 Steps = tuple[tuple[int, tuple[SeqWork, ...]], ...]
 
@@ -106,8 +108,19 @@ class Fit:
     num_outliers: int = 0
     # predicted / measured − 1 of every sample (set-aside ones too), in the order given.
     residuals: tuple[float, ...] = ()
-    # BAND_QUANTILE of the kept samples' |residual|: how far a figure may be off.
+    # BAND_QUANTILE of every sample's |residual|, the set-aside ones included: how far a
+    # figure may be off (a point the fit chose to ignore is still a point it misses).
     band: float = 0.0
+    # The efficiencies (`FITTED_SHARES`) the fit left at 100% of their peak: the search's
+    # bound, not a measured share (the model has no term for what the data asked of it).
+    at_bound: tuple[str, ...] = ()
+    # Per sample, in the order given: whether the last fit kept it (False: set aside).
+    kept: tuple[bool, ...] = ()
+
+    @property
+    def kept_band(self) -> float:
+        """BAND_QUANTILE of the kept samples' |residual| alone (what the fit optimised)."""
+        return band_of([r for r, k in zip(self.residuals, self.kept, strict=True) if k])
 
     def metadata(self) -> dict:
         return {
@@ -115,6 +128,9 @@ class Fit:
             "max_abs_rel_error": self.max_abs_rel_error,
             "num_samples": self.num_samples,
             "num_outliers": self.num_outliers,
+            "band_over": "every point, set-aside ones included",
+            "kept_band": self.kept_band,
+            "at_bound": list(self.at_bound),
         }
 
 
@@ -170,6 +186,7 @@ def fit_efficiency(
     *,
     allow_curve: bool = True,
     memory: float | None = None,
+    sharpness: float | None = None,
 ) -> Fit:
     """The efficiency that best predicts `samples` on `cost_model`'s model and hardware
     (or on each measurement's own deployment).
@@ -183,20 +200,24 @@ def fit_efficiency(
     calibration machine's accidents, not the served engine's normal variation).
     `allow_curve` False keeps the roofline (a few published points cannot pin a curve's
     knots down across models); `memory` fixes the bandwidth share instead of fitting it
-    (one source tells it, another the rest).
+    (one source tells it, another the rest); `sharpness` is the roofline's
+    (`Efficiency.roofline_sharpness`, fixed). With `memory` given, the search's bandwidth
+    axis fits `Efficiency.kv_read_amplification` instead.
     """
+    shape = Efficiency(roofline_sharpness=sharpness)
     measurements = [s.measurement() if isinstance(s, StepSample) else s for s in samples]
     if len(measurements) < 3:
         raise SimConfigError(f"calibration needs at least 3 measurements, got {len(samples)}")
     weights = np.ones(len(measurements))
     for _ in range(_REWEIGHTINGS):
-        fit = _fit(cost_model, measurements, network, weights, allow_curve, memory)
+        fit = _fit(cost_model, measurements, network, weights, allow_curve, memory, shape)
         errors = _errors(cost_model, fit, measurements)
         weights = 1.0 / np.sqrt(np.maximum(errors, _MIN_WEIGHTED_ERROR))
     limit = max(_OUTLIER_FACTOR * float(np.median(errors)), _MIN_OUTLIER_ERROR)
-    kept = [m for m, e in zip(measurements, errors, strict=True) if e <= limit]
+    is_kept = tuple(e <= limit for e in errors)
+    kept = [m for m, k in zip(measurements, is_kept, strict=True) if k]
     if len(measurements) > len(kept) >= 3:
-        fit = _fit(cost_model, kept, network, np.ones(len(kept)), allow_curve, memory)
+        fit = _fit(cost_model, kept, network, np.ones(len(kept)), allow_curve, memory, shape)
     fit = _with_jitter(cost_model, fit, kept)
     residuals = [
         p / m.seconds - 1
@@ -210,8 +231,15 @@ def fit_efficiency(
         len(kept),
         len(measurements) - len(kept),
         tuple(residuals),
-        float(np.quantile(errors, BAND_QUANTILE)),
+        band_of(residuals),
+        tuple(name for name in FITTED_SHARES if (getattr(fit, name) or 0) >= _AT_BOUND),
+        is_kept,
     )
+
+
+def band_of(residuals: Sequence[float]) -> float:
+    """BAND_QUANTILE of the residuals' magnitudes."""
+    return float(np.quantile(np.abs(residuals), BAND_QUANTILE))
 
 
 def _with_jitter(
@@ -242,40 +270,51 @@ def _fit(
     weights: np.ndarray,
     allow_curve: bool,
     memory: float | None,
+    shape: Efficiency,
 ) -> Efficiency:
     """The roofline efficiencies; then, keeping its attention terms (refitting them beside a
     curve this flexible trades attention against negative curve values), the linear curve,
     if it predicts the samples better (it cannot where few row counts were measured)."""
-    terms = _Terms(cost_model, samples, network, weights)
-    memory_grid = _COARSE_GRID if memory is None else np.array([memory])
-    best = terms.search(_COARSE_GRID, _COARSE_GRID, memory_grid)
+    # The third axis searched: the bandwidth share, or with it given, attention's own.
+    terms = _Terms(cost_model, samples, network, weights, shape, memory)
+    best = terms.search(_COARSE_GRID, _COARSE_GRID, _COARSE_GRID)
     for factor in _REFINEMENTS:
-        linear_grid, attention_grid = (_around(v, factor) for v in best[:2])
-        memory_grid = memory_grid if memory is not None else _around(best[2], factor)
-        best = terms.search(linear_grid, attention_grid, memory_grid)
-    (linear, attention, memory), overheads = best[:3], best[3]
-    roofline = Efficiency(
+        best = terms.search(*(_around(v, factor) for v in best[:3]))
+    (linear, attention, third), overheads = best[:3], best[3]
+    roofline = dataclasses.replace(
+        shape,
         linear_compute=linear,
         attention_compute=attention,
-        memory=memory,
+        memory=third if memory is None else memory,
+        kv_read_amplification=shape.kv_read_amplification if memory is None else 1 / third,
         network=network,
         **dict(zip(OVERHEADS, overheads, strict=True)),
     )
-    # The curve absorbs the per-step overhead (a constant is linear time at a row count).
+    # The curve absorbs the per-step overheads (a constant is linear time at a row count).
+    beside_curve = [i for i, name in enumerate(OVERHEADS) if name not in PER_STEP_OVERHEADS]
+    models = [_model_of(cost_model, m) for m in samples]
     curve = CurveFit(
-        [_model_of(cost_model, m) for m in samples],
-        samples,
-        terms.counts[:, 1:],
+        np.array([s.seconds for s in samples]),
+        [
+            [
+                (count, sum(q.num_new_tokens for q in batch), sum(q.is_sampling for q in batch))
+                for count, batch in s.steps
+            ]
+            for s in samples
+        ],
+        [(m.layer_params, m.head_params) for m in models],
+        terms.counts[:, beside_curve],
         weights / terms.times,
         lambda a, m: terms.attention_s(np.array([a]), np.array([m]))[:, 0, 0] + terms.comm_s,
     )
     if not (allow_curve and curve.is_possible):
         return roofline
-    knots, rest, curve_loss = curve.solve(attention, memory)
+    knots, rest, curve_loss = curve.solve(attention, third)
     curved = dataclasses.replace(
         roofline,
         linear_curve=knots,
-        **dict(zip(OVERHEADS, (0.0, *rest), strict=True)),
+        **dict.fromkeys(PER_STEP_OVERHEADS, 0.0),
+        **{OVERHEADS[i]: value for i, value in zip(beside_curve, rest, strict=True)},
     )
     # The curve is judged on samples it did not see (its leave-one-out loss), the roofline's
     # few factors on those it fitted.
@@ -327,10 +366,19 @@ def predict(model: CostModel, measurement: Measurement) -> float:
 
 def overhead_counts(model: CostModel, measurement: Measurement) -> tuple[int, ...]:
     """How many times `measurement` pays each of `OVERHEADS`."""
+    layers = model.model.num_layers * sum(
+        count for count, batch in measurement.steps if any(q.num_new_tokens for q in batch)
+    )
     if measurement.linear_only:
-        return (0, 0, 0, 0)
+        return (0, 0, 0, 0, layers)
     all_reduces = sum(count * model.num_all_reduces(batch) for count, batch in measurement.steps)
-    return (measurement.num_steps, measurement.num_seqs, measurement.num_requests, all_reduces)
+    return (
+        measurement.num_steps,
+        measurement.num_seqs,
+        measurement.num_requests,
+        all_reduces,
+        layers,
+    )
 
 
 class _Terms:
@@ -342,8 +390,18 @@ class _Terms:
         samples: Sequence[Measurement],
         network: float,
         weights: np.ndarray,
+        shape: Efficiency,
+        memory: float | None,
     ) -> None:
-        self.works = [self._work(_model_of(cost_model, s), s) for s in samples]
+        # The kernels' shape (roofline sharpness; KV reads unless searched), fixed.
+        self.sharpness = shape.roofline_sharpness
+        self.kv_read_amplification = shape.kv_read_amplification
+        # The weights' bandwidth share where given (the grid's memory axis is then the KV
+        # reads' share alone).
+        self.memory = memory
+        self.works = [
+            self._work(_model_of(cost_model, s).with_efficiency(shape), s) for s in samples
+        ]
         self.times = np.array([s.seconds for s in samples])
         # Communication at the given link efficiency: fixed, not searched.
         self.comm_s = np.array(
@@ -361,7 +419,8 @@ class _Terms:
 
     @staticmethod
     def _work(model: CostModel, sample: Measurement):
-        """(dense [steps, 4] with weights, attention [seqs, 2] with weights) at 100% peak."""
+        """(dense [steps, 4] with weights, attention [seqs, 4] with weights) at 100% peak:
+        attention as (seconds of FLOPs, of KV read once, of KV written, KV group size)."""
         peak_flops, peak_attn = model.peak_linear_flops, model.peak_attention_flops
         bandwidth = model.hardware.memory_bandwidth
         dense, counts, attention = [], [], Counter()
@@ -377,9 +436,11 @@ class _Terms:
                 )
             )
             counts.append(count)
-            for flops, num_bytes in () if sample.linear_only else work.attention:
-                attention[(flops / peak_attn, num_bytes / bandwidth)] += count
-        att = np.array(list(attention), dtype=float).reshape(-1, 2)
+            for seq in () if sample.linear_only else batch:
+                flops, read, written = model.attention_traffic(seq)
+                key = (flops / peak_attn, read / bandwidth, written / bandwidth, model.kv_group)
+                attention[key] += count
+        att = np.array(list(attention), dtype=float).reshape(-1, 4)
         return (np.array(dense), np.array(counts, dtype=float)), (
             att,
             np.array(list(attention.values()), dtype=float),
@@ -389,12 +450,20 @@ class _Terms:
         """[k, a, m]: attention seconds of sample k at efficiencies (a, m)."""
         return np.stack([self._attention(att, attention, memory) for _, att in self.works])
 
-    @staticmethod
-    def _attention(att, attention: np.ndarray, memory: np.ndarray) -> np.ndarray:
-        (pairs, counts), inv_a, inv_m = att, 1 / attention, 1 / memory
-        seconds = np.maximum(
-            pairs[:, 0, None, None] * inv_a[None, :, None],
-            pairs[:, 1, None, None] * inv_m[None, None, :],
+    def _attention(self, att, attention: np.ndarray, third: np.ndarray) -> np.ndarray:
+        """[a, m] seconds at attention efficiencies `attention` and, on the third axis, the
+        bandwidth share or (with `memory` given) 1 / the KV read amplification."""
+        (items, counts), inv_a = att, 1 / attention
+        if self.memory is None:
+            inv_m, amplification = 1 / third, np.full_like(third, self.kv_read_amplification)
+        else:
+            inv_m, amplification = np.full_like(third, 1 / self.memory), 1 / third
+        reads = np.minimum(amplification[None, :], items[:, 3, None])  # [items, m]
+        memory_s = (items[:, 1, None] * reads + items[:, 2, None]) * inv_m[None, :]
+        seconds = overlap(
+            items[:, 0, None, None] * inv_a[None, :, None],
+            memory_s[:, None, :],
+            self.sharpness,
         )
         return np.tensordot(counts, seconds, axes=1)
 
@@ -416,19 +485,21 @@ class _Terms:
             tuple(float(o[index]) for o in overheads),
         )
 
-    @classmethod
-    def _roofline(cls, work, linear, attention, memory) -> np.ndarray:
+    def _roofline(self, work, linear, attention, memory) -> np.ndarray:
         (dense, counts), att = work
-        inv_l, inv_m = 1 / linear, 1 / memory
-        seconds = np.maximum(
+        inv_l = 1 / linear
+        inv_m = 1 / (memory if self.memory is None else np.full_like(memory, self.memory))
+        seconds = overlap(
             dense[:, 0, None, None] * inv_l[None, :, None],
             dense[:, 1, None, None] * inv_m[None, None, :],
-        ) + np.maximum(
+            self.sharpness,
+        ) + overlap(
             dense[:, 2, None, None] * inv_l[None, :, None],
             dense[:, 3, None, None] * inv_m[None, None, :],
+            self.sharpness,
         )  # [steps, l, m]
         dense_s = np.tensordot(counts, seconds, axes=1)
-        return dense_s[:, None, :] + cls._attention(att, attention, memory)[None, :, :]
+        return dense_s[:, None, :] + self._attention(att, attention, memory)[None, :, :]
 
 
 def _comm_s(model: CostModel, sample: Measurement) -> float:

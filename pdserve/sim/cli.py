@@ -33,8 +33,10 @@ from pdserve.sim.plan_report import explain, format_ranking, plot_goodput_vs_spl
 from pdserve.sim.planner import PlanInputs, band_of, gpus_for_rate, search
 from pdserve.sim.profile_fit import (
     calibrate_points,
+    calibrate_table,
     calibration_of,
     format_rows,
+    load_points,
     load_profile,
     point_rows,
 )
@@ -55,7 +57,22 @@ def add_parsers(subparsers) -> None:
     add_workload_args(sim)
     _add_output_args(sim)
     sim.set_defaults(run=run, sim_command=None)
-    sub = sim.add_subparsers(dest="sim_command", metavar="{calibrate}")
+    sub = sim.add_subparsers(dest="sim_command", metavar="{calibrate,scale}")
+    scale = sub.add_parser(
+        "scale",
+        help="a bench demo's answer past this machine: re-predict its table, then goodput "
+        "per core on larger CPU and GPU fleets",
+        description="Calibrate from a `bench demo` run's own step logs, re-predict its "
+        "measured table, then each mode's goodput per core on fleets of 4-64 cores and "
+        "GPUs; writes DIR/scale.md, scale.json, scale.png.",
+    )
+    scale.add_argument("demo_dir", metavar="DIR", help="the demo's --report directory")
+    scale.add_argument("--quiet", action="store_true", help="no progress lines")
+    scale.add_argument(
+        "--gpu",
+        action="store_true",
+        help="also an H100 fleet from its shipped calibration (at this machine's SLOs)",
+    )
     cal = sub.add_parser(
         "calibrate",
         help="fit the cost model's efficiencies to measured engine steps",
@@ -81,6 +98,13 @@ def add_parsers(subparsers) -> None:
         "`pdserve bench --workload profile --save-result PROFILE.json`",
     )
     source.add_argument(
+        "--points",
+        metavar="FILE.json",
+        help="published or hand-measured points (ttft, itl, static_batch, linear_layer; "
+        'format: pdserve/sim/points.py), a list or a source file\'s {"points": [...]}; '
+        "each on the deployment it names, else --model/--tp; other hardware left out",
+    )
+    source.add_argument(
         "--measure",
         action="store_true",
         help="run the real engine on this machine to measure steps",
@@ -90,6 +114,13 @@ def add_parsers(subparsers) -> None:
         type=int,
         help="--bench: the server's chunked-prefill token budget (default: prompts prefill "
         "whole, as in colocated serving)",
+    )
+    cal.add_argument(
+        "--hold-out",
+        nargs="+",
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="--points: leave the points matching every pair of one spec out of the fit and "
+        "report the error on them (e.g. tp=4, or kind=itl,num_streams=64)",
     )
     cal.add_argument("--stack", help="what was measured, for the record (default: the URL)")
     cal.add_argument("--num-threads", type=int, help="--measure: torch threads (cores)")
@@ -141,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.sim_command == "calibrate":
             return _calibrate(args)
+        if args.sim_command == "scale":
+            return _scale(args)
         if args.sim_command == "plan":
             return _plan(args)
         return _simulate(args)
@@ -197,11 +230,22 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale(args: argparse.Namespace) -> int:
+    from pdserve.sim.scale import run_scale
+
+    report = run_scale(Path(args.demo_dir), _progress(args.quiet), args.gpu)
+    print("\n".join(report.lines))
+    print(f"report: {Path(args.demo_dir) / 'scale.md'}")
+    return 0
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     model, hardware = load_model_spec(args.model), get_hardware(args.hardware)
     cost_model = CostModel(model, hardware, args.tp, dtype=args.dtype)
     name = Path(args.output).stem
     deployment = {"model": model.name, "hardware": hardware.name, "tp": args.tp}
+    if args.hold_out and not args.points:
+        raise SimConfigError("--hold-out goes with --points")
     if args.bench:
         points, provenance = load_profile(args.bench)
         fit, measurements = calibrate_points(points, cost_model, args.max_num_batched_tokens)
@@ -217,6 +261,29 @@ def _calibrate(args: argparse.Namespace) -> int:
             **deployment,
         )
         print(f"fit per point (profile of {stack}):\n{format_rows(rows)}")
+    elif args.points:
+        points = load_points(args.points)
+        fit, rows, held = calibrate_table(
+            points, cost_model, args.max_num_batched_tokens, args.hold_out
+        )
+        calibration = calibration_of(
+            fit,
+            name,
+            rows + held,
+            stack=args.stack or f"points from {args.points}",
+            sources=[str(args.points)],
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            hold_out=args.hold_out or [],
+            **deployment,
+        )
+        print(f"fit per point ({args.points}):\n{format_rows(rows)}")
+        if held:
+            errors = [abs(r["residual"]) for r in held]
+            print(
+                f"held out, not fitted ({len(held)} points; mean |error| "
+                f"{sum(errors) / len(errors):.1%}, max {max(errors):.1%}, "
+                f"{sum(e <= 0.15 for e in errors)} within 15%):\n{format_rows(held)}"
+            )
     else:
         if args.measure:
             from pdserve.sim.measure import measure_step_samples
@@ -241,10 +308,17 @@ def _calibrate(args: argparse.Namespace) -> int:
         f"fitted on {fit.num_samples} measurements ({fit.num_outliers} set aside as disturbed): "
         f"linear {e.linear_compute:.3f}, attention {e.attention_compute:.3f}, memory "
         f"{e.memory:.3f} of peak; overhead {e.step_overhead_s * 1e3:.2f} ms/step + "
-        f"{e.per_seq_overhead_s * 1e3:.3f} ms/seq + {e.request_overhead_s * 1e3:.2f} ms/request; "
+        f"{e.per_seq_overhead_s * 1e3:.3f} ms/seq + {e.layer_overhead_s * 1e3:.3f} ms/layer + "
+        f"{e.request_overhead_s * 1e3:.2f} ms/request; "
         f"error mean {fit.mean_abs_rel_error:.1%}, max {fit.max_abs_rel_error:.1%}; "
-        f"band ±{fit.band:.1%}"
+        f"band ±{fit.band:.1%} over every fitted point, set-aside ones included "
+        f"(±{fit.kept_band:.1%} over the kept ones)"
     )
+    if fit.at_bound:
+        print(
+            f"warning: {', '.join(fit.at_bound)} fitted at 100% of peak, the search's bound: "
+            "the model has no term for what these points ask of it; read the band with care"
+        )
     if e.linear_curve:
         print(
             f"linear layers: measured curve over {len(e.linear_curve)} row counts "

@@ -2,22 +2,34 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field, replace
 
-from pdserve.core.config import CacheConfig, SchedulerConfig, SchedulingPolicy
-from pdserve.sim.autoscale import SimAutoscale
+from pdserve.core.config import CacheConfig, Mode, SchedulerConfig
+from pdserve.router.autoscale.config import AutoscaleConfig
+from pdserve.router.config import KVHandoff, RouterConfig
 from pdserve.sim.efficiency import Efficiency, default_efficiency
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import Hardware
 from pdserve.sim.model_spec import ModelSpec
 from pdserve.sim.network import Interconnect, get_network
 
+# What a worker of this engine takes to become healthy and to switch pools, as measured on
+# the CPU machines here (benchmarks/autoscale.py reports both).
+DEFAULT_STARTUP_S = 8.0
+DEFAULT_SWITCH_S = 0.01
 
-class Mode(enum.Enum):
-    COLOCATED = "colocated"
-    CHUNKED = "chunked"
-    DISAGG = "disagg"
+
+@dataclass(frozen=True)
+class SimAutoscale:
+    """The autoscaler a simulation runs, and how long its fleet changes take."""
+
+    config: AutoscaleConfig
+    startup_s: float = DEFAULT_STARTUP_S
+    switch_s: float = DEFAULT_SWITCH_S
+
+    def __post_init__(self) -> None:
+        if self.startup_s < 0 or self.switch_s < 0:
+            raise ValueError("worker startup and switch times must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,9 @@ class SimConfig:
     # Disagg: prompts with fewer uncached tokens prefill on the decode worker (0: none do),
     # as the router's --local-prefill-threshold.
     local_prefill_threshold: int = 0
+    # Disagg: KV pulled after the prefill, or streamed chunk by chunk during it (the
+    # router's --kv-handoff; only what the link cannot hide is on the TTFT, `sim/handoff.py`).
+    kv_handoff: KVHandoff = RouterConfig.kv_handoff
     efficiency: Efficiency | None = None
     dtype: str = "bf16"
     kv_dtype: str = "bf16"
@@ -99,7 +114,7 @@ class SimConfig:
         if self.autoscale is not None and self.mode is not Mode.DISAGG:
             raise SimConfigError("--autoscale sizes the pools of --mode disagg")
         if self.mode is not Mode.DISAGG:
-            expected = SchedulingPolicy(self.mode.value)
+            expected = self.mode.scheduling
             if self.pool.scheduler_config.scheduling is not expected:
                 raise SimConfigError(
                     f"mode {self.mode.value} needs a {expected.value} scheduler config"
@@ -138,8 +153,7 @@ def scheduler_config_for(mode: Mode, *fields, **named_fields) -> SchedulerConfig
     """The core scheduler config a worker of `mode` runs (disagg workers chunk): `fields` are
     `SchedulerConfig`'s after `scheduling` (`max_num_batched_tokens`, `max_num_seqs`,
     `max_model_len`, ...), with its defaults."""
-    scheduling = SchedulingPolicy.COLOCATED if mode is Mode.COLOCATED else SchedulingPolicy.CHUNKED
-    return SchedulerConfig(scheduling, *fields, **named_fields)
+    return SchedulerConfig(mode.scheduling, *fields, **named_fields)
 
 
 def with_scheduler(pool: PoolConfig, **changes) -> PoolConfig:

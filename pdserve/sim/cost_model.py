@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from pdserve.sim.efficiency import Efficiency, default_efficiency
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import Hardware
@@ -65,9 +67,26 @@ class StepCost:
         )
 
 
-def roofline(flops: float, num_bytes: float, flops_per_s: float, bytes_per_s: float) -> float:
+def overlap(compute_s, memory_s, sharpness: float | None = None):
+    """Seconds of a kernel that needs `compute_s` at its FLOP rate and `memory_s` at its
+    bandwidth (floats or numpy arrays): the larger, or with a `sharpness` p their p-norm
+    (`Efficiency.roofline_sharpness`)."""
+    if sharpness is None:
+        return np.maximum(compute_s, memory_s)
+    return (compute_s**sharpness + memory_s**sharpness) ** (1 / sharpness)
+
+
+def roofline(
+    flops: float,
+    num_bytes: float,
+    flops_per_s: float,
+    bytes_per_s: float,
+    sharpness: float | None = None,
+) -> float:
     """Seconds for a kernel bounded by whichever of compute and memory traffic is slower."""
-    return max(flops / flops_per_s, num_bytes / bytes_per_s)
+    if sharpness is None:
+        return max(flops / flops_per_s, num_bytes / bytes_per_s)
+    return float(overlap(flops / flops_per_s, num_bytes / bytes_per_s, sharpness))
 
 
 def ring_all_reduce_s(num_bytes: float, tp: int, bandwidth: float, latency_s: float) -> float:
@@ -136,6 +155,10 @@ class CostModel:
         # Q·K and P·V: 2 matmuls × 2 FLOPs per multiply-add, per query-key pair.
         self._attn_flops_per_pair = 4 * m.num_layers * m.q_size / tp
         self._kv_bytes_per_token_device = self.kv_bytes_per_token * self.kv_shard_fraction
+        # Query heads per KV head on a device: what an attention kernel that reads its KV
+        # once per query head multiplies its reads by at most (`kv_read_amplification`).
+        self.kv_group = m.num_attention_heads / tp / (m.num_kv_heads * self.kv_shard_fraction)
+        self._kv_reads = min(eff.kv_read_amplification, self.kv_group)
         self._all_reduce_bytes_per_token = m.hidden_size * dtype_bytes(ACTIVATION_DTYPE)
 
     @property
@@ -156,11 +179,20 @@ class CostModel:
             num_sampled, self.head_params
         )
         attention = sum(
-            roofline(*self._attention_work(seq), self._attn_flops_per_s, self._bytes_per_s)
+            roofline(
+                *self._attention_work(seq),
+                self._attn_flops_per_s,
+                self._bytes_per_s,
+                self.efficiency.roofline_sharpness,
+            )
             for seq in batch
         )
         eff = self.efficiency
-        overhead = eff.step_overhead_s + eff.per_seq_overhead_s * len(batch)
+        overhead = (
+            eff.step_overhead_s
+            + eff.per_seq_overhead_s * len(batch)
+            + self._layers_overhead_s(num_tokens)
+        )
         cost = StepCost(linear, attention, self._all_reduces_s(num_tokens), overhead)
         return cost if eff.time_scale == 1 else cost.scaled(eff.time_scale)
 
@@ -179,8 +211,12 @@ class CostModel:
         )
 
     def layers_linear_s(self, num_rows: int) -> float:
-        """Seconds of the decoder layers' linears (all layers, no LM head) over `num_rows`."""
-        return self._linear_s(num_rows, self.layer_params)
+        """Seconds of the decoder layers' linears (all layers, no LM head) over `num_rows`,
+        with each layer's fixed cost (what a kernel-level profile of them measures)."""
+        return self._linear_s(num_rows, self.layer_params) + self._layers_overhead_s(num_rows)
+
+    def _layers_overhead_s(self, num_tokens: int) -> float:
+        return self.model.num_layers * self.efficiency.layer_overhead_s if num_tokens else 0.0
 
     def _linear_s(self, num_rows: int, num_params: float) -> float:
         """Seconds of linear layers holding `num_params` parameters (per device) over
@@ -191,7 +227,10 @@ class CostModel:
         if curve:
             return num_params * seconds_per_param(curve, num_rows)
         return roofline(
-            *self._linear_work(num_rows, num_params), self._flops_per_s, self._bytes_per_s
+            *self._linear_work(num_rows, num_params),
+            self._flops_per_s,
+            self._bytes_per_s,
+            self.efficiency.roofline_sharpness,
         )
 
     def _linear_work(self, num_rows: int, num_params: float) -> tuple[float, float]:
@@ -202,12 +241,17 @@ class CostModel:
         return 2 * num_rows * num_params, num_params * self._weight_bytes
 
     def _attention_work(self, seq: SeqWork) -> tuple[float, float]:
+        flops, read, written = self.attention_traffic(seq)
+        return flops, read * self._kv_reads + written
+
+    def attention_traffic(self, seq: SeqWork) -> tuple[float, float, float]:
+        """FLOPs of one sequence's attention, the KV bytes it reads once (every visible
+        token's K and V) and those it writes (the new tokens')."""
         new, context = seq.num_new_tokens, seq.num_context_tokens
         # Causal: new token i sees the context plus new tokens 0..i.
         pairs = new * (context + (new + 1) / 2)
-        # Reads K and V of every visible token once; writes the new tokens' K and V.
-        kv_bytes = (context + 2 * new) * self._kv_bytes_per_token_device
-        return pairs * self._attn_flops_per_pair, kv_bytes
+        kv = self._kv_bytes_per_token_device
+        return pairs * self._attn_flops_per_pair, (context + new) * kv, new * kv
 
     def num_all_reduces(self, batch: Sequence[SeqWork]) -> int:
         """Two all-reduces per layer (after attention's o_proj and the MLP's down_proj) in a

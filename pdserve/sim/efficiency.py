@@ -25,7 +25,13 @@ OVERHEADS = (
     "per_seq_overhead_s",
     "request_overhead_s",
     "all_reduce_overhead_s",
+    "layer_overhead_s",
 )
+# The fixed costs every step with tokens pays once whatever its batch: indistinguishable from
+# a linear-layer curve's constant, so a fit with a curve leaves them to the curve.
+PER_STEP_OVERHEADS = ("step_overhead_s", "layer_overhead_s")
+# The efficiencies a fit searches; one that ends at 1.0 (the peak) is at its bound.
+FITTED_SHARES = ("linear_compute", "attention_compute", "memory")
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,21 @@ class Efficiency:
     # Paid by every tensor-parallel all-reduce beyond what the link's bandwidth and latency
     # explain: the stack's collective implementation (launches, synchronisation).
     all_reduce_overhead_s: float = 0.0
+    # Paid by each decoder layer in every step with tokens, the same at every TP degree and
+    # batch: the layer's kernel launches and the short kernels between its GEMMs (norms,
+    # rotary, activation, residual), which no roofline sees. Sharded kernels get shorter with
+    # TP; this does not, which is why a fit without it scales a stack's fixed costs with TP.
+    layer_overhead_s: float = 0.0
+    # How sharply a kernel turns from memory- to compute-bound: None, the textbook roofline
+    # (the larger of its compute and memory times); p, their p-norm. Measured GEMMs near the
+    # ridge (as many rows as the GPU's FLOP/byte ratio) take up to ~1.3x the larger of the
+    # two (p ≈ 3): weights stream while tiles compute, neither at its full rate.
+    roofline_sharpness: float | None = None
+    # KV bytes the attention kernel reads per step ÷ the visible cache's, capped at the
+    # query heads sharing each KV head: 1 where grouped-query attention is exploited; up to
+    # the group size where each query head reads its KV head again (TensorRT-LLM's masked
+    # MHA kernel before its XQA kernels: a 70B GQA model's decode reads up to 8x its cache).
+    kv_read_amplification: float = 1.0
     # Every modelled step × this: 1, except in the runs that bound a calibration's band.
     time_scale: float = 1.0
     # Measured linear-layer speed in place of the roofline: (rows, seconds per parameter)
@@ -76,6 +97,10 @@ class Efficiency:
         for name in OVERHEADS:
             if getattr(self, name) < 0:
                 raise SimConfigError(f"efficiency {name} must be >= 0")
+        if self.roofline_sharpness is not None and not self.roofline_sharpness >= 1:
+            raise SimConfigError("efficiency roofline_sharpness must be >= 1 (or null: max)")
+        if not self.kv_read_amplification >= 1:
+            raise SimConfigError("efficiency kv_read_amplification must be >= 1")
         if not self.time_scale > 0:
             raise SimConfigError("efficiency time_scale must be positive")
         object.__setattr__(
@@ -157,6 +182,15 @@ class Calibration:
     def describe(self) -> str:
         """One line: the name, the stack, the band."""
         band = "no band: uncalibrated" if self.band is None else f"band ±{self.band:.0%}"
+        served = self.metadata.get("bands", {}).get("served")
+        if served is not None:
+            band += f"; a served stack under load ±{served:.0%}, its held-out check"
+        # A shipped calibration's by kind of source; a fitted one's in its fit statistics.
+        by_kind = self.metadata.get("at_bound", {})
+        bound = [n for names in by_kind.values() for n in names]
+        bound += self.metadata.get("fit", {}).get("at_bound", [])
+        if bound:
+            band += f"; at 100% of peak: {', '.join(bound)}"
         summary = self.metadata.get("summary") or self.stack
         return f"{self.name} ({summary}; {band})"
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.sim.config import Mode, SimConfig
+from pdserve.core.config import Mode
+from pdserve.sim.config import SimConfig
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,8 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from pdserve.sim.calibration import Measurement
-    from pdserve.sim.cost_model import CostModel
 
 Curve = tuple[tuple[int, float], ...]
 # Knots: every row count up to 16 (kernels switch among small batches), then steps of 1.5x.
@@ -53,29 +48,24 @@ class CurveFit:
     The curve absorbs any fixed per-step cost (a constant is indistinguishable from linear
     time at a row count). `scale` weighs each sample's residual (1 / its time: relative
     error, times a robustness weight); `fixed_s(attention, memory)` gives every sample's
-    seconds outside the linear layers [k] at those efficiencies. `models` holds each
-    sample's cost model (its parameter counts per device); `overheads` [k, j] how often each
-    sample pays each of j overheads fitted beside the curve.
+    seconds outside the linear layers [k] at those efficiencies. Per sample: `times` [k] its
+    measured seconds, `steps` its steps as (how many times, layer rows, head rows), `params`
+    its (layer, head) parameter counts per device; `overheads` [k, j] how often each sample
+    pays each of j overheads fitted beside the curve.
     """
 
     def __init__(
         self,
-        models: Sequence[CostModel],
-        samples: Sequence[Measurement],
+        times: np.ndarray,
+        steps: Sequence[Sequence[tuple[int, int, int]]],
+        params: Sequence[tuple[int, int]],
         overheads: np.ndarray,
         scale: np.ndarray,
         fixed_s: Callable[[float, float], np.ndarray],
     ) -> None:
-        self.times = np.array([s.seconds for s in samples])
-        # Per sample, per step: (count, layer rows, head rows), and the parameter counts.
-        self.steps = [
-            [
-                (count, sum(q.num_new_tokens for q in batch), sum(q.is_sampling for q in batch))
-                for count, batch in s.steps
-            ]
-            for s in samples
-        ]
-        self.params = [(m.layer_params, m.head_params) for m in models]
+        self.times = times
+        self.steps = steps
+        self.params = params
         self.overheads = overheads
         self.scale = scale
         self.fixed_s = fixed_s

@@ -9,27 +9,32 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from pdserve.bench.arrivals import parse_request_rates
 from pdserve.bench.benchmark import TRACE_WINDOW_STREAM, seeded_rng
 from pdserve.bench.errors import BenchError
 from pdserve.bench.metrics import parse_goodput
 from pdserve.bench.workloads import (
-    WORKLOAD_NAMES,
-    LengthRange,
-    TraceWindow,
     TraceWorkload,
     Workload,
-    WorkloadOptions,
     make_workload,
 )
+from pdserve.bench.workloads.flags import WORKLOAD_FLAGS, workload_options
 from pdserve.bench.workloads.trace_file import TraceEntry
-from pdserve.cli import add_flags
-from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, SchedulerConfig
-from pdserve.router.cli import AUTOSCALE_FLAGS, autoscale_config_from_args
-from pdserve.router.policies import POLICY_NAMES
-from pdserve.sim.autoscale import DEFAULT_STARTUP_S, DEFAULT_SWITCH_S, SimAutoscale
-from pdserve.sim.config import Mode, PoolConfig, SimConfig, scheduler_config_for
+from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, Mode, SchedulerConfig
+from pdserve.engine.args import ENGINE_FLAGS
+from pdserve.flags import Flag, add_flags
+from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTING_FLAGS, autoscale_config_from_args
+from pdserve.router.config import KVHandoff
+from pdserve.sim.config import (
+    DEFAULT_STARTUP_S,
+    DEFAULT_SWITCH_S,
+    PoolConfig,
+    SimAutoscale,
+    SimConfig,
+    scheduler_config_for,
+)
 from pdserve.sim.efficiency import Efficiency
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import Hardware, get_hardware
@@ -48,6 +53,45 @@ def is_local_cpu(hardware: Hardware) -> bool:
 
 
 # ---- parsers ---------------------------------------------------------------------------
+def _reused(flags: tuple[Flag, ...], name: str, **changes: Any) -> Flag:
+    """The engine's or the router's own declaration of `name`, with the simulator's
+    `changes` (a default that depends on the simulated device is None here)."""
+    return next(option for option in flags if option.name == name).with_options(**changes)
+
+
+# What `serve` takes, as it declares it (type, choices, meaning); defaults as the simulated
+# device wants them.
+ENGINE_FLAGS_SIMULATED = (
+    _reused(
+        ENGINE_FLAGS,
+        "--max-num-seqs",
+        default=None,
+        help=f"default {SchedulerConfig.max_num_seqs} on cpu-local, {GPU_MAX_NUM_SEQS} otherwise",
+    ),
+    _reused(ENGINE_FLAGS, "--max-model-len"),
+    _reused(ENGINE_FLAGS, "--long-prefill-token-threshold"),
+    _reused(ENGINE_FLAGS, "--max-num-partial-prefills"),
+    _reused(ENGINE_FLAGS, "--block-size"),
+    _reused(ENGINE_FLAGS, "--num-kv-blocks", help="per worker (default: from memory)"),
+    _reused(
+        ENGINE_FLAGS,
+        "--kv-cache-memory-gb",
+        default=None,
+        help=f"KV budget per worker (default {CacheConfig.kv_cache_memory_gb} on cpu-local, "
+        "else device memory minus weights)",
+    ),
+    _reused(ENGINE_FLAGS, "--no-prefix-caching"),
+    _reused(ROUTING_FLAGS, "--prefill-policy", default=SimConfig.prefill_policy),
+    _reused(ROUTING_FLAGS, "--decode-policy", default=SimConfig.decode_policy),
+    _reused(ROUTING_FLAGS, "--kv-handoff"),
+)
+_BUDGET_HELP = (
+    f"chunked token budget (default {DEFAULT_CHUNKED_BUDGET} on cpu-local, "
+    f"{GPU_CHUNKED_BUDGET} otherwise; colocated: the context length)"
+)
+_LOCAL_HELP = "disagg: prompts with fewer uncached tokens prefill on decode"
+
+
 def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -> None:
     """Model, hardware, links and engine knobs; `with_layout` adds mode and worker counts."""
     g = parser.add_argument_group("deployment")
@@ -75,39 +119,14 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
         help="a calibration: a file from `pdserve simulate calibrate`, or a shipped one's "
         "name (docs/calibrations.md); default: the device's shipped one, if any",
     )
-    g.add_argument(
-        "--max-num-seqs",
-        type=int,
-        help=f"default {SchedulerConfig.max_num_seqs} on cpu-local, {GPU_MAX_NUM_SEQS} otherwise",
-    )
-    g.add_argument("--max-model-len", type=int, help="default: the model's context")
-    g.add_argument("--long-prefill-token-threshold", type=int)
-    g.add_argument(
-        "--max-num-partial-prefills", type=int, default=SchedulerConfig.max_num_partial_prefills
-    )
-    g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
-    g.add_argument("--num-kv-blocks", type=int, help="per worker (default: from memory)")
-    g.add_argument(
-        "--kv-cache-memory-gb",
-        type=float,
-        help=f"KV budget per worker (default {CacheConfig.kv_cache_memory_gb} on cpu-local, "
-        "else device memory minus weights)",
-    )
+    add_flags(g, None, ENGINE_FLAGS_SIMULATED)
     g.add_argument("--memory-utilization", type=float, default=SimConfig.memory_utilization)
-    g.add_argument(
-        "--no-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        default=CacheConfig.enable_prefix_caching,
-    )
-    g.add_argument("--prefill-policy", default=SimConfig.prefill_policy, choices=POLICY_NAMES)
-    g.add_argument("--decode-policy", default=SimConfig.decode_policy, choices=POLICY_NAMES)
     if not with_layout:
         return
     lay = parser.add_argument_group("layout")
     lay.add_argument(
         "--mode",
-        default="chunked",
+        default=Mode.CHUNKED.value,
         help="colocated, chunked, disagg, or several comma-separated (simulated side by side)",
     )
     lay.add_argument("--tp", type=int, default=1, help="tensor-parallel devices per worker")
@@ -117,22 +136,12 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
         default=1,
         help="colocated/chunked: engine instances behind the router",
     )
-    lay.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        help=f"chunked token budget (default {DEFAULT_CHUNKED_BUDGET} on cpu-local, "
-        f"{GPU_CHUNKED_BUDGET} otherwise; colocated: the context length)",
-    )
+    add_flags(lay, None, (_reused(ENGINE_FLAGS, "--max-num-batched-tokens", help=_BUDGET_HELP),))
     lay.add_argument("--prefill-workers", type=int, default=1, help="disagg")
     lay.add_argument("--decode-workers", type=int, default=1, help="disagg")
     lay.add_argument("--prefill-tp", type=int, help="disagg (default: --tp)")
     lay.add_argument("--decode-tp", type=int, help="disagg (default: --tp)")
-    lay.add_argument(
-        "--local-prefill-threshold",
-        type=int,
-        default=SimConfig.local_prefill_threshold,
-        help="disagg: prompts with fewer uncached tokens prefill on decode",
-    )
+    add_flags(lay, None, (_reused(ROUTING_FLAGS, "--local-prefill-threshold", help=_LOCAL_HELP),))
     lay.add_argument(
         "--decode-max-num-batched-tokens",
         type=int,
@@ -164,14 +173,13 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The benchmark's workload options (same names), plus --duration and --workload-from."""
-    g = parser.add_argument_group("workload (as pdserve bench)")
-    g.add_argument("--workload", default="mixed", choices=WORKLOAD_NAMES)
+    add_flags(parser, "workload (as pdserve bench)", WORKLOAD_FLAGS)
+    g = parser.add_argument_group("traffic")
     g.add_argument(
         "--workload-from",
         metavar="FILE.json",
         help="replay the requests of a `pdserve bench --save-result` run",
     )
-    g.add_argument("--num-prompts", type=int)
     g.add_argument("--request-rate", help="req/s or inf (default: the workload's)")
     g.add_argument(
         "--duration",
@@ -181,20 +189,6 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--burstiness", type=float, default=1.0)
     g.add_argument("--max-concurrency", type=int)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--input-len", type=int)
-    g.add_argument("--output-len", type=int)
-    g.add_argument("--range-ratio", type=float, default=0.0)
-    g.add_argument("--prefix-len", type=int)
-    g.add_argument("--num-prefixes", type=int)
-    g.add_argument("--long-fraction", type=float)
-    g.add_argument("--burst-size", type=int)
-    for name in ("chat-input-len", "chat-output-len", "long-input-len", "long-output-len"):
-        g.add_argument(f"--{name}", metavar="LOW:HIGH")
-    g.add_argument("--trace", help="trace file (default: the Azure conversation trace)")
-    g.add_argument("--trace-window-start", type=float, default=0.0)
-    g.add_argument("--trace-time-scale", type=float, default=1.0)
-    g.add_argument("--trace-max-input-len", type=int)
-    g.add_argument("--trace-max-output-len", type=int)
 
 
 # ---- deployments -----------------------------------------------------------------------
@@ -283,6 +277,7 @@ class Deployment:
             kv_cache_memory_gb=kv_gb,
             prefill_policy=a.prefill_policy,
             decode_policy=a.decode_policy,
+            kv_handoff=KVHandoff(a.kv_handoff),
             seed=a.seed,
         )
         fields.update(overrides)
@@ -323,7 +318,7 @@ def parse_modes(text: str) -> list[Mode]:
         return [Mode(m.strip()) for m in text.split(",") if m.strip()]
     except ValueError:
         raise SimConfigError(
-            f"--mode: expected colocated, chunked or disagg (comma-separated), got {text!r}"
+            f"--mode: expected {', '.join(m.value for m in Mode)} (comma-separated), got {text!r}"
         ) from None
 
 
@@ -382,41 +377,18 @@ def _single_rate(text: str | None) -> float | None:
 
 
 def _workload(args: argparse.Namespace, rate: float | None) -> Workload:
-    num_prompts, window = (
-        args.num_prompts,
-        TraceWindow(
-            start_s=args.trace_window_start,
-            time_scale=args.trace_time_scale,
-            max_input_len=args.trace_max_input_len,
-            max_output_len=args.trace_max_output_len,
-            duration_s=args.duration if args.workload == "trace" else None,
-        ),
-    )
-    if args.duration is not None and args.workload != "trace" and num_prompts is None:
+    """`pdserve bench`'s workload; --duration is a trace's window (as --trace-duration), or
+    else the prompts `rate` sends in that long."""
+    options = workload_options(args)
+    if args.duration is not None and args.workload == "trace":
+        options = replace(
+            options, trace_window=replace(options.trace_window, duration_s=args.duration)
+        )
+    elif args.duration is not None and options.num_prompts is None:
         if rate is None or math.isinf(rate):
             raise SimConfigError("--duration needs a finite --request-rate")
-        num_prompts = max(1, math.ceil(rate * args.duration))
-    options = WorkloadOptions(
-        num_prompts=num_prompts,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        range_ratio=args.range_ratio,
-        prefix_len=args.prefix_len,
-        num_prefixes=args.num_prefixes,
-        long_fraction=args.long_fraction,
-        burst_size=args.burst_size,
-        chat_input_len=_range(args.chat_input_len, "--chat-input-len"),
-        chat_output_len=_range(args.chat_output_len, "--chat-output-len"),
-        long_input_len=_range(args.long_input_len, "--long-input-len"),
-        long_output_len=_range(args.long_output_len, "--long-output-len"),
-        trace=args.trace,
-        trace_window=window,
-    )
+        options = replace(options, num_prompts=max(1, math.ceil(rate * args.duration)))
     return make_workload(args.workload, options, seeded_rng(args.seed, TRACE_WINDOW_STREAM))
-
-
-def _range(text: str | None, option: str) -> LengthRange | None:
-    return None if text is None else LengthRange.parse(text, option)
 
 
 def _replayed(args: argparse.Namespace) -> PlannedWorkload:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from statistics import fmean
 
-from pdserve.sim.config import Mode
+from pdserve.core.config import Mode
 from pdserve.sim.planner import ATTAINMENT_TARGET, Banded, Evaluation
 
 _COLUMNS = (

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from pdserve.bench.benchmark import BenchResult
 from pdserve.bench.metrics import meets_slos
-from pdserve.sim.config import Mode
+from pdserve.core.config import Mode
 from pdserve.sim.cost_model import CostModel
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.layout import Layout

@@ -9,7 +9,10 @@ A point is a JSON object with a `kind`:
 - "static_batch": a published static-batching run, `batch_size` prompts of `input_len`
   tokens each generating `output_len` tokens, at `out_tokens_per_s_per_gpu`;
 - "linear_layer": a kernel-level profile's time (`seconds`) of one decoder layer's linears
-  over `num_tokens` rows on one of `tp` shards.
+  over `num_tokens` rows on one of `tp` shards;
+- "all_reduce": the stack's own all-reduce of `bytes` over `num_gpus` GPUs in `seconds`
+  (its communication: `simulate calibrate --points` fits the link's share from these, as
+  `sim/network.py`'s measured links are fitted, rather than assume the catalog's).
 Published points also name their deployment (`hardware`, `model`, `tp`, `dtype`,
 `kv_dtype`) and where they come from (`table`, `row`); profile points take the deployment
 given on the command line.

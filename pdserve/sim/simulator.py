@@ -21,12 +21,14 @@ from pdserve.bench.records import RequestRecord
 from pdserve.core.config import CacheConfig
 from pdserve.core.request import Request, RequestMetrics
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.router.config import KVHandoff
 from pdserve.router.policies import PoolRole
 from pdserve.router.pool import Worker
 from pdserve.sim.autoscale import SimAutoscaler
 from pdserve.sim.config import PoolConfig, SimConfig
 from pdserve.sim.connector import SimKVConnector
 from pdserve.sim.cost_model import CostModel
+from pdserve.sim.handoff import exposed_fraction
 from pdserve.sim.network import NETWORKS, Interconnect
 from pdserve.sim.router import Route, SimRouter
 from pdserve.sim.transfers import Channel, Transfer, TransferNetwork
@@ -102,6 +104,11 @@ class Simulation:
         self._num_in_flight = 0
         self._num_open = len(self.specs)
         self._routes: dict[str, Route] = {}
+        # Streamed hand-offs: per prefill leg, when its first chunk's step ended and how many
+        # chunks it took; then, once it finished, (seconds of compute after the first chunk,
+        # chunks) for its transfer.
+        self._streams: dict[str, tuple[float, int]] = {}
+        self._stream_hiding: dict[str, tuple[float, int]] = {}
         self._network = TransferNetwork()
         self._network_generation = 0
         self._channels: dict[tuple[str, int], Channel] = {}
@@ -345,6 +352,10 @@ class Simulation:
     def _on_step_done(self, worker: SimWorker) -> None:
         sampled, finished = worker.finish_step()
         if self.prefill is not None and worker in self.prefill.workers:
+            if self.config.kv_handoff is KVHandoff.STREAM:
+                for leg in worker.last_scheduled:
+                    first_end, num_chunks = self._streams.get(leg.request_id, (self.now, 0))
+                    self._streams[leg.request_id] = (first_end, num_chunks + 1)
             for leg in finished:
                 self._on_prefill_done(worker, leg)
         else:
@@ -383,6 +394,10 @@ class Simulation:
             self.autoscaler.on_ttft(prefill_worker, self.now - leg.metrics.arrival_time)
         _add_extra(record, "num_preemptions", leg.num_preemptions)
         route = self._routes[leg.request_id]
+        if leg.request_id in self._streams:
+            # Streamed: the link carried the earlier chunks while the later ones computed.
+            first_end, num_chunks = self._streams.pop(leg.request_id)
+            self._stream_hiding[leg.request_id] = (self.now - first_end, num_chunks)
         route.prefill_lease.release()
         route.decode.connector.add_decode_leg(leg.request_id, leg.num_prompt_tokens, prefill_worker)
         spec = self.specs[record.index]
@@ -400,6 +415,9 @@ class Simulation:
         link, channels = self._path(source, destination)
         num_devices = min(source.cost_model.tp, destination.cost_model.tp)
         cap = link.transfer_bandwidth(num_devices) * cost.efficiency.network
+        hiding = self._stream_hiding.pop(request.request_id, None)
+        if hiding is not None:  # only what the link could not hide is left to move
+            num_bytes *= exposed_fraction(num_bytes, cap, *hiding)
         flight = _KVFlight(
             record, request.request_id, source, destination, self.now, link.latency_s
         )

@@ -69,6 +69,8 @@ class SimWorker:
         self._inbox: list[Request] = []
         self._output: SchedulerOutput | None = None
         self._sampling: list[Request] = []
+        # The requests the step that just finished computed for.
+        self.last_scheduled: list[Request] = []
 
     def submit(self, request: Request) -> None:
         self._inbox.append(request)
@@ -101,6 +103,7 @@ class SimWorker:
         output, sampling = self._output, self._sampling
         sampled = {r.request_id: SAMPLED_TOKEN_ID for r in sampling}
         finished = self.scheduler.update_from_output(output, sampled)
+        self.last_scheduled = [s.request for s in output.scheduled]
         self._output, self._sampling = None, []
         self.is_busy = False
         return sampling, finished

@@ -13,6 +13,12 @@ first token waits for those ahead of it. With `--batch-cost C` each token gap is
 (1 + C × (streams decoding − 1)). `--speed S` divides every duration by S (a slower or faster
 machine).
 
+Engines, as `bench compare` lays modes out on N cores: `--data-parallel-size N` gives N
+independent engines (a request's prefill goes to the one free first, its stream stays there:
+it stalls or slows only behind that engine's long prefills); `--mode disagg` with
+`--prefill-workers P --decode-workers D` prefills on P engines and streams on D others (the
+least busy), which no prefill disturbs. One engine by default.
+
 The usage chunk reports when each token was really sent (`stub_emit_times`,
 time.perf_counter, comparable across processes on Linux) and a timing breakdown
 (`pdserve_timing`), like pdserve's router does.
@@ -57,14 +63,6 @@ class Schedule:
         return self.long_ttft_s if num_words >= self.long_prompt_words else self.ttft_s
 
 
-class _Engine:
-    """The one engine's state: when its prefill queue frees up, how many streams decode."""
-
-    def __init__(self) -> None:
-        self.free_at = 0.0
-        self.num_decoding = 0
-
-
 class _Prefills:
     """Time windows (loop clock) during which a long prompt is prefilling."""
 
@@ -78,10 +76,22 @@ class _Prefills:
         return next((w for w in self.windows if w[0] <= t < w[1]), None)
 
 
-def create_app(schedule: Schedule) -> FastAPI:
+class _Engine:
+    """One engine's state: when its prefill queue frees up, how many streams decode, when
+    its long prompts prefill."""
+
+    def __init__(self) -> None:
+        self.free_at = 0.0
+        self.num_decoding = 0
+        self.prefills = _Prefills()
+
+
+def create_app(schedule: Schedule, num_prefill: int = 1, num_decode: int | None = None) -> FastAPI:
+    """`num_prefill` engines; `num_decode` other engines that only stream (None: each
+    request streams on the engine that prefilled it)."""
     app = FastAPI()
-    prefills = _Prefills()
-    engine = _Engine()
+    prefill_engines = [_Engine() for _ in range(num_prefill)]
+    decode_engines = None if num_decode is None else [_Engine() for _ in range(num_decode)]
 
     @app.get("/health")
     async def health() -> dict:
@@ -102,15 +112,18 @@ def create_app(schedule: Schedule) -> FastAPI:
         num_words = len(prompt.split())
         is_long = num_words >= schedule.long_prompt_words
         prefill = schedule.prefill_s(num_words)
+        engine = min(prefill_engines, key=lambda e: e.free_at)
         start = max(arrived, engine.free_at) if schedule.is_serial_prefill else arrived
         engine.free_at = start + prefill
         if is_long:
-            prefills.add(start, start + prefill)
+            engine.prefills.add(start, start + prefill)
+        if decode_engines is not None:
+            engine = min(decode_engines, key=lambda e: e.num_decoding)
         timing = {"queue_ms": (start - arrived) * 1000.0, "prefill_ms": prefill * 1000.0}
-        events = _events(body, is_chat, num_words, start + prefill, is_long, timing)
+        events = _events(body, is_chat, engine, start + prefill, is_long, timing)
         return StreamingResponse(events, media_type="text/event-stream")
 
-    async def _events(body, is_chat, num_words, first_due, is_long, timing):
+    async def _events(body, is_chat, engine, first_due, is_long, timing):
         loop = asyncio.get_running_loop()
         emitted: list[float] = []
         if is_chat:
@@ -120,7 +133,7 @@ def create_app(schedule: Schedule) -> FastAPI:
         try:
             for i in range(body["max_tokens"]):
                 await asyncio.sleep(max(0.0, due - loop.time()))
-                window = prefills.covering(loop.time())
+                window = engine.prefills.covering(loop.time())
                 if schedule.stall and not is_long and window is not None:
                     await asyncio.sleep(max(0.0, window[1] - loop.time()))
                     due = window[1]
@@ -128,7 +141,7 @@ def create_app(schedule: Schedule) -> FastAPI:
                     engine.num_decoding += 1
                 emitted.append(time.perf_counter())
                 yield _sse({"choices": [_choice(is_chat, f" w{i}")]})
-                slow = schedule.slowdown if prefills.covering(due) is not None else 1.0
+                slow = schedule.slowdown if engine.prefills.covering(due) is not None else 1.0
                 batch = 1.0 + schedule.batch_cost * (engine.num_decoding - 1)
                 due += schedule.itl_s * slow * batch
         finally:
@@ -136,6 +149,7 @@ def create_app(schedule: Schedule) -> FastAPI:
                 engine.num_decoding -= 1
         yield _sse({"choices": [{**_choice(is_chat, ""), "finish_reason": "length"}]})
         n = body["max_tokens"]
+        num_words = len((body["messages"][-1]["content"] if is_chat else body["prompt"]).split())
         usage = {
             "prompt_tokens": num_words,
             "completion_tokens": n,
@@ -182,6 +196,9 @@ def main() -> None:
     parser.add_argument("--serial-prefill", action="store_true")
     parser.add_argument("--batch-cost", type=float, default=0.0)
     parser.add_argument("--speed", type=float, default=1.0)
+    parser.add_argument("--data-parallel-size", type=int, default=1)
+    parser.add_argument("--prefill-workers", type=int, default=1)
+    parser.add_argument("--decode-workers", type=int, default=1)
     # pdserve's own flags (a mode's token budget, say) mean nothing to the stub.
     args, _ = parser.parse_known_args()
     preset = MODE_PRESETS.get(args.mode, {})
@@ -197,7 +214,11 @@ def main() -> None:
         is_serial_prefill=args.serial_prefill,
         batch_cost=args.batch_cost,
     )
-    uvicorn.run(create_app(schedule), host=args.host, port=args.port, log_level="warning")
+    if args.mode == "disagg":
+        app = create_app(schedule, args.prefill_workers, args.decode_workers)
+    else:
+        app = create_app(schedule, args.data_parallel_size)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import pytest
 
 from pdserve.bench.cli import main
 from pdserve.bench.compare import CompareRow, format_table, recommend
+from pdserve.bench.errors import BenchError
+from pdserve.bench.layout import Layout, disagg_split, mode_layout, parse_external, parse_split
 from tests.bench.conftest import REPO_ROOT, running_stub
 
 SCHEDULE = "--ttft-ms 30 --itl-ms 15 --long-prompt-words 250 --long-ttft-ms 400"
@@ -89,14 +91,19 @@ def test_compare_runs_every_mode_and_writes_all_artefacts(
     assert rows["colocated"]["itl_max"] > 300
     assert not rows["disagg"]["is_interference"] and rows["disagg"]["itl_max"] < 300
     assert rows["disagg"]["goodput"] >= rows["colocated"]["goodput"]
-    assert data["recommendation"]["name"] == "disagg"
+    # On every core here: chunked's replicas share out the long prompts, and may tie.
+    assert data["recommendation"]["name"] in ("disagg", None)
     assert "phase interference in colocated" in data["recommendation"]["reason"]
+    assert (
+        rows["colocated"]["num_cores"] == rows["disagg"]["num_cores"] == data["config"]["num_cores"]
+    )
 
     report = (out / "report.md").read_text()
-    assert "| mode | ok | TTFT p50 |" in report and "Recommendation: disagg" in report
+    assert "| mode | layout | cores | ok | TTFT p50 |" in report
+    assert "other not ranked: its cores" in report
     for name in ("ttft_cdf.png", "itl_cdf.png", "report.md"):
         assert (out / name).is_file()
-    assert "Recommendation: disagg" in printed
+    assert "Recommendation: " in printed
     assert "TTFT p99" in printed and "broken: failed to run" in printed
 
     # Saved runs are judged again from their records: the same rows, recommendation, report
@@ -115,8 +122,10 @@ def test_compare_runs_every_mode_and_writes_all_artefacts(
         for key in ("completed", "itl_p99", "goodput", "is_interference", "finding", "verdict"):
             assert row[key] == measured[key], (name, key)
         assert (again_dir / f"itl_timeline-again-{name}.png").is_file()
-    assert again["recommendation"]["name"] == "again/disagg"
-    assert "Recommendation: again/disagg" in (again_dir / "report.md").read_text()
+    recommended = data["recommendation"]["name"]
+    assert again["recommendation"]["name"] == (recommended and f"again/{recommended}")
+    assert again_rows["again/disagg"]["layout"] == rows["disagg"]["layout"]
+    assert "again/other not ranked" in again["recommendation"]["reason"]
     assert "again/colocated" in printed_again
     # ... and with other SLOs, judged by those.
     strict = tmp_path / "strict"
@@ -206,14 +215,77 @@ def test_searched_rows_rank_by_the_highest_rate_meeting_the_slos():
     rec = recommend(rows, has_slos=True, request_rate=1.0)
     assert rec.name == "disagg"
     assert "highest load with 90% of requests within the SLOs, 0.71 req/s" in rec.reason
-    assert "(highest loads: disagg 0.71, chunked 0.5, colocated 0.25)" in rec.reason
+    assert "(highest loads: disagg 0.71-1, chunked 0.5-0.71, colocated 0.25-0.35 req/s)" in (
+        rec.reason
+    )
     assert "at the offered 1 req/s no mode met every SLO" in rec.reason
+
+
+def test_a_winner_only_where_its_interval_is_clear_of_every_other():
+    # b's seeds disagree at 0.6: its highest rate lies in [0.4, 0.8), which a's 0.71 is not
+    # clear of; a third mode that never missed cannot be beaten either.
+    overlapping = [_searched("a", 0.71, 1.0), _searched("b", 0.4, 0.8), _searched("c", 0.2, 0.3)]
+    rec = recommend(overlapping, has_slos=True, request_rate=0.5)
+    assert rec.name is None
+    assert rec.reason.startswith(
+        "no clear winner on this machine: the highest loads with 90% of requests within the "
+        "SLOs overlap (a 0.71-1, b 0.4-0.8, c 0.2-0.3 req/s)"
+    )
+    assert recommend([_searched("a", 1.0, 2.0), _searched("b", 0.5)], True).name is None
+    clear = [_searched("a", 0.8, 1.0), _searched("b", 0.4, 0.8)]
+    assert recommend(clear, has_slos=True).name == "a"
+
+
+def test_only_rows_on_the_comparisons_cores_are_ranked():
+    rows = [
+        _searched("chunked", 0.5, 0.71, num_cores=2),
+        _searched("disagg", 0.35, 0.5, num_cores=2),
+        _searched("vllm", 2.0, 3.0),  # an --external without @CORES
+        _searched("big", 4.0, 6.0, num_cores=8),
+    ]
+    rec = recommend(rows, has_slos=True, num_cores=2)
+    assert rec.name == "chunked"
+    assert "; vllm not ranked: its cores are not declared (--external NAME=URL@CORES)" in (
+        rec.reason
+    )
+    assert "; big not ranked: it ran on 8 cores, the others on 2" in rec.reason
+    # Saved rows alone: ranked on the core count most of them recorded.
+    assert recommend([rows[1], rows[3], _searched("x", 0.2, 0.3, num_cores=2)], True).name == (
+        "disagg"
+    )
+
+
+def test_external_rows_declare_their_cores():
+    assert parse_external("v", "http://127.0.0.1:8100@4") == (
+        "http://127.0.0.1:8100",
+        Layout(None, 4, "external on 4 cores"),
+    )
+    url, layout = parse_external("v", "http://u:p@host:8100")
+    assert url == "http://u:p@host:8100" and layout.num_cores is None
+    with pytest.raises(BenchError, match="--external v: expected URL@CORES"):
+        parse_external("v", "http://h@0")
+
+
+def test_each_mode_gets_the_same_cores_in_its_own_layout():
+    assert mode_layout("chunked", 4) == Layout(
+        4, 4, "4 chunked replicas", ("--data-parallel-size", "4")
+    )
+    assert mode_layout("colocated", 1) == Layout(1, 1, "1 colocated engine")
+    assert mode_layout("disagg", 2).description == "1 prefill + 1 decode"
+    assert mode_layout("disagg", 5, (2, 3)).argv == (
+        *("--prefill-workers", "2", "--decode-workers", "3"),
+    )
+    assert disagg_split(1) == (1, 1) and disagg_split(8, 0.25) == (2, 6)
+    assert disagg_split(3, 0.05) == (1, 2) and disagg_split(3, 0.99) == (2, 1)
+    assert parse_split("1:3") == (1, 3)
+    with pytest.raises(BenchError, match="--disagg-split"):
+        parse_split("0:2")
 
 
 def test_searched_ties_and_nothing_met_recommend_nothing():
     tie = [_searched("a", 0.5, 0.71), _searched("b", 0.5, 0.71), _searched("c", 0.25, 0.35)]
     rec = recommend(tie, has_slos=True, request_rate=0.5)
-    assert rec.name is None and rec.reason.startswith("a tie: a and b each sustain 0.5 req/s")
+    assert rec.name is None and rec.reason.startswith("no clear winner on this machine")
     none = [_searched("a", None), _searched("b", None)]
     rec = recommend(none, has_slos=True, request_rate=0.5, attainment=0.95)
     assert rec.name is None
@@ -240,13 +312,14 @@ def test_table_shows_failed_rows():
     ]
     text = format_table(rows)
     header, ok, failed = text.splitlines()
-    assert header.split()[:3] == ["mode", "ok", "TTFT"]
-    assert ok.split()[1] == "10/10" and ok.split()[-4:] == ["90%", "-", "0%", "neither"]
-    assert failed.split()[:3] == ["broken", "failed", "-"]
-    markdown = format_table([_row("disagg")], markdown=True).splitlines()
-    assert markdown[1].startswith("|---|") and markdown[2].startswith("| disagg | 10/10 |")
-    searched = format_table([_searched("a", 0.5, None), _searched("b", None)]).splitlines()
-    assert "0.5+" in searched[1] and "none" in searched[2]
+    assert header.split()[:4] == ["mode", "layout", "cores", "ok"]
+    assert ok.split()[2] == "10/10" and ok.split()[-5:] == ["90%", "-", "-", "0%", "neither"]
+    assert failed.split()[:4] == ["broken", "?", "failed", "-"]
+    markdown = format_table([_row("disagg", layout="1 prefill + 1 decode", num_cores=2)], True)
+    assert markdown.splitlines()[2].startswith("| disagg | 1 prefill + 1 decode | 2 | 10/10 |")
+    searched = [_searched("a", 0.5, None, num_cores=2), _searched("b", None, 0.1)]
+    a, b = format_table(searched).splitlines()[1:]
+    assert ">=0.5 0.25" in " ".join(a.split()) and "none (<0.1)" in b
 
 
 def test_saved_single_runs_are_judged_from_their_records(tmp_path, capsys):

@@ -17,6 +17,7 @@ from pdserve.bench.demo import (
     size_demo,
 )
 from pdserve.bench.errors import BenchError
+from pdserve.bench.layout import disagg_split
 from tests.bench.conftest import REPO_ROOT
 
 
@@ -65,6 +66,19 @@ def test_a_slower_machine_gets_a_lighter_load_in_its_own_units():
     assert any(f"batch {PROBE_BATCH}" in line for line in slow.explain())
     with pytest.raises(BenchError, match="--time-budget"):
         size_demo(_profile(1.0, start_s=400.0), 870, 3)
+
+
+def test_every_mode_is_sized_for_the_same_cores():
+    one, four = size_demo(_profile(1.0), 870, 3, 1), size_demo(_profile(1.0), 870, 3, 4)
+    # One engine per core (the document share shifts a little with the request count).
+    assert four.capacity == pytest.approx(4 * one.capacity, rel=0.1)
+    assert four.request_rate > one.request_rate
+    assert 0 < four.prefill_share < 1
+    assert four.disagg_split == disagg_split(4, four.prefill_share)
+    assert size_demo(_profile(1.0), 870, 3, 2).disagg_split == (1, 1)
+    assert any("every mode on 4 cores" in line for line in four.explain())
+    assert four.to_dict()["disagg_split"] == list(four.disagg_split)
+    assert four.num_seeds > 1
 
 
 def test_token_budgets_follow_the_cost_of_a_document_s_last_slice():

@@ -105,6 +105,8 @@ def test_rate_search_against_a_stub_with_a_known_capacity(tmp_path, tokenizer_js
             "{python} -m tests.bench.stub_server --host {host} --port {port}",
             "--server-args",
             "--serial-prefill --ttft-ms 100 --itl-ms 5",
+            "--cores",
+            "1",  # one engine: 10 requests/s
             "--health-timeout",
             "60",
             "--tokenizer",

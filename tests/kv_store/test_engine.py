@@ -50,7 +50,8 @@ def test_second_engine_reads_the_shared_prefix(loaded, tmp_path):
 
     writer = _engine(loaded, store)
     _run(writer, first_prompt)
-    assert writer.kv_store.store.flush()
+    [store_connector] = writer.kv_connector.connectors
+    assert store_connector.store.flush()
     reader = _engine(loaded, store)
     tokens, prefill, final = _run(reader, second_prompt)
     reference, reference_prefill, _ = _run(_engine(loaded, None), second_prompt)

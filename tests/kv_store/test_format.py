@@ -171,3 +171,22 @@ def test_model_identity_follows_the_weights_not_the_path(tmp_path):
     assert model_identity("other-name", tmp_path / "a") != ids["a"]
     (tmp_path / "single.gguf").write_bytes(weights)
     assert model_identity("m", tmp_path / "single.gguf").startswith("m@")
+
+
+def test_a_registered_backend_is_named_by_its_url_scheme(tmp_path):
+    """A new backend is a `KVStoreBackend` and one `register_backend`: its scheme is a valid
+    --kv-store URL, and the store builds it (its module loaded only then)."""
+    from pdserve.kv_store import config as store_config
+    from pdserve.kv_store.backend import create_backend
+
+    with pytest.raises(ValueError, match="redis://, rediss://, unix://; got 'memo://x'"):
+        KVStoreConfig("memo://x")
+    store_config.register_backend("memo", "tests.kv_store.memo_backend", "MemoBackend")
+    try:
+        with pytest.raises(ValueError, match="registered already"):
+            store_config.register_backend("memo", "tests.kv_store.memo_backend", "MemoBackend")
+        backend = create_backend(KVStoreConfig("memo://x"), "salt", 64)
+        backend.put_many([(b"k", b"v")])
+        assert backend.get_many([b"k", b"j"]) == [b"v", None]
+    finally:
+        del store_config._BACKENDS["memo"]

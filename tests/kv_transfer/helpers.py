@@ -11,8 +11,19 @@ import torch
 from pdserve.kv_transfer import KVLayout, KVTransferConfig, KVTransferParams
 from pdserve.kv_transfer.blocks import TORCH_DTYPES
 from pdserve.kv_transfer.connector import create_kv_transport
+from pdserve.kv_transfer.shm import SharedKVCache
 
 NUM_BLOCKS = 64
+
+
+def engine_cache(
+    config: KVTransferConfig, layout: KVLayout, num_blocks: int
+) -> torch.Tensor | SharedKVCache:
+    """A cache as an engine's model runner allocates it for `config` (what connectors
+    register): in shared memory for the shm transports."""
+    if config.needs_shared_cache:
+        return SharedKVCache.create(layout, num_blocks)
+    return torch.zeros(layout.cache_shape(num_blocks), dtype=TORCH_DTYPES[layout.dtype])
 
 
 def tiny_layout(dtype: str = "float32", **overrides) -> KVLayout:

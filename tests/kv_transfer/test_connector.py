@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from pdserve.core.config import CacheConfig, SchedulerConfig
+from pdserve.core.kv_connector import KVAdmission, MultiConnector
 from pdserve.core.request import FinishReason, Request, RequestStatus
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
 from pdserve.core.scheduler import Scheduler
-from pdserve.kv_transfer import KVLeaseError, KVTransferConfig, KVTransferParams
-from pdserve.kv_transfer.connector import KVConnector, add_kv_request
-from tests.kv_transfer.helpers import bits, count_parses, tiny_layout
+from pdserve.kv_transfer import KVTransferConfig, KVTransferParams
+from pdserve.kv_transfer.connector import KVConnector
+from tests.kv_transfer.helpers import bits, count_parses, engine_cache, tiny_layout
 
 LAYOUT = tiny_layout()
 NUM_BLOCKS = 32
@@ -28,7 +29,8 @@ PROMPT = list(range(100, 110))  # 10 tokens: 2 full blocks of 4 and a partial on
 class Worker:
     def __init__(self, transport: str, role: str, num_blocks: int = NUM_BLOCKS) -> None:
         config = KVTransferConfig(transport=transport, kv_role=role)
-        self.connector = KVConnector(config, LAYOUT, num_blocks)
+        self.connector = KVConnector(config, LAYOUT)
+        self.connector.register_kv_caches(engine_cache(config, LAYOUT, num_blocks))
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_batched_tokens=64, max_model_len=8192),
             CacheConfig(LAYOUT.block_size, num_blocks),
@@ -40,9 +42,10 @@ class Worker:
     def add(self, request: Request, kv_transfer_params: dict | None = None) -> None:
         """What the engine does: the connector parses the params, then the request queues."""
         if kv_transfer_params:
-            request.output_token_ids = self.connector.add_request(
+            admission = self.connector.add_request(
                 request.request_id, kv_transfer_params, request.num_prompt_tokens
             )
+            request.output_token_ids = list(admission.output_token_ids)
         self.scheduler.add_request(request)
 
     def step(self) -> list[Request]:
@@ -140,8 +143,8 @@ def test_decode_continues_from_remote_kv_and_nothing_leaks(workers):
     assert received.output_token_ids == [FIRST_TOKEN, FIRST_TOKEN + 1, FIRST_TOKEN + 2]
     # The decode worker never ran the prompt: one token per step.
     assert max(decode.num_computed_per_step) == 1
-    result = decode.connector.pop_transfer_result("d")
-    assert result.is_ok and result.stats.num_bytes == LAYOUT.nbytes(3)
+    result = decode.connector.take_result("d").transfer
+    assert result.error is None and result.num_bytes == LAYOUT.nbytes(3)
 
     prefill.run_until(lambda: not prefill.scheduler.held)
     assert prefill.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
@@ -155,7 +158,7 @@ def test_failed_transfer_recomputes_locally(workers):
     received = _decode_leg(decode, sent)
     decode.run_until(lambda: received.is_finished)
     assert max(decode.num_computed_per_step) == len(PROMPT) + 1  # prompt recomputed here
-    assert isinstance(decode.connector.pop_transfer_result("d").error, KVLeaseError)
+    assert "lease" in decode.connector.take_result("d").transfer.error
     prefill.run_until(lambda: not prefill.scheduler.held)
     assert prefill.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
     assert decode.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
@@ -170,7 +173,7 @@ def test_local_prefix_hit_fetches_only_the_rest(workers):
     sent = _prefill_leg(prefill)
     received = _decode_leg(decode, sent)
     decode.run_until(lambda: received.num_computed_tokens >= len(PROMPT))
-    assert decode.connector.pop_transfer_result("d").stats.num_bytes == LAYOUT.nbytes(1)
+    assert decode.connector.take_result("d").transfer.num_bytes == LAYOUT.nbytes(1)
     assert torch.equal(
         bits(_prompt_kv(decode, received, len(PROMPT))),
         bits(_prompt_kv(prefill, sent, len(PROMPT))),
@@ -200,7 +203,7 @@ def test_abort_while_receiving_holds_blocks_until_the_fetch_ends(workers):
     decode.scheduler.abort_request("d")
     decode.run_until(lambda: not decode.scheduler.held)
     assert decode.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
-    assert decode.connector.pop_transfer_result("d") is None
+    assert decode.connector.take_result("d").transfer is None
     prefill.run_until(lambda: not prefill.scheduler.held)
     assert prefill.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
 
@@ -225,13 +228,14 @@ def test_the_query_is_pure(workers):
     prefill, decode = workers
     sent = _prefill_leg(prefill)
     received = _request("d", 3)
-    received.output_token_ids = decode.connector.add_request("d", sent.kv_hand_off, len(PROMPT))
+    admission = decode.connector.add_request("d", sent.kv_hand_off, len(PROMPT))
+    received.output_token_ids = list(admission.output_token_ids)
     answers = [decode.connector.get_num_new_matched_tokens(received, n) for n in (0, 0, 8, 12, 0)]
     assert answers == [10, 10, 2, 0, 10]
     decode.scheduler.add_request(received)
     decode.run_until(lambda: received.is_finished)
     # A release queued by a query would have run before this fetch and made it fail.
-    assert decode.connector.pop_transfer_result("d").stats.num_bytes == LAYOUT.nbytes(3)
+    assert decode.connector.take_result("d").transfer.num_bytes == LAYOUT.nbytes(3)
     assert max(decode.num_computed_per_step) == 1
 
 
@@ -250,7 +254,7 @@ def test_a_remote_request_blocked_on_blocks_is_asked_again_and_nothing_happens(m
         assert len(queries) >= 2 and {answer for _, answer in queries} == {10}
         assert prefill.connector.transport.leases.num_held_blocks == 3
         decode.run_until(lambda: received.is_finished)
-        assert decode.connector.pop_transfer_result("d").stats.num_bytes == LAYOUT.nbytes(3)
+        assert decode.connector.take_result("d").transfer.num_bytes == LAYOUT.nbytes(3)
         prefill.run_until(lambda: not prefill.scheduler.held)
     finally:
         decode.close()
@@ -285,7 +289,7 @@ def test_a_decode_leg_is_parsed_once(workers, monkeypatch):
     received = _decode_leg(decode, sent)
     decode.run_until(lambda: received.is_finished)
     assert parsed == [sent.kv_hand_off]
-    assert decode.connector.pop_transfer_result("d").is_ok
+    assert decode.connector.take_result("d").transfer.error is None
 
 
 def test_bad_params_are_refused_naming_the_field(workers):
@@ -301,5 +305,5 @@ def test_bad_params_are_refused_naming_the_field(workers):
             decode.connector.add_request("bad", params, len(PROMPT))
         assert info.value.param == "kv_transfer_params"
     with pytest.raises(InvalidParameterError, match="takes no part in KV transfer"):
-        add_kv_request(None, "x", {"do_remote_decode": True}, len(PROMPT))
-    assert add_kv_request(None, "x", None, len(PROMPT)) == []
+        MultiConnector().add_request("x", {"do_remote_decode": True}, len(PROMPT))
+    assert MultiConnector().add_request("x", None, len(PROMPT)) == KVAdmission()

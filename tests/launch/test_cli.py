@@ -15,7 +15,8 @@ from pdserve.engine.args import (
     KV_TRANSFER_FLAGS,
     engine_config_from_args,
 )
-from pdserve.launch.cli import CLUSTER_FLAGS, DISAGG_FLAGS, PER_WORKER_FLAGS, WORKER_FLAGS
+from pdserve.launch.cli import CLUSTER_FLAGS, DISAGG_FLAGS, REPLICA_FLAGS
+from pdserve.launch.deployment import PER_WORKER_FLAGS, WORKER_FLAGS
 from pdserve.launch.local import plan_workers
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTER_FLAGS, ROUTING_FLAGS
 from pdserve.router.cli import add_parser as add_router_parser
@@ -27,9 +28,10 @@ GROUPS = (
     "engine",
     "KV transfer (disaggregated workers)",
     "shared KV store",
+    "data parallel (--mode colocated|chunked)",
     "disaggregation (--mode disagg)",
-    "cluster (--mode disagg)",
-    "routing (--mode disagg)",
+    "cluster (replicas or --mode disagg)",
+    "routing (replicas or --mode disagg)",
     "autoscaling (--mode disagg)",
 )
 
@@ -57,6 +59,7 @@ def test_serve_help_is_grouped_and_lists_each_flag_once():
         ENGINE_FLAGS,
         KV_TRANSFER_FLAGS,
         KV_STORE_FLAGS,
+        REPLICA_FLAGS,
         DISAGG_FLAGS,
         CLUSTER_FLAGS,
         ROUTING_FLAGS,
@@ -96,8 +99,8 @@ PATCHES = [
     ("pdserve.router.config", "RouterConfig", "balance_factor", 3.5),
     ("pdserve.router.config", "RouterConfig", "unhealthy_threshold", 4),
     ("pdserve.sim.config", "SimConfig", "memory_utilization", 0.5),
-    ("pdserve.router.autoscale", "AutoscaleConfig", "interval_s", 4.5),
-    ("pdserve.router.autoscale", "AutoscaleConfig", "max_decode_workers", 6),
+    ("pdserve.router.autoscale.config", "AutoscaleConfig", "interval_s", 4.5),
+    ("pdserve.router.autoscale.config", "AutoscaleConfig", "max_decode_workers", 6),
 ]
 CHANGED = """
 import importlib, json, sys
@@ -143,7 +146,7 @@ def test_a_default_changed_in_its_field_shows_in_every_command_line():
     assert serve["unhealthy_threshold"] == router["unhealthy_threshold"] == 4
     assert simulate["max_num_partial_prefills"] == 3
     assert simulate["memory_utilization"] == 0.5
-    assert (serve["autoscale_interval"], serve["max_decode_workers"]) == (4.5, 6)
+    assert (serve["interval_s"], serve["max_decode_workers"]) == (4.5, 6)
 
 
 def test_workers_take_the_engine_kv_and_server_limit_flags_and_nothing_else():
@@ -206,3 +209,27 @@ def test_a_shared_kv_store_tells_the_router_so():
     assert not config("--mode", "disagg").shared_kv_store
     assert config("--mode", "disagg", "--kv-store", "redis://cache:6379").shared_kv_store
     assert config("--mode", "disagg", "--shared-kv-store").shared_kv_store
+
+
+def test_every_command_line_offers_the_modes_of_the_one_enum():
+    from pdserve.core.config import Mode
+    from pdserve.sim.options import parse_modes
+
+    serve = next(a for a in serve_parser()._actions if a.dest == "mode")
+    assert list(serve.choices) == [mode.value for mode in Mode]
+    assert parse_modes(",".join(serve.choices)) == list(Mode)
+
+
+def test_routing_and_autoscale_flags_are_named_as_their_config_fields():
+    """`config_from_args` maps by name: a flag whose dest is no field would be dropped."""
+    import dataclasses
+
+    from pdserve.router.autoscale.config import AutoscaleConfig
+    from pdserve.router.config import RouterConfig
+
+    for flags, config, own in (
+        (ROUTING_FLAGS, RouterConfig, {"policy"}),  # --policy: both pools' default
+        (AUTOSCALE_FLAGS, AutoscaleConfig, {"autoscale"}),  # --autoscale: whether at all
+    ):
+        names = {f.name for f in dataclasses.fields(config)}
+        assert {option.dest for option in flags} - names == own

@@ -14,7 +14,7 @@ import textwrap
 import httpx
 import pytest
 
-from pdserve.launch.cli import worker_argv
+from pdserve.launch.deployment import worker_argv
 from pdserve.launch.local import assign_cores, plan_workers
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
 from tests.router.harness import REPO_ROOT, free_port, wait_until
@@ -200,15 +200,15 @@ def test_a_worker_dying_at_startup_is_reported_with_its_log_tail(tmp_path):
 
 
 @pytest.mark.slow
-def test_launch_disagg_exits_1_when_a_worker_cannot_start(tmp_path):
+def test_launch_local_exits_1_when_a_worker_cannot_start(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         from tests.launch.test_launcher import serve_parser
-        from pdserve.launch.local import launch_disagg
+        from pdserve.launch.local import launch_local
         args = serve_parser().parse_args([
             "--mode", "disagg", "--worker-log-dir", {str(tmp_path)!r},
             "--worker-args=--no-such-flag", "--startup-timeout", "120"])
-        sys.exit(launch_disagg(args))
+        sys.exit(launch_local(args))
     """)
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=180
@@ -220,7 +220,7 @@ def test_launch_disagg_exits_1_when_a_worker_cannot_start(tmp_path):
 
 
 @pytest.mark.slow
-def test_launch_disagg_serves_through_stub_workers_and_stops_them_on_sigterm(tmp_path):
+def test_launch_local_serves_through_stub_workers_and_stops_them_on_sigterm(tmp_path):
     """The whole launcher (workers, health wait, router, signals) with stub workers standing
     in for `pdserve serve --role ...` (its plan is swapped in the child process)."""
     router_port, prefill_port, decode_port = free_port(), free_port(), free_port()
@@ -241,7 +241,7 @@ def test_launch_disagg_serves_through_stub_workers_and_stops_them_on_sigterm(tmp
         launcher.plan_workers = lambda args: [stub("prefill", {prefill_port}, cores[0]),
                                               stub("decode", {decode_port}, cores[-1])]
         args = serve_parser().parse_args(["--mode", "disagg", "--port", "{router_port}"])
-        sys.exit(launcher.launch_disagg(args))
+        sys.exit(launcher.launch_local(args))
     """)
     launcher_process = subprocess.Popen(
         [sys.executable, "-c", script],

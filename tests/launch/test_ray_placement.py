@@ -81,11 +81,27 @@ def test_pdserve_imports_without_ray():
     subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, check=True, timeout=120)
 
 
-def test_cluster_is_for_disaggregated_serving():
+def test_replicas_are_plain_servers_of_their_mode_with_the_decode_pools_resources():
+    args = serve_parser().parse_args(
+        [
+            *("--mode", "chunked", "--data-parallel-size", "3", "--cluster", "ray"),
+            *("--max-num-seqs", "4", "--decode-worker-args", "--max-num-batched-tokens 128"),
+            *("--decode-worker-resources", '{"CPU": 2}'),
+        ]
+    )
+    plan = plan_from_args(args, SECRET)
+    assert plan.role_argv["decode"] == ("--mode", "chunked")
+    assert plan.argv["decode"] == ("--max-num-seqs", "4")  # a disagg decode pool's flags: no
+    assert plan.resources["decode"] == {"CPU": 2.0}
+    assert plan.kv_transport is None  # replicas move no KV
+    assert _plan().role_argv == {"prefill": ("--role", "prefill"), "decode": ("--role", "decode")}
+
+
+def test_autoscaling_is_for_disaggregated_pools():
     from pdserve.launch.cli import run
 
-    with pytest.raises(ValueError, match="--cluster places the workers of --mode disagg"):
-        run(serve_parser().parse_args(["--mode", "chunked", "--cluster", "ray"]))
+    with pytest.raises(ValueError, match="--autoscale sizes the pools of --mode disagg"):
+        run(serve_parser().parse_args(["--mode", "chunked", "--autoscale", "--cluster", "ray"]))
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -10,9 +13,15 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import quantize
 
-from pdserve.model.attention import AttentionMetadata, TorchAttentionBackend
+from pdserve.model.attention import (
+    AttentionMetadata,
+    TorchAttentionBackend,
+    prefill_case,
+    prefill_kernel_choice,
+)
+from pdserve.model.kernels import cpu_ops
 from pdserve.model.kernels.build import VARIANTS, can_run
-from pdserve.model.kernels.cpu_ops import PREFILL_KERNEL_WINS, CpuOps, load_cpu_ops
+from pdserve.model.kernels.cpu_ops import CpuOps, load_cpu_ops
 from pdserve.model.quant import QuantizedWeight, QuantType, quantize_activations, quantize_int8
 from tests.model.helpers import kernel_variants
 
@@ -158,9 +167,9 @@ def test_paged_prefill_follows_scores_that_keep_growing(ops, dtype, atol):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_attention_runs_where_the_table_says(ops, monkeypatch, dtype):
-    """The backend sends prefill chunks to the kernel or to SDPA as PREFILL_KERNEL_WINS
-    says for this variant and dtype, with the same result either way."""
+def test_prefill_attention_runs_where_the_choice_says(ops, monkeypatch, dtype):
+    """The backend sends prefill chunks to the kernel or to SDPA as the measured choice's
+    timings for the chunk's case say, with the same result either way."""
     generator = torch.Generator().manual_seed(8)
     cache = torch.randn(2, 12, 16, 3, 64, generator=generator).to(dtype)
     meta = AttentionMetadata.build([([5, 2, 9, 0, 7], 40, 30)], 16, "cpu")
@@ -175,8 +184,10 @@ def test_prefill_attention_runs_where_the_table_says(ops, monkeypatch, dtype):
     monkeypatch.setattr(ops, "paged_prefill", spy)
     backend = TorchAttentionBackend(64**-0.5, ops)
     outputs = {}
+    case = json.dumps(prefill_case(dtype, dtype, 9, 3, 64, 30, 40))
     for wins in (True, False):
-        monkeypatch.setitem(PREFILL_KERNEL_WINS, (ops.isa, dtype), wins)
+        timing = (1.0, 2.0) if wins else (2.0, 1.0)  # (kernel, SDPA) seconds
+        monkeypatch.setitem(prefill_kernel_choice(ops).timings, case, timing)
         calls.clear()
         outputs[wins] = backend.forward(q, k, v, cache.clone(), meta)
         assert len(calls) == int(wins)
@@ -233,14 +244,16 @@ def test_silu_mul(ops, dtype, atol):
 ROWS = [1, 2, 3, 5, 8, 13, 40]  # every row tile, with partial tiles
 
 
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rows", [*ROWS, 16, 17, 32, 70])  # AMX: 16-row tiles, 32 per pass
 @pytest.mark.parametrize("has_bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dense_linear(ops, dtype, rows, has_bias):
+@pytest.mark.parametrize("in_features", [70, 96])  # 96: whole AMX tiles of 32 inputs
+def test_dense_linear(ops, dtype, rows, has_bias, in_features):
     generator = torch.Generator().manual_seed(4)
-    weight = torch.randn(100, 70, generator=generator).to(dtype)  # 100: a partial last group
+    # 100 outputs: a partial last group.
+    weight = torch.randn(100, in_features, generator=generator).to(dtype)
     bias = torch.randn(100, generator=generator).to(dtype) if has_bias else None
-    x = torch.randn(rows, 70, generator=generator).to(dtype)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
     expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     got = ops.linear(x, ops.pack_dense(weight), bias)
     assert got.dtype == dtype and got.shape == (rows, 100)
@@ -322,3 +335,16 @@ def test_quantized_weight_reads_gguf_blocks_like_gguf():
         blocks = quantize(weight.numpy(), ggml_type)
         ours = QuantizedWeight(qtype, blocks, (20, 64)).dequantize()
         np.testing.assert_array_equal(ours.numpy(), dequantize(blocks, ggml_type))
+
+
+def test_the_ctypes_structs_match_the_c_ones(ops, monkeypatch):
+    """Every variant's library reports its structs' sizes and the mirrors have them; a mirror
+    that lost a field is refused at load."""
+    cpu_ops.check_struct_sizes(ops._lib)
+
+    class Shorter(ctypes.Structure):
+        _fields_ = cpu_ops._PackedLinear._fields_[:-1]
+
+    monkeypatch.setattr(cpu_ops, "_STRUCTS", (Shorter, *cpu_ops._STRUCTS[1:]))
+    with pytest.raises(RuntimeError, match="Shorter is 32 bytes, the C struct 40"):
+        CpuOps(ops._lib, ops.isa)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ class TwoHosts:
     addr_a: str
     addr_b: str
     veth_b: str  # host B's end of the pair
+    veth_a: str  # host A's end
 
     def command(self, ns: str, argv: Sequence[str]) -> list[str]:
         """`argv` run inside namespace `ns`."""
@@ -67,6 +69,27 @@ class TwoHosts:
         return int(out.stdout)
 
 
+def rate_bits_per_s(rate: str) -> float:
+    """A tc rate ("10gbit", "100mbit", "123456bit") in bits per second."""
+    match = re.fullmatch(r"([\d.]+)([kmg]?)bit", rate)
+    if match is None:
+        raise ValueError(f"rate {rate!r}: expected e.g. 10gbit, 100mbit")
+    return float(match[1]) * {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}[match[2]]
+
+
+def shape_link(hosts: TwoHosts, rate: str) -> None:
+    """Both ends of the veth limited to `rate` (tc's units, e.g. 10gbit, 250mbit) by a token
+    bucket (tbf; netem is not in every kernel) with a burst of 4 ms of it, at least 64 KB."""
+    burst = max(64 * 1024, int(rate_bits_per_s(rate) / 8 * 0.004))
+    tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
+    for ns, dev in ((hosts.ns_a, hosts.veth_a), (hosts.ns_b, hosts.veth_b)):
+        subprocess.run(
+            hosts.command(ns, ["tc", "qdisc", "replace", "dev", dev, "root", *tbf]),
+            check=True,
+            capture_output=True,
+        )
+
+
 def netns_unavailable_reason() -> str | None:
     """Why two namespaces cannot be made here, or None when they can."""
     if os.geteuid() != 0:
@@ -85,9 +108,9 @@ def netns_unavailable_reason() -> str | None:
 def two_hosts() -> Iterator[TwoHosts]:
     tag = str(os.getpid())[-6:]
     hosts = TwoHosts(
-        f"pda{tag}", f"pdb{tag}", f"{SUBNET_PREFIX}.1", f"{SUBNET_PREFIX}.2", f"vb{tag}"
+        f"pda{tag}", f"pdb{tag}", f"{SUBNET_PREFIX}.1", f"{SUBNET_PREFIX}.2", f"vb{tag}", f"va{tag}"
     )
-    veth_a = f"va{tag}"
+    veth_a = hosts.veth_a
     try:
         for argv in (
             ["ip", "netns", "add", hosts.ns_a],

@@ -8,17 +8,13 @@ import math
 import pytest
 from prometheus_client.exposition import generate_latest
 
+from pdserve.api.metric_names import ITL_HISTOGRAM, TTFT_HISTOGRAM
 from pdserve.core.scheduler import EngineStats
-from pdserve.router.autoscale import (
-    SLO,
-    Action,
-    AutoscaleConfig,
-    AutoscaleController,
-    Histogram,
-    HistogramRecorder,
-    WorkerSample,
-)
-from pdserve.router.autoscaler import ITL_HISTOGRAM, TTFT_HISTOGRAM
+from pdserve.router.autoscale import planner
+from pdserve.router.autoscale.config import SLO, AutoscaleConfig
+from pdserve.router.autoscale.histogram import Histogram, HistogramRecorder
+from pdserve.router.autoscale.planner import Action, AutoscaleController, Pressure
+from pdserve.router.autoscale.signals import WorkerSample
 from pdserve.router.health import parse_histogram
 from pdserve.router.policies import PoolRole
 from pdserve.server.metrics import ServerMetrics
@@ -352,6 +348,28 @@ def test_the_tick_log_records_each_pools_signals():
     assert logged["signals"]["decode"]["kv_cache_usage"] == 0.25
     assert logged["signals"]["decode"]["itl_p90_ms"] is None
     assert logged["decision"] is None
+
+
+def test_a_long_running_controller_keeps_only_the_latest_ticks_and_decisions(monkeypatch):
+    monkeypatch.setattr(planner, "MAX_TICKS", 4)
+    monkeypatch.setattr(planner, "MAX_DECISIONS", 1)
+    fleet = Fleet(p0=PREFILL, d0=DECODE)
+    controller = AutoscaleController(config(grace_s=0.0, cooldown_s=0.0, max_prefill_workers=9))
+    slow = {"p0": {"ttft": SLOW_TTFT}, "d0": {"itl": FAST_ITL}}
+    made = run(controller, fleet, [slow] * 10)
+    assert len(made) > 1  # a new worker every other tick
+    assert [t.time_s for t in controller.ticks] == [6.0, 7.0, 8.0, 9.0]
+    assert list(controller.decisions) == [made[max(made)]]
+
+
+def test_the_rules_are_tried_in_order_on_the_pressed_pools_then_the_quiet_ones():
+    assert [(rule.name, rule.streak) for rule in planner.RULES] == [
+        ("switch_in", Pressure.HIGH),
+        ("add", Pressure.HIGH),
+        ("merge", Pressure.HIGH),
+        ("split", Pressure.HIGH),
+        ("drain", Pressure.LOW),
+    ]
 
 
 # ---- histograms ------------------------------------------------------------------------

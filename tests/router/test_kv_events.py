@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from pdserve.api.asgi import install_front_door
+from pdserve.api.signing import FleetAuth
 from pdserve.core.kv_events import KVEventLog
 from pdserve.router.kv_events import KVEventSubscriber
 from pdserve.router.prefix_index import PrefixIndex
@@ -47,10 +48,10 @@ def test_the_router_index_follows_the_log_through_overflow_and_resync_with_the_s
 
         async def run() -> None:
             index = PrefixIndex(4)
-            headers = {"Authorization": f"Bearer {SECRET}"}
-            async with httpx.AsyncClient(headers=headers, trust_env=False) as client:
-                refused = await client.get(f"{worker.url}/kv/events", headers={"Authorization": ""})
+            async with httpx.AsyncClient(trust_env=False) as stranger:
+                refused = await stranger.get(f"{worker.url}/kv/events")
                 assert refused.status_code == 401
+            async with httpx.AsyncClient(auth=FleetAuth(SECRET), trust_env=False) as client:
                 subscriber = KVEventSubscriber(index, client, connect_timeout_s=5.0)
                 subscriber.sync([worker.url])
                 await _until(lambda: subscriber.is_synced(worker.url), "the first snapshot")

@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.launch.fleet import FLEET_SECRET_ENV
+from pdserve.api.signing import FleetAuth
+from pdserve.fleet import FLEET_SECRET_ENV
 from pdserve.router.config import RouterConfig
 from tests.router.harness import ManagedProcess, RouterThread, free_port, wait_until
 
@@ -38,7 +39,7 @@ class Worker:
     def cached(self) -> set[int]:
         response = httpx.get(
             f"{self.url}/kv/blocks",
-            headers={"Authorization": f"Bearer {SECRET}"},
+            auth=FleetAuth(SECRET),
             trust_env=False,
             timeout=30,
         )
@@ -154,7 +155,7 @@ def test_role_switch_restart_and_a_lost_event_leave_the_indexes_equal(fleet, tmp
     response = httpx.post(
         f"{workers[0].url}/v1/completions",
         json={"prompt": _prompt(11, 1), "max_tokens": 2},
-        headers={"Authorization": f"Bearer {SECRET}"},
+        auth=FleetAuth(SECRET),
         trust_env=False,
         timeout=300,
     )

@@ -100,3 +100,35 @@ def test_make_policy_names_and_errors():
 def test_empty_candidate_list_is_an_error():
     with pytest.raises(ValueError, match="no candidate"):
         LeastLoaded(DECODE).select([], 1)
+
+
+def test_a_registered_policy_is_a_choice_of_the_router_flags_and_its_config():
+    """A new policy is one `register_policy`: the flags offer it, the config accepts it,
+    `make_policy` (the router's and the simulator's) builds it."""
+    import argparse
+
+    from pdserve.flags import add_flags
+    from pdserve.router import policies
+    from pdserve.router.cli import ROUTING_FLAGS
+    from pdserve.router.config import RouterConfig
+
+    class First:
+        def __init__(self, role):
+            self.role = role
+
+        def select(self, loads, prompt_len):
+            return 0
+
+    policies.register_policy("first", lambda role, balance_factor: First(role))
+    try:
+        with pytest.raises(ValueError, match="registered already"):
+            policies.register_policy("first", lambda role, balance_factor: First(role))
+        assert isinstance(make_policy("first", PREFILL), First)
+        RouterConfig(prefill_urls=(), decode_urls=("http://127.0.0.1:1",), decode_policy="first")
+        parser = argparse.ArgumentParser()
+        add_flags(parser, None, ROUTING_FLAGS)
+        assert parser.parse_args(["--decode-policy", "first"]).decode_policy == "first"
+    finally:
+        del policies.POLICIES["first"]
+    with pytest.raises(ValueError, match="unknown policy 'first'"):
+        RouterConfig(prefill_urls=(), decode_urls=("http://127.0.0.1:1",), decode_policy="first")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pdserve.sim.config import Mode, PoolConfig, SimConfig, scheduler_config_for
+from pdserve.core.config import Mode
+from pdserve.sim.config import PoolConfig, SimConfig, scheduler_config_for
 from pdserve.sim.hardware import get_hardware
 from pdserve.sim.model_spec import MODELS
 from pdserve.sim.workload import SimRequestSpec

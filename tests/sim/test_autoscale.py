@@ -12,16 +12,24 @@ import threading
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from pdserve.launch.provision import WorkerHandle
-from pdserve.router.autoscale import SLO, AutoscaleConfig, WorkerSample
-from pdserve.router.autoscaler import BUSY_SECONDS, ITL_HISTOGRAM, TTFT_HISTOGRAM, Autoscaler
+from pdserve.api.metric_names import (
+    BUSY_SECONDS,
+    ITL_HISTOGRAM,
+    KV_USAGE_GAUGE,
+    RUNNING_GAUGE,
+    TTFT_HISTOGRAM,
+    WAITING_GAUGE,
+)
+from pdserve.core.config import Mode
+from pdserve.router.autoscale.config import SLO, AutoscaleConfig
+from pdserve.router.autoscale.loop import Autoscaler
+from pdserve.router.autoscale.signals import WorkerSample
 from pdserve.router.config import RouterConfig
-from pdserve.router.health import KV_USAGE_GAUGE, RUNNING_GAUGE, WAITING_GAUGE
 from pdserve.router.policies import PoolRole
+from pdserve.router.provision import WorkerHandle
 from pdserve.router.runtime import RouterRuntime
-from pdserve.sim.autoscale import SimAutoscale
 from pdserve.sim.cli import run as run_cli
-from pdserve.sim.config import Mode, PoolConfig, SimConfig, scheduler_config_for
+from pdserve.sim.config import PoolConfig, SimAutoscale, SimConfig, scheduler_config_for
 from pdserve.sim.hardware import get_hardware
 from pdserve.sim.model_spec import MODELS
 from pdserve.sim.network import get_network

@@ -23,7 +23,7 @@ def test_claim_1_physics_and_verdict():
     assert "9.18 GB" in text  # 28,000 × 327,680 B
     assert "184 ms" in text  # over 50 GB/s
     assert "H100-SXM fp8 372 ms" in text  # 4.86e15 FLOPs at 8 × peak
-    assert report.verdict.startswith("Cannot hold")
+    assert report.verdict.startswith("Cannot hold") and report.status == claims.FAILS
     assert "KV transfer" in report.simulation[0]
 
 
@@ -31,11 +31,28 @@ def test_claim_2_chunking_bounds_the_stall():
     report = claim_2()
     colocated, chunked = report.simulation[1:]
     assert "colocated" in colocated and "chunked" in chunked
-    assert report.verdict.startswith("Plausible")
+    assert report.status == claims.HOLDS_IF
 
 
 def test_render_lists_every_claim():
-    reports = [ClaimReport(i, f"claim {i}", ["p"], ["s"], "v") for i in range(1, 6)]
+    reports = [
+        ClaimReport(i, f"claim {i}", ["p"], ["s"], "v", claims.HOLDS_IF, "served")
+        for i in range(1, 6)
+    ]
     text = render(reports)
     assert all(f"## {i}. claim {i}" in text for i in range(1, 6))
-    assert "**Verdict.** v" in text
+    assert "**Verdict: holds only if.** v" in text
+    # The summary table names each claim's band: the served one for served figures.
+    assert (
+        f"| 3 | claim 3 | served | `h100-sxm-trtllm`, served band ±{claims.BANDS['served']:.0%}"
+        in text
+    )
+
+
+def test_seed_claims_judged_by_arithmetic():
+    assert claims.claim_9().status == claims.FAILS
+    assert "32 for 32,768 tokens" in claims.claim_9().physics[0]
+    ten = claims.claim_10()
+    assert ten.status == claims.FAILS and ten.figure == "kernel"
+    best, _ = claims._best_measured_gemm_share()
+    assert 0.5 < best < 0.92

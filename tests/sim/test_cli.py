@@ -163,3 +163,40 @@ def test_plan_shows_bands_beside_latencies_and_capacity(capsys):
     assert "calibration: a100-80gb-trtllm" in printed
     assert "in parentheses with every step ±" in printed
     assert "within the calibration band it carries" in printed
+
+
+def test_simulate_and_bench_read_the_workload_flags_alike():
+    """One declaration (`WORKLOAD_FLAGS`), one conversion: the same argv gives both commands
+    the same workload options, trace window included."""
+    from pdserve.bench.workloads.flags import workload_options
+    from pdserve.cli import build_parser
+
+    argv = [
+        *("--workload", "trace", "--chat-input-len", "10:20", "--prefix-len", "7"),
+        *("--trace-window-start", "random", "--trace-duration", "30"),
+    ]
+    parser = build_parser()
+    bench = parser.parse_args(["bench", "--base-url", "http://127.0.0.1:1", *argv])
+    simulate = parser.parse_args(["simulate", *argv])
+    options = workload_options(bench)
+    assert options == workload_options(simulate)
+    assert (options.prefix_len, options.chat_input_len.low, options.trace_window.start_s) == (
+        7,
+        10,
+        None,
+    )
+    assert options.trace_window.duration_s == 30
+
+
+def test_simulate_takes_the_engine_and_router_flags_as_they_declare_them():
+    """Only a default or help that depends on the simulated device differs."""
+    from pdserve.engine.args import ENGINE_FLAGS
+    from pdserve.router.cli import ROUTING_FLAGS
+    from pdserve.sim.options import ENGINE_FLAGS_SIMULATED
+
+    declared = {option.name: option for option in (*ENGINE_FLAGS, *ROUTING_FLAGS)}
+    for option in ENGINE_FLAGS_SIMULATED:
+        own = declared[option.name]
+        assert option.dest == own.dest
+        for key in ("type", "choices", "action", "metavar"):
+            assert option.options.get(key) == own.options.get(key), (option.name, key)

@@ -1,6 +1,6 @@
 import pytest
 
-from pdserve.sim.config import Mode
+from pdserve.core.config import Mode
 from pdserve.sim.model_spec import MODELS
 from pdserve.sim.simulator import simulate
 from tests.sim.helpers import azure_trace, make_config

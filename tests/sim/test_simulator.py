@@ -3,8 +3,11 @@ from dataclasses import replace
 import pytest
 
 import pdserve.core.scheduler as core_scheduler
-from pdserve.sim.config import Mode, with_scheduler
+from pdserve.core.config import Mode
+from pdserve.router.config import KVHandoff
+from pdserve.sim.config import with_scheduler
 from pdserve.sim.efficiency import Efficiency
+from pdserve.sim.handoff import exposed_seconds, predicted_ttft
 from pdserve.sim.network import get_network
 from pdserve.sim.simulator import Simulation, simulate
 from pdserve.sim.workload import SimRequestSpec
@@ -169,3 +172,29 @@ def test_step_jitter_is_reproducible_per_seed():
     assert first == timelines(efficiency=jittery, seed=3)
     assert first != timelines(efficiency=jittery, seed=4)
     assert first != steady
+
+
+def test_a_streamed_hand_off_exposes_only_what_the_link_cannot_hide():
+    """A 100 Gb/s link between two 8-GPU nodes: the pulled KV's whole transfer follows the
+    prefill; streamed, the link carries the chunks while the later ones compute and only the
+    rest lands on the TTFT (`sim/handoff.py`)."""
+    specs = [SimRequestSpec("long", 0.0, 8000, 2)]
+    pulled = make_config(Mode.DISAGG, tp=8, network=get_network("100"))
+    streamed = replace(pulled, kv_handoff=KVHandoff.STREAM)
+    pull, stream = (simulate(c, specs).records[0] for c in (pulled, streamed))
+    assert stream.server_extra["prefill_ms"] == pytest.approx(pull.server_extra["prefill_ms"])
+    assert stream.server_extra["kv_transfer_ms"] < 0.5 * pull.server_extra["kv_transfer_ms"]
+    # The link is faster than the KV is made: only the last of the 16 chunks is exposed.
+    last_chunk_ms = pull.server_extra["kv_transfer_ms"] / 16
+    assert stream.server_extra["kv_transfer_ms"] == pytest.approx(last_chunk_ms, rel=0.05)
+    assert stream.ttft < pull.ttft
+
+
+def test_the_exposed_part_is_the_last_chunk_or_what_the_link_fell_behind():
+    # A link faster than the KV is made: only the last chunk's own transfer is exposed.
+    assert exposed_seconds(8e6, 1e9, 1.0, 8, is_streamed=True) == pytest.approx(1e-3)
+    # A slow one: 8 MB take 8 s, 7/8 s of them hidden behind the later chunks.
+    assert exposed_seconds(8e6, 1e6, 1.0, 8, is_streamed=True) == pytest.approx(8 - 7 / 8)
+    assert exposed_seconds(8e6, 1e6, 1.0, 8, is_streamed=False) == pytest.approx(8)
+    ttft = predicted_ttft(1.0, 8e6, 1e9, 8)
+    assert ttft["alone"] < ttft["stream"] < ttft["pull"]

@@ -122,7 +122,7 @@ def load_library(source: Path, isa: IsaVariant = VARIANTS[-1]) -> ctypes.CDLL | 
         )
     ).hexdigest()[:16]
     try:
-        library = _cache_dir() / f"{source.stem}-{isa.name}-{key}.so"
+        library = cache_dir() / f"{source.stem}-{isa.name}-{key}.so"
     except OSError as e:
         logger.warning("%s; using the slower torch path instead of %s", e, source.name)
         return None
@@ -159,7 +159,7 @@ def _compile(compiler: str, source: Path, isa: IsaVariant, library: Path) -> boo
         Path(partial).unlink(missing_ok=True)
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     for candidate in (
         base / "pdserve" / "kernels",

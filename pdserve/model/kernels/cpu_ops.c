@@ -652,8 +652,85 @@ ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int ydt, c
     }
 }
 
+#if defined(__AMX_BF16__)
+#define AMX_LINEAR_ROWS 32 /* rows of x per pass over a weight group: two 16-row tiles */
+/* Tiles 0, 1: y of rows [0, m0) and [m0, m0 + m1) (float); 2, 3: their x (32 bf16 inputs);
+ * 4: one group's 32 inputs, which W_BF16 stores as AMX wants B (pairs of inputs per row). */
+static void amx_linear_configure(int64_t m0, int64_t m1) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    const int64_t tile_rows[5] = {m0, m1, m0, m1, 16};
+    for (int i = 0; i < 5; i++) {
+        config.rows[i] = (uint8_t)tile_rows[i];
+        config.colsb[i] = tile_rows[i] ? 64 : 0;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Rows [first, first + n), n <= AMX_LINEAR_ROWS, of y for groups [g0, g1): bf16 x [rows][in]
+ * times W_BF16 in tiles (fp32 sums of exact bf16 products), in % 32 == 0. */
+static void amx_linear_pass(const uint16_t* w, const uint16_t* x, const void* bias, void* y,
+                            int ydt, int64_t first, int64_t n, int64_t out, int64_t in,
+                            int64_t g0, int64_t g1) {
+    const int64_t m0 = n < 16 ? n : 16, m1 = n - m0, stride = in * 2;
+    const uint16_t* x0 = x + first * in;
+    const uint16_t* x1 = x0 + 16 * in;
+    float c[AMX_LINEAR_ROWS][16];
+    amx_linear_configure(m0, m1);
+    for (int64_t g = g0; g < g1; g++) {
+        const uint16_t* wg = w + g * 16 * in;
+        _tile_zero(0);
+        if (m1) _tile_zero(1);
+        for (int64_t k = 0; k < in; k += 32) {
+            _tile_loadd(4, wg + 16 * k, 64);
+            _tile_loadd(2, x0 + k, stride);
+            _tile_dpbf16ps(0, 2, 4);
+            if (m1) {
+                _tile_loadd(3, x1 + k, stride);
+                _tile_dpbf16ps(1, 3, 4);
+            }
+        }
+        _tile_stored(0, c[0], 64);
+        if (m1) _tile_stored(1, c[16], 64);
+        const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;
+        const V16 b = bias ? load_dt_n(bias, 16 * g, width, ydt) : v_zero();
+        for (int64_t r = 0; r < n; r++)
+            store_dt_n(y, (first + r) * out + 16 * g, width, v_add(v_load(c[r]), b), ydt);
+    }
+}
+#endif
+
+/* Whether `linear` multiplies bfloat16 weights by bfloat16 rows in AMX tiles here (from 3
+ * rows): the amx build, a kernel that grants the tiles. */
+int linear_has_amx(void) {
+#if defined(__AMX_BF16__)
+    return pf_amx_permitted();
+#else
+    return 0;
+#endif
+}
+
 ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, const void* bias,
                                void* y, int64_t rows, int64_t out, int64_t in, uint8_t* scratch) {
+    const int64_t num_groups = (out + 15) / 16;
+#if defined(__AMX_BF16__)
+    if (wfmt == W_BF16 && xdt == DT_BF16 && rows >= 3 && in % 32 == 0 && pf_amx_permitted()) {
+        /* As below, a chunk of groups stays in L2 while every pass of rows crosses it. */
+        int64_t chunk = CHUNK_BYTES / group_bytes(wfmt, in);
+        chunk = chunk < 1 ? 1 : chunk;
+        for (int64_t g0 = 0; g0 < num_groups; g0 += chunk) {
+            const int64_t g1 = g0 + chunk < num_groups ? g0 + chunk : num_groups;
+            for (int64_t first = 0; first < rows; first += AMX_LINEAR_ROWS) {
+                const int64_t n = rows - first < AMX_LINEAR_ROWS ? rows - first : AMX_LINEAR_ROWS;
+                amx_linear_pass((const uint16_t*)w, (const uint16_t*)x, bias, y, xdt, first, n,
+                                out, in, g0, g1);
+            }
+        }
+        _tile_release();
+        return;
+    }
+#endif
     /* vdpbf16ps only for one or two rows: at more, its throughput (measured on Sapphire
      * Rapids) falls behind converting the weights to float32 for FMAs. */
     const int dpbf16 = HAS_DPBF16 && wfmt == W_BF16 && rows <= 2;
@@ -683,7 +760,6 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
     }
     /* A chunk of groups stays in L2 while every tile of rows passes over it: the weights
      * come from memory once per call, however many rows. */
-    const int64_t num_groups = (out + 15) / 16;
     int64_t chunk = CHUNK_BYTES / group_bytes(wfmt, in);
     chunk = chunk < 1 ? 1 : chunk;
     for (int64_t g0 = 0; g0 < num_groups; g0 += chunk) {
@@ -890,4 +966,12 @@ void decode_forward(const DecoderModel* m, int64_t rows, void* hidden, const flo
     else
         decode_forward_impl(DT_BF16, DT_F32, DECODE_ARGS);
 #undef DECODE_ARGS
+}
+
+/* sizeof each struct the ctypes mirror (cpu_ops.py, `_STRUCTS`) passes, in that order: it
+ * checks them at load, so a field changed on one side only fails loudly, not as a misread. */
+void pdserve_struct_sizes(int64_t* sizes) {
+    sizes[0] = sizeof(PackedLinear);
+    sizes[1] = sizeof(DecoderLayer);
+    sizes[2] = sizeof(DecoderModel);
 }

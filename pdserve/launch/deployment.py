@@ -1,0 +1,161 @@
+"""What every deployment behind a router shares (`--mode disagg`, or replicas of
+`--mode colocated|chunked --data-parallel-size N`), on one host or on a cluster.
+
+`WORKER_FLAGS`, the flags a worker is started with (and `worker_argv`, their values from the
+command line); the pools' initial sizes (`initial_roles`), each worker's own step log; and
+`run_deployment`, which starts the workers, runs the router in this process until
+SIGINT/SIGTERM and stops them. The one-host launcher (`launch.local`) and the Ray placement
+(`launch.ray_cluster`) both build on it; `launch.cli` picks between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import logging
+import shlex
+import signal
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from pdserve.core.config import Mode
+from pdserve.engine.args import ENGINE_FLAGS, KV_STORE_FLAGS, KV_TRANSFER_FLAGS
+from pdserve.launch.worker_group import WorkerStartupError
+from pdserve.router.autoscale.config import AutoscaleConfig
+from pdserve.router.cli import autoscale_config_from_args, serve_router
+from pdserve.router.config import RouterConfig
+from pdserve.router.policies import PoolRole
+from pdserve.router.provision import Provisioner
+from pdserve.router.runtime import Discover
+from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer
+from pdserve.server.cli import SERVER_FLAGS
+
+logger = logging.getLogger("pdserve.launch")
+
+WORKER_HOST = "127.0.0.1"
+
+# Set by the launcher for each worker (its role, address, threads and step log) or kept for
+# the router (the mode, the API key: workers listen on loopback behind it).
+PER_WORKER_FLAGS = frozenset(
+    {"--mode", "--host", "--port", "--api-key", "--role", "--num-threads", "--step-log"}
+)
+# What every worker of a deployment is started with, where the user gave it: the server's
+# limits, the engine's flags, the KV transfer's and the KV store's. The disaggregation and
+# routing flags are the launcher's and the router's alone.
+WORKER_FLAGS = tuple(
+    option
+    for option in (*SERVER_FLAGS, *ENGINE_FLAGS, *KV_TRANSFER_FLAGS, *KV_STORE_FLAGS)
+    if option.name not in PER_WORKER_FLAGS
+)
+
+
+def is_replicated(args: argparse.Namespace) -> bool:
+    """Whether the deployment's workers are replicas (whole servers of `--mode`), not pools
+    of a disaggregated one."""
+    return args.mode != Mode.DISAGG.value
+
+
+def role_argv(args: argparse.Namespace, role: str) -> list[str]:
+    """What makes a worker what it is: a replica is a plain server of the deployment's mode,
+    a disaggregated worker a `--role prefill|decode` server."""
+    return ["--mode", args.mode] if is_replicated(args) else ["--role", role]
+
+
+def worker_argv(args: argparse.Namespace, role: str) -> list[str]:
+    """The flags each `role` worker is started with besides its role, address, threads and
+    step log: `WORKER_FLAGS` the user gave, then --worker-args, then the pool's own (a
+    disaggregated worker's; the last of a flag given twice wins)."""
+    forwarded = [arg for option in WORKER_FLAGS for arg in option.argv(getattr(args, option.dest))]
+    pool_args = "" if is_replicated(args) else getattr(args, f"{role}_worker_args")
+    return [*forwarded, *shlex.split(args.worker_args), *shlex.split(pool_args)]
+
+
+def run_deployment(
+    args: argparse.Namespace,
+    config: RouterConfig,
+    start: Callable[[], None],
+    stop: Callable[[], None],
+    provisioner: Provisioner | None = None,
+    autoscale: AutoscaleConfig | None = None,
+    discover: Discover | None = None,
+) -> int:
+    """`start` the workers (returns once all are healthy, or raises `WorkerStartupError`), run
+    the router in this process until SIGINT/SIGTERM, and `stop` them whatever happened; 0
+    after a clean stop, 1 if startup failed. `provisioner`, `autoscale` and `discover` as
+    `router.runtime.RouterRuntime` takes them."""
+    with _sigterm_raises_shutdown():
+        try:
+            tokenizer = (
+                _load_tokenizer_while(start, args.model) if config.needs_token_ids else start()
+            )
+            print(f"pdserve {args.mode}: serving on http://{config.host}:{config.port}", flush=True)
+            serve_router(config, tokenizer, provisioner, autoscale, discover)
+        except WorkerStartupError as exc:
+            print(f"pdserve serve --mode disagg: {exc}", file=sys.stderr)
+            return 1
+        except _Shutdown:
+            pass
+        finally:
+            stop()
+    return 0
+
+
+def initial_roles(args: argparse.Namespace) -> list[str]:
+    """Prefill workers then decode workers; with --autoscale within the pools' bounds.
+    Replicas serve whole requests: they are the router's decode pool."""
+    if is_replicated(args):
+        return ["decode"] * args.data_parallel_size
+    num_prefill, num_decode = args.prefill_workers, args.decode_workers
+    if num_prefill < 0 or num_decode < 1:
+        raise ValueError("--decode-workers must be >= 1 and --prefill-workers >= 0")
+    bounds = autoscale_config_from_args(args)
+    if bounds is not None:
+        num_prefill = bounds.clamp(PoolRole.PREFILL, num_prefill)
+        num_decode = bounds.clamp(PoolRole.DECODE, num_decode)
+    return ["prefill"] * num_prefill + ["decode"] * num_decode
+
+
+def step_log_flags(path: str | None, worker_name: str) -> list[str]:
+    """Each worker logs its steps to its own file: steps.jsonl -> steps.prefill-0.jsonl."""
+    if path is None:
+        return []
+    path = Path(path)
+    return ["--step-log", str(path.with_name(f"{path.stem}.{worker_name}{path.suffix}"))]
+
+
+def free_port(host: str = WORKER_HOST) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _load_tokenizer_while(wait: Callable[[], None], model: str | None) -> PromptTokenizer | None:
+    """Load the router's tokenizer while `wait` (workers starting) runs; on failure the router
+    asks the workers' /tokenize instead."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        loading = pool.submit(LocalTokenizer.load, model)
+        wait()
+        try:
+            return loading.result()
+        except ValueError as exc:
+            logger.warning("router tokenizer: %s; asking the workers' /tokenize", exc)
+            return None
+
+
+class _Shutdown(Exception):
+    """SIGTERM arrived: unwind, stopping every child on the way."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises_shutdown() -> Iterator[None]:
+    def handler(signum: int, frame: object) -> None:
+        raise _Shutdown
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,143 @@
+"""Choices between two implementations of one op, measured on the machine that runs them.
+
+Which of two kernels is faster depends on the CPU (its ISA, cache sizes, whether torch's
+kernels use AMX), the dtypes, the thread count and the sizes, so a table measured elsewhere
+goes stale. A `MeasuredChoice` times both candidates the first time a case comes up (a
+synthetic input of the case's size bucket), keeps the winner, and caches the timings on disk
+next to the compiled kernels, keyed by the library build, the CPU model and torch's version:
+later processes on the machine read the answer instead of measuring again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Hashable
+from pathlib import Path
+
+import torch
+
+from pdserve.model.cpu_runtime import read_cpu_flags
+
+logger = logging.getLogger(__name__)
+
+# Timed rounds after a warm-up one; each round runs A then B, so a burst of load from other
+# processes hits both, and each candidate's best round counts.
+ROUNDS = 5
+
+
+def size_bucket(n: int, smallest: int = 16) -> int:
+    """n rounded up to a power of two (at least `smallest`; 0 stays 0): cases within a
+    factor of two share one measurement."""
+    if n <= 0:
+        return 0
+    bucket = smallest
+    while bucket < n:
+        bucket *= 2
+    return bucket
+
+
+def interleaved_best_seconds(
+    a: Callable[[], object], b: Callable[[], object], rounds: int = ROUNDS
+) -> tuple[float, float]:
+    """(best seconds of a, best of b) over `rounds` rounds of a then b, after one warm-up."""
+    best = [float("inf"), float("inf")]
+    a(), b()
+    for _ in range(rounds):
+        for i, run in enumerate((a, b)):
+            start = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
+
+
+class MeasuredChoice:
+    """Whether candidate A beats candidate B per case, timed on first use and cached.
+
+    `prepare(case) -> (run_a, run_b)` makes both runnable on an input of the case's size
+    (a case is a tuple of JSON scalars, dtypes as names); they are timed interleaved."""
+
+    def __init__(
+        self,
+        name: str,
+        build_id: str,
+        prepare: Callable[[tuple], tuple[Callable[[], object], Callable[[], object]]],
+        cache_dir: Path | None,
+    ) -> None:
+        self.name = name
+        self._prepare = prepare
+        self._lock = threading.Lock()
+        self._path = (
+            None if cache_dir is None else cache_dir / f"{name}-{_machine_key(build_id)}.json"
+        )
+        self.timings: dict[str, tuple[float, float]] = self._read()
+
+    def a_wins(self, case: tuple[Hashable, ...]) -> bool:
+        a_seconds, b_seconds = self.timing(case)
+        return a_seconds < b_seconds
+
+    def timing(self, case: tuple[Hashable, ...]) -> tuple[float, float]:
+        """(A's, B's) best seconds on `case`: from the cache, else measured now."""
+        key = json.dumps(case)
+        timing = self.timings.get(key)
+        if timing is None:
+            with self._lock:
+                timing = self.timings.get(key)
+                if timing is None:
+                    timing = interleaved_best_seconds(*self._prepare(case))
+                    self.timings[key] = timing
+                    logger.info(
+                        "%s %s: %.3f ms vs %.3f ms (measured here, cached in %s)",
+                        self.name,
+                        key,
+                        timing[0] * 1e3,
+                        timing[1] * 1e3,
+                        self._path,
+                    )
+                    self._write()
+        return timing
+
+    def _read(self) -> dict[str, tuple[float, float]]:
+        if self._path is None:
+            return {}
+        try:
+            data = json.loads(self._path.read_text())
+            return {key: (float(a), float(b)) for key, (a, b) in data.items()}
+        except (OSError, ValueError, TypeError):
+            return {}
+
+    def _write(self) -> None:
+        if self._path is None:
+            return
+        # Merge with what another process wrote meanwhile; write under a private name and
+        # rename, so a reader never sees half a file.
+        merged = self._read() | self.timings
+        try:
+            fd, partial = tempfile.mkstemp(dir=self._path.parent, suffix=".json.partial")
+            with os.fdopen(fd, "w") as f:
+                json.dump(merged, f)
+            os.replace(partial, self._path)
+        except OSError as e:
+            logger.warning("cannot cache %s's timings in %s: %s", self.name, self._path, e)
+
+
+def _machine_key(build_id: str) -> str:
+    """What the timings depend on besides the case: the kernels' build, the CPU, torch."""
+    parts = (build_id, _cpu_model(), " ".join(sorted(read_cpu_flags())), torch.__version__)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    return ""

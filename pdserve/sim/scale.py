@@ -1,0 +1,360 @@
+"""`pdserve simulate scale DEMO_DIR`: the demo's question past this machine.
+
+The demo (`bench demo`) measured every mode on this machine's cores, its servers logging their
+engine steps. From those step logs alone (no separate calibration run) the simulator is
+calibrated for one core (`cpu-local`), then:
+
+1. it re-predicts the measured table: each mode, laid out as it ran (replicas, or P + D
+   workers, with the demo's token budgets), on the demo's workload: its highest rate meeting
+   the SLOs (the planner's capacity search) against the measured interval, and TTFT / ITL p99
+   at the offered rate against the measured row, with the relative error (goal: 15%);
+2. on the same traffic shape (the same requests per core, arriving as much faster as the fleet
+   is larger) each mode's goodput per core on fleets of `FLEET_SIZES` cores, disagg at its best
+   P:D split of a few around the workload's prefill share;
+3. with `gpu`, the same for a GPU fleet (`GPU_MODEL` on `GPU_HARDWARE`) at its shipped
+   calibration: a prediction, with the range the calibration's band puts on every capacity.
+   Not in `make demo`: the SLOs are this machine's, so loose for a GPU that every layout
+   meets them at every rate the capacity search tries (the capacities are lower bounds).
+
+Where the best mode per core changes between two fleet sizes, the lines cross; the report says
+where, or that they do not, with a plot of goodput per core against fleet size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.sim.calibration import fit_efficiency, load_samples
+from pdserve.sim.config import Mode
+from pdserve.sim.cost_model import CostModel
+from pdserve.sim.efficiency import calibration_for
+from pdserve.sim.errors import SimConfigError
+from pdserve.sim.hardware import get_hardware
+from pdserve.sim.layout import Layout
+from pdserve.sim.model_spec import load_model_spec
+from pdserve.sim.options import (
+    Deployment,
+    add_deployment_args,
+    add_workload_args,
+    workload_from_args,
+)
+from pdserve.sim.planner import PlanInputs, evaluate, find_capacity
+from pdserve.sim.profile_fit import calibration_of
+
+FLEET_SIZES = (4, 8, 16, 64)
+GPU_HARDWARE = "H100-SXM"
+GPU_MODEL = "Llama-3.1-8B"
+# A fleet run has the demo's requests per core, up to this many (the simulation's time).
+MAX_FLEET_PROMPTS = 48
+# Disagg's prefill shares tried per fleet: the workload's, and twice it.
+SPLIT_FACTORS = (1.0, 2.0)
+GOAL = 0.15
+MODES = ("colocated", "chunked", "disagg")
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class ScaleReport:
+    """What `run_scale` found; `lines` the report's Markdown, `data` its JSON."""
+
+    lines: list[str] = field(default_factory=list)
+    data: dict = field(default_factory=dict)
+
+
+def run_scale(
+    demo_dir: Path, progress: Progress = lambda _: None, gpu: bool = False
+) -> ScaleReport:
+    """The scale section for a demo's results directory (module doc)."""
+    sizing = json.loads((demo_dir / "sizing.json").read_text())
+    compare = json.loads((demo_dir / "compare.json").read_text())
+    steps = sorted((demo_dir / "steps").glob("*.jsonl"))
+    if not steps:
+        raise SimConfigError(f"{demo_dir / 'steps'} holds no step logs: run `bench demo` first")
+    calibration_path = demo_dir / "calibration.json"
+    _calibrate(steps, calibration_path)
+    report = ScaleReport()
+    cpu = _inputs(sizing, "cpu-local", "SmolLM2-135M", str(calibration_path))
+    report.lines += _repredict(sizing, compare, cpu, report.data, progress)
+    share = sizing["prefill_share"]
+    num_cores = sizing["num_cores"]
+    per_core_rate = sizing["request_rate"] / num_cores
+    cpu_fleet = _fleet(sizing, cpu, per_core_rate, share, num_cores, progress)
+    report.data["cpu_fleet"] = cpu_fleet
+    report.lines += _fleet_lines(
+        "This machine's cores, calibrated from the demo's own step logs", cpu_fleet, "cores"
+    )
+    gpu_fleet = None
+    if gpu:
+        gpu_cal = calibration_for(None, get_hardware(GPU_HARDWARE).name)
+        gpu_inputs = _inputs(sizing, GPU_HARDWARE, GPU_MODEL, None)
+        gpu_rate = _capacity_guess(gpu_inputs, num_cores, progress) / num_cores
+        gpu_fleet = _fleet(sizing, gpu_inputs, gpu_rate, share, num_cores, progress)
+        report.data.update(gpu_fleet=gpu_fleet, gpu_band=gpu_cal.band, gpu=gpu_cal.name)
+        band = gpu_cal.band or 0.0
+        report.lines += _fleet_lines(
+            f"A GPU fleet: {GPU_MODEL} on {GPU_HARDWARE} (a prediction from the shipped "
+            f"calibration {gpu_cal.name}, band ±{band:.0%}: each capacity lies in "
+            "[c/(1+band), c/(1-band)]; this machine's SLOs, loose for a GPU)",
+            gpu_fleet,
+            "GPUs",
+            band,
+        )
+    _plot(cpu_fleet, gpu_fleet, demo_dir / "scale.png")
+    report.lines += ["", "![goodput per core against fleet size](scale.png)"]
+    (demo_dir / "scale.json").write_text(json.dumps(report.data, indent=1))
+    (demo_dir / "scale.md").write_text("\n".join(report.lines) + "\n")
+    return report
+
+
+def _calibrate(steps: Sequence[Path], path: Path) -> None:
+    model, hardware = load_model_spec("SmolLM2-135M"), get_hardware("cpu-local")
+    samples = [s for p in steps for s in load_samples(p)]
+    fit = fit_efficiency(CostModel(model, hardware, 1), samples)
+    calibration_of(
+        fit,
+        path.stem,
+        None,
+        stack="pdserve's engine in the demo's own runs (one thread per engine)",
+        sources=[str(p) for p in steps],
+        model=model.name,
+        hardware=hardware.name,
+        tp=1,
+    ).save(path)
+
+
+def _inputs(
+    sizing: dict,
+    hardware: str,
+    model: str,
+    calibration: str | None,
+    num_prompts: int | None = None,
+    rate: float | None = None,
+) -> PlanInputs:
+    """The demo's workload (`num_prompts` at `rate`, default the demo's) on `hardware`."""
+    w = sizing["workload"]
+    parser = argparse.ArgumentParser()
+    add_deployment_args(parser, with_layout=True)
+    add_workload_args(parser)
+    argv = [
+        *("--hardware", hardware, "--model", model),
+        *(("--calibration", calibration) if calibration else ()),
+        *("--workload", "mixed", "--seed", "0"),
+        *("--num-prompts", str(num_prompts or w["num_prompts"])),
+        *("--request-rate", f"{rate or sizing['request_rate']:.6g}"),
+        *("--long-fraction", str(w["long_fraction"]), "--burst-size", str(w["burst_size"])),
+        *("--chat-input-len", w["chat_input_len"], "--chat-output-len", w["chat_output_len"]),
+        *("--long-input-len", w["long_input_len"], "--long-output-len", w["long_output_len"]),
+    ]
+    args = parser.parse_args(argv)
+    deployment = Deployment.from_args(args)
+    planned = workload_from_args(args, deployment.max_model_len)
+    return PlanInputs(deployment, planned, dict(sizing["slos_ms"]))
+
+
+def _layouts(sizing: dict, num_cores: int, prefill_share: float) -> dict[str, list[Layout]]:
+    """Each mode's layouts as the demo ran them: replicas of one core, or P + D workers."""
+    args = sizing["mode_args"]
+    chunk = int(args["chunked"][1])
+    threshold = int(args["disagg"][1])
+    decode_budget = int(args["disagg"][3].split()[-1])
+    splits = sorted(
+        {min(num_cores - 1, max(1, round(num_cores * prefill_share * f))) for f in SPLIT_FACTORS}
+    )
+    return {
+        "colocated": [Layout(Mode.COLOCATED, 1)],
+        "chunked": [Layout(Mode.CHUNKED, 1, budget=chunk)],
+        "disagg": [
+            Layout(
+                Mode.DISAGG,
+                1,
+                prefill_tp=1,
+                prefill_fraction=p / num_cores,
+                local_prefill_threshold=threshold,
+                decode_budget=decode_budget,
+            )
+            for p in splits
+        ],
+    }
+
+
+def _repredict(
+    sizing: dict, compare: dict, inputs: PlanInputs, data: dict, progress: Progress
+) -> list[str]:
+    num_cores = sizing["num_cores"]
+    split = sizing["disagg_split"]
+    rows = {r["name"]: r for r in compare["rows"]}
+    measured_share = split[0] / num_cores
+    table = []
+    for mode in MODES:
+        row = rows.get(mode)
+        if row is None or row.get("error"):
+            continue
+        layout = _layouts(sizing, num_cores, measured_share)[mode][0]
+        if mode == "disagg":
+            layout = Layout(
+                Mode.DISAGG,
+                1,
+                prefill_tp=1,
+                prefill_fraction=measured_share,
+                local_prefill_threshold=layout.local_prefill_threshold,
+                decode_budget=layout.decode_budget,
+            )
+        at_rate = evaluate(inputs, layout, num_cores)
+        capacity = find_capacity(inputs, layout, num_cores, progress)
+        m = at_rate.result.metrics
+        table.append(
+            {
+                "mode": mode,
+                "layout": row.get("layout", ""),
+                "max_rate": [row.get("max_rate"), row.get("min_missed_rate")],
+                "predicted_max_rate": capacity,
+                "ttft_p99": [row["ttft_p99"], m.ttft.p99],
+                "itl_p99": [row["itl_p99"], m.itl.p99],
+            }
+        )
+    data["repredicted"] = table
+    lines = [
+        "## Past this machine: the simulator, calibrated from this run's step logs",
+        "",
+        f"Measured (this run) against predicted (the simulator calibrated on the same run's "
+        f"engine steps, each mode laid out as it ran on {num_cores} cores); TTFT and ITL p99 "
+        f"at the offered rate, in ms; the goal is within {GOAL:.0%}.",
+        "",
+        "| mode | layout | max rate measured | predicted | TTFT p99 measured | predicted | error "
+        "| ITL p99 measured | predicted | error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in table:
+        low, high = t["max_rate"]
+        measured = "none" if low is None else f"{low:.3g}" + (f"-{high:.3g}" if high else "+")
+        lines.append(
+            f"| {t['mode']} | {t['layout']} | {measured} | {t['predicted_max_rate']:.3g} | "
+            f"{t['ttft_p99'][0]:.0f} | {t['ttft_p99'][1]:.0f} | {_error(*t['ttft_p99'])} | "
+            f"{t['itl_p99'][0]:.1f} | {t['itl_p99'][1]:.1f} | {_error(*t['itl_p99'])} |"
+        )
+    return lines
+
+
+def _error(measured: float, predicted: float) -> str:
+    if not measured:
+        return "-"
+    error = (predicted - measured) / measured
+    return f"{error:+.0%}" + ("" if abs(error) <= GOAL else " (over goal)")
+
+
+def _capacity_guess(inputs: PlanInputs, num_cores: int, progress: Progress) -> float:
+    """A chunked fleet's capacity at `num_cores`: where the GPU fleet's searches start."""
+    layout = Layout(Mode.CHUNKED, 1)
+    return max(1e-3, find_capacity(inputs, layout, num_cores, progress))
+
+
+def _fleet(
+    sizing: dict,
+    base: PlanInputs,
+    per_core_rate: float,
+    share: float,
+    demo_cores: int,
+    progress: Progress,
+) -> dict[str, dict]:
+    """Each fleet size: each mode's best capacity per core (and disagg's split)."""
+    hardware = base.deployment.hardware.name
+    model = base.deployment.model.name
+    calibration = base.deployment.args.calibration
+    per_core_prompts = sizing["workload"]["num_prompts"] / demo_cores
+    fleet: dict[str, dict] = {}
+    for size in FLEET_SIZES:
+        num_prompts = min(MAX_FLEET_PROMPTS, math.ceil(per_core_prompts * size))
+        inputs = _inputs(sizing, hardware, model, calibration, num_prompts, per_core_rate * size)
+        best: dict[str, dict] = {}
+        for mode, layouts in _layouts(sizing, size, share).items():
+            if base.deployment.hardware.name != "cpu-local":
+                layouts = [_gpu_layout(layout) for layout in layouts]
+            for layout in layouts:
+                capacity = find_capacity(inputs, layout, size, progress)
+                if mode not in best or capacity > best[mode]["capacity"]:
+                    best[mode] = {
+                        "capacity": capacity,
+                        "per_core": capacity / size,
+                        "layout": layout.label(size),
+                    }
+        fleet[str(size)] = best
+    return fleet
+
+
+def _gpu_layout(layout: Layout) -> Layout:
+    """The same family on a GPU: the GPU deployment's own token budgets."""
+    return Layout(
+        layout.mode,
+        layout.tp,
+        prefill_tp=layout.prefill_tp,
+        prefill_fraction=layout.prefill_fraction,
+        local_prefill_threshold=layout.local_prefill_threshold,
+    )
+
+
+def _fleet_lines(title: str, fleet: dict[str, dict], unit: str, band: float = 0.0) -> list[str]:
+    sizes = list(fleet)
+    lines = ["", f"### {title}", "", f"Goodput per {unit[:-1]} (req/s meeting the SLOs):", ""]
+    lines += ["| mode | " + " | ".join(f"{s} {unit}" for s in sizes) + " |"]
+    lines += ["|---|" + "---|" * len(sizes)]
+    for mode in MODES:
+        cells = []
+        for size in sizes:
+            entry = fleet[size].get(mode)
+            if entry is None:
+                cells.append("-")
+                continue
+            text = f"{entry['per_core']:.3g}"
+            if band:
+                low, high = entry["per_core"] / (1 + band), entry["per_core"] / (1 - band)
+                text += f" ({low:.3g}-{high:.3g})"
+            if mode == "disagg":
+                text += f" [{entry['layout']}]"
+            cells.append(text)
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    lines += ["", crossing(fleet, unit)]
+    return lines
+
+
+def crossing(fleet: dict[str, dict], unit: str) -> str:
+    """Where the best mode per core changes between fleet sizes, or that it never does."""
+    leaders = [(size, max(best, key=lambda m: best[m]["per_core"])) for size, best in fleet.items()]
+    changes = [
+        f"{b} overtakes {a} between {s} and {t} {unit}"
+        for (s, a), (t, b) in itertools.pairwise(leaders)
+        if a != b
+    ]
+    if not changes:
+        return f"The lines do not cross: {leaders[0][1]} leads at every size."
+    return "The lines cross: " + "; ".join(changes) + "."
+
+
+def _plot(cpu: dict[str, dict], gpu: dict[str, dict] | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(cpu, "CPU cores (calibrated here)")]
+    if gpu is not None:
+        panels.append((gpu, f"{GPU_MODEL} on {GPU_HARDWARE} (predicted)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (fleet, title) in zip(axes[0], panels, strict=True):
+        sizes = [int(s) for s in fleet]
+        for mode in MODES:
+            ax.plot(sizes, [fleet[str(s)][mode]["per_core"] for s in sizes], marker="o", label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("fleet size")
+        ax.set_ylabel("goodput per device (req/s)")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

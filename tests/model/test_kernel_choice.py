@@ -1,0 +1,118 @@
+"""Kernel choices measured on this machine: the prefill attention path picks what its own
+timing says, the timing is taken once per case and cached on disk, and a timing the test
+makes itself agrees with the choice wherever the two paths differ clearly."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+import torch
+
+from pdserve.model import attention, auto_dtype
+from pdserve.model.attention import (
+    AttentionMetadata,
+    TorchAttentionBackend,
+    prefill_case,
+    prefill_kernel_choice,
+)
+from pdserve.model.kernels.choice import MeasuredChoice, interleaved_best_seconds, size_bucket
+from pdserve.model.kernels.cpu_ops import load_cpu_ops
+from tests.model.helpers import kernel_variants
+
+# A margin past which the test's own timing must agree with the choice (shared CPUs are noisy).
+CLEAR_MARGIN = 1.5
+
+
+def test_size_bucket():
+    assert [size_bucket(n) for n in (0, 1, 16, 17, 512, 513, 3000)] == [
+        0,
+        16,
+        16,
+        32,
+        512,
+        1024,
+        4096,
+    ]
+
+
+def test_measured_once_per_case_and_cached_on_disk(tmp_path):
+    measured = []
+
+    def prepare(case):
+        """A sleeps 1 ms and B 20 ms for case "a", the other way round for "b"."""
+        measured.append(case)
+        fast, slow = (lambda: time.sleep(0.001)), (lambda: time.sleep(0.02))
+        return (fast, slow) if case[0] == "a" else (slow, fast)
+
+    choice = MeasuredChoice("demo", "build-1", prepare, tmp_path)
+    assert choice.a_wins(("a", 1)) and choice.a_wins(("a", 1))
+    assert not choice.a_wins(("b", 1))
+    assert measured == [("a", 1), ("b", 1)]
+    again = MeasuredChoice("demo", "build-1", prepare, tmp_path)  # a later process
+    assert again.a_wins(("a", 1)) and not again.a_wins(("b", 1))
+    assert len(measured) == 2
+    other_build = MeasuredChoice("demo", "build-2", prepare, tmp_path)
+    other_build.a_wins(("a", 1))
+    assert len(measured) == 3  # another library is measured anew
+
+
+def _own_timing(ops, dtype, num_new, num_computed) -> tuple[float, float]:
+    """(kernel, SDPA) best seconds on an input of the test's own (contiguous blocks)."""
+    generator = torch.Generator().manual_seed(3)
+    num_blocks = -(-(num_computed + num_new) // 16)
+    cache = torch.randn(2, num_blocks, 16, 3, 64, generator=generator).to(dtype)
+    meta = AttentionMetadata.build([(list(range(num_blocks)), num_computed, num_new)], 16, "cpu")
+    chunk = meta.prefills[0]
+    q = torch.randn(num_new, 9, 64, generator=generator).to(dtype)
+    k, v = cache.view(2, -1, 3, 64)[:, meta.slot_mapping]
+    sdpa = TorchAttentionBackend(64**-0.5)
+    threads = torch.get_num_threads()
+    return interleaved_best_seconds(
+        lambda: ops.paged_prefill(q, cache, chunk.block_table, num_computed, sdpa.scale, threads),
+        lambda: sdpa._prefill(q, k, v, cache, chunk),
+        rounds=7,
+    )
+
+
+@pytest.mark.parametrize("isa", kernel_variants())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_new", "num_computed"), [(512, 0), (256, 1024)])
+def test_prefill_choice_follows_the_measurement(
+    isa, dtype, num_new, num_computed, tmp_path, monkeypatch
+):
+    ops = load_cpu_ops(isa)
+    if ops is None:
+        pytest.skip(f"the {isa} kernels did not compile (no C compiler?)")
+    monkeypatch.setattr(attention, "cache_dir", lambda: tmp_path)
+    prefill_kernel_choice.cache_clear()
+    try:
+        choice = prefill_kernel_choice(ops)
+        case = prefill_case(dtype, dtype, 9, 3, 64, num_new, num_computed)
+        wins = choice.a_wins(case)
+        kernel_s, sdpa_s = choice.timings[json.dumps(case)]
+        assert wins == (kernel_s < sdpa_s)
+        assert list(tmp_path.glob(f"prefill-attention-{isa}-*.json"))
+        own_kernel_s, own_sdpa_s = _own_timing(ops, dtype, num_new, num_computed)
+        if own_kernel_s * CLEAR_MARGIN < own_sdpa_s:
+            assert wins, (own_kernel_s, own_sdpa_s, kernel_s, sdpa_s)
+        elif own_sdpa_s * CLEAR_MARGIN < own_kernel_s:
+            assert not wins, (own_kernel_s, own_sdpa_s, kernel_s, sdpa_s)
+    finally:
+        prefill_kernel_choice.cache_clear()
+
+
+def test_auto_dtype_is_the_measured_faster_one(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(auto_dtype, "cache_dir", lambda: tmp_path)
+    auto_dtype.dtype_choice.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="pdserve.model.auto_dtype"):
+            chosen = auto_dtype.measured_cpu_dtype()
+        bf16_s, fp32_s = auto_dtype.dtype_choice().timing(auto_dtype.CASE)
+        assert chosen is (torch.bfloat16 if bf16_s < fp32_s else torch.float32)
+        assert f"dtype auto: {str(chosen).removeprefix('torch.')} on this CPU" in caplog.text
+        assert list(tmp_path.glob("auto-dtype-*.json"))  # the next process reads it
+    finally:
+        auto_dtype.dtype_choice.cache_clear()

@@ -1,0 +1,43 @@
+"""benchmarks/fleet_autoscale.py: the same load per worker on every fleet, and the table
+judges the autoscaler against the best fixed split."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location(
+    "fleet_autoscale", Path(__file__).parents[2] / "benchmarks" / "fleet_autoscale.py"
+)
+fleet = importlib.util.module_from_spec(_SPEC)
+sys.modules["fleet_autoscale"] = fleet
+_SPEC.loader.exec_module(fleet)
+
+TRACE = fleet.default_trace_path()
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason="the Azure trace is not beside the checkout")
+def test_traffic_scales_with_the_fleet():
+    args = fleet.parse_args(["--window", "30", "--copies-per-16", "1"])
+    small, large = fleet.traffic(args, 16), fleet.traffic(args, 64)
+    assert len(large) == 4 * len(small)
+    span = max(s.arrival_time for s in small)
+    assert span <= 30 * args.time_scale
+    assert max(s.arrival_time for s in large) <= 30 * args.time_scale
+    assert [s.arrival_time for s in large] == sorted(s.arrival_time for s in large)
+    # A fractional count per trace request keeps the ratio too.
+    args = fleet.parse_args(["--window", "30", "--copies-per-16", "1.5"])
+    assert len(fleet.traffic(args, 16)) == pytest.approx(1.5 * len(small), rel=0.1)
+
+
+def test_the_table_compares_with_the_best_fixed_split():
+    args = fleet.parse_args(["--fleets", "16"])
+    rows = [
+        fleet.Row(16, "fixed 4:12", 80.0, 640.0, 40.0, 100, 36.0),
+        fleet.Row(16, "fixed 8:8", 90.0, 640.0, 40.0, 100, 36.0),
+        fleet.Row(16, "autoscaled from 8:8 (3 decisions)", 99.0, 320.0, 40.0, 100, 36.0),
+    ]
+    text = fleet.render(rows, args)
+    assert "| 16 | fixed 8:8 | 100 | 90.0 | 640 | 5.062 | best fixed |" in text
+    assert "x1.10, x0.50" in text

@@ -1,0 +1,73 @@
+"""`pdserve simulate scale`: a demo's results directory in, the re-predicted table and the
+fleets' goodput per core out (on a demo made here from known step times)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdserve.bench.demo import MachineProfile, size_demo
+from pdserve.cli import main
+from pdserve.sim import scale
+from pdserve.sim.calibration import StepSample, save_samples
+from pdserve.sim.cost_model import CostModel
+from tests.sim.test_calibration import CPU, SMOL, TRUTH, _batches
+
+
+def test_the_lines_cross_where_the_best_mode_per_core_changes():
+    def fleet(*leaders):
+        return {
+            str(size): {m: {"per_core": 2.0 if m == best else 1.0} for m in scale.MODES}
+            for size, best in zip((4, 8, 16), leaders, strict=True)
+        }
+
+    assert scale.crossing(fleet("chunked", "chunked", "disagg"), "cores") == (
+        "The lines cross: disagg overtakes chunked between 8 and 16 cores."
+    )
+    assert scale.crossing(fleet("chunked", "chunked", "chunked"), "GPUs") == (
+        "The lines do not cross: chunked leads at every size."
+    )
+
+
+def _demo_dir(tmp_path):
+    """What `bench demo` leaves: its sizing, its compare.json rows, its servers' step logs."""
+    profile = MachineProfile("colocated", 5.0, (768, 3072), (0.4, 2.0), 0.03, 0.06)
+    plan = size_demo(profile, 600, 3, num_cores=2)
+    (tmp_path / "sizing.json").write_text(json.dumps(plan.to_dict()))
+    rows = [
+        {"name": mode, "layout": layout, "max_rate": 0.5, "min_missed_rate": 0.75,
+         "ttft_p99": 3000.0, "itl_p99": 200.0}
+        for mode, layout in (
+            ("colocated", "2 colocated replicas"),
+            ("chunked", "2 chunked replicas"),
+            ("disagg", "1 prefill + 1 decode"),
+        )
+    ]  # fmt: skip
+    (tmp_path / "compare.json").write_text(json.dumps({"rows": rows}))
+    truth = CostModel(SMOL, CPU, efficiency=TRUTH)
+    (tmp_path / "steps").mkdir()
+    save_samples(
+        [StepSample(b, truth.step_time(b)) for b in _batches()],
+        tmp_path / "steps" / "steps-chunked.decode-0.jsonl",
+    )
+    return tmp_path
+
+
+@pytest.mark.slow
+def test_scale_repredicts_the_demo_and_sizes_the_fleets(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(scale, "FLEET_SIZES", (4, 8))
+    monkeypatch.setattr(scale, "MAX_FLEET_PROMPTS", 24)
+    demo = _demo_dir(tmp_path)
+    assert main(["simulate", "scale", str(demo), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "| colocated | 2 colocated replicas | 0.5-0.75 |" in printed
+    data = json.loads((demo / "scale.json").read_text())
+    assert [row["mode"] for row in data["repredicted"]] == list(scale.MODES)
+    fleet = data["cpu_fleet"]
+    assert list(fleet) == ["4", "8"] and "gpu_fleet" not in data  # GPUs with --gpu only
+    for size, best in fleet.items():
+        assert set(best) == set(scale.MODES)
+        assert best["disagg"]["per_core"] == best["disagg"]["capacity"] / int(size)
+    assert printed.count("The lines") == 1  # cross, or not
+    assert (demo / "scale.png").is_file() and (demo / "calibration.json").is_file()
