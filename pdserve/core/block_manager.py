@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pdserve.core.kv_events import KVCacheObserver
 from pdserve.core.request import Request
 
 BlockHash = int
@@ -94,6 +95,8 @@ class BlockManager:
         self._num_registered: dict[str, int] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up
         self.num_prefix_hits = 0  # of which found in the cache
+        # Told what enters and leaves the prefix cache (a worker's `KVEventLog`).
+        self.cache_observer = KVCacheObserver()
 
     # ---- queries -----------------------------------------------------------------------
     @property
@@ -172,13 +175,22 @@ class BlockManager:
             return
         hashes = self._block_hashes(request)
         tokens = request.all_token_ids
+        stored = []
         for i in range(num_registered, num_full):
             block = self.blocks[request.block_table[i]]
             if block.block_hash is None and hashes[i] not in self._cached:
                 block.block_hash, block.parent_hash = hashes[i], hashes[i - 1] if i else None
                 block.token_ids = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
                 self._cached[hashes[i]] = block.block_id
+                stored.append(hashes[i])
         self._num_registered[request.request_id] = num_full
+        if stored:
+            self.cache_observer.blocks_stored(stored)
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache now (a copy: safe to call from another thread,
+        the copy being one step under the GIL)."""
+        return list(self._cached.copy())
 
     def free(self, request: Request) -> None:
         """Return the request's blocks. Freed in reverse, so a sequence's tail is evicted first
@@ -223,6 +235,7 @@ class BlockManager:
             block = self.blocks[self._free.popitem(last=False)[0]]
         if block.block_hash is not None:  # evict cached content
             del self._cached[block.block_hash]
+            self.cache_observer.blocks_removed([block.block_hash])
             block.reset()
         block.ref_count = 1
         return block.block_id

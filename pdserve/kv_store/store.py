@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from pdserve.core.kv_events import KVCacheObserver
 from pdserve.kv_store.backend import KVStoreBackend, create_backend
 from pdserve.kv_store.codec import decode_block, new_value, payload_view, seal, value_nbytes
 from pdserve.kv_store.config import KVStoreConfig
@@ -75,6 +76,9 @@ class KVStore:
         # Changes whenever blocks given to `write` may be missing from the store: an outage
         # began (it may come back empty) or queued writes were lost.
         self.epoch = 0
+        # Told which blocks the store holds (writes landed) and lacks (a lookup or read
+        # missed them): the worker's KV events of the store, for routers.
+        self.observer = KVCacheObserver()
 
     @property
     def is_available(self) -> bool:
@@ -92,7 +96,10 @@ class KVStore:
         if present is None:
             return 0
         self.policy.observe_round_trip(time.perf_counter() - start)
-        return next((i for i, is_present in enumerate(present) if not is_present), len(present))
+        num_present = next((i for i, found in enumerate(present) if not found), len(present))
+        if num_present < len(blocks):
+            self.observer.blocks_removed([blocks[num_present].block_hash])
+        return num_present
 
     def should_fetch(self, num_blocks: int) -> bool:
         """Whether reading `num_blocks` beats recomputing their tokens (see `FetchPolicy`)."""
@@ -143,12 +150,14 @@ class KVStore:
         for i, value in enumerate(values):
             if value is None:
                 self.metrics.count_error(ErrorKind.EVICTED)
+                self.observer.blocks_removed([blocks[i].block_hash])
                 return i
             try:
                 payload = decode_block(value, digest, blocks[i], self.payload_nbytes)
             except ValueRejected as exc:
                 logger.info("KV store value rejected (%s): %s", exc.kind.value, exc)
                 self.metrics.count_error(exc.kind)
+                self.observer.blocks_removed([blocks[i].block_hash])
                 rejected.append(keys[i])
                 return i
             dest[:, block_ids[i]] = np.frombuffer(payload, np.uint8).reshape(self._rows, -1)
@@ -168,7 +177,8 @@ class KVStore:
             value = new_value(digest, block, self.payload_nbytes)
             payload = np.frombuffer(payload_view(value, self.block_size), np.uint8)
             payload.reshape(self._rows, -1)[:] = src[:, block_id]
-            num_queued += self._writer.submit(PendingWrite(self.keys.key(block.block_hash), value))
+            key = self.keys.key(block.block_hash)
+            num_queued += self._writer.submit(PendingWrite(key, block.block_hash, value))
         self.metrics.dropped_writes.inc(len(blocks) - num_queued)
         return num_queued
 
@@ -189,14 +199,14 @@ class KVStore:
             self.epoch += 1
             return
         missing = [w for w, is_present in zip(batch, present, strict=True) if not is_present]
-        if not missing:
-            return
-        items = [(w.key, seal(w.value)) for w in missing]
-        if self._call(self.backend.put_many, items, ok=True) is None:
-            self.metrics.dropped_writes.inc(len(missing))
-            self.epoch += 1
-            return
-        self.metrics.written_bytes.inc(sum(len(w.value) for w in missing))
+        if missing:
+            items = [(w.key, seal(w.value)) for w in missing]
+            if self._call(self.backend.put_many, items, ok=True) is None:
+                self.metrics.dropped_writes.inc(len(missing))
+                self.epoch += 1
+                return
+            self.metrics.written_bytes.inc(sum(len(w.value) for w in missing))
+        self.observer.blocks_stored([w.block_hash for w in batch])
 
     # ---- failures ----------------------------------------------------------------------
     def _call(self, operation: Callable[..., T], *args, ok: T | None = None) -> T | None:

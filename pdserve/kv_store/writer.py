@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PendingWrite:
     key: bytes
+    block_hash: int  # the chained hash the key is salted from (what KV events name)
     # A complete value but for its checksum, which the write thread seals (codec.seal).
     value: bytearray
 

@@ -74,6 +74,10 @@ class WorkerRecord(BaseModel):
     num_running: int | None
     num_waiting: int | None
     kv_cache_usage: float | None
+    num_indexed_blocks: int = Field(
+        description="block hashes the worker's KV events say it caches (0 when prefix routing "
+        "is off: the router then does not subscribe)"
+    )
     last_error: str | None
 
 

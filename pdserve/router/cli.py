@@ -53,8 +53,8 @@ ROUTING_FLAGS = (
         "--shared-kv-store",
         action="store_true",
         default=RouterConfig.shared_kv_store,
-        help="the workers share a KV store: count a prefix any worker computed as cached on "
-        "every worker (implied by serve --mode disagg --kv-store)",
+        help="the workers share a KV store: count a prefix their store events say it holds "
+        "as cached on every worker (implied by serve --mode disagg --kv-store)",
     ),
     flag(
         "--balance-factor",

@@ -38,7 +38,7 @@ class RouterConfig:
     """Everything `pdserve router` is started with.
 
     `local_prefill_threshold`: prompts whose uncached length (prompt tokens minus the prefix the
-    router believes the chosen decode worker has cached) is below it skip the prefill worker.
+    chosen decode worker's KV events say it has cached) is below it skip the prefill worker.
     0 sends every prompt through a prefill worker. `kv_handoff`: pull the KV after the prefill
     leg answered, or stream it (the prefill leg announces where its KV appears before
     computing, and the decode leg starts at once). `fleet_secret`: the deployment's
@@ -57,10 +57,9 @@ class RouterConfig:
     api_key: str | None = None
     # Must equal the workers' --block-size for prefix matching to mean anything.
     block_size: int = CacheConfig.block_size
-    # Blocks remembered per worker by the prefix index (about a worker's KV cache size).
-    prefix_index_blocks: int = 1 << 16
-    # The workers share a KV store (--kv-store): a prefix any of them computed counts as
-    # cached on all of them (for prefix_aware and local_prefill_threshold alike).
+    # The workers share a KV store (--kv-store): a prefix the store holds (per the store
+    # events the workers publish) counts as cached on all of them (for prefix_aware and
+    # local_prefill_threshold alike).
     shared_kv_store: bool = False
     # prefix_aware leaves the best-matching worker when its load exceeds this times the least.
     balance_factor: float = 2.0
@@ -94,7 +93,6 @@ class RouterConfig:
         _at_least("local_prefill_threshold", self.local_prefill_threshold, 0)
         _at_least("port", self.port, 0)
         _at_least("block_size", self.block_size, 1)
-        _at_least("prefix_index_blocks", self.prefix_index_blocks, 1)
         _at_least("unhealthy_threshold", self.unhealthy_threshold, 1)
         _at_least("max_body_bytes", self.max_body_bytes, 1)
         if self.balance_factor < 1.0:

@@ -167,11 +167,13 @@ class Dispatcher:
             num_uncached < self.config.local_prefill_threshold
         ):
             flight.timing.route = Route.LOCAL
+            flight.timing.predicted_hit_tokens = num_cached_tokens
             return None
         params = await until_disconnected(request, self._prefill(flight))
         if params is None:
             self.metrics.count_error("prefill_failed")
             flight.timing.route = Route.LOCAL_FALLBACK
+            flight.timing.predicted_hit_tokens = num_cached_tokens
         else:
             flight.timing.route = Route.REMOTE
         return params
@@ -190,6 +192,7 @@ class Dispatcher:
                 worker = selection.worker
                 tried.append(worker.worker_id)
                 flight.timing.num_prefill_attempts += 1
+                flight.timing.predicted_hit_tokens = selection.num_cached_tokens
                 params = await self._prefill_once(worker, flight, leg)
                 if params is not None:
                     flight.timing.prefill_worker = worker.worker_id
@@ -216,7 +219,9 @@ class Dispatcher:
             lease.release()
         if not _is_prefill_answer(worker, response):
             return None
-        params = _json_object_field(response.content, "kv_transfer_params")
+        answer = _json(response.content)
+        params = _object_field(answer, "kv_transfer_params")
+        flight.timing.hit_tokens = _cached_tokens(answer)
         if params is None:
             logger.warning(
                 "prefill worker %s answered without kv_transfer_params", worker.worker_id
@@ -316,7 +321,7 @@ class Dispatcher:
     ) -> Response:
         content = await self._read(request, flight, upstream)
         flight.timing.mark_first_byte()
-        flight.timing.worker.update(extract_worker_timing(_json(content)) or {})
+        flight.timing.take_worker_report(extract_worker_timing(_json(content)) or {})
         self._finish(flight)
         return _relayed(upstream, content, self._client_headers(flight))
 
@@ -394,10 +399,11 @@ async def _announced_hand_off(lines: AsyncIterator[str]) -> dict[str, Any] | Non
         data = line.removeprefix("data:").strip()
         if data == "[DONE]":
             return None
-        params = _json_object_field(data.encode(), "kv_transfer_params")
+        event = _json(data.encode())
+        params = _object_field(event, "kv_transfer_params")
         if params is not None:
             return params
-        if _json_object_field(data.encode(), "error") is not None:
+        if _object_field(event, "error") is not None:
             return None
     return None
 
@@ -436,11 +442,17 @@ def _json(content: bytes) -> Any:
         return None
 
 
-def _json_object_field(content: bytes, key: str) -> dict[str, Any] | None:
+def _object_field(body: Any, key: str) -> dict[str, Any] | None:
     """``body[key]`` when the body is a JSON object and that field is an object."""
-    body = _json(content)
     value = body.get(key) if isinstance(body, dict) else None
     return value if isinstance(value, dict) else None
+
+
+def _cached_tokens(body: Any) -> int:
+    """The answer's ``usage.prompt_tokens_details.cached_tokens`` (absent: none)."""
+    details = _object_field(_object_field(body, "usage"), "prompt_tokens_details")
+    cached = details.get("cached_tokens") if details else 0
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else 0
 
 
 def _describe(exc: BaseException) -> str:

@@ -59,6 +59,11 @@ class _WorkerCollector:
             "1 when the worker's last health check passed",
             labels=labels,
         )
+        indexed = GaugeMetricFamily(
+            "pdserve:router_worker_indexed_blocks",
+            "Block hashes the worker's KV events say its prefix cache holds",
+            labels=labels,
+        )
         pool_workers = GaugeMetricFamily(
             "pdserve:pool_workers",
             "Workers in each pool, not draining (in rotation or about to be)",
@@ -70,10 +75,11 @@ class _WorkerCollector:
             up.add_metric(values, float(w.is_routable))
             inflight.add_metric(values, float(w.num_inflight))
             healthy.add_metric(values, float(w.state is WorkerState.HEALTHY))
+            indexed.add_metric(values, float(w.num_indexed_blocks))
             num_in_pool[w.role] += not w.is_draining
         for role, count in num_in_pool.items():
             pool_workers.add_metric([role.value], float(count))
-        return [up, inflight, healthy, pool_workers]
+        return [up, inflight, healthy, indexed, pool_workers]
 
 
 class RouterMetrics:
@@ -119,6 +125,17 @@ class RouterMetrics:
         self.prefill_retries = Counter(
             "pdserve:router_prefill_retries", "Prefill legs retried on another worker", registry=r
         )
+        self.predicted_hit_tokens = Counter(
+            "pdserve:router_predicted_hit_tokens",
+            "Prompt tokens the prefix index said the computing worker had cached",
+            registry=r,
+        )
+        self.hit_tokens = Counter(
+            "pdserve:router_hit_tokens",
+            "Prompt tokens the computing worker found cached (its own cache and the store), "
+            "for the same requests",
+            registry=r,
+        )
         self.scaling_decisions = Counter(
             "pdserve:scaling_decisions",
             "Autoscaler changes: the pool that gains (up, switch) or loses (down) a worker, "
@@ -140,6 +157,9 @@ class RouterMetrics:
         ):
             if value_ms is not None:
                 histogram.observe(value_ms / 1e3)
+        if timing.predicted_hit_tokens is not None and timing.hit_tokens is not None:
+            self.predicted_hit_tokens.inc(timing.predicted_hit_tokens)
+            self.hit_tokens.inc(timing.hit_tokens)
         reported = timing.worker
         for histogram, key, scale in (
             (self.kv_transfer, "kv_transfer_ms", 1e-3),

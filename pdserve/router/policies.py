@@ -33,7 +33,7 @@ class WorkerLoad:
     # Prompt tokens of prefill legs in flight on this worker.
     num_pending_prefill_tokens: int = 0
     kv_cache_usage: float = 0.0
-    # Tokens of *this* request's prompt the router believes the worker has cached.
+    # Tokens of *this* request's prompt the worker's KV events say it has cached.
     num_cached_tokens: int = 0
 
 

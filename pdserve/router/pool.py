@@ -51,6 +51,12 @@ class Worker:
     scraped: ScrapedLoad = field(default_factory=ScrapedLoad)
     # Where it runs (a Ray node id), when its provisioner knows; None on one host.
     node_id: str | None = None
+    # What its KV events say it caches (its pool's index; None outside a pool).
+    prefix_index: PrefixIndex | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_indexed_blocks(self) -> int:
+        return 0 if self.prefix_index is None else self.prefix_index.num_blocks(self.url)
 
     @property
     def is_routable(self) -> bool:
@@ -84,6 +90,7 @@ class Worker:
             "num_running": self.scraped.num_running,
             "num_waiting": self.scraped.num_waiting,
             "kv_cache_usage": self.scraped.kv_cache_usage,
+            "num_indexed_blocks": self.num_indexed_blocks,
             "last_error": self.last_error,
         }
 
@@ -91,7 +98,7 @@ class Worker:
 @dataclass(frozen=True)
 class Selection:
     worker: Worker
-    # Tokens of the prompt the router believed cached on the worker before this request.
+    # Tokens of the prompt the worker's KV events say it has cached (its predicted hit).
     num_cached_tokens: int
 
 
@@ -121,7 +128,7 @@ class Lease:
 
 class WorkerPool:
     """The workers of one role. Selection only considers routable (healthy, not draining)
-    workers and records the prompt's blocks against the chosen one in the prefix index."""
+    workers, each with the prompt's prefix the index says it caches."""
 
     def __init__(self, role: PoolRole, policy: RoutingPolicy, prefix_index: PrefixIndex) -> None:
         self.role = role
@@ -150,14 +157,14 @@ class WorkerPool:
         if not candidates:
             return None
         cached = [
-            self.prefix_index.num_cached_tokens(w.worker_id, prompt.block_hashes)
+            self.prefix_index.num_cached_tokens(w.url, prompt.block_hashes, prompt.num_tokens)
+            if prompt.block_hashes
+            else 0
             for w in candidates
         ]
         loads = [w.load(n) for w, n in zip(candidates, cached, strict=True)]
         index = self.policy.select(loads, prompt.num_tokens)
-        worker = candidates[index]
-        self.prefix_index.record(worker.worker_id, prompt.block_hashes)
-        return Selection(worker, cached[index])
+        return Selection(candidates[index], cached[index])
 
     def acquire(self, worker: Worker, num_prefill_tokens: int = 0) -> Lease:
         return Lease(self, worker, num_prefill_tokens)
@@ -167,7 +174,6 @@ class WorkerPool:
 
     def remove(self, worker_id: str) -> None:
         self.workers.pop(worker_id, None)
-        self.prefix_index.remove_worker(worker_id)
 
     def on_released(self, worker: Worker) -> None:
         if not (worker.is_draining and worker.num_inflight == 0):
@@ -222,7 +228,7 @@ class WorkerRegistry:
             )
         elif self.get(worker_id) is not None:
             raise DuplicateWorkerError(f"a worker named {worker_id} is already registered")
-        worker = Worker(worker_id, url, role, node_id=node_id)
+        worker = Worker(worker_id, url, role, node_id=node_id, prefix_index=pool.prefix_index)
         pool.add(worker)
         return worker
 

@@ -1,22 +1,23 @@
-"""What routing knows about a prompt (its length and its full blocks' chained hashes), and the
-router's belief of which prompt prefixes each worker has cached.
+"""What routing knows about a prompt (its length and its full blocks' chained hashes), and
+what each worker's prefix cache holds.
 
-The index records the full-block chained hashes (`core.block_manager.extend_block_hashes`,
-the same chain the workers' block managers compute) of every prompt routed to a worker. A later
-prompt's cached prefix on that worker is the longest run of its block hashes, from the first,
-that the index holds. It is a belief, not the truth: a worker may have evicted blocks since, so
-each worker's entries are bounded and least recently routed ones are forgotten first.
+The index holds, per worker (by URL: a worker that switches pools keeps its cache), the
+chained block hashes (`core.block_manager.extend_block_hashes`, the chain every block manager
+computes) its KV events say it caches (`router.kv_events` applies them as they arrive; the
+simulator feeds it from its workers' block managers directly). A prompt's cached prefix on a
+worker is the longest run of its block hashes, from the first, that the worker holds, capped as
+the worker caps a hit (one token is always computed).
 """
 
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.core.block_manager import BlockHash, extend_block_hashes
+from pdserve.core.kv_events import KVCacheObserver
 
 # Rough bytes of text per token for English BPE vocabularies; used only when the prompt could
 # not be tokenized, to weigh prefill load.
@@ -26,7 +27,7 @@ _BYTES_PER_TOKEN_ESTIMATE = 4
 @dataclass(frozen=True)
 class PromptInfo:
     num_tokens: int
-    # Empty when the token ids are unknown (then nothing is believed cached anywhere).
+    # Empty when the token ids are unknown (then nothing counts as cached anywhere).
     block_hashes: tuple[BlockHash, ...] = ()
 
     @classmethod
@@ -42,59 +43,109 @@ class PromptInfo:
 
 
 class PrefixIndex:
-    """Per worker, an LRU set of block hashes of the prompts routed there.
+    """Per worker URL, the set of block hashes in its prefix cache.
 
-    With `shared_store` (the workers share a KV store, `--kv-store`; one index for all pools)
-    a prefix routed to any worker is believed cached on every worker too, up to what the store
-    index holds: every worker then matches equally, so load, not prefix affinity, picks among
-    them (no hot spot of all requests with one system prompt on one worker).
+    With `shared_store` (the workers share a KV store, `--kv-store`) a prompt's prefix also
+    counts on every worker as far as the store holds it: the union of what the workers' store
+    events say (each worker reports the writes it landed and the blocks it found gone; a gone
+    block leaves every worker's share). Every worker then matches alike, so load, not
+    affinity, picks among them.
     """
 
-    _STORE = "<kv store>"
-
-    def __init__(
-        self,
-        block_size: int,
-        max_blocks_per_worker: int,
-        shared_store: PrefixIndex | None = None,
-    ) -> None:
-        if block_size < 1 or max_blocks_per_worker < 1:
-            raise ValueError("block_size and max_blocks_per_worker must be positive")
+    def __init__(self, block_size: int, shared_store: bool = False) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be positive")
         self.block_size = block_size
-        self.max_blocks_per_worker = max_blocks_per_worker
         self.shared_store = shared_store
-        self._blocks: dict[str, OrderedDict[BlockHash, None]] = {}
+        self._blocks: dict[str, set[BlockHash]] = {}
+        # Per worker, the store blocks its events named; per block, how many workers name it.
+        self._store_by_worker: dict[str, set[BlockHash]] = {}
+        self._store: dict[BlockHash, int] = {}
 
-    def num_cached_tokens(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> int:
-        """Tokens of the longest prefix of `block_hashes` believed cached on the worker (or,
-        with a shared store, readable from it)."""
-        own = self._num_cached(worker_id, block_hashes)
-        if self.shared_store is None:
-            return own
-        return max(own, self.shared_store._num_cached(self._STORE, block_hashes))
+    def num_cached_tokens(
+        self, url: str, block_hashes: Sequence[BlockHash], num_prompt_tokens: int
+    ) -> int:
+        """Prompt tokens the worker at `url` will find cached (or, with a shared store, read
+        from it): the longest indexed prefix of `block_hashes`, never the last token."""
+        limit = min(len(block_hashes), (num_prompt_tokens - 1) // self.block_size)
+        hashes = block_hashes[:limit]
+        own = _num_matched(self._blocks.get(url), hashes)
+        if self.shared_store and own < limit:
+            own = max(own, _num_matched(self._store, hashes))
+        return own * self.block_size
 
-    def _num_cached(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> int:
-        cached = self._blocks.get(worker_id)
-        if not cached:
-            return 0
-        num_blocks = 0
+    @property
+    def num_store_blocks(self) -> int:
+        return len(self._store)
+
+    def num_blocks(self, url: str) -> int:
+        return len(self._blocks.get(url, ()))
+
+    def replace(self, url: str, block_hashes: Iterable[BlockHash]) -> None:
+        """A snapshot: the worker caches exactly these."""
+        self._blocks[url] = set(block_hashes)
+
+    def add(self, url: str, block_hashes: Iterable[BlockHash]) -> None:
+        self._blocks.setdefault(url, set()).update(block_hashes)
+
+    def discard(self, url: str, block_hashes: Iterable[BlockHash]) -> None:
+        self._blocks.get(url, set()).difference_update(block_hashes)
+
+    def forget(self, url: str) -> None:
+        self._blocks.pop(url, None)
+        self.replace_store(url, ())
+
+    def replace_store(self, url: str, block_hashes: Iterable[BlockHash]) -> None:
+        """A snapshot of what the worker knows the store holds."""
+        for block_hash in self._store_by_worker.pop(url, ()):
+            self._unname(block_hash)
+        self.add_store(url, block_hashes)
+
+    def add_store(self, url: str, block_hashes: Iterable[BlockHash]) -> None:
+        named = self._store_by_worker.setdefault(url, set())
         for block_hash in block_hashes:
-            if block_hash not in cached:
-                break
-            num_blocks += 1
-        return num_blocks * self.block_size
+            if block_hash not in named:
+                named.add(block_hash)
+                self._store[block_hash] = self._store.get(block_hash, 0) + 1
 
-    def record(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
-        """The prompt with these block hashes was routed to the worker (it will cache them,
-        and write them to the shared store)."""
-        if self.shared_store is not None:
-            self.shared_store.record(self._STORE, block_hashes)
-        cached = self._blocks.setdefault(worker_id, OrderedDict())
+    def discard_store(self, block_hashes: Iterable[BlockHash]) -> None:
+        """Gone from the store (whoever wrote them)."""
         for block_hash in block_hashes:
-            cached[block_hash] = None
-            cached.move_to_end(block_hash)
-        while len(cached) > self.max_blocks_per_worker:
-            cached.popitem(last=False)
+            if self._store.pop(block_hash, None) is not None:
+                for named in self._store_by_worker.values():
+                    named.discard(block_hash)
 
-    def remove_worker(self, worker_id: str) -> None:
-        self._blocks.pop(worker_id, None)
+    def _unname(self, block_hash: BlockHash) -> None:
+        count = self._store.get(block_hash, 0) - 1
+        if count > 0:
+            self._store[block_hash] = count
+        else:
+            self._store.pop(block_hash, None)
+
+    def feed(self, url: str) -> KVCacheObserver:
+        """A block manager's observer that applies its changes here as they happen."""
+        return _DirectFeed(self, url)
+
+
+def _num_matched(cached: Collection[BlockHash] | None, block_hashes: Sequence[BlockHash]) -> int:
+    """How many of `block_hashes`, from the first on, are in `cached`."""
+    if not cached:
+        return 0
+    num_blocks = 0
+    for block_hash in block_hashes:
+        if block_hash not in cached:
+            break
+        num_blocks += 1
+    return num_blocks
+
+
+class _DirectFeed(KVCacheObserver):
+    def __init__(self, index: PrefixIndex, url: str) -> None:
+        self._index = index
+        self._url = url
+
+    def blocks_stored(self, block_hashes: list[BlockHash]) -> None:
+        self._index.add(self._url, block_hashes)
+
+    def blocks_removed(self, block_hashes: list[BlockHash]) -> None:
+        self._index.discard(self._url, block_hashes)

@@ -58,7 +58,7 @@ def _absorb_timing(event: bytes, timing: RequestTiming) -> bool:
     reported = extract_worker_timing(chunk)
     if reported is None:
         return False
-    timing.worker.update(reported)
+    timing.take_worker_report(reported)
     return not chunk.get("choices")
 
 

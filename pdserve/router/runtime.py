@@ -18,6 +18,7 @@ from pdserve.router.autoscale.loop import Autoscaler, FleetActions
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Dispatcher
 from pdserve.router.health import HealthMonitor
+from pdserve.router.kv_events import KVEventSubscriber
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import PoolRole, RoundRobin, make_policy
 from pdserve.router.pool import Worker, WorkerPool, WorkerRegistry
@@ -40,22 +41,13 @@ Discover = Callable[[], Sequence[WorkerHandle]]
 def build_registry(config: RouterConfig) -> WorkerRegistry:
     """Both pools with their policies and the configured workers (not yet checked)."""
     pools = {}
-    # With a shared KV store, one belief of what it holds for both pools (prefill workers
-    # write, decode workers read).
-    store = (
-        PrefixIndex(config.block_size, config.prefix_index_blocks)
-        if config.shared_kv_store
-        else None
-    )
+    # One index for both pools: a worker keeps its cache when it switches pools.
+    index = PrefixIndex(config.block_size, config.shared_kv_store)
     for role, policy in (
         (PoolRole.PREFILL, config.prefill_policy),
         (PoolRole.DECODE, config.decode_policy),
     ):
-        pools[role] = WorkerPool(
-            role,
-            make_policy(policy, role, config.balance_factor),
-            PrefixIndex(config.block_size, config.prefix_index_blocks, store),
-        )
+        pools[role] = WorkerPool(role, make_policy(policy, role, config.balance_factor), index)
     registry = WorkerRegistry(pools[PoolRole.PREFILL], pools[PoolRole.DECODE])
     for url in config.prefill_urls:
         registry.add(url, PoolRole.PREFILL)
@@ -96,6 +88,7 @@ class RouterRuntime:
         self._client: httpx.AsyncClient | None = None
         self._health: HealthMonitor | None = None
         self._dispatcher: Dispatcher | None = None
+        self.kv_events: KVEventSubscriber | None = None
         self._health_task: asyncio.Task | None = None
         self._actions: FleetActions | None = None
         self.autoscaler: Autoscaler | None = None
@@ -168,9 +161,13 @@ class RouterRuntime:
             self._provisioner,
             idle_timeout_s=DRAIN_TIMEOUT_S,
         )
-        self.sync_discovered()
+        if config.needs_token_ids:  # routing reads the prefix index
+            self.kv_events = KVEventSubscriber(
+                self.registry.decode.prefix_index, self._client, config.connect_timeout_s
+            )
+        self.sync_workers()
         await self._health.check_all()
-        self._health_task = asyncio.create_task(self._health.run(self.sync_discovered))
+        self._health_task = asyncio.create_task(self._health.run(self.sync_workers))
         if self.autoscale_config is not None:
             self.autoscaler = Autoscaler(
                 self.autoscale_config,
@@ -181,6 +178,13 @@ class RouterRuntime:
                 scrape_timeout_s=config.health_timeout_s,
             )
             self.in_background(self.autoscaler.run())
+
+    def sync_workers(self) -> None:
+        """Before every health round: discovery, then follow the KV events of exactly the
+        registered workers."""
+        self.sync_discovered()
+        if self.kv_events is not None:
+            self.kv_events.sync(w.url for w in self.registry.all_workers())
 
     def sync_discovered(self) -> None:
         """Make the discovered part of the pools the provisioner's workers: a new one joins
@@ -217,6 +221,8 @@ class RouterRuntime:
     async def stop(self) -> None:
         if self.autoscaler is not None:
             await self.autoscaler.stop()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         for task in [self._health_task, *self._tasks]:
             if task is None:
                 continue

@@ -41,6 +41,10 @@ class RequestTiming:
     num_prefill_attempts: int = 0
     prefill_worker: str | None = None
     decode_worker: str | None = None
+    # Prompt tokens the index said the worker computing the prompt had cached, and those it
+    # then found (its prefix cache plus the shared store), as it reports them.
+    predicted_hit_tokens: int | None = None
+    hit_tokens: int | None = None
     # Router-side: arrival to the first byte of the decode worker's body, and to its end.
     ttft_ms: float | None = None
     e2e_ms: float | None = None
@@ -59,10 +63,23 @@ class RequestTiming:
 
     def router_timing_field(self) -> dict[str, float]:
         """The ``router_timing`` object sent with the decode leg."""
-        return {
+        field = {
             "router_queue_ms": _round(self.router_queue_ms or 0.0),
             "prefill_ms": _round(self.prefill_ms or 0.0),
         }
+        if self.predicted_hit_tokens is not None:
+            field["predicted_hit_tokens"] = self.predicted_hit_tokens
+        return field
+
+    def take_worker_report(self, report: dict[str, Any]) -> None:
+        """The decode worker's ``pdserve_timing``; when it computed the prompt (a local
+        prefill) its hit tokens are the real ones."""
+        self.worker.update(report)
+        if self.route is Route.REMOTE:
+            return
+        hits = [report.get(k) for k in ("prefix_cache_hit_tokens", "kv_store_hit_tokens")]
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in hits):
+            self.hit_tokens = sum(hits)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -73,6 +90,8 @@ class RequestTiming:
             "num_prefill_attempts": self.num_prefill_attempts,
             **self.router_timing_field(),
         }
+        if self.hit_tokens is not None:
+            data["hit_tokens"] = self.hit_tokens
         for key in ("ttft_ms", "e2e_ms"):
             if getattr(self, key) is not None:
                 data[key] = _round(getattr(self, key))

@@ -1,7 +1,8 @@
 """The OpenAI-compatible FastAPI app over an `AsyncLLMEngine`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, POST /tokenize, GET /v1/models,
-GET /health, GET /metrics, and on a disaggregated worker POST /role (switch pools in place).
+GET /health, GET /metrics, GET /kv/events and /kv/blocks (`server.kv_events`), and on a
+disaggregated worker POST /role (switch pools in place).
 `create_app()` wires one engine thread, one metrics registry and the front door
 (`pdserve.api`: errors, API key, body limit).
 """
@@ -34,8 +35,10 @@ from pdserve.api.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pdserve.core.kv_events import KVEventLog
 from pdserve.engine.args import ROLE_TO_KV_ROLE
 from pdserve.engine.async_engine import AsyncLLMEngine
+from pdserve.kv_store.connector import KVStoreConnector
 from pdserve.server.inputs import (
     ModelInfo,
     PreparedRequest,
@@ -43,6 +46,7 @@ from pdserve.server.inputs import (
     prepare_completion,
     tokenize,
 )
+from pdserve.server.kv_events import KVEventStreams, add_kv_event_routes
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.responses import ChatResponses, CompletionResponses, Responses, TokenTexts
 from pdserve.server.serving import ServerState, new_request_id, serve
@@ -62,6 +66,12 @@ def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
     llm_engine.step_observers.append(lambda record: metrics.step_time.observe(record.step_s))
     for collector in llm_engine.kv_connector.metrics_collectors():
         metrics.registry.register(collector)
+    block_manager = llm_engine.scheduler.block_manager
+    kv_events = KVEventStreams(KVEventLog())
+    block_manager.cache_observer = kv_events.log
+    for connector in llm_engine.kv_connector.connectors:
+        if isinstance(connector, KVStoreConnector):
+            connector.store.observer = kv_events.log.store_observer()
     engine = AsyncLLMEngine(llm_engine, max_queue=settings.max_queue)
     model = ModelInfo(
         settings.served_model_names,
@@ -96,14 +106,15 @@ def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
     install_front_door(
         app,
         api_key=settings.api_key,
-        protected_prefixes=("/v1/", "/role"),
+        protected_prefixes=("/v1/", "/role", "/kv/"),
         max_body_bytes=settings.max_body_bytes,
         on_error=on_error,
         fleet_secret=settings.fleet_secret,
     )
     _add_routes(app, state)
+    add_kv_event_routes(app, kv_events, block_manager.cached_block_hashes)
     if llm_engine.config.kv_transfer is not None:  # a disaggregated worker (--role)
-        _add_role_route(app, state)
+        _add_role_route(app, state, kv_events)
     return app
 
 
@@ -169,7 +180,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _add_role_route(app: FastAPI, state: ServerState) -> None:
+def _add_role_route(app: FastAPI, state: ServerState, kv_events: KVEventStreams) -> None:
     @app.post(
         "/role",
         response_model=None,
@@ -181,7 +192,9 @@ def _add_role_route(app: FastAPI, state: ServerState) -> None:
         wait, then run in the new role), the KV connector changes sides. The router stops
         routing here first (``POST /workers/{id}/role``). Answers the seconds spent waiting
         for the engine to empty (`drain_s`) and switching (`switch_s`)."""
-        return await _switch_role(state.engine, body)
+        switched = await _switch_role(state.engine, body)
+        kv_events.resync_all()  # subscribers re-check against a snapshot
+        return switched
 
 
 _ROLE_NAMES = {kv_role: name for name, kv_role in ROLE_TO_KV_ROLE.items() if kv_role}

@@ -15,6 +15,7 @@ kv_transfer_error        only when the fetch failed (the prompt was recomputed h
 kv_kept_tokens           only when a stream broke off: prompt tokens kept from it
 kv_store_hit_tokens      prompt tokens read from the shared KV store (0: none)
 kv_store_fetch_ms        how long reading them took
+prefix_cache_hit_tokens  prompt tokens found in this worker's own prefix cache
 first_decode_step_ms     the engine emitting the first token to the second token reaching
                          the HTTP layer: the first decode step (for a remote prefill the two
                          tokens leave in one step, so it is also part of the TTFT)
@@ -70,6 +71,7 @@ class WorkerTiming:
         store = final.kv_store
         report["kv_store_hit_tokens"] = store.num_hit_tokens if store is not None else 0
         report["kv_store_fetch_ms"] = _ms(store.seconds) if store is not None else 0.0
+        report["prefix_cache_hit_tokens"] = final.num_cached_tokens - report["kv_store_hit_tokens"]
         if self._first_token_time is not None:
             report["worker_ttft_ms"] = _ms(self._first_token_time - clock.arrival_time)
         if self._second_token_time is not None and clock.first_token_time is not None:

@@ -19,9 +19,6 @@ from pdserve.router.prefix_index import PrefixIndex, PromptInfo
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.worker import SimWorker
 
-# The router's default prefix-index size per worker (RouterConfig.prefix_index_blocks).
-_PREFIX_INDEX_BLOCKS = 1 << 16
-
 
 @dataclass
 class Route:
@@ -44,11 +41,11 @@ class SimRouter:
         local_prefill_threshold: int,
         block_size: int,
     ) -> None:
+        # Fed straight from the workers' block managers: their KV events without the wire.
+        self.prefix_index = PrefixIndex(block_size)
         try:
             pools = [
-                WorkerPool(
-                    role, make_policy(name, role), PrefixIndex(block_size, _PREFIX_INDEX_BLOCKS)
-                )
+                WorkerPool(role, make_policy(name, role), self.prefix_index)
                 for role, name in (
                     (PoolRole.PREFILL, prefill_policy),
                     (PoolRole.DECODE, decode_policy),
@@ -71,6 +68,7 @@ class SimRouter:
     def add_worker(self, worker: SimWorker, role: PoolRole) -> Worker:
         """Route to `worker` as a member of the `role` pool from now on."""
         entry = self.registry.add(f"sim://{worker.worker_id}", role)
+        worker.scheduler.block_manager.cache_observer = self.prefix_index.feed(entry.url)
         entry.state = WorkerState.HEALTHY
         self._sim_workers[entry.worker_id] = worker
         self._scrape(entry)

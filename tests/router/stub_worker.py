@@ -14,6 +14,8 @@ Run as ``python -m tests.router.stub_worker --role prefill|decode --port P [--ho
 - ``POST /tokenize``: one token per character (chat: role markers + contents).
 - ``GET /health`` (``POST /stub/health {"ok": bool}`` flips it), ``GET /metrics`` (running
   requests gauge), ``GET /v1/models``, ``GET /stub/log`` (what happened, in order).
+- ``GET /kv/events``, ``/kv/blocks``: the real routes (`server.kv_events`) over a pretend
+  prefix cache that keeps every full block (16 tokens) of every prompt it served.
 """
 
 from __future__ import annotations
@@ -28,12 +30,26 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from pdserve.core.block_manager import extend_block_hashes
+from pdserve.core.kv_events import KVEventLog
+from pdserve.server.kv_events import KVEventStreams, add_kv_event_routes
+
 KV_BYTES_PER_TOKEN = 64
+BLOCK_SIZE = 16
 
 
 def build_stub(role: str, port: int, fail_status: int | None, host: str = "127.0.0.1") -> FastAPI:
     app = FastAPI()
     state: dict[str, Any] = {"healthy": True, "running": 0, "log": [], "holds": {}}
+    streams = KVEventStreams(KVEventLog())
+    cached: set[int] = set()
+    add_kv_event_routes(app, streams, lambda: list(cached))
+
+    def cache_prompt(body: dict[str, Any]) -> None:
+        hashes = extend_block_hashes([], [ord(c) for c in _prompt_text(body)], BLOCK_SIZE)
+        new = [h for h in hashes if h not in cached]
+        cached.update(new)
+        streams.log.blocks_stored(new)
 
     def log(event: str, body: dict[str, Any], request: Request, **extra) -> None:
         state["log"].append(
@@ -119,6 +135,7 @@ def build_stub(role: str, port: int, fail_status: int | None, host: str = "127.0
                 },
                 status_code=404,
             )
+        cache_prompt(body)
         if role == "prefill":
             return await prefill(request, body)
         return await decode(request, body, endpoint)

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.core.block_manager import extend_block_hashes
 from pdserve.router.config import RouterConfig
 from tests.router.harness import (
     ManagedProcess,
@@ -142,7 +143,10 @@ def test_local_prefill_threshold_skips_the_prefill_worker_for_short_uncached_pro
         short = marker()
         assert route(short) == "local"
         assert route(long_prompt) == "remote"
-        # 110 tokens of which 96 (6 blocks of 16) were routed to d0 already: 17 uncached.
+        # 110 tokens of which d0's events say it caches 96 (6 blocks of 16): 17 uncached.
+        index = router.runtime.registry.decode.prefix_index
+        hashes = extend_block_hashes([], [ord(c) for c in long_prompt], 16)
+        wait_until(lambda: index.num_cached_tokens(d0.url, hashes, 110) == 96, 10.0)
         assert route(long_prompt + "y" * 3) == "local"
     assert p0.bodies(short) == [] and "kv_transfer_params" not in d0.bodies(short)[0]
     assert len(p0.bodies(long_prompt)) == 1  # only the first long prompt went remote
