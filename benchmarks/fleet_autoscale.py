@@ -13,7 +13,7 @@ every fixed prefill:decode split of the same workers (the best one chosen in hin
    --hardware per worker (TP1, the shipped calibration), and the router's autoscaler
    (`pdserve simulate --autoscale`) within the same workers, starting with --start-share
    of them prefilling and free to switch workers between the pools or drain them.
-3. Figures: goodput (requests within --slo TTFT and TPOT per second of the run),
+3. Figures: goodput (requests within --slo TTFT and TPOT per second of the traffic's span),
    worker-seconds (fixed: workers × run; autoscaled: each worker from its start to its end)
    and goodput per worker-second.
 
@@ -48,9 +48,12 @@ class Row:
     duration_s: float
     num_requests: int
 
+    span_s: float
+
     @property
     def per_worker_second(self) -> float:
-        return self.goodput * self.duration_s / self.worker_seconds
+        """Good requests per worker-second."""
+        return self.goodput * self.span_s / self.worker_seconds
 
 
 def traffic(args: argparse.Namespace, fleet: int) -> list[SimRequestSpec]:
@@ -60,13 +63,14 @@ def traffic(args: argparse.Namespace, fleet: int) -> list[SimRequestSpec]:
         for e in load_trace(args.trace)
         if args.window_start <= e.timestamp < args.window_start + args.window
     ]
-    copies = max(1, round(args.copies_per_16 * fleet / 16))
+    copies = args.copies_per_16 * fleet / 16
     rng = random.Random(args.seed)
     specs = []
     for this, after in zip(entries, [*entries[1:], None], strict=True):
         gap = (after.timestamp - this.timestamp) if after else 0.0
         start = (this.timestamp - args.window_start) * args.time_scale
-        for _ in range(copies):
+        # A fractional count: the whole part, and one more with the fraction's chance.
+        for _ in range(int(copies) + (rng.random() < copies % 1)):
             arrival = start + rng.random() * gap * args.time_scale
             prompt = min(this.prompt_len, args.max_prompt)
             specs.append(SimRequestSpec(str(len(specs)), arrival, prompt, max(1, this.output_len)))
@@ -86,19 +90,21 @@ def config(args, num_prefill: int, num_decode: int, autoscale: SimAutoscale | No
     )
 
 
-def goodput(result: SimResult, slo: SLO) -> float:
-    """Requests within both SLOs per second of the run."""
+def goodput(result: SimResult, slo: SLO, span_s: float) -> float:
+    """Requests within both SLOs per second of the traffic's span (not the run's, whose
+    tail after the last arrival differs between layouts that all keep up)."""
     ok = 0
     for r in result.records:
         if not r.success or r.ttft > slo.ttft_s:
             continue
         if r.tpot is None or r.tpot <= slo.itl_s:
             ok += 1
-    return ok / result.duration_s
+    return ok / span_s
 
 
 def run_fleet(args: argparse.Namespace, fleet: int) -> list[Row]:
     specs = traffic(args, fleet)
+    span_s = args.window * args.time_scale
     slo = SLO.parse(args.slo)
     rows = []
     for share in args.prefill_shares:
@@ -108,10 +114,11 @@ def run_fleet(args: argparse.Namespace, fleet: int) -> list[Row]:
             Row(
                 fleet,
                 f"fixed {num_prefill}:{fleet - num_prefill}",
-                goodput(result, slo),
+                goodput(result, slo, span_s),
                 fleet * result.duration_s,
                 result.duration_s,
                 len(specs),
+                span_s,
             )
         )
         print(f"  {rows[-1]}", file=sys.stderr, flush=True)
@@ -133,10 +140,11 @@ def run_fleet(args: argparse.Namespace, fleet: int) -> list[Row]:
         Row(
             fleet,
             f"autoscaled from {start}:{fleet - start} ({len(summary['decisions'])} decisions)",
-            goodput(result, slo),
+            goodput(result, slo, span_s),
             summary["worker_seconds"],
             result.duration_s,
             len(specs),
+            span_s,
         )
     )
     print(f"  {rows[-1]}", file=sys.stderr, flush=True)

@@ -13,8 +13,11 @@ With ``--sender-netns NS --sender-host ADDR`` (root; run this script itself insi
 namespace, e.g. ``ip netns exec B ...``) the prefill side moves into namespace NS and its KV
 server binds ADDR there, so tcp crosses whatever link joins the two namespaces (a veth pair).
 
+With ``--fleet-secret`` both sides hold a deployment's secret: tcp connections prove it and
+seal every frame (the cost of authenticating the KV bytes).
+
     .venv/bin/python benchmarks/kv_transfer.py [--repeats 5] [--threads 1] [--json FILE]
-        [--transports shm tcp] [--sender-netns NS --sender-host ADDR]
+        [--transports shm tcp] [--sender-netns NS --sender-host ADDR] [--fleet-secret]
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class Sender:
     transports: tuple[str, ...] = TRANSPORTS
     netns: str | None = None
     host: str = "127.0.0.1"
+    secret: str | None = None
 
 
 def cache_blocks(case: Case) -> int:
@@ -108,7 +112,10 @@ def sender_main(conn, threads: int, sender: Sender) -> None:
     for index, case in enumerate(CASES):
         for transport in sender.transports:
             config = KVTransferConfig(
-                transport=transport, kv_role="kv_producer", kv_host=sender.host
+                transport=transport,
+                kv_role="kv_producer",
+                kv_host=sender.host,
+                secret=sender.secret,
             )
             producer = create_kv_transport(config, case.layout, cache_blocks(case))
             producer.kv_cache.normal_()
@@ -145,9 +152,16 @@ class Samples:
 
 
 def time_transport(
-    conn, index: int, case: Case, transport: str, order: str, repeats: int, memcpy: Memcpy
+    conn,
+    index: int,
+    case: Case,
+    transport: str,
+    order: str,
+    repeats: int,
+    memcpy: Memcpy,
+    secret: str | None,
 ) -> Samples:
-    config = KVTransferConfig(transport=transport, kv_role="kv_consumer")
+    config = KVTransferConfig(transport=transport, kv_role="kv_consumer", secret=secret)
     consumer = create_kv_transport(config, case.layout, cache_blocks(case))
     samples = Samples([], [], [])
     try:
@@ -209,7 +223,9 @@ def run(repeats: int, threads: int, sender: Sender = Sender()) -> list[dict]:
             rows, copies = [], []
             for transport in sender.transports:
                 for order in BLOCK_ORDERS:
-                    samples = time_transport(conn, index, case, transport, order, repeats, memcpy)
+                    samples = time_transport(
+                        conn, index, case, transport, order, repeats, memcpy, sender.secret
+                    )
                     copies += samples.memcpy
                     rows.append(row(case, transport, order, samples.e2e, samples))
             results += [row(case, "memcpy", "-", copies), *rows]
@@ -257,9 +273,13 @@ def main() -> None:
         default="127.0.0.1",
         help="address the prefill side's KV server binds and advertises",
     )
+    parser.add_argument(
+        "--fleet-secret", action="store_true", help="both sides hold a fleet secret (sealed tcp)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    sender = Sender(tuple(args.transports), args.sender_netns, args.sender_host)
+    secret = "kv-transfer-benchmark-secret" if args.fleet_secret else None
+    sender = Sender(tuple(args.transports), args.sender_netns, args.sender_host, secret)
     results = run(args.repeats, args.threads, sender)
     print_table(results)
     report = {

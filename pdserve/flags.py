@@ -8,9 +8,12 @@ door (`pdserve.cli`) that registers the subcommands.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+Config = TypeVar("Config")
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,11 @@ class Flag:
     @property
     def default(self) -> Any:
         return self.options.get("default")
+
+    def with_options(self, **changes: Any) -> Flag:
+        """This option as another command declares it: the same name, type and meaning, with
+        its own default or help (the simulator's defaults depend on the simulated device)."""
+        return Flag(self.name, {**self.options, **changes})
 
     def argv(self, value: Any) -> list[str]:
         """The arguments that give this option `value` (none when it is the default)."""
@@ -50,3 +58,13 @@ def add_flags(parser: argparse.ArgumentParser, title: str | None, flags: Iterabl
     group = parser.add_argument_group(title) if title else parser
     for option in flags:
         group.add_argument(option.name, **option.options)
+
+
+def config_from_args(
+    config_type: type[Config], args: argparse.Namespace, flags: Iterable[Flag], **values: Any
+) -> Config:
+    """A `config_type` (a dataclass) from parsed `flags`: each field that a flag's `dest`
+    names takes that flag's value; `values` give the fields no flag gives (or override)."""
+    names = {f.name for f in dataclasses.fields(config_type)}
+    given = {option.dest: getattr(args, option.dest) for option in flags if option.dest in names}
+    return config_type(**{**given, **values})

@@ -1,6 +1,6 @@
-"""The HTTP plumbing both apps share: guards that run before any body parsing (API key or fleet
-secret 401, body size 413), the client-disconnect watcher, and the streaming response that
-always cleans up.
+"""The HTTP plumbing both apps share: guards that run before any body parsing (API key 401, or
+on a fleet's worker its request signature 401, body size 413), the client-disconnect watcher,
+and the streaming response that always cleans up.
 
 The guards are pure ASGI (not Starlette's BaseHTTPMiddleware) so they add no task or buffering
 per request and never interfere with streaming responses.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -21,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.api.errors import APIError, ErrorType, OnError, install_handlers
 from pdserve.api.openapi import document_front_door
+from pdserve.api.signing import ReplayGuard, canonical, parse_header, signature, signing_key
 
 T = TypeVar("T")
 
@@ -43,22 +45,21 @@ def install_front_door(
     states their answers.
 
     `fleet_secret`: this app is a deployment's worker (`pdserve.fleet`), which answers only its
-    fleet: every path but ``/health`` needs the secret, and the user's `api_key` (checked by the
-    router in front) is not taken here."""
+    fleet: every path but ``/health`` needs a request signed with the secret (`api.signing`;
+    checked inside the body-size guard, since the signature covers the body), and the user's
+    `api_key` (checked by the router in front) is not taken here."""
     install_handlers(app, on_error)
     document_front_door(app, protected_prefixes=None if api_key is None else protected_prefixes)
     app.add_exception_handler(ClientDisconnected, _client_closed)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes, on_error=on_error)
     if fleet_secret is not None:
         app.add_middleware(
-            ApiKeyMiddleware,
-            api_key=fleet_secret,
-            protected_prefixes=("/",),
+            FleetSignatureMiddleware,
+            secret=fleet_secret,
             on_error=on_error,
             open_paths=("/health",),
-            what="fleet secret",
         )
-    elif api_key is not None:
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes, on_error=on_error)
+    if fleet_secret is None and api_key is not None:
         app.add_middleware(
             ApiKeyMiddleware,
             api_key=api_key,
@@ -68,8 +69,8 @@ def install_front_door(
 
 
 class ApiKeyMiddleware:
-    """Every request whose path starts with one of `protected_prefixes` (and is none of
-    `open_paths`) needs `Authorization: Bearer <api_key>` (the scheme in any case)."""
+    """Every request whose path starts with one of `protected_prefixes` needs
+    `Authorization: Bearer <api_key>` (the scheme in any case)."""
 
     def __init__(
         self,
@@ -77,26 +78,21 @@ class ApiKeyMiddleware:
         api_key: str,
         protected_prefixes: tuple[str, ...],
         on_error: OnError,
-        open_paths: tuple[str, ...] = (),
-        what: str = "API key",
     ) -> None:
         self.app = app
         self._expected = api_key.encode()
         self._prefixes = protected_prefixes
-        self._open_paths = frozenset(open_paths)
         self._on_error = on_error
-        self._what = what
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] == "http"
             and scope["path"].startswith(self._prefixes)
-            and scope["path"] not in self._open_paths
             and not self._is_authorized(scope)
         ):
             error = APIError(
                 ErrorType.AUTHENTICATION,
-                f"invalid or missing {self._what}: send 'Authorization: Bearer <key>'",
+                "invalid or missing API key: send 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
@@ -109,6 +105,86 @@ class ApiKeyMiddleware:
         given = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = given.partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token, self._expected)
+
+
+class FleetSignatureMiddleware:
+    """Every request but `open_paths` must carry a fresh fleet signature (`api.signing`): its
+    header is checked before the body is read, the MAC over the body after; a nonce is
+    admitted once. The body is then handed to the app as read."""
+
+    def __init__(
+        self, app: ASGIApp, secret: str, on_error: OnError, open_paths: tuple[str, ...] = ()
+    ) -> None:
+        self.app = app
+        self._key = signing_key(secret)
+        self._open_paths = frozenset(open_paths)
+        self._on_error = on_error
+        self._replays = ReplayGuard()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self._open_paths:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        signed = parse_header(headers.get(b"authorization", b""))
+        if signed is None:
+            await self._refuse(scope, receive, send, "missing or malformed fleet signature")
+            return
+        if not self._replays.is_in_window(signed.unix_time, time.time()):
+            await self._refuse(scope, receive, send, "fleet signature outside the clock window")
+            return
+        buffered = await _buffered(receive)
+        if buffered is None:
+            return  # the client left before its body arrived
+        body, receive = buffered
+        target = scope.get("raw_path") or scope["path"].encode()
+        if scope.get("query_string"):
+            target += b"?" + scope["query_string"]
+        message = canonical(
+            scope["method"],
+            headers.get(b"host", b"").decode("latin-1"),
+            target.decode("latin-1"),
+            signed.timestamp,
+            signed.nonce,
+            body,
+        )
+        if not hmac.compare_digest(signature(self._key, message), signed.signature):
+            await self._refuse(scope, receive, send, "wrong fleet signature")
+            return
+        if not self._replays.admit(signed.nonce, signed.unix_time, time.time()):
+            await self._refuse(scope, receive, send, "replayed fleet signature")
+            return
+        await self.app(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, reason: str) -> None:
+        error = APIError(
+            ErrorType.AUTHENTICATION,
+            f"{reason}: this worker answers only its deployment's router",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Fleet"},
+        )
+        self._on_error(error, scope["path"])
+        await error.response()(scope, receive, send)
+
+
+async def _buffered(receive: Receive) -> tuple[bytes, Receive] | None:
+    """The whole request body, and a `receive` that hands it on as one message, then passes
+    through (the disconnect watcher's ``http.disconnect``); None if the client left first."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    body = b"".join(chunks)
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return body, replay
 
 
 class BodySizeLimitMiddleware:

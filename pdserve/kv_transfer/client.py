@@ -3,7 +3,8 @@
 Requests are strictly one at a time per connection (guarded by the caller). Any failure part-way
 through a response leaves the stream in an unknown state, so the connection is closed and the
 next request reconnects. A client with the fleet secret proves membership on every new
-connection, and checks the server's proof, before its first request (wire.py's handshake).
+connection, and checks the server's proof, before its first request (wire.py's handshake);
+every frame after it is sealed with that connection's session keys.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ from pdserve.kv_transfer.protocol import (
 from pdserve.kv_transfer.wire import (
     ConnectionClosed,
     MessageType,
+    Session,
     VersionMismatch,
     is_proof,
     new_nonce,
     proof,
     read_frame,
-    recv_exact_into,
+    recv_payload_into,
     send_frame,
 )
 
@@ -54,6 +56,8 @@ class KVClient:
         self._timeout = timeout
         self._secret = secret
         self._sock: socket.socket | None = None
+        # Seals this connection's frames once its handshake is done.
+        self._session: Session | None = None
         # The server's HELLO reply on this connection, once the handshake got it.
         self._hello: dict[str, Any] | None = None
 
@@ -91,9 +95,21 @@ class KVClient:
         expect: MessageType,
         payload_len: int = 0,
     ) -> dict[str, Any]:
+        self._send(sock, msg_type, meta)
+        return self._answer(sock, expect, payload_len)
+
+    def _send(self, sock: socket.socket, msg_type: MessageType, meta: dict[str, Any]) -> None:
         try:
-            send_frame(sock, msg_type, meta)
-            frame = read_frame(sock, max_payload=payload_len)
+            send_frame(sock, msg_type, meta, session=self._session)
+        except OSError as exc:
+            self.close()
+            raise _failure(self.address, exc) from None
+
+    def _answer(
+        self, sock: socket.socket, expect: MessageType, payload_len: int = 0
+    ) -> dict[str, Any]:
+        try:
+            frame = read_frame(sock, max_payload=payload_len, session=self._session)
         except VersionMismatch as exc:
             self.close()
             check_protocol_version(exc.version, f"KV server {self.address}")
@@ -119,7 +135,7 @@ class KVClient:
         """Read the next `len(view)` payload bytes of the current DATA frame."""
         assert self._sock is not None, "recv_into outside a DATA response"
         try:
-            recv_exact_into(self._sock, view)
+            recv_payload_into(self._sock, view, self._session)
         except (FrameError, OSError) as exc:
             self.close()
             raise _failure(self.address, exc) from None
@@ -129,6 +145,7 @@ class KVClient:
             with contextlib.suppress(OSError):
                 self._sock.close()
             self._sock = None
+            self._session = None
             self._hello = None
 
     def _connected(self) -> socket.socket:
@@ -158,8 +175,12 @@ class KVClient:
                     f"KV server {self.address} failed to prove membership: it holds another "
                     "deployment's secret"
                 )
-            answer = {"proof": proof(self._secret, "client", theirs, ours)}
-            self._hello = self._exchange(sock, MessageType.AUTH, answer, MessageType.REPLY)
+            # AUTH is the last frame in clear; the server seals its answer.
+            self._send(
+                sock, MessageType.AUTH, {"proof": proof(self._secret, "client", theirs, ours)}
+            )
+            self._session = Session(self._secret, ours, theirs, is_client=True)
+            self._hello = self._answer(sock, MessageType.REPLY)
         except BaseException:
             self.close()
             raise

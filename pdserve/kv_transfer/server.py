@@ -7,7 +7,9 @@ connection only; a semantic refusal (unknown or expired lease) keeps the connect
 
 With a fleet secret, a connection serves nothing (not even the HELLO facts: engine id, layout,
 shm segment) until its peer proved membership (wire.py's handshake); any other request first,
-or a wrong proof, is refused as ``unauthorized`` and the connection closed.
+or a wrong proof, is refused as ``unauthorized`` and the connection closed. After the proof
+every frame both ways is sealed with the connection's session keys; a frame failing its tag
+closes the connection.
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ from pdserve.kv_transfer.wire import (
     REQUEST_TYPES,
     ConnectionClosed,
     MessageType,
+    Session,
     VersionMismatch,
     is_proof,
     new_nonce,
     proof,
     read_frame,
     send_frame,
+    send_payload,
 )
 
 logger = logging.getLogger(__name__)
@@ -70,6 +74,11 @@ class _Connection:
     # Streamed leases this peer watches and has not released: released when it goes away
     # (a decode worker that died mid-stream frees them now, not at the lease timeout).
     watched: set[str] = field(default_factory=set)
+    # Seals every frame after a right AUTH (None: before it, or an open server).
+    session: Session | None = None
+
+    def send(self, msg_type: MessageType, meta: dict[str, Any], payload_len: int = 0) -> None:
+        send_frame(self.sock, msg_type, meta, payload_len, self.session)
 
 
 class KVServer:
@@ -179,9 +188,8 @@ class KVServer:
 
     def _handle_one(self, connection: _Connection) -> bool:
         """Serve one request; False ends the connection."""
-        conn, peer = connection.sock, connection.peer
         try:
-            frame = read_frame(conn, max_payload=0)
+            frame = read_frame(connection.sock, max_payload=0, session=connection.session)
             if frame.msg_type not in REQUEST_TYPES:
                 raise KVProtocolError(f"{frame.msg_type.name} is not a request")
             if not connection.is_member and frame.msg_type not in (
@@ -194,29 +202,29 @@ class KVServer:
         except (ConnectionClosed, OSError):
             return False  # peer gone, idle timeout, or server closing
         except VersionMismatch as exc:
-            return self._reject(conn, peer, "incompatible", str(exc))
+            return self._reject(connection, "incompatible", str(exc))
         except KVProtocolError as exc:
-            return self._reject(conn, peer, "bad_request", str(exc))
+            return self._reject(connection, "bad_request", str(exc))
         except KVAuthError as exc:
-            return self._reject(conn, peer, "unauthorized", str(exc))
+            return self._reject(connection, "unauthorized", str(exc))
         except KVLeaseError as exc:
             # A refusal, not an attack: the connection stays usable.
             try:
-                send_frame(conn, MessageType.ERROR, {"code": "lease", "error": str(exc)})
+                connection.send(MessageType.ERROR, {"code": "lease", "error": str(exc)})
             except OSError:
                 return False
             return True
 
-    def _reject(self, conn: socket.socket, peer: Any, code: str, reason: str) -> bool:
-        logger.warning("KV server rejected a frame from %s: %s", peer, reason)
+    def _reject(self, connection: _Connection, code: str, reason: str) -> bool:
+        logger.warning("KV server rejected a frame from %s: %s", connection.peer, reason)
         with contextlib.suppress(OSError):
-            send_frame(conn, MessageType.ERROR, {"code": code, "error": reason})
-            _drain(conn)
+            connection.send(MessageType.ERROR, {"code": code, "error": reason})
+            _drain(connection.sock)
         return False
 
     def _on_hello(self, connection: _Connection, meta: dict) -> None:
         if connection.is_member:
-            send_frame(connection.sock, MessageType.REPLY, self._hello)
+            connection.send(MessageType.REPLY, self._hello)
             return
         theirs = get_str(meta, "nonce", "HELLO", required=False, max_len=64) or ""
         ours = new_nonce()
@@ -224,7 +232,7 @@ class KVServer:
         challenge = {"nonce": ours}
         if theirs:  # a peer that holds the secret checks ours before it answers
             challenge["proof"] = proof(self._secret, "server", theirs, ours)
-        send_frame(connection.sock, MessageType.CHALLENGE, challenge)
+        connection.send(MessageType.CHALLENGE, challenge)
 
     def _on_auth(self, connection: _Connection, meta: dict) -> None:
         if connection.is_member:
@@ -236,7 +244,8 @@ class KVServer:
         if not is_proof(meta.get("proof"), self._secret, "client", ours, theirs):
             raise KVAuthError("wrong proof: not a member of this deployment")
         connection.is_member = True
-        send_frame(connection.sock, MessageType.REPLY, self._hello)
+        connection.session = Session(self._secret, theirs, ours, is_client=False)
+        connection.send(MessageType.REPLY, self._hello)
 
     def _on_release(self, connection: _Connection, meta: dict) -> None:
         request_id = _request_id(meta, "RELEASE")
@@ -249,7 +258,7 @@ class KVServer:
         block_ids = get_int_list(meta, "block_ids", "RELEASE", max_len=self._kv_cache.shape[2])
         connection.watched.discard(request_id)
         released = self._leases.release(request_id, block_ids)
-        send_frame(connection.sock, MessageType.REPLY, {"released": released})
+        connection.send(MessageType.REPLY, {"released": released})
 
     def _on_watch(self, connection: _Connection, meta: dict) -> None:
         request_id = _request_id(meta, "WATCH")
@@ -257,8 +266,7 @@ class KVServer:
         wait_s = get_float(meta, "wait_s", "WATCH", max_value=MAX_WATCH_WAIT_S)
         connection.watched.add(request_id)
         state = self._leases.watch(request_id, num_known, wait_s)
-        send_frame(
-            connection.sock,
+        connection.send(
             MessageType.REPLY,
             {
                 "block_ids": list(state.block_ids),
@@ -286,22 +294,16 @@ class KVServer:
                     f"FETCH.block_ids {sorted(outside)[:8]} are not leased to "
                     f"request {request_id!r}"
                 )
-            self._send_layers(connection.sock, start, end, block_ids, connection.staging)
+            self._send_layers(connection, start, end, block_ids)
 
     def _send_layers(
-        self,
-        conn: socket.socket,
-        start: int,
-        end: int,
-        block_ids: tuple[int, ...],
-        staging: StagingBuffer,
+        self, connection: _Connection, start: int, end: int, block_ids: tuple[int, ...]
     ) -> None:
         # Gather one layer at a time into a small staging buffer that stays in cache while the
         # kernel copies it into the socket: bounded memory, no whole-request temporary.
-        layer = staging.layer(len(block_ids))
+        layer = connection.staging.layer(len(block_ids))
         payload_len = (end - start) * layer.numel() * layer.element_size()
-        send_frame(
-            conn,
+        connection.send(
             MessageType.DATA,
             {"dtype": dtype_name(layer.dtype), "shape": [end - start, *layer.shape[1:]]},
             payload_len,
@@ -309,7 +311,7 @@ class KVServer:
         blocks = StagedBlocks(block_ids)
         for index in range(start, end):
             blocks.gather(self._kv_cache[index : index + 1], layer)
-            conn.sendall(byte_view(layer))
+            send_payload(connection.sock, byte_view(layer), connection.session)
 
 
 def _request_id(meta: dict, where: str) -> str:

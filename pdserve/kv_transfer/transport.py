@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from abc import ABC
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
@@ -60,6 +61,11 @@ from pdserve.kv_transfer.server import KVServer
 from pdserve.kv_transfer.wire import MessageType
 
 logger = logging.getLogger(__name__)
+
+# Prefill engines a decode worker stays connected to at once: an autoscaled fleet replaces its
+# prefill workers over time, and each one gone would otherwise keep its socket (and under shm
+# its mapped cache) for the life of the process.
+MAX_REMOTES = 32
 
 
 # How long one WATCH waits for a streamed lease to grow before answering: short, since it
@@ -122,7 +128,8 @@ class KVTransport(ABC):
         self.leases = leases
         self.engine_id = config.engine_id or uuid.uuid4().hex
         self._lock = threading.Lock()
-        self._remotes: dict[tuple[str, str, int], RemoteEngine] = {}
+        # Least recently used first; at most MAX_REMOTES.
+        self._remotes: OrderedDict[tuple[str, str, int], RemoteEngine] = OrderedDict()
         self._server = self._start_server() if config.is_producer else None
         # Set when this worker shuts down: streamed receives stop at their next round.
         self._is_stopping = threading.Event()
@@ -516,7 +523,21 @@ class KVTransport(ABC):
             if remote is None:
                 remote = self._connect(params)
                 self._remotes[key] = remote
+                self._evict_beyond_limit()
+            self._remotes.move_to_end(key)
             return remote
+
+    def _evict_beyond_limit(self) -> None:
+        """Drop the least recently used remotes beyond `MAX_REMOTES` that nobody is using
+        (with `_lock` held); a later request to one reconnects."""
+        for key in list(self._remotes)[: max(0, len(self._remotes) - MAX_REMOTES)]:
+            remote = self._remotes[key]
+            if remote.lock.acquire(blocking=False):
+                try:
+                    del self._remotes[key]
+                    remote.client.close()
+                finally:
+                    remote.lock.release()
 
     def _connect(self, params: KVTransferParams) -> RemoteEngine:
         client = KVClient(

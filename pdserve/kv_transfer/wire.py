@@ -22,8 +22,15 @@ HMAC-SHA256 over the speaker's role and both sides' fresh nonces (`proof`)::
     client -> AUTH      {proof: proof(secret, "client", s, c)}    (after checking the server's)
     server -> REPLY     {protocol_version, engine_id, ...}        (or ERROR unauthorized, closed)
 
+Every frame after AUTH, both ways, from the REPLY on, is sealed by the connection's
+`Session`: keys derived from the secret and both nonces (HKDF-SHA256, one key per direction),
+and after each frame's payload a 32-byte HMAC-SHA256 tag over a per-direction sequence number,
+the header, the metadata and the payload. A frame altered, replayed, reordered, reflected or
+moved to another connection fails its tag (`FrameError`): the connection is closed and its
+transfer fails (the decode worker's ``--kv-failure-policy`` decides what the request does).
+
 A server without a secret answers HELLO with REPLY at once, as before; peers that both hold no
-secret speak exactly the version-1 protocol.
+secret speak exactly the version-1 protocol (no tags).
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ MAX_META_BYTES = 1 << 20
 # Largest single recv; bounds a recv_into() slice, not a frame.
 _RECV_CHUNK = 1 << 22
 NONCE_BYTES = 16
+TAG_BYTES = 32  # HMAC-SHA256
+_SEQUENCE = struct.Struct("!Q")
 
 
 class MessageType(enum.IntEnum):
@@ -108,6 +117,48 @@ def is_proof(given: object, secret: str, speaker: str, *nonces: str) -> bool:
     return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
 
 
+class _Direction:
+    """One direction of a session: its key, the next frame's sequence number, and the MAC of
+    the frame in progress (its payload still to come: `payload_left` bytes)."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+        self._sequence = 0
+        self._mac: hmac.HMAC | None = None
+        self.payload_left = 0
+
+    def begin(self, header_and_meta: bytes, payload_len: int) -> None:
+        self._mac = hmac.new(self._key, _SEQUENCE.pack(self._sequence), hashlib.sha256)
+        self._mac.update(header_and_meta)
+        self._sequence += 1
+        self.payload_left = payload_len
+
+    def update(self, view: memoryview) -> bool:
+        """Add payload bytes; True once the frame's payload is complete (its tag is due)."""
+        self._mac.update(view)
+        self.payload_left -= len(view)
+        return self.payload_left == 0
+
+    def tag(self) -> bytes:
+        tag, self._mac = self._mac.digest(), None
+        return tag
+
+
+class Session:
+    """The frame keys of one authenticated connection (see the module docstring)."""
+
+    def __init__(self, secret: str, client_nonce: str, server_nonce: str, *, is_client: bool):
+        # HKDF (RFC 5869): extract with both nonces as the salt, expand once per direction.
+        salt = f"{client_nonce}\n{server_nonce}".encode()
+        prk = hmac.new(salt, secret.encode(), hashlib.sha256).digest()
+        to_server, to_client = (
+            hmac.new(prk, label + b"\x01", hashlib.sha256).digest()
+            for label in (b"pdserve kv frames to server", b"pdserve kv frames to client")
+        )
+        self.sending = _Direction(to_server if is_client else to_client)
+        self.receiving = _Direction(to_client if is_client else to_server)
+
+
 @dataclass(frozen=True)
 class Frame:
     """A decoded header and metadata; the caller reads `payload_len` bytes next."""
@@ -130,10 +181,44 @@ def encode_frame(
 
 
 def send_frame(
-    sock: socket.socket, msg_type: MessageType, meta: dict[str, Any], payload_len: int = 0
+    sock: socket.socket,
+    msg_type: MessageType,
+    meta: dict[str, Any],
+    payload_len: int = 0,
+    session: Session | None = None,
 ) -> None:
-    """Send header and metadata; a DATA sender then sends exactly `payload_len` bytes."""
-    sock.sendall(encode_frame(msg_type, meta, payload_len))
+    """Send header and metadata (and, sealed with no payload, the tag); a DATA sender then
+    sends exactly `payload_len` bytes with `send_payload`."""
+    frame = encode_frame(msg_type, meta, payload_len)
+    if session is None:
+        sock.sendall(frame)
+        return
+    session.sending.begin(frame, payload_len)
+    sock.sendall(frame if payload_len else frame + session.sending.tag())
+
+
+def send_payload(sock: socket.socket, view: memoryview, session: Session | None) -> None:
+    """Send the next part of the current frame's payload (and after its last byte, the tag)."""
+    sock.sendall(view)
+    if session is not None and session.sending.update(view.cast("B")):
+        sock.sendall(session.sending.tag())
+
+
+def recv_payload_into(sock: socket.socket, view: memoryview, session: Session | None) -> None:
+    """Receive the next part of the current frame's payload into `view`; after its last
+    byte, check the tag."""
+    recv_exact_into(sock, view)
+    if session is not None and session.receiving.update(view.cast("B")):
+        _check_tag(sock, session.receiving)
+
+
+def _check_tag(sock: socket.socket, direction: _Direction) -> None:
+    tag = bytearray(TAG_BYTES)
+    recv_exact_into(sock, memoryview(tag))
+    if not hmac.compare_digest(bytes(tag), direction.tag()):
+        raise FrameError(
+            "frame authentication failed: the frame was altered, replayed or reordered on the wire"
+        )
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
@@ -147,11 +232,13 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def read_frame(sock: socket.socket, max_payload: int) -> Frame:
-    """Read one header and its metadata, validating both before allocating anything.
+def read_frame(sock: socket.socket, max_payload: int, session: Session | None = None) -> Frame:
+    """Read one header and its metadata, validating both before allocating anything (and,
+    sealed with no payload, checking the tag before the metadata is parsed; a payload is read
+    with `recv_payload_into`).
 
     Raises `ConnectionClosed` on a clean EOF before the header, `VersionMismatch` for a
-    foreign version, `FrameError` for anything malformed.
+    foreign version, `FrameError` for anything malformed or failing its tag.
     """
     header = bytearray(HEADER.size)
     first = sock.recv_into(header)
@@ -173,6 +260,10 @@ def read_frame(sock: socket.socket, max_payload: int) -> Frame:
         raise FrameError(f"payload length {payload_len} over this frame's limit {max_payload}")
     body = bytearray(meta_len)
     recv_exact_into(sock, memoryview(body))
+    if session is not None:
+        session.receiving.begin(bytes(header) + bytes(body), payload_len)
+        if not payload_len:
+            _check_tag(sock, session.receiving)
     return Frame(msg_type, _decode_meta(body), payload_len)
 
 

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pdserve.flags import add_flags, flag
+from pdserve.flags import add_flags, config_from_args, flag
 from pdserve.fleet import fleet_secret_from_env
 from pdserve.router.autoscale.config import SLO, AutoscaleConfig
 from pdserve.router.config import KVHandoff, RouterConfig
@@ -65,6 +65,7 @@ ROUTING_FLAGS = (
     ),
     flag(
         "--health-check-interval",
+        dest="health_interval_s",
         type=float,
         default=RouterConfig.health_interval_s,
         metavar="SECONDS",
@@ -72,6 +73,7 @@ ROUTING_FLAGS = (
     ),
     flag(
         "--health-check-timeout",
+        dest="health_timeout_s",
         type=float,
         default=RouterConfig.health_timeout_s,
         metavar="SECONDS",
@@ -84,6 +86,7 @@ ROUTING_FLAGS = (
     ),
     flag(
         "--request-timeout",
+        dest="request_timeout_s",
         type=float,
         default=RouterConfig.request_timeout_s,
         metavar="SECONDS",
@@ -118,6 +121,7 @@ AUTOSCALE_FLAGS = (
     ),
     flag(
         "--autoscale-interval",
+        dest="interval_s",
         type=float,
         default=AutoscaleConfig.interval_s,
         metavar="SECONDS",
@@ -125,6 +129,7 @@ AUTOSCALE_FLAGS = (
     ),
     flag(
         "--autoscale-grace",
+        dest="grace_s",
         type=float,
         default=AutoscaleConfig.grace_s,
         metavar="SECONDS",
@@ -147,17 +152,7 @@ def autoscale_config_from_args(
     workers the caller can run at once (its cores), when it knows."""
     if not args.autoscale:
         return None
-    config = AutoscaleConfig(
-        min_prefill_workers=args.min_prefill_workers,
-        max_prefill_workers=args.max_prefill_workers,
-        min_decode_workers=args.min_decode_workers,
-        max_decode_workers=args.max_decode_workers,
-        max_workers=args.max_workers,
-        slo=SLO.parse(args.slo),
-        interval_s=args.autoscale_interval,
-        grace_s=args.autoscale_grace,
-        allow_role_switch=args.allow_role_switch,
-    )
+    config = config_from_args(AutoscaleConfig, args, AUTOSCALE_FLAGS, slo=SLO.parse(args.slo))
     if room is not None and room < config.total_limit:
         config = dataclasses.replace(config, max_workers=room)
     return config
@@ -216,23 +211,20 @@ def router_config_from_args(
     fleet_secret: str | None = None,
 ) -> RouterConfig:
     """A `RouterConfig` from `ROUTING_FLAGS` plus --host, --port, --api-key and --block-size."""
-    return RouterConfig(
+    return config_from_args(
+        RouterConfig,
+        args,
+        ROUTING_FLAGS,
         prefill_urls=tuple(prefill_urls),
         decode_urls=tuple(decode_urls),
         prefill_policy=args.prefill_policy or args.policy,
         decode_policy=args.decode_policy or args.policy,
-        local_prefill_threshold=args.local_prefill_threshold,
         kv_handoff=KVHandoff(args.kv_handoff),
         shared_kv_store=args.shared_kv_store or getattr(args, "kv_store", None) is not None,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
         block_size=args.block_size,
-        balance_factor=args.balance_factor,
-        health_interval_s=args.health_check_interval,
-        health_timeout_s=args.health_check_timeout,
-        unhealthy_threshold=args.unhealthy_threshold,
-        request_timeout_s=args.request_timeout,
         fleet_secret=fleet_secret,
     )
 

@@ -20,6 +20,9 @@ logger = logging.getLogger("pdserve.router")
 
 # Fields only the router may set on a leg; a client's own copies are dropped.
 ROUTER_OWNED_FIELDS = ("kv_transfer_params", "router_timing")
+# RELEASEs in flight at once; past it an unclaimed lease is left to its --kv-lease-timeout
+# (a storm of refused requests against a KV port that does not answer must not pile up tasks).
+MAX_PENDING_RELEASES = 256
 # Dropped from the prefill leg: it generates exactly one token and answers in one body.
 _NOT_FOR_PREFILL = ("stream_options", "min_tokens", "max_completion_tokens")
 
@@ -77,6 +80,13 @@ class UnclaimedKV:
     def release(self, kv_transfer_params: dict[str, Any] | None) -> None:
         """Free the lease these params (a prefill worker's answer) name; None: no lease."""
         if kv_transfer_params is None:
+            return
+        if len(self._tasks) >= MAX_PENDING_RELEASES:
+            logger.warning(
+                "%d KV releases pending: lease %s is left to its timeout",
+                len(self._tasks),
+                kv_transfer_params.get("remote_request_id"),
+            )
             return
         task = asyncio.get_running_loop().create_task(self._release(kv_transfer_params))
         self._tasks.add(task)  # held until done: the loop keeps only weak references

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from pdserve.fleet import bearer_headers
+from pdserve.api.signing import FleetAuth
 from pdserve.router.autoscale.config import AutoscaleConfig
 from pdserve.router.autoscale.loop import Autoscaler, FleetActions
 from pdserve.router.config import RouterConfig
@@ -138,9 +138,9 @@ class RouterRuntime:
                 max_connections=None, max_keepalive_connections=256, keepalive_expiry=4.0
             ),
             trust_env=False,
-            # Every leg, health check and scrape is the fleet's (the client's own
-            # Authorization header is never relayed).
-            headers=bearer_headers(config.fleet_secret),
+            # Every leg, health check, scrape and fleet change is signed as the fleet's (the
+            # secret itself never leaves; the client's own Authorization is never relayed).
+            auth=FleetAuth(config.fleet_secret) if config.fleet_secret is not None else None,
         )
         scrape = [
             role

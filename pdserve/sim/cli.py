@@ -68,6 +68,11 @@ def add_parsers(subparsers) -> None:
     )
     scale.add_argument("demo_dir", metavar="DIR", help="the demo's --report directory")
     scale.add_argument("--quiet", action="store_true", help="no progress lines")
+    scale.add_argument(
+        "--gpu",
+        action="store_true",
+        help="also an H100 fleet from its shipped calibration (at this machine's SLOs)",
+    )
     cal = sub.add_parser(
         "calibrate",
         help="fit the cost model's efficiencies to measured engine steps",
@@ -228,7 +233,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _scale(args: argparse.Namespace) -> int:
     from pdserve.sim.scale import run_scale
 
-    report = run_scale(Path(args.demo_dir), _progress(args.quiet))
+    report = run_scale(Path(args.demo_dir), _progress(args.quiet), args.gpu)
     print("\n".join(report.lines))
     print(f"report: {Path(args.demo_dir) / 'scale.md'}")
     return 0

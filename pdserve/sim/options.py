@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 from pdserve.bench.arrivals import parse_request_rates
 from pdserve.bench.benchmark import TRACE_WINDOW_STREAM, seeded_rng
@@ -22,10 +23,10 @@ from pdserve.bench.workloads import (
 from pdserve.bench.workloads.flags import WORKLOAD_FLAGS, workload_options
 from pdserve.bench.workloads.trace_file import TraceEntry
 from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, Mode, SchedulerConfig
-from pdserve.flags import add_flags
-from pdserve.router.cli import AUTOSCALE_FLAGS, KV_HANDOFF_FLAG, autoscale_config_from_args
+from pdserve.engine.args import ENGINE_FLAGS
+from pdserve.flags import Flag, add_flags
+from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTING_FLAGS, autoscale_config_from_args
 from pdserve.router.config import KVHandoff
-from pdserve.router.policies import POLICIES
 from pdserve.sim.config import (
     DEFAULT_STARTUP_S,
     DEFAULT_SWITCH_S,
@@ -52,6 +53,45 @@ def is_local_cpu(hardware: Hardware) -> bool:
 
 
 # ---- parsers ---------------------------------------------------------------------------
+def _reused(flags: tuple[Flag, ...], name: str, **changes: Any) -> Flag:
+    """The engine's or the router's own declaration of `name`, with the simulator's
+    `changes` (a default that depends on the simulated device is None here)."""
+    return next(option for option in flags if option.name == name).with_options(**changes)
+
+
+# What `serve` takes, as it declares it (type, choices, meaning); defaults as the simulated
+# device wants them.
+ENGINE_FLAGS_SIMULATED = (
+    _reused(
+        ENGINE_FLAGS,
+        "--max-num-seqs",
+        default=None,
+        help=f"default {SchedulerConfig.max_num_seqs} on cpu-local, {GPU_MAX_NUM_SEQS} otherwise",
+    ),
+    _reused(ENGINE_FLAGS, "--max-model-len"),
+    _reused(ENGINE_FLAGS, "--long-prefill-token-threshold"),
+    _reused(ENGINE_FLAGS, "--max-num-partial-prefills"),
+    _reused(ENGINE_FLAGS, "--block-size"),
+    _reused(ENGINE_FLAGS, "--num-kv-blocks", help="per worker (default: from memory)"),
+    _reused(
+        ENGINE_FLAGS,
+        "--kv-cache-memory-gb",
+        default=None,
+        help=f"KV budget per worker (default {CacheConfig.kv_cache_memory_gb} on cpu-local, "
+        "else device memory minus weights)",
+    ),
+    _reused(ENGINE_FLAGS, "--no-prefix-caching"),
+    _reused(ROUTING_FLAGS, "--prefill-policy", default=SimConfig.prefill_policy),
+    _reused(ROUTING_FLAGS, "--decode-policy", default=SimConfig.decode_policy),
+    _reused(ROUTING_FLAGS, "--kv-handoff"),
+)
+_BUDGET_HELP = (
+    f"chunked token budget (default {DEFAULT_CHUNKED_BUDGET} on cpu-local, "
+    f"{GPU_CHUNKED_BUDGET} otherwise; colocated: the context length)"
+)
+_LOCAL_HELP = "disagg: prompts with fewer uncached tokens prefill on decode"
+
+
 def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -> None:
     """Model, hardware, links and engine knobs; `with_layout` adds mode and worker counts."""
     g = parser.add_argument_group("deployment")
@@ -79,34 +119,8 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
         help="a calibration: a file from `pdserve simulate calibrate`, or a shipped one's "
         "name (docs/calibrations.md); default: the device's shipped one, if any",
     )
-    g.add_argument(
-        "--max-num-seqs",
-        type=int,
-        help=f"default {SchedulerConfig.max_num_seqs} on cpu-local, {GPU_MAX_NUM_SEQS} otherwise",
-    )
-    g.add_argument("--max-model-len", type=int, help="default: the model's context")
-    g.add_argument("--long-prefill-token-threshold", type=int)
-    g.add_argument(
-        "--max-num-partial-prefills", type=int, default=SchedulerConfig.max_num_partial_prefills
-    )
-    g.add_argument("--block-size", type=int, default=CacheConfig.block_size)
-    g.add_argument("--num-kv-blocks", type=int, help="per worker (default: from memory)")
-    g.add_argument(
-        "--kv-cache-memory-gb",
-        type=float,
-        help=f"KV budget per worker (default {CacheConfig.kv_cache_memory_gb} on cpu-local, "
-        "else device memory minus weights)",
-    )
+    add_flags(g, None, ENGINE_FLAGS_SIMULATED)
     g.add_argument("--memory-utilization", type=float, default=SimConfig.memory_utilization)
-    g.add_argument(
-        "--no-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        default=CacheConfig.enable_prefix_caching,
-    )
-    g.add_argument("--prefill-policy", default=SimConfig.prefill_policy, choices=POLICIES)
-    g.add_argument("--decode-policy", default=SimConfig.decode_policy, choices=POLICIES)
-    add_flags(g, None, (KV_HANDOFF_FLAG,))
     if not with_layout:
         return
     lay = parser.add_argument_group("layout")
@@ -122,22 +136,12 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
         default=1,
         help="colocated/chunked: engine instances behind the router",
     )
-    lay.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        help=f"chunked token budget (default {DEFAULT_CHUNKED_BUDGET} on cpu-local, "
-        f"{GPU_CHUNKED_BUDGET} otherwise; colocated: the context length)",
-    )
+    add_flags(lay, None, (_reused(ENGINE_FLAGS, "--max-num-batched-tokens", help=_BUDGET_HELP),))
     lay.add_argument("--prefill-workers", type=int, default=1, help="disagg")
     lay.add_argument("--decode-workers", type=int, default=1, help="disagg")
     lay.add_argument("--prefill-tp", type=int, help="disagg (default: --tp)")
     lay.add_argument("--decode-tp", type=int, help="disagg (default: --tp)")
-    lay.add_argument(
-        "--local-prefill-threshold",
-        type=int,
-        default=SimConfig.local_prefill_threshold,
-        help="disagg: prompts with fewer uncached tokens prefill on decode",
-    )
+    add_flags(lay, None, (_reused(ROUTING_FLAGS, "--local-prefill-threshold", help=_LOCAL_HELP),))
     lay.add_argument(
         "--decode-max-num-batched-tokens",
         type=int,

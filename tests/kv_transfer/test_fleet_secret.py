@@ -1,19 +1,36 @@
 """Only the fleet gets in: a KV server with the deployment's secret serves only peers that prove
 they hold it (HMAC challenge-response, the secret never on the wire), and a receiver proves it
-and checks the server's proof. `--kv-transport auto` picks shared memory or tcp per pair."""
+and checks the server's proof; every frame after that is sealed with the connection's session
+keys, so a frame altered, replayed or reordered on the wire fails the transfer. `--kv-transport
+auto` picks shared memory or tcp per pair."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 
 import pytest
 
-from pdserve.kv_transfer import KVAuthError, KVTransferConfig, KVTransferParams, plan_units
+from pdserve.kv_transfer import (
+    FrameError,
+    KVAuthError,
+    KVTransferConfig,
+    KVTransferParams,
+    plan_units,
+)
 from pdserve.kv_transfer.client import release_lease
 from pdserve.kv_transfer.connector import create_kv_transport
-from pdserve.kv_transfer.wire import MessageType, encode_frame, proof, read_frame
+from pdserve.kv_transfer.wire import (
+    MessageType,
+    Session,
+    encode_frame,
+    proof,
+    read_frame,
+    send_frame,
+)
 from tests.kv_transfer.helpers import NUM_BLOCKS, bits, reference_cache, tiny_layout
+from tests.relay import FlipDataPayloads, TcpRelay
 
 LAYOUT = tiny_layout()
 SECRET = "fleet-secret-for-tests"
@@ -158,3 +175,89 @@ def test_params_carry_no_secret():
         assert SECRET not in str(params.to_dict())
         assert SECRET not in repr(sender.config)
         assert KVTransferParams.from_dict(params.to_dict()) == params
+
+
+def _through(relay: TcpRelay, params: KVTransferParams) -> KVTransferParams:
+    host, port = relay.address
+    return dataclasses.replace(params, remote_host=host, remote_port=port)
+
+
+@contextlib.contextmanager
+def relay_to(params: KVTransferParams):
+    relay = TcpRelay((params.remote_host, params.remote_port))
+    try:
+        yield relay
+    finally:
+        relay.close()
+
+
+def test_a_transfer_seen_on_the_wire_carries_no_secret():
+    with closing_all(producer(), consumer()) as (sender, receiver):
+        params = sender.expose("watched", [3, 4], 8)
+        with relay_to(params) as relay:
+            receiver.receive(_through(relay, params), [10, 11])
+        assert bool(
+            (bits(receiver.kv_cache[:, :, [10, 11]]) == bits(sender.kv_cache[:, :, [3, 4]])).all()
+        )
+        assert len(relay.captured) > sender.layout.nbytes(2, LAYOUT.num_layers)
+        assert SECRET.encode() not in relay.captured
+
+
+def test_a_tampered_data_frame_fails_the_transfer_and_the_lease_is_freed():
+    with closing_all(producer(), consumer()) as (sender, receiver):
+        params = sender.expose("tampered", [3, 4], 8)
+        with relay_to(params) as relay:
+            flips = []
+            relay.new_tamperer = lambda: flips.append(FlipDataPayloads()) or flips[-1]
+            with pytest.raises(FrameError, match="frame authentication failed"):
+                receiver.receive(_through(relay, params), [10, 11])
+            assert sum(flip.num_flipped for flip in flips) == 1
+            # The failed receive released the lease (a RELEASE carries no DATA to flip).
+            assert sender.collect() == ["tampered"]
+            # The tampered connection was dropped; the next transfer reconnects and succeeds.
+            relay.new_tamperer = None
+            assert _receive_matches_via(relay, sender, receiver, "clean")
+
+
+def _receive_matches_via(relay, sender, receiver, request_id: str) -> bool:
+    params = sender.expose(request_id, [5, 6], 8)
+    receiver.receive(_through(relay, params), [20, 21])
+    sent = bits(sender.kv_cache[:, :, [5, 6]])
+    return bool((bits(receiver.kv_cache[:, :, [20, 21]]) == sent).all())
+
+
+def _sealed(session: Session, meta: dict) -> bytes:
+    """The bytes `send_frame` puts on the wire for `meta` under `session`."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        send_frame(ours, MessageType.REPLY, meta, session=session)
+        ours.shutdown(socket.SHUT_WR)
+        return b"".join(iter(lambda: theirs.recv(65536), b""))
+
+
+def _open(session: Session, *frames: bytes) -> list[dict]:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.sendall(b"".join(frames))
+        return [read_frame(theirs, max_payload=0, session=session).meta for _ in frames]
+
+
+def test_sealed_frames_cannot_be_replayed_reordered_reflected_or_moved():
+    def pair(server_nonce: str = "5" * 32) -> tuple[Session, Session]:
+        return (
+            Session(SECRET, "c" * 32, server_nonce, is_client=True),
+            Session(SECRET, "c" * 32, server_nonce, is_client=False),
+        )
+
+    client, server = pair()
+    first, second = _sealed(client, {"n": 1}), _sealed(client, {"n": 2})
+    assert _open(server, first, second) == [{"n": 1}, {"n": 2}]
+    for receiver, frame in [
+        (server, first),  # replayed
+        (pair()[1], second),  # reordered
+        (pair()[0], first),  # reflected to its sender
+        (pair("6" * 32)[1], first),  # moved to another connection
+        (pair()[1], first.replace(b'"n":1', b'"n":7')),  # altered
+    ]:
+        with pytest.raises(FrameError, match="frame authentication failed"):
+            _open(receiver, frame)

@@ -24,6 +24,7 @@ from pdserve.kv_transfer import (
     plan_units,
 )
 from pdserve.kv_transfer import shm as shm_module
+from pdserve.kv_transfer import transport as transport_module
 from pdserve.kv_transfer.connector import BackgroundReceiver, create_kv_transport
 from pdserve.kv_transfer.shm import SHM_DIR, SharedKVCache, ShmTransport, remove_stale_segments
 from tests.kv_transfer.helpers import NUM_BLOCKS, bits, reference_cache, tiny_layout
@@ -126,6 +127,34 @@ def test_consumer_reconnects_after_server_dropped_idle_connection():
             time.sleep(0.02)
         pair.consumer.receive(pair.producer.expose("second", [2], 1), [2])
         assert sorted(pair.producer.collect()) == ["first", "second"]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_consumer_keeps_only_the_most_recently_used_remotes(monkeypatch, transport):
+    # An autoscaled fleet's prefill workers come and go: the ones gone must not pile up.
+    monkeypatch.setattr(transport_module, "MAX_REMOTES", 2)
+    consumer = create_kv_transport(
+        KVTransferConfig(transport=transport, kv_role="kv_consumer"), LAYOUT, NUM_BLOCKS
+    )
+    producers = [
+        create_kv_transport(
+            KVTransferConfig(transport=transport, kv_role="kv_producer"), LAYOUT, NUM_BLOCKS
+        )
+        for _ in range(3)
+    ]
+    try:
+        clients = []
+        for index, producer in enumerate(producers):
+            consumer.receive(producer.expose(f"r{index}", [1], 1), [1])
+            clients.append(next(reversed(consumer._remotes.values())).client)
+        assert consumer.num_remotes == 2
+        assert clients[0]._sock is None and clients[2]._sock is not None  # the oldest closed
+        # A request to the evicted one reconnects.
+        consumer.receive(producers[0].expose("again", [2], 1), [2])
+        assert consumer.num_remotes == 2
+    finally:
+        for made in (consumer, *producers):
+            made.close()
 
 
 def _peer_closed(sock) -> bool:

@@ -146,7 +146,7 @@ def test_a_default_changed_in_its_field_shows_in_every_command_line():
     assert serve["unhealthy_threshold"] == router["unhealthy_threshold"] == 4
     assert simulate["max_num_partial_prefills"] == 3
     assert simulate["memory_utilization"] == 0.5
-    assert (serve["autoscale_interval"], serve["max_decode_workers"]) == (4.5, 6)
+    assert (serve["interval_s"], serve["max_decode_workers"]) == (4.5, 6)
 
 
 def test_workers_take_the_engine_kv_and_server_limit_flags_and_nothing_else():
@@ -218,3 +218,18 @@ def test_every_command_line_offers_the_modes_of_the_one_enum():
     serve = next(a for a in serve_parser()._actions if a.dest == "mode")
     assert list(serve.choices) == [mode.value for mode in Mode]
     assert parse_modes(",".join(serve.choices)) == list(Mode)
+
+
+def test_routing_and_autoscale_flags_are_named_as_their_config_fields():
+    """`config_from_args` maps by name: a flag whose dest is no field would be dropped."""
+    import dataclasses
+
+    from pdserve.router.autoscale.config import AutoscaleConfig
+    from pdserve.router.config import RouterConfig
+
+    for flags, config, own in (
+        (ROUTING_FLAGS, RouterConfig, {"policy"}),  # --policy: both pools' default
+        (AUTOSCALE_FLAGS, AutoscaleConfig, {"autoscale"}),  # --autoscale: whether at all
+    ):
+        names = {f.name for f in dataclasses.fields(config)}
+        assert {option.dest for option in flags} - names == own

@@ -1,5 +1,5 @@
 """The fleet secret on one host (`serve --mode disagg --worker-auth`): the launcher hands it to
-its workers in their environment, never in argv; the router presents it on every leg; a client
+its workers in their environment, never in argv; the router signs every leg with it; a client
 without it is refused by the workers' HTTP and KV ports. Without `--worker-auth` (the one-host
 default) workers stay open, as the other disaggregation tests rely on."""
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.api.signing import FleetAuth
 from pdserve.fleet import FLEET_SECRET_ENV
 from pdserve.kv_transfer import KVAuthError, KVTransferParams
 from pdserve.kv_transfer.client import KVClient, release_lease
@@ -40,13 +41,16 @@ def test_one_host_deployment_with_worker_auth_lets_only_the_fleet_in(tmp_path, m
         for worker_id, worker in disagg.workers().items():
             argv = Path(f"/proc/{disagg.worker_pid(worker_id)}/cmdline").read_bytes()
             assert SECRET.encode() not in argv
-            refused = httpx.post(f"{worker['url']}/v1/completions", json=body, trust_env=False)
-            assert refused.status_code == 401
+            for headers in ({}, {"Authorization": f"Bearer {SECRET}"}):
+                refused = httpx.post(
+                    f"{worker['url']}/v1/completions", json=body, headers=headers, trust_env=False
+                )
+                assert refused.status_code == 401
         leg = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
         answer = httpx.post(
             f"{disagg.worker_url('prefill-0')}/v1/completions",
             json=leg,
-            headers={"Authorization": f"Bearer {SECRET}"},
+            auth=FleetAuth(SECRET),
             trust_env=False,
             timeout=600,
         )

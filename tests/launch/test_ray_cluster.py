@@ -28,6 +28,7 @@ import httpx
 import pytest
 from ray.cluster_utils import Cluster
 
+from pdserve.api.signing import FleetAuth
 from pdserve.kv_transfer import KVAuthError, KVTransferParams
 from pdserve.kv_transfer.client import KVClient, release_lease
 from pdserve.kv_transfer.wire import MessageType, encode_frame, read_frame
@@ -37,7 +38,7 @@ from tests.router.real_workers import STARTUP_TIMEOUT_S, Reference, Server, answ
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 SECRET = "ray-test-fleet-secret"
-AUTH = {"Authorization": f"Bearer {SECRET}"}
+AUTH = FleetAuth(SECRET)  # signs as the deployment's router does
 COMPLETIONS = "/v1/completions"
 MAX_TOKENS = 32
 # A small footprint per Ray node: the machine has 2 vCPUs for everything.
@@ -149,7 +150,7 @@ def test_pools_on_different_nodes_kv_over_tcp_answers_equal_colocated(deployment
 def test_a_client_without_the_secret_is_refused_by_worker_http_and_the_kv_port(deployment):
     workers = deployment.workers()
     prefill_url, decode_url = workers["prefill-0"]["url"], workers["decode-0"]["url"]
-    for headers in ({}, {"Authorization": "Bearer not-the-secret"}):
+    for headers in ({}, {"Authorization": f"Bearer {SECRET}"}):
         with httpx.Client(trust_env=False, timeout=30, headers=headers) as stranger:
             for url in (prefill_url, decode_url):
                 refused = [
@@ -166,7 +167,7 @@ def test_a_client_without_the_secret_is_refused_by_worker_http_and_the_kv_port(d
     # A member's prefill leg leases the KV of a user's prompt ...
     leg = {**greedy(1), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
     answer = httpx.post(
-        f"{prefill_url}{COMPLETIONS}", json=leg, headers=AUTH, trust_env=False, timeout=600
+        f"{prefill_url}{COMPLETIONS}", json=leg, auth=AUTH, trust_env=False, timeout=600
     )
     assert answer.status_code == 200, answer.text
     params = KVTransferParams.from_dict(answer.json()["kv_transfer_params"])
@@ -253,7 +254,7 @@ def test_decode_node_removed_mid_stream_others_complete_and_the_pool_is_restored
 
 def held_blocks(url: str) -> int:
     """KV blocks a worker holds for requests or leases (read with the fleet's secret)."""
-    text = httpx.get(f"{url}/metrics", headers=AUTH, trust_env=False, timeout=30).text
+    text = httpx.get(f"{url}/metrics", auth=AUTH, trust_env=False, timeout=30).text
     values = {}
     for name in ("pdserve:kv_cache_total_blocks", "pdserve:kv_cache_free_blocks"):
         match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)

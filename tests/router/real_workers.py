@@ -116,9 +116,10 @@ def answer_text(response_json: dict[str, Any]) -> str:
     return choice["message"]["content"] if "message" in choice else choice["text"]
 
 
-def metric_values(url: str) -> dict[str, float]:
-    """A worker's `pdserve:*` samples by name (label sets summed)."""
-    text = httpx.get(f"{url}/metrics", trust_env=False, timeout=30).text
+def metric_values(url: str, auth: httpx.Auth | None = None) -> dict[str, float]:
+    """A worker's `pdserve:*` samples by name (label sets summed); `auth`: a fleet worker's
+    (`api.signing.FleetAuth`)."""
+    text = httpx.get(f"{url}/metrics", auth=auth, trust_env=False, timeout=30).text
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -126,20 +127,22 @@ def metric_values(url: str) -> dict[str, float]:
     return values
 
 
-def num_held_blocks(url: str) -> int:
+def num_held_blocks(url: str, auth: httpx.Auth | None = None) -> int:
     """KV blocks a worker holds for requests or leases (free-but-cached ones count as free)."""
-    values = metric_values(url)
+    values = metric_values(url, auth)
     return round(values["pdserve:kv_cache_total_blocks"] - values["pdserve:kv_cache_free_blocks"])
 
 
-def assert_no_blocks_held(urls: list[str], timeout_s: float = 60.0) -> None:
+def assert_no_blocks_held(
+    urls: list[str], timeout_s: float = 60.0, auth: httpx.Auth | None = None
+) -> None:
     """Every worker's pool returns to all-free (leases are freed on their engine's next step,
     or when --kv-lease-timeout passes)."""
     for url in urls:
         wait_until(
-            lambda u=url: num_held_blocks(u) == 0,
+            lambda u=url: num_held_blocks(u, auth) == 0,
             timeout_s,
-            f"{url} to hold no KV blocks (holds {num_held_blocks(url)})",
+            f"{url} to hold no KV blocks (holds {num_held_blocks(url, auth)})",
         )
 
 

@@ -1,12 +1,13 @@
 """The router's pools from a provisioner (`discover`, as on a Ray cluster) and its fleet secret,
 against stub workers: discovered workers join with their node, vanished ones leave rotation at
-once, every leg carries the secret, and adding a worker by URL needs the router's API key."""
+once, every leg is signed with the secret, and adding a worker by URL needs the router's API key."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
+from pdserve.api.signing import parse_header
 from pdserve.router.app import build_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.provision import WorkerHandle
@@ -66,7 +67,7 @@ def test_a_router_without_workers_or_discovery_is_refused():
         RouterRuntime(RouterConfig(prefill_urls=(), decode_urls=()))
 
 
-def test_every_leg_carries_the_fleet_secret_and_urls_need_the_api_key(stubs):
+def test_every_leg_is_signed_with_the_fleet_secret_and_urls_need_the_api_key(stubs):
     prefill, decode, _ = stubs
     config = router_config([prefill], [decode], fleet_secret="fleet-s")
     with AppThread(build_app(config)) as router:
@@ -74,7 +75,10 @@ def test_every_leg_carries_the_fleet_secret_and_urls_need_the_api_key(stubs):
         assert _complete(router, "secret-legs").status_code == 200
         for stub in (prefill, decode):
             legs = [e for e in stub.log() if "secret-legs" in str(e["body"])]
-            assert legs and {e["authorization"] for e in legs} == {"Bearer fleet-s"}
+            # Signed (the worker checks the signature), never the secret itself.
+            signed = [parse_header(e["authorization"].encode()) for e in legs]
+            assert legs and None not in signed
+            assert not any("fleet-s" in e["authorization"] for e in legs)
         # The router would present the secret to any URL it is given: only its operator may.
         added = httpx.post(
             f"{router.url}/workers", json={"url": "http://127.0.0.1:9", "role": "decode"}

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, pre_tokenizers
 
+from pdserve.kv_transfer import KVTransferParams
+from pdserve.router import handoff
 from pdserve.router.handoff import decode_leg_body, prefill_leg_body, wants_usage
 from pdserve.router.health import parse_worker_load
 from pdserve.router.prefix_index import PromptInfo
@@ -137,3 +140,40 @@ def test_local_tokenizer_renders_chat_like_the_server(tmp_path):
         {"role": "user", "content": [{"type": "text", "text": "world"}]},
     ]
     assert ids("/v1/chat/completions", {"messages": messages}) == [5, 2, 4, 3, 6]
+
+
+def test_unclaimed_kv_releases_in_flight_are_bounded(monkeypatch):
+    unblock = threading.Event()
+    calls = []
+
+    def stuck_release(params, timeout, secret=None):  # a KV port that never answers
+        calls.append(params.remote_request_id)
+        unblock.wait(30)
+        return True
+
+    monkeypatch.setattr(handoff, "release_lease", stuck_release)
+    monkeypatch.setattr(handoff, "MAX_PENDING_RELEASES", 3)
+    params = KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id="e",
+        remote_request_id="r",
+        remote_host="127.0.0.1",
+        remote_port=9,
+        remote_block_ids=(0,),
+        remote_num_tokens=1,
+        layout_hash="h",
+        transport="tcp",
+    ).to_dict()
+
+    async def storm() -> int:
+        unclaimed = handoff.UnclaimedKV(timeout_s=1.0)
+        for index in range(10):
+            unclaimed.release({**params, "remote_request_id": f"r{index}"})
+        pending = len(unclaimed._tasks)
+        unblock.set()
+        while unclaimed._tasks:
+            await asyncio.sleep(0.01)
+        return pending
+
+    assert asyncio.run(storm()) == 3
+    assert sorted(calls) == ["r0", "r1", "r2"]  # the rest are left to their lease timeout

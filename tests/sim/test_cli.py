@@ -186,3 +186,17 @@ def test_simulate_and_bench_read_the_workload_flags_alike():
         None,
     )
     assert options.trace_window.duration_s == 30
+
+
+def test_simulate_takes_the_engine_and_router_flags_as_they_declare_them():
+    """Only a default or help that depends on the simulated device differs."""
+    from pdserve.engine.args import ENGINE_FLAGS
+    from pdserve.router.cli import ROUTING_FLAGS
+    from pdserve.sim.options import ENGINE_FLAGS_SIMULATED
+
+    declared = {option.name: option for option in (*ENGINE_FLAGS, *ROUTING_FLAGS)}
+    for option in ENGINE_FLAGS_SIMULATED:
+        own = declared[option.name]
+        assert option.dest == own.dest
+        for key in ("type", "choices", "action", "metavar"):
+            assert option.options.get(key) == own.options.get(key), (option.name, key)

@@ -26,15 +26,18 @@ def test_traffic_scales_with_the_fleet():
     assert span <= 30 * args.time_scale
     assert max(s.arrival_time for s in large) <= 30 * args.time_scale
     assert [s.arrival_time for s in large] == sorted(s.arrival_time for s in large)
+    # A fractional count per trace request keeps the ratio too.
+    args = fleet.parse_args(["--window", "30", "--copies-per-16", "1.5"])
+    assert len(fleet.traffic(args, 16)) == pytest.approx(1.5 * len(small), rel=0.1)
 
 
 def test_the_table_compares_with_the_best_fixed_split():
     args = fleet.parse_args(["--fleets", "16"])
     rows = [
-        fleet.Row(16, "fixed 4:12", 80.0, 640.0, 40.0, 100),
-        fleet.Row(16, "fixed 8:8", 90.0, 640.0, 40.0, 100),
-        fleet.Row(16, "autoscaled from 8:8 (3 decisions)", 99.0, 320.0, 40.0, 100),
+        fleet.Row(16, "fixed 4:12", 80.0, 640.0, 40.0, 100, 36.0),
+        fleet.Row(16, "fixed 8:8", 90.0, 640.0, 40.0, 100, 36.0),
+        fleet.Row(16, "autoscaled from 8:8 (3 decisions)", 99.0, 320.0, 40.0, 100, 36.0),
     ]
     text = fleet.render(rows, args)
-    assert "| 16 | fixed 8:8 | 100 | 90.0 | 640 | 5.625 | best fixed |" in text
+    assert "| 16 | fixed 8:8 | 100 | 90.0 | 640 | 5.062 | best fixed |" in text
     assert "x1.10, x0.50" in text
