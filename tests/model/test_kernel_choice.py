@@ -24,6 +24,7 @@ from tests.model.helpers import kernel_variants
 
 # A margin past which the test's own timing must agree with the choice (shared CPUs are noisy).
 CLEAR_MARGIN = 1.5
+ATTEMPTS = 3
 
 
 def test_size_bucket():
@@ -87,21 +88,30 @@ def test_prefill_choice_follows_the_measurement(
     if ops is None:
         pytest.skip(f"the {isa} kernels did not compile (no C compiler?)")
     monkeypatch.setattr(attention, "cache_dir", lambda: tmp_path)
-    prefill_kernel_choice.cache_clear()
-    try:
-        choice = prefill_kernel_choice(ops)
-        case = prefill_case(dtype, dtype, 9, 3, 64, num_new, num_computed)
-        wins = choice.a_wins(case)
-        kernel_s, sdpa_s = choice.timings[json.dumps(case)]
-        assert wins == (kernel_s < sdpa_s)
-        assert list(tmp_path.glob(f"prefill-attention-{isa}-*.json"))
-        own_kernel_s, own_sdpa_s = _own_timing(ops, dtype, num_new, num_computed)
-        if own_kernel_s * CLEAR_MARGIN < own_sdpa_s:
-            assert wins, (own_kernel_s, own_sdpa_s, kernel_s, sdpa_s)
-        elif own_sdpa_s * CLEAR_MARGIN < own_kernel_s:
-            assert not wins, (own_kernel_s, own_sdpa_s, kernel_s, sdpa_s)
-    finally:
+    case = prefill_case(dtype, dtype, 9, 3, 64, num_new, num_computed)
+    # Other processes share these cores: a burst of load can skew one measurement, so the
+    # choice is measured anew (bounded) until it and the test's timing are taken in quiet
+    # enough moments to agree; a chooser that is wrong every time fails.
+    disagreements = []
+    for _ in range(ATTEMPTS):
         prefill_kernel_choice.cache_clear()
+        for cached in tmp_path.glob("*.json"):
+            cached.unlink()
+        try:
+            choice = prefill_kernel_choice(ops)
+            wins = choice.a_wins(case)
+            kernel_s, sdpa_s = choice.timings[json.dumps(case)]
+            assert wins == (kernel_s < sdpa_s)
+            assert list(tmp_path.glob(f"prefill-attention-{isa}-*.json"))
+        finally:
+            prefill_kernel_choice.cache_clear()
+        own_kernel_s, own_sdpa_s = _own_timing(ops, dtype, num_new, num_computed)
+        clearly_kernel = own_kernel_s * CLEAR_MARGIN < own_sdpa_s
+        clearly_sdpa = own_sdpa_s * CLEAR_MARGIN < own_kernel_s
+        if not (clearly_kernel and not wins) and not (clearly_sdpa and wins):
+            return
+        disagreements.append((own_kernel_s, own_sdpa_s, kernel_s, sdpa_s))
+    pytest.fail(f"the choice disagreed with the test's timing every time: {disagreements}")
 
 
 def test_auto_dtype_is_the_measured_faster_one(tmp_path, monkeypatch, caplog):
