@@ -96,8 +96,16 @@ CLUSTER_FLAGS = (
         action=argparse.BooleanOptionalAction,
         default=None,
         help="workers answer only their deployment: a secret ($PDSERVE_FLEET_SECRET, or a new "
-        "one) guards their HTTP API (Bearer) and KV port (HMAC); default: on with "
+        "one) guards their HTTP API (signed requests) and KV port (HMAC); default: on with "
         "--cluster, off on one host",
+    ),
+    flag(
+        "--fleet-tls",
+        action="store_true",
+        default=False,
+        help="encrypt the deployment's own traffic (router to workers, KV between workers): "
+        "the launcher makes a CA and a certificate per worker and router, and every "
+        "connection is mutual TLS under that CA; implies --worker-auth",
     ),
 )
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pdserve.core.config import Mode
 from pdserve.engine.args import ENGINE_FLAGS, KV_STORE_FLAGS, KV_TRANSFER_FLAGS
-from pdserve.fleet import FLEET_SECRET_ENV
+from pdserve.fleet import FLEET_SECRET_ENV, FLEET_TLS_ENV, FleetCA, FleetTLS, deployment_secret
 from pdserve.kv_store.config import (
     KV_STORE_NAMESPACE_SECRET_ENV,
     KV_STORE_PASSWORD_ENV,
@@ -112,13 +112,38 @@ def kv_store_secrets(args: argparse.Namespace) -> dict[str, str]:
 
 
 # Every secret a launcher hands its workers, in their environment: none inherited from it.
-WORKER_SECRETS = (FLEET_SECRET_ENV, KV_STORE_PASSWORD_ENV, KV_STORE_NAMESPACE_SECRET_ENV)
+WORKER_SECRETS = (
+    FLEET_SECRET_ENV,
+    *FLEET_TLS_ENV,
+    KV_STORE_PASSWORD_ENV,
+    KV_STORE_NAMESPACE_SECRET_ENV,
+)
 
 
-def worker_secrets(fleet_secret: str | None, kv_store_secrets: Mapping[str, str]) -> dict[str, str]:
+def worker_secrets(
+    fleet_secret: str | None,
+    kv_store_secrets: Mapping[str, str],
+    fleet_tls: FleetTLS | None = None,
+) -> dict[str, str]:
     """The environment that carries a worker's secrets (never its argv): the fleet secret
-    (`pdserve.fleet`) and the store's (`kv_store_secrets`)."""
-    return {**kv_store_secrets, **({FLEET_SECRET_ENV: fleet_secret} if fleet_secret else {})}
+    and its TLS credentials (`pdserve.fleet`) and the store's (`kv_store_secrets`)."""
+    return {
+        **kv_store_secrets,
+        **({FLEET_SECRET_ENV: fleet_secret} if fleet_secret else {}),
+        **(fleet_tls.to_env() if fleet_tls is not None else {}),
+    }
+
+
+def fleet_membership(
+    args: argparse.Namespace, *, is_cluster: bool
+) -> tuple[str | None, FleetCA | None]:
+    """The deployment's fleet secret (`pdserve.fleet`: by default on a cluster, off on one
+    host; always with --fleet-tls) and, with --fleet-tls, the CA its launcher makes."""
+    if args.fleet_tls and args.worker_auth is False:
+        raise ValueError("--fleet-tls encrypts a guarded deployment: drop --no-worker-auth")
+    is_guarded = is_cluster if args.worker_auth is None else args.worker_auth
+    secret = deployment_secret() if is_guarded or args.fleet_tls else None
+    return secret, FleetCA() if args.fleet_tls else None
 
 
 def run_deployment(

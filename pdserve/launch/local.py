@@ -9,9 +9,10 @@ SIGINT/SIGTERM and stops every child. A worker that dies during startup stops th
 launcher exits 1 with its log tail. Workers get the flags `launch.deployment.worker_argv`
 gives them, plus their own role, loopback address, thread count and step log (one file per
 worker, named after it), and with `--worker-auth` the deployment's fleet secret in their
-environment (`pdserve.fleet`). A replica gets the same, without `--decode-worker-args` (that
-is the disaggregated decode pool's); a replica that dies takes only its own requests with it:
-the router's health checks take it out of rotation and its other requests go to the rest.
+environment (`pdserve.fleet`; with `--fleet-tls` also a certificate of the deployment's CA).
+A replica gets the same, without `--decode-worker-args` (that is the disaggregated decode
+pool's); a replica that dies takes only its own requests with it: the router's health checks
+take it out of rotation and its other requests go to the rest.
 
 The workers come from a `LocalProvisioner`, the one-host `Provisioner`: the host's cores are
 cut into slots (one per worker of the initial layout; with ``--autoscale`` one per worker the
@@ -32,10 +33,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.fleet import deployment_secret
+from pdserve.fleet import FleetCA
 from pdserve.launch.deployment import (
     WORKER_HOST,
     WORKER_SECRETS,
+    fleet_membership,
     free_port,
     initial_roles,
     is_replicated,
@@ -58,15 +60,16 @@ def launch_local(args: argparse.Namespace) -> int:
     specs = plan_workers(args)
     slots = core_slots(args, len(specs))
     autoscale = autoscale_config_from_args(args, room=len(slots))
-    # Workers listen on loopback, so a secret is opt-in here (--worker-auth).
-    secret = deployment_secret() if args.worker_auth else None
+    # Workers listen on loopback, so a secret is opt-in here (--worker-auth, --fleet-tls).
+    secret, ca = fleet_membership(args, is_cluster=False)
     config = router_config_from_args(
         args,
         [s.url for s in specs if s.role == "prefill"],
         [s.url for s in specs if s.role == "decode"],
         secret,
+        ca.issue("router") if ca is not None else None,
     )
-    provisioner = LocalProvisioner(args, specs, slots, secret)
+    provisioner = LocalProvisioner(args, specs, slots, secret, ca)
     _print_plan(args, specs)
 
     def start() -> None:
@@ -137,7 +140,8 @@ def worker_spec(
         *worker_argv(args, role),
         *step_log_flags(args.step_log, name),
     )
-    return WorkerSpec(name, role, port, cores, command, log_dir / f"{name}.log")
+    log_path = log_dir / f"{name}.log"
+    return WorkerSpec(name, role, port, cores, command, log_path, is_tls=args.fleet_tls)
 
 
 @dataclass
@@ -164,9 +168,15 @@ class LocalProvisioner:
         initial: Sequence[WorkerSpec],
         slots: Sequence[tuple[int, ...]],
         secret: str | None = None,
+        ca: FleetCA | None = None,
     ) -> None:
+        """`secret` and `ca`: the deployment's fleet secret and --fleet-tls CA, which issues
+        each worker its certificate and this launcher its own (for health checks)."""
         self._args = args
-        self._env = worker_secrets(secret, kv_store_secrets(args))
+        self._secret = secret
+        self._kv_store_secrets = kv_store_secrets(args)
+        self._ca = ca
+        self._tls = ca.issue("launcher").client_context() if ca is not None else None
         self._slots = list(slots)
         self._log_dir = initial[0].log_path.parent if initial else Path(tempfile.mkdtemp())
         self._lock = threading.Lock()
@@ -232,10 +242,12 @@ class LocalProvisioner:
 
     def _group(self, spec: WorkerSpec) -> WorkerGroup:
         # Workers listen on loopback behind the router, which alone checks the API key.
+        tls = self._ca.issue(spec.name) if self._ca is not None else None
         return WorkerGroup(
             [spec],
             unset_env=("PDSERVE_API_KEY", *WORKER_SECRETS),
-            env=self._env,
+            env=worker_secrets(self._secret, self._kv_store_secrets, tls),
+            tls=self._tls,
         )
 
     def _used_slots(self) -> set[int]:
