@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.bench.processes import metric_values
 from pdserve.router.config import KVHandoff, RouterConfig
 from tests.router.harness import (
     ManagedProcess,
@@ -42,7 +43,6 @@ from tests.router.real_workers import (
     Server,
     answer_text,
     assert_no_blocks_held,
-    metric_values,
     serve_argv,
 )
 
