@@ -133,6 +133,11 @@ def run(args: argparse.Namespace) -> int:
         if args.autoscale:
             raise ValueError("--autoscale sizes the pools of --mode disagg")
         if args.data_parallel_size == 1 and args.cluster is None:
+            if args.fleet_tls:
+                raise ValueError(
+                    "--fleet-tls encrypts what a router and its workers send each other; one "
+                    "server has neither (--mode disagg, --data-parallel-size N or --cluster)"
+                )
             return run_server(args)
     if args.cluster is None:
         for name in ("prefill_worker_resources", "decode_worker_resources", "placement_strategy"):

@@ -18,6 +18,7 @@ from pdserve.api.signing import FleetAuth
 from pdserve.fleet import FLEET_SECRET_ENV, FLEET_TLS_ENV, FLEET_TLS_KEY_ENV, take_fleet_tls
 from pdserve.kv_transfer import KVAuthError, KVTransferParams
 from pdserve.kv_transfer.client import KVClient, release_lease
+from pdserve.launch.cli import run
 from pdserve.launch.deployment import fleet_membership, worker_secrets
 from pdserve.launch.local import plan_workers
 from tests.launch.test_launcher import serve_parser
@@ -49,6 +50,8 @@ def test_fleet_tls_guards_the_deployment_and_hands_certificates_over_in_the_envi
         fleet_membership(
             serve_parser().parse_args(["--fleet-tls", "--no-worker-auth"]), is_cluster=True
         )
+    with pytest.raises(ValueError, match="one server has neither"):
+        run(serve_parser().parse_args(["--mode", "chunked", "--fleet-tls"]))
     # A worker takes its credentials out of its environment: nothing it starts inherits them.
     monkeypatch.setattr(os, "environ", {**os.environ, **tls.to_env()})
     assert take_fleet_tls() == tls
