@@ -84,3 +84,18 @@ def test_scale_repredicts_the_demo_and_sizes_the_fleets(tmp_path, monkeypatch, c
         assert not any(entry["is_bound"] for entry in best.values())  # sustained load
     assert printed.count("The lines") == 1  # cross, or not
     assert (demo / "scale.png").is_file() and (demo / "calibration.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_gpu_fleet_is_judged_at_slos_of_its_own_speed(tmp_path, monkeypatch, capsys):
+    """The demo's SLO rule on the GPU's predicted steps: far tighter than this machine's, so
+    the GPU's capacities are found, not left at the search's ceiling."""
+    monkeypatch.setattr(scale, "FLEET_SIZES", (4,))
+    monkeypatch.setattr(scale, "MIN_PROMPTS_PER_CORE", 3)
+    monkeypatch.setattr(scale, "MAX_GPU_PROMPTS", 40)
+    demo = _demo_dir(tmp_path)
+    assert main(["simulate", "scale", str(demo), "--gpu", "--quiet"]) == 0
+    data = json.loads((demo / "scale.json").read_text())
+    cpu_slos = json.loads((demo / "sizing.json").read_text())["slos_ms"]
+    assert all(data["gpu_slos_ms"][name] < cpu_slos[name] / 5 for name in cpu_slos)
+    assert not any(entry["is_bound"] for entry in data["gpu_fleet"]["4"].values())
