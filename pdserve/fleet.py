@@ -97,8 +97,10 @@ class FleetTLS:
         context.minimum_version = ssl.TLSVersion.TLSv1_3
         context.verify_mode = ssl.CERT_REQUIRED
         context.load_verify_locations(cadata=self.ca_pem)
-        # `ssl` loads a key only from a file: a private one, gone once it is read.
-        with tempfile.TemporaryDirectory(prefix="pdserve-tls-") as directory:
+        # `ssl` loads a key only from a file: a private one (in memory where Linux has a
+        # tmpfs for it, never on disk then), gone once it is read.
+        memory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.TemporaryDirectory(prefix="pdserve-tls-", dir=memory) as directory:
             path = os.path.join(directory, "member.pem")
             with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
                 file.write(self.key_pem + self.cert_pem)
