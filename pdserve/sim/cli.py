@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    deployment = Deployment.from_args(args)
+    deployment = Deployment.from_args(args, with_layout=True)
     planned = workload_from_args(args, deployment.max_model_len)
     slos = slos_from_text(args.goodput)
     calibration = calibration_for(args.calibration, deployment.hardware.name)

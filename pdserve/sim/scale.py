@@ -266,7 +266,7 @@ def _fleet(
     """Each fleet size: each mode's best capacity per core (and disagg's split)."""
     hardware = base.deployment.hardware.name
     model = base.deployment.model.name
-    calibration = base.deployment.args.calibration
+    calibration = base.deployment.calibration
     per_core_prompts = sizing["workload"]["num_prompts"] / demo_cores
     fleet: dict[str, dict] = {}
     for size in FLEET_SIZES:
