@@ -11,17 +11,6 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdserve.bench.arrivals import parse_request_rates
-from pdserve.bench.benchmark import TRACE_WINDOW_STREAM, seeded_rng
-from pdserve.bench.errors import BenchError
-from pdserve.bench.metrics import parse_goodput
-from pdserve.bench.workloads import (
-    TraceWorkload,
-    Workload,
-    make_workload,
-)
-from pdserve.bench.workloads.flags import WORKLOAD_FLAGS, workload_options
-from pdserve.bench.workloads.trace_file import TraceEntry
 from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, Mode, SchedulerConfig
 from pdserve.engine.args import ENGINE_FLAGS
 from pdserve.flags import Flag, add_flags
@@ -41,6 +30,17 @@ from pdserve.sim.hardware import Hardware, get_hardware
 from pdserve.sim.model_spec import ModelSpec, load_model_spec
 from pdserve.sim.network import get_network
 from pdserve.sim.workload import SimRequestSpec, plan_requests, specs_from_bench_result
+from pdserve.workload import (
+    TraceWorkload,
+    Workload,
+    make_workload,
+)
+from pdserve.workload.arrivals import parse_request_rates
+from pdserve.workload.errors import BenchError
+from pdserve.workload.flags import WORKLOAD_FLAGS, workload_options
+from pdserve.workload.metrics import parse_goodput
+from pdserve.workload.run import TRACE_WINDOW_STREAM, seeded_rng
+from pdserve.workload.trace_file import TraceEntry
 
 # On cpu-local the engine's own defaults (core.config) apply. Datacenter defaults: vLLM's
 # chunked budget and sequence cap on large GPUs.

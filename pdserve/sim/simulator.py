@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from pdserve.bench.records import RequestRecord
 from pdserve.core.config import CacheConfig
 from pdserve.core.request import Request, RequestMetrics
 from pdserve.core.sampling_params import SamplingParams
@@ -34,6 +33,7 @@ from pdserve.sim.router import Route, SimRouter
 from pdserve.sim.transfers import Channel, Transfer, TransferNetwork
 from pdserve.sim.worker import SimWorker, WorkerStats
 from pdserve.sim.workload import SimRequestSpec
+from pdserve.workload.records import RequestRecord
 
 # Prompt token ids: a request's own tokens start with a unique id, a shared prefix with its
 # group's id, so block hashes match exactly where real prompts would share text.

@@ -7,12 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pdserve.bench.benchmark import WARMUP_OUTPUT_LEN, plan_workload
-from pdserve.bench.errors import BenchError
-from pdserve.bench.prompts import PromptSynthesizer
-from pdserve.bench.tokenizer import HFTokenizer
-from pdserve.bench.words import COMMON_WORDS
-from pdserve.bench.workloads import (
+from pdserve.workload import (
     LengthRange,
     LongContextWorkload,
     MixedWorkload,
@@ -23,6 +18,11 @@ from pdserve.bench.workloads import (
     WorkloadOptions,
     make_workload,
 )
+from pdserve.workload.errors import BenchError
+from pdserve.workload.prompts import PromptSynthesizer
+from pdserve.workload.run import WARMUP_OUTPUT_LEN, plan_workload
+from pdserve.workload.tokenizer import HFTokenizer
+from pdserve.workload.words import COMMON_WORDS
 
 SMALL_MIXED = MixedWorkload(
     num_prompts=20, long_fraction=0.2, long_input_len=LengthRange(1500, 2500)
@@ -197,7 +197,7 @@ def test_bad_options_name_the_option(make, option):
 @pytest.mark.slow
 def test_prompts_are_exact_with_pdserves_own_tokenizer():
     pytest.importorskip("pdserve.model.loader")
-    from pdserve.bench.tokenizer import load_tokenizer
+    from pdserve.workload.tokenizer import load_tokenizer
 
     real = load_tokenizer(None)  # the default model's, via pdserve's loader
     plan = plan_workload(SMALL_MIXED, real, seed=0, max_model_len=None)

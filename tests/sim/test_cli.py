@@ -168,8 +168,8 @@ def test_plan_shows_bands_beside_latencies_and_capacity(capsys):
 def test_simulate_and_bench_read_the_workload_flags_alike():
     """One declaration (`WORKLOAD_FLAGS`), one conversion: the same argv gives both commands
     the same workload options, trace window included."""
-    from pdserve.bench.workloads.flags import workload_options
     from pdserve.cli import build_parser
+    from pdserve.workload.flags import workload_options
 
     argv = [
         *("--workload", "trace", "--chat-input-len", "10:20", "--prefix-len", "7"),

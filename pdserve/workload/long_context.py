@@ -6,14 +6,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.bench.prompts import PromptSynthesizer
-from pdserve.bench.workloads.base import (
+from pdserve.workload.base import (
     BenchRequest,
     LengthRange,
     Workload,
     check_positive,
     make_request,
 )
+from pdserve.workload.prompts import PromptSynthesizer
 
 DOCUMENT_LEAD = "Summarize the following document in a few sentences.\n\nDocument:"
 

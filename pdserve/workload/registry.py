@@ -7,15 +7,15 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from pdserve.bench.errors import BenchError
-from pdserve.bench.workloads.base import LengthRange, Workload
-from pdserve.bench.workloads.long_context import LongContextWorkload
-from pdserve.bench.workloads.mixed import MixedWorkload
-from pdserve.bench.workloads.prefix_repetition import PrefixRepetitionWorkload
-from pdserve.bench.workloads.profile import ProfileWorkload
-from pdserve.bench.workloads.random_lengths import RandomWorkload
-from pdserve.bench.workloads.trace import TraceWorkload
-from pdserve.bench.workloads.trace_file import TraceWindow, default_trace_path, load_trace
+from pdserve.workload.base import LengthRange, Workload
+from pdserve.workload.errors import BenchError
+from pdserve.workload.long_context import LongContextWorkload
+from pdserve.workload.mixed import MixedWorkload
+from pdserve.workload.prefix_repetition import PrefixRepetitionWorkload
+from pdserve.workload.profile import ProfileWorkload
+from pdserve.workload.random_lengths import RandomWorkload
+from pdserve.workload.trace import TraceWorkload
+from pdserve.workload.trace_file import TraceWindow, default_trace_path, load_trace
 
 
 @dataclass(frozen=True)

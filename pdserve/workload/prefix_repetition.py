@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.bench.prompts import PromptSynthesizer
-from pdserve.bench.workloads.base import (
+from pdserve.workload.base import (
     BenchRequest,
     Workload,
     check_positive,
     fit_to_context,
 )
+from pdserve.workload.prompts import PromptSynthesizer
 
 _SYSTEM_LEAD = "You are a helpful assistant. Follow these instructions carefully."
 
