@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -20,7 +20,8 @@ from pdserve.workload.trace_file import TraceWindow, default_trace_path, load_tr
 
 @dataclass(frozen=True)
 class WorkloadOptions:
-    """Every workload option the CLI takes; each workload reads the ones it knows.
+    """Every workload option the CLI takes (`flags.WORKLOAD_FLAGS`, same names); each
+    workload reads the ones it has a field of the same name for.
 
     None means "the workload's default".
     """
@@ -41,50 +42,12 @@ class WorkloadOptions:
     trace_window: TraceWindow = field(default_factory=TraceWindow)
 
 
-def _given(**kwargs) -> dict:
-    """Keyword arguments minus those left at None, so dataclass defaults apply."""
-    return {k: v for k, v in kwargs.items() if v is not None}
-
-
-def _mixed(o: WorkloadOptions) -> Workload:
-    return MixedWorkload(
-        **_given(
-            num_prompts=o.num_prompts,
-            long_fraction=o.long_fraction,
-            burst_size=o.burst_size,
-            chat_input_len=o.chat_input_len,
-            chat_output_len=o.chat_output_len,
-            long_input_len=o.long_input_len,
-            long_output_len=o.long_output_len,
-        )
-    )
-
-
-def _random(o: WorkloadOptions) -> Workload:
-    return RandomWorkload(
-        range_ratio=o.range_ratio,
-        **_given(num_prompts=o.num_prompts, input_len=o.input_len, output_len=o.output_len),
-    )
-
-
-def _prefix_repetition(o: WorkloadOptions) -> Workload:
-    return PrefixRepetitionWorkload(
-        **_given(
-            num_prompts=o.num_prompts,
-            num_prefixes=o.num_prefixes,
-            prefix_len=o.prefix_len,
-            suffix_len=o.input_len,
-            output_len=o.output_len,
-        )
-    )
-
-
-def _long_context(o: WorkloadOptions) -> Workload:
-    return LongContextWorkload(
-        **_given(
-            num_prompts=o.num_prompts, input_len=o.long_input_len, output_len=o.long_output_len
-        )
-    )
+def _from_options(workload_type: type[Workload], o: WorkloadOptions, **derived) -> Workload:
+    """A `workload_type` whose every field an option names takes that option (same name);
+    options left at None leave the workload's default."""
+    given = {f.name: getattr(o, f.name) for f in fields(workload_type) if f.name in _OPTIONS}
+    given.update(derived)
+    return workload_type(**{k: v for k, v in given.items() if v is not None})
 
 
 def _trace(o: WorkloadOptions, rng: np.random.Generator) -> Workload:
@@ -96,10 +59,9 @@ def _trace(o: WorkloadOptions, rng: np.random.Generator) -> Workload:
 
 
 def _profile(o: WorkloadOptions) -> Workload:
+    # --input-len is the longest prompt profiled; the lengths up to it are half octaves.
     lengths = None if o.input_len is None else _half_octaves_to(o.input_len)
-    return ProfileWorkload(
-        **_given(repeats=o.num_prompts, prompt_lens=lengths, decode_len=o.output_len)
-    )
+    return _from_options(ProfileWorkload, o, prompt_lens=lengths)
 
 
 def _half_octaves_to(longest: int) -> tuple[int, ...]:
@@ -109,11 +71,13 @@ def _half_octaves_to(longest: int) -> tuple[int, ...]:
     return (*lengths, longest)
 
 
+_OPTIONS = frozenset(f.name for f in fields(WorkloadOptions))
+# The workloads built from their options by name alone (`_from_options`), or by a builder.
 _SIMPLE: dict[str, Callable[[WorkloadOptions], Workload]] = {
-    "mixed": _mixed,
-    "random": _random,
-    "prefix-repetition": _prefix_repetition,
-    "long-context": _long_context,
+    "mixed": lambda o: _from_options(MixedWorkload, o),
+    "random": lambda o: _from_options(RandomWorkload, o),
+    "prefix-repetition": lambda o: _from_options(PrefixRepetitionWorkload, o),
+    "long-context": lambda o: _from_options(LongContextWorkload, o),
     "profile": _profile,
 }
 WORKLOAD_NAMES = (*_SIMPLE, "trace")

@@ -93,11 +93,11 @@ def test_profile_of_a_server_with_a_known_law_recovers_the_law(tmp_path):
         cwd=REPO_ROOT,
     )
     workload = ProfileWorkload(
-        repeats=5,
+        num_prompts=5,
         prompt_lens=(16, 64, 128, 181, 256, 362, 512, 1024, 2048, 4000),
         num_streams=(1, 2, 4, 8),
         contexts=(128, 1024),
-        decode_len=16,
+        output_len=16,
     )
     with launch_server(config, "law") as server:
         spec = BenchSpec(EndpointConfig(server.base_url), workload, show_progress=False)
@@ -164,7 +164,7 @@ def test_real_server_calibrated_from_outside_predicts_a_held_back_workload(tmp_p
             prompt_lens=(16, 64, 128, 256, 512, 900),
             num_streams=(1, 2, 4, 8),
             contexts=(64, 256),
-            decode_len=16,
+            output_len=16,
         )
         spec = BenchSpec(EndpointConfig(server.url), profile, show_progress=False)
         save_results(run_benchmark(spec, tokenizer), tmp_path / "profile.json")
