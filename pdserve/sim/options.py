@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, Mode, SchedulerConfig
 from pdserve.engine.args import ENGINE_FLAGS
 from pdserve.flags import Flag, add_flags
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTING_FLAGS, autoscale_config_from_args
-from pdserve.router.config import KVHandoff
+from pdserve.router.config import KVHandoff, RouterConfig
 from pdserve.sim.config import (
     DEFAULT_STARTUP_S,
     DEFAULT_SWITCH_S,
@@ -81,8 +81,8 @@ ENGINE_FLAGS_SIMULATED = (
         "else device memory minus weights)",
     ),
     _reused(ENGINE_FLAGS, "--no-prefix-caching"),
-    _reused(ROUTING_FLAGS, "--prefill-policy", default=SimConfig.prefill_policy),
-    _reused(ROUTING_FLAGS, "--decode-policy", default=SimConfig.decode_policy),
+    _reused(ROUTING_FLAGS, "--prefill-policy", default=RouterConfig.prefill_policy),
+    _reused(ROUTING_FLAGS, "--decode-policy", default=RouterConfig.decode_policy),
     _reused(ROUTING_FLAGS, "--kv-handoff"),
 )
 _BUDGET_HELP = (
@@ -205,7 +205,7 @@ class LayoutOptions:
     prefill_tp: int | None = None  # None: `tp`
     decode_tp: int | None = None
     decode_max_num_batched_tokens: int | None = None  # None: the prefill pool's budget
-    local_prefill_threshold: int = SimConfig.local_prefill_threshold
+    local_prefill_threshold: int = RouterConfig.local_prefill_threshold
     horizon_s: float | None = None
     autoscale: SimAutoscale | None = None
 
@@ -236,19 +236,16 @@ class Deployment:
     max_num_seqs: int
     max_model_len: int
     network: str  # a `sim.network` link name, or Gb/s
+    # The workers' KV cache and the router, as `SimConfig` embeds them.
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    is_kv_cache_from_memory: bool = SimConfig.is_kv_cache_from_memory
+    router: RouterConfig = field(default_factory=lambda: RouterConfig((), ()))
     calibration: str | None = None  # `Efficiency.load`'s argument; None: the device's default
     dtype: str = SimConfig.dtype
     kv_dtype: str = SimConfig.kv_dtype
     long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold
     max_num_partial_prefills: int = SchedulerConfig.max_num_partial_prefills
-    block_size: int = CacheConfig.block_size
-    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float | None = None  # None: device memory minus weights
     memory_utilization: float = SimConfig.memory_utilization
-    prefill_policy: str = SimConfig.prefill_policy
-    decode_policy: str = SimConfig.decode_policy
-    kv_handoff: KVHandoff = SimConfig.kv_handoff
     seed: int = SimConfig.seed
     layout: LayoutOptions | None = None  # `simulate`'s (None: `plan`'s, which has none)
 
@@ -261,6 +258,27 @@ class Deployment:
         kv_gb = args.kv_cache_memory_gb
         if kv_gb is None and args.num_kv_blocks is None and is_local:
             kv_gb = CacheConfig.kv_cache_memory_gb
+        if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
+            raise SimConfigError("--num-kv-blocks must be >= 1")
+        if kv_gb is not None and not kv_gb > 0:
+            raise SimConfigError("--kv-cache-memory-gb must be positive")
+        try:
+            cache = CacheConfig(
+                args.block_size,
+                args.num_kv_blocks,
+                args.enable_prefix_caching,
+                CacheConfig.kv_cache_memory_gb if kv_gb is None else kv_gb,
+            )
+            router = RouterConfig(
+                (),
+                (),
+                prefill_policy=args.prefill_policy,
+                decode_policy=args.decode_policy,
+                kv_handoff=KVHandoff(args.kv_handoff),
+                block_size=args.block_size,
+            )
+        except ValueError as exc:
+            raise SimConfigError(str(exc)) from None
         return cls(
             model,
             hardware,
@@ -268,19 +286,15 @@ class Deployment:
             or (SchedulerConfig.max_num_seqs if is_local else GPU_MAX_NUM_SEQS),
             max_model_len=min(max_model_len, model.max_position_embeddings),
             network=args.network or ("shm" if is_local else "ib-8x400"),
+            cache=cache,
+            is_kv_cache_from_memory=kv_gb is None,
+            router=router,
             calibration=args.calibration,
             dtype=args.dtype,
             kv_dtype=args.kv_dtype,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             max_num_partial_prefills=args.max_num_partial_prefills,
-            block_size=args.block_size,
-            enable_prefix_caching=args.enable_prefix_caching,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory_gb=kv_gb,
             memory_utilization=args.memory_utilization,
-            prefill_policy=args.prefill_policy,
-            decode_policy=args.decode_policy,
-            kv_handoff=KVHandoff(args.kv_handoff),
             seed=args.seed,
             layout=LayoutOptions.from_args(args) if with_layout else None,
         )
@@ -299,10 +313,12 @@ class Deployment:
         prefill: tuple[int, int] | None = None,
         decode: tuple[int, int] | None = None,
         decode_budget: int | None = None,
+        local_prefill_threshold: int = RouterConfig.local_prefill_threshold,
         **overrides,
     ) -> SimConfig:
         """A layout: `num_workers` × `tp` (colocated/chunked), or `prefill`/`decode` as
-        (workers, tp) pools (disagg), the decode pool on `decode_budget` when given."""
+        (workers, tp) pools (disagg), the decode pool on `decode_budget` when given, the
+        router's `local_prefill_threshold` (disagg)."""
         if mode is Mode.COLOCATED:
             budget = None  # prompts whole: the scheduler's colocated budget, the context length
         elif budget is None:
@@ -330,20 +346,18 @@ class Deployment:
             pool, prefill_pool = PoolConfig(*decode, decode_sched), PoolConfig(*prefill, sched)
         else:
             pool, prefill_pool = PoolConfig(num_workers, tp, sched), None
+        if local_prefill_threshold < 0:
+            raise SimConfigError("--local-prefill-threshold must be >= 0")
         efficiency = Efficiency.load(self.calibration) if self.calibration else None
         fields = dict(
             network=get_network(self.network),
+            cache=self.cache,
+            is_kv_cache_from_memory=self.is_kv_cache_from_memory,
+            router=replace(self.router, local_prefill_threshold=local_prefill_threshold),
             efficiency=efficiency,
             dtype=self.dtype,
             kv_dtype=self.kv_dtype,
-            block_size=self.block_size,
-            enable_prefix_caching=self.enable_prefix_caching,
             memory_utilization=self.memory_utilization,
-            num_kv_blocks=self.num_kv_blocks,
-            kv_cache_memory_gb=self.kv_cache_memory_gb,
-            prefill_policy=self.prefill_policy,
-            decode_policy=self.decode_policy,
-            kv_handoff=self.kv_handoff,
             seed=self.seed,
         )
         fields.update(overrides)
