@@ -15,7 +15,7 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from pdserve.engine.args import ENGINE_FLAGS, KV_STORE_FLAGS, KV_TRANSFER_FLAGS
@@ -28,7 +28,7 @@ from pdserve.kv_store.config import (
     split_password,
 )
 from pdserve.launch.config import DeploymentConfig
-from pdserve.launch.worker_group import WorkerStartupError
+from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
 from pdserve.router.autoscale.config import AutoscaleConfig
 from pdserve.router.cli import serve_router
 from pdserve.router.config import RouterConfig
@@ -93,6 +93,46 @@ def worker_secrets(fleet_secret: str | None, kv_store_secrets: Mapping[str, str]
     """The environment that carries a worker's secrets (never its argv): the fleet secret
     (`pdserve.fleet`) and the store's (`kv_store_secrets`)."""
     return {**kv_store_secrets, **({FLEET_SECRET_ENV: fleet_secret} if fleet_secret else {})}
+
+
+def worker_command(
+    name: str,
+    role_argv: Sequence[str],
+    argv: Sequence[str],
+    address: tuple[str, int],
+    num_threads: int,
+    step_log: str | None,
+    node_argv: Sequence[str] = (),
+) -> tuple[str, ...]:
+    """One worker's ``pdserve serve`` command: what makes it what it is (`role_argv`), its
+    address and threads, the deployment's flags for it (`argv`), its own step log, then
+    `node_argv`, flags of the node it runs on (they win: they come last)."""
+    host, port = address
+    return (
+        *(sys.executable, "-m", "pdserve.cli", "serve", *role_argv),
+        *("--host", host, "--port", str(port), "--num-threads", str(num_threads)),
+        *argv,
+        *step_log_flags(step_log, name),
+        *node_argv,
+    )
+
+
+def worker_process(
+    spec: WorkerSpec,
+    fleet_secret: str | None,
+    kv_store_secrets: Mapping[str, str],
+    env: Mapping[str, str] | None = None,
+    **options,
+) -> WorkerGroup:
+    """The process of one worker: its secrets in its environment (`worker_secrets`), besides
+    `env`, and none this process holds (nor the user's API key: workers answer only the
+    router, which checks it); `options` as `WorkerGroup` takes them."""
+    return WorkerGroup(
+        [spec],
+        unset_env=("PDSERVE_API_KEY", *WORKER_SECRETS),
+        env={**(env or {}), **worker_secrets(fleet_secret, kv_store_secrets)},
+        **options,
+    )
 
 
 def run_deployment(

@@ -35,12 +35,11 @@ from pdserve.fleet import deployment_secret
 from pdserve.launch.config import DeploymentConfig
 from pdserve.launch.deployment import (
     WORKER_HOST,
-    WORKER_SECRETS,
     free_port,
     kv_store_secrets,
     run_deployment,
-    step_log_flags,
-    worker_secrets,
+    worker_command,
+    worker_process,
 )
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
 from pdserve.router.provision import WorkerHandle
@@ -117,20 +116,13 @@ def worker_spec(
 ) -> WorkerSpec:
     """One worker's command: ``pdserve serve --role ROLE`` (a replica: ``--mode MODE``) on
     loopback, pinned to `cores`."""
-    command = (
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "serve",
-        *deployment.role_argv(role),
-        "--host",
-        WORKER_HOST,
-        "--port",
-        str(port),
-        "--num-threads",
-        str(len(cores)),
-        *deployment.worker_argv(role),
-        *step_log_flags(deployment.step_log, name),
+    command = worker_command(
+        name,
+        deployment.role_argv(role),
+        deployment.worker_argv(role),
+        (WORKER_HOST, port),
+        len(cores),
+        deployment.step_log,
     )
     return WorkerSpec(name, role, port, cores, command, log_dir / f"{name}.log")
 
@@ -161,7 +153,8 @@ class LocalProvisioner:
         secret: str | None = None,
     ) -> None:
         self._deployment = deployment
-        self._env = worker_secrets(secret, kv_store_secrets(deployment))
+        self._secret = secret
+        self._kv_store_secrets = kv_store_secrets(deployment)
         self._slots = list(slots)
         self._log_dir = initial[0].log_path.parent if initial else Path(tempfile.mkdtemp())
         self._lock = threading.Lock()
@@ -226,12 +219,7 @@ class LocalProvisioner:
             child.group.stop()
 
     def _group(self, spec: WorkerSpec) -> WorkerGroup:
-        # Workers listen on loopback behind the router, which alone checks the API key.
-        return WorkerGroup(
-            [spec],
-            unset_env=("PDSERVE_API_KEY", *WORKER_SECRETS),
-            env=self._env,
-        )
+        return worker_process(spec, self._secret, self._kv_store_secrets)
 
     def _used_slots(self) -> set[int]:
         return {c.slot for c in self._children.values() if c.slot is not None}

@@ -48,14 +48,13 @@ from pdserve.flags import MissingExtraError
 from pdserve.fleet import deployment_secret
 from pdserve.launch.config import DeploymentConfig
 from pdserve.launch.deployment import (
-    WORKER_SECRETS,
     free_port,
     kv_store_secrets,
     run_deployment,
-    step_log_flags,
-    worker_secrets,
+    worker_command,
+    worker_process,
 )
-from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
+from pdserve.launch.worker_group import WorkerSpec, WorkerStartupError
 from pdserve.router.provision import WorkerHandle
 
 logger = logging.getLogger("pdserve.launch")
@@ -187,29 +186,22 @@ class WorkerHost:
         log_dir.mkdir(parents=True, exist_ok=True)
         port = free_port(host)
         threads = num_threads(plan.resources[role])
-        command = (
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "serve",
-            *plan.role_argv[role],
-            *("--host", host, "--port", str(port)),
-            *("--num-threads", str(threads)),
-            *plan.argv[role],
-            *step_log_flags(plan.step_log, name),
-            # After the user's flags: these are the node's, they win.
-            *self._kv_flags(plan, host),
+        command = worker_command(
+            name,
+            plan.role_argv[role],
+            plan.argv[role],
+            (host, port),
+            threads,
+            plan.step_log,
+            node_argv=self._kv_flags(plan, host),
         )
         # Not pinned: Ray accounts for CPUs, it does not assign cores.
         self.spec = WorkerSpec(name, role, port, (), command, log_dir / f"{name}.log", host)
-        env = {
-            "OMP_NUM_THREADS": str(threads),
-            **worker_secrets(plan.secret, plan.kv_store_secrets),
-        }
-        self._group = WorkerGroup(
-            [self.spec],
-            unset_env=("PDSERVE_API_KEY", *WORKER_SECRETS),
-            env=env,
+        self._group = worker_process(
+            self.spec,
+            plan.secret,
+            plan.kv_store_secrets,
+            env={"OMP_NUM_THREADS": str(threads)},
             death_signal=signal.SIGKILL,
         )
         self._exited = threading.Event()

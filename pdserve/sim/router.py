@@ -4,8 +4,8 @@ prefix index, driven the way its dispatcher drives them.
 Per request (as `pdserve.router.dispatch`): pick a decode worker; a prompt whose uncached
 length there is below the local-prefill threshold (or any prompt when there is no prefill
 pool) goes to it directly; otherwise a prefill worker runs the prefill leg first. Decode load
-comes from the workers' metrics, scraped every `RouterConfig.health_interval_s`; in-flight counts and
-pending prefill tokens are the router's own exact bookkeeping (leases).
+comes from the workers' metrics, scraped every `RouterConfig.health_interval_s`; in-flight
+counts and pending prefill tokens are the router's own exact bookkeeping (leases).
 """
 
 from __future__ import annotations
