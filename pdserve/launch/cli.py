@@ -30,8 +30,20 @@ from pdserve.server.cli import SERVER_FLAGS, run_server
 
 _D = DeploymentConfig
 DISAGG_FLAGS = (
-    flag("--prefill-workers", dest="num_prefill_workers", type=int, default=_D.num_prefill_workers),
-    flag("--decode-workers", dest="num_decode_workers", type=int, default=_D.num_decode_workers),
+    flag(
+        "--prefill-workers",
+        dest="num_prefill_workers",
+        type=int,
+        default=_D.num_prefill_workers,
+        metavar="N",
+    ),
+    flag(
+        "--decode-workers",
+        dest="num_decode_workers",
+        type=int,
+        default=_D.num_decode_workers,
+        metavar="N",
+    ),
     flag(
         "--worker-base-port",
         type=int,
