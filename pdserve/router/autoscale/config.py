@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.router.policies import PoolRole
 
@@ -130,6 +130,10 @@ class AutoscaleConfig:
     @property
     def resolved_cooldown_s(self) -> float:
         return self.interval_s if self.cooldown_s is None else self.cooldown_s
+
+    def within(self, room: int) -> AutoscaleConfig:
+        """These bounds on a fleet that can run at most `room` workers at once (its cores)."""
+        return replace(self, max_workers=room) if room < self.total_limit else self
 
     def clamp(self, role: PoolRole, num_workers: int) -> int:
         low, high = self.bounds(role)
