@@ -76,6 +76,11 @@ class AutoscaleConfig:
     # one stream, and batches more at little cost; decode LOW reads KV and queues.)
     utilization_low: float = 0.6
     local_prefill_share: float = 0.2
+    # At the fleet's limit a pressed pool takes a worker of the other pool when that one's
+    # load (prefill: busy time; decode: KV in use) fits on one worker less below this
+    # fraction, with nothing queued and its p90 under `low_fraction` of its SLO: eight prefill
+    # workers 70% busy can spare one; two cannot.
+    spare_fraction: float = 0.8
 
     def __post_init__(self) -> None:
         for role in PoolRole:
@@ -99,6 +104,7 @@ class AutoscaleConfig:
             "kv_low",
             "utilization_low",
             "local_prefill_share",
+            "spare_fraction",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
