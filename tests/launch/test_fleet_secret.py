@@ -18,7 +18,7 @@ from pdserve.api.signing import FleetAuth
 from pdserve.fleet import FLEET_SECRET_ENV, FLEET_TLS_ENV, FLEET_TLS_KEY_ENV, take_fleet_tls
 from pdserve.kv_transfer import KVAuthError, KVTransferParams
 from pdserve.kv_transfer.client import KVClient, release_lease
-from pdserve.launch.cli import run
+from pdserve.launch.cli import deployment_config_from_args, run
 from pdserve.launch.deployment import fleet_membership, worker_secrets
 from pdserve.launch.local import plan_workers
 from tests.launch.test_launcher import serve_parser
@@ -30,26 +30,28 @@ SECRET = "one-host-fleet-secret"
 def test_worker_auth_is_off_on_one_host_unless_asked(tmp_path):
     args = serve_parser().parse_args(["--mode", "disagg", "--worker-log-dir", str(tmp_path)])
     assert args.worker_auth is None  # the launcher reads None as: off here, on a cluster
-    assert all(SECRET not in " ".join(w.command) for w in plan_workers(args))
+    workers = plan_workers(deployment_config_from_args(args))
+    assert all(SECRET not in " ".join(w.command) for w in workers)
 
 
 def test_fleet_tls_guards_the_deployment_and_hands_certificates_over_in_the_environment(
     tmp_path, monkeypatch
 ):
-    args = serve_parser().parse_args(["--mode", "disagg", "--fleet-tls"])
-    secret, ca = fleet_membership(args, is_cluster=False)
+    args = serve_parser().parse_args(
+        ["--mode", "disagg", "--fleet-tls", "--worker-log-dir", str(tmp_path)]
+    )
+    deployment = deployment_config_from_args(args)
+    secret, ca = fleet_membership(deployment)
     assert secret is not None and ca is not None  # --fleet-tls implies --worker-auth
-    args.worker_log_dir = str(tmp_path)
-    workers = plan_workers(args)
+    workers = plan_workers(deployment)
     assert all(w.url.startswith("https://") for w in workers)
     tls = ca.issue("prefill-0")
     env = worker_secrets(secret, {}, tls)
     assert set(env) == {FLEET_SECRET_ENV, *FLEET_TLS_ENV}
     assert all("PRIVATE KEY" not in " ".join(w.command) for w in workers)
+    refused = serve_parser().parse_args(["--fleet-tls", "--no-worker-auth", "--cluster", "ray"])
     with pytest.raises(ValueError, match="no-worker-auth"):
-        fleet_membership(
-            serve_parser().parse_args(["--fleet-tls", "--no-worker-auth"]), is_cluster=True
-        )
+        fleet_membership(deployment_config_from_args(refused))
     with pytest.raises(ValueError, match="one server has neither"):
         run(serve_parser().parse_args(["--mode", "chunked", "--fleet-tls"]))
     # A worker takes its credentials out of its environment: nothing it starts inherits them.
