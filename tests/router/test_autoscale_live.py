@@ -390,6 +390,8 @@ def test_the_planner_switches_an_idle_prefill_worker_to_a_saturated_decode_pool(
                 f"a switch to decode ({decode_load.measured})",
                 lambda: pool_sizes(server)["decode"] == 2,
             )
+            # Its address, while it is decode-1 (once quiet the planner may move it again).
+            switched = server.worker_url("decode-1")
         assert decisions(server)[0] == ("switch", "decode", "queue")
         (outcome,) = autoscale_state(server)["outcomes"]
         assert outcome["previous_id"] == "prefill-0" and outcome["worker"]["id"] == "decode-1"
@@ -398,7 +400,6 @@ def test_the_planner_switches_an_idle_prefill_worker_to_a_saturated_decode_pool(
         checks = [text_of(200, i) for i in range(4)]
         reference = [text for text, _ in burst(server.worker_url("decode-0"), checks, 48, 1)]
         assert [text for text, _ in burst(server.url, checks, 48, 4)] == reference
-        switched = server.worker_url("decode-1")
         assert [text for text, _ in burst(switched, checks, 48, 2)] == reference
         assert_no_blocks_held(server.healthy_worker_urls())
 
