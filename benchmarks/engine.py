@@ -12,8 +12,8 @@ activations' dtype's best GEMM on these threads (a 2048^3 `torch.mm`, oneDNN/MKL
 for bfloat16 where the CPU has them), against which prefill's rate (the linears' and the
 causal attention's FLOPs per second) is reported. Quantized and bf16 runs also report
 teacher-forced quality against float32 (`pdserve.model.quality`). The CPU's ISA flags and the
-kernel variant that ran are printed and saved; `--isa` runs another variant this CPU runs
-(as PDSERVE_CPU_ISA does).
+kernel variant that ran are printed and saved, with what `--dtype auto` picks here; `--isa`
+runs another variant this CPU runs (as PDSERVE_CPU_ISA does).
 
     .venv/bin/python benchmarks/engine.py [--runs float32 bfloat16 gguf int8] [--json F]
         [--isa amx|avx512_bf16|avx512|avx2|portable] [--no-transformers] [--no-quality]
@@ -38,6 +38,7 @@ from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.attention import kv_bytes_per_token
+from pdserve.model.auto_dtype import measured_cpu_dtype
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_runtime import read_cpu_flags
 from pdserve.model.kernels.cpu_ops import ISA_ENV, load_cpu_ops
@@ -274,6 +275,7 @@ def print_table(result: dict) -> None:
         f"{result['bandwidth_gb_s']:.1f} GB/s (one core); {result['threads']} thread(s); "
         "GEMM roof "
         + ", ".join(f"{dtype} {gflop:.0f} GFLOP/s" for dtype, gflop in result["roofs"].items())
+        + f"; --dtype auto picks {result['auto_dtype']} here"
     )
     for r in result["runs"]:
         lc = r.get("llama_cpp") or {}
@@ -361,6 +363,7 @@ def main() -> int:
         "bandwidth_gb_s": bandwidth / 1e9,
         "roofs": {str(d).removeprefix("torch."): roof / 1e9 for d, roof in roofs.items()},
         "threads": args.threads,
+        "auto_dtype": str(measured_cpu_dtype()).removeprefix("torch."),
         "runs": runs,
     }
     print_table(result)
