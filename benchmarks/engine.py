@@ -7,13 +7,14 @@ sequence holding a 512-token context). Next to each figure: transformers on the 
 in the same dtype (float32 for the quantized runs), llama.cpp on the same GGUF with one thread
 (when `--llama-cpp-python` names a Python with llama-cpp-python, see llama_cpp_venv.sh), and
 the floor: the bytes a decode step reads (weights in their stored format + the KV cache) over
-the read bandwidth measured here (one core streaming a 1 GiB buffer), and the roof: the
+the read bandwidth measured here (one core streaming a 1 GiB buffer; the best of a
+measurement before every run and one after the last, as is the roof), and the roof: the
 activations' dtype's best GEMM on these threads (a 2048^3 `torch.mm`, oneDNN/MKL: AMX tiles
 for bfloat16 where the CPU has them), against which prefill's rate (the linears' and the
 causal attention's FLOPs per second) is reported. Quantized and bf16 runs also report
 teacher-forced quality against float32 (`pdserve.model.quality`). The CPU's ISA flags and the
-kernel variant that ran are printed and saved; `--isa` runs another variant this CPU runs
-(as PDSERVE_CPU_ISA does).
+kernel variant that ran are printed and saved, with what `--dtype auto` picks here; `--isa`
+runs another variant this CPU runs (as PDSERVE_CPU_ISA does).
 
     .venv/bin/python benchmarks/engine.py [--runs float32 bfloat16 gguf int8] [--json F]
         [--isa amx|avx512_bf16|avx512|avx2|portable] [--no-transformers] [--no-quality]
@@ -38,6 +39,7 @@ from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.attention import kv_bytes_per_token
+from pdserve.model.auto_dtype import measured_cpu_dtype
 from pdserve.model.config import ModelConfig
 from pdserve.model.cpu_runtime import read_cpu_flags
 from pdserve.model.kernels.cpu_ops import ISA_ENV, load_cpu_ops
@@ -196,9 +198,32 @@ def llama_cpp(python: str, gguf: Path, threads: int) -> dict | None:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def bench_run(
-    name: str, args, bandwidth: float, roofs: dict, hf_folder: Path | None, reference
-) -> dict:
+class Limits:
+    """The machine's read bandwidth and GEMM roofs: the best of measurements taken before
+    every run and after the last, so that a moment of load from other processes (the floor's
+    and roof's figures would be too low) is outlived by a quieter one."""
+
+    def __init__(self) -> None:
+        self.bandwidth = 0.0
+        self.roofs = {torch.float32: 0.0, torch.bfloat16: 0.0}
+
+    def measure(self) -> None:
+        self.bandwidth = max(self.bandwidth, measure_bandwidth())
+        for dtype in self.roofs:
+            self.roofs[dtype] = max(self.roofs[dtype], measure_gemm_roof(dtype))
+
+    def apply(self, row: dict) -> None:
+        """Fill in `row`'s fractions of the roof and multiples of the floor."""
+        roof = self.roofs[getattr(torch, row["dtype"])]
+        row["roof_gflop_s"] = roof / 1e9
+        for p in row["prefill"].values():
+            p["of_roof"] = p["gflop_s"] * 1e9 / roof
+        for d in row["decode"].values():
+            d["floor_ms"] = d["floor_bytes"] / self.bandwidth * 1e3
+            d["x_floor"] = d["pdserve_step_ms"] / d["floor_ms"]
+
+
+def bench_run(name: str, args, hf_folder: Path | None, reference) -> dict:
     dtype, quantization = RUNS[name]
     loaded = load_model(
         None, dtype=dtype or args.quant_dtype, device="cpu", quantization=quantization
@@ -208,7 +233,6 @@ def bench_run(
     if hf_folder is not None:
         hf = hf_model(hf_folder, loaded.dtype if quantization == "none" else torch.float32)
     weights = loaded.model.weight_nbytes
-    roof = roofs[loaded.dtype]
     kv_per_token = kv_bytes_per_token(loaded.config, engine.kv_cache_dtype)
     row = {
         "run": name,
@@ -217,7 +241,6 @@ def bench_run(
         "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
         "kernel_variant": loaded.kernel_isa,
         "weight_bytes": weights,
-        "roof_gflop_s": roof / 1e9,
         "prefill": {},
         "decode": {},
     }
@@ -228,7 +251,6 @@ def bench_run(
         row["prefill"][length] = {
             "pdserve_tokens_per_s": length / ours,
             "gflop_s": prefill_flop(loaded.config, length) / ours / 1e9,
-            "of_roof": prefill_flop(loaded.config, length) / ours / roof,
             "transformers_tokens_per_s": length / theirs if theirs else None,
         }
     chunked = pdserve_prefill(make_engine(loaded, args.threads, "chunked", CHUNK), CHUNKED_LENGTH)
@@ -242,12 +264,10 @@ def bench_run(
     }
     for batch in DECODE_BATCHES:
         step = pdserve_decode(engine, batch)
-        floor = (weights + batch * DECODE_CONTEXT * kv_per_token) / bandwidth
         row["decode"][batch] = {
             "pdserve_step_ms": step * 1e3,
             "transformers_step_ms": hf_decode(hf, batch) * 1e3 if hf else None,
-            "floor_ms": floor * 1e3,
-            "x_floor": step / floor,
+            "floor_bytes": weights + batch * DECODE_CONTEXT * kv_per_token,
         }
     if reference is not None and name != "float32":
         ids, float32 = reference
@@ -274,6 +294,7 @@ def print_table(result: dict) -> None:
         f"{result['bandwidth_gb_s']:.1f} GB/s (one core); {result['threads']} thread(s); "
         "GEMM roof "
         + ", ".join(f"{dtype} {gflop:.0f} GFLOP/s" for dtype, gflop in result["roofs"].items())
+        + f"; --dtype auto picks {result['auto_dtype']} here"
     )
     for r in result["runs"]:
         lc = r.get("llama_cpp") or {}
@@ -337,9 +358,7 @@ def main() -> int:
     if args.isa:
         os.environ[ISA_ENV] = args.isa
     torch.set_num_threads(args.threads)
-    # One figure for every run's floor (the best of two measurements, a quiet moment's).
-    bandwidth = max(measure_bandwidth(), measure_bandwidth())
-    roofs = {dtype: measure_gemm_roof(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    limits = Limits()
     reference = None
     if not args.no_quality:
         float32 = load_model(None, dtype="float32", device="cpu")
@@ -355,12 +374,17 @@ def main() -> int:
             export_hf(None, folder, "float32")
         runs = []
         for name in args.runs:
-            runs.append(bench_run(name, args, bandwidth, roofs, folder, reference))
+            limits.measure()
+            runs.append(bench_run(name, args, folder, reference))
+    limits.measure()
+    for row in runs:
+        limits.apply(row)
     result = {
         "cpu_isa_flags": sorted(read_cpu_flags() & set(ISA_FLAGS)),
-        "bandwidth_gb_s": bandwidth / 1e9,
-        "roofs": {str(d).removeprefix("torch."): roof / 1e9 for d, roof in roofs.items()},
+        "bandwidth_gb_s": limits.bandwidth / 1e9,
+        "roofs": {str(d).removeprefix("torch."): roof / 1e9 for d, roof in limits.roofs.items()},
         "threads": args.threads,
+        "auto_dtype": str(measured_cpu_dtype()).removeprefix("torch."),
         "runs": runs,
     }
     print_table(result)

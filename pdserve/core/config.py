@@ -69,6 +69,17 @@ class SchedulerConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_partial_prefills", self.max_num_partial_prefills)
 
+    @property
+    def max_chunk_tokens(self) -> int | None:
+        """The most new tokens one prefill chunk can have (with `max_model_len` set): a
+        whole prompt when colocated, else the budget capped by the long-prefill threshold."""
+        if self.scheduling is SchedulingPolicy.COLOCATED:
+            return self.max_model_len
+        return min(
+            self.max_num_batched_tokens,
+            self.long_prefill_token_threshold or self.max_num_batched_tokens,
+        )
+
 
 @dataclass(frozen=True)
 class CacheConfig:

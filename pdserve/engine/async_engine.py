@@ -68,6 +68,8 @@ class EngineProtocol(Protocol):
 
     def has_unfinished_requests(self) -> bool: ...
 
+    def measure_when_idle(self) -> bool: ...
+
     def get_stats(self) -> EngineStats: ...
 
     def shutdown(self) -> None: ...
@@ -331,7 +333,7 @@ class AsyncLLMEngine:
                 self._run_idle_call()
                 if self.engine.has_unfinished_requests():
                     self._step(outbox)
-                else:
+                elif not self.engine.measure_when_idle():  # one piece, then new requests
                     self._publish_stats()
                     self._flush(outbox)
                     self._wakeup.wait(self._idle_wait_s())

@@ -32,6 +32,8 @@ from pdserve.model.loader import LoadedModel, load_model
 logger = logging.getLogger(__name__)
 # How long an idle step waits when only KV transfers are in flight.
 KV_POLL_INTERVAL_S = 0.001
+# Startup time for measuring kernel choices (what is left over is measured when idle).
+KERNEL_CHOICE_BUDGET_S = 15.0
 
 
 @dataclass
@@ -93,6 +95,9 @@ class LLMEngine:
             scheduler_config,
             cache_config,
             self.kv_connector if self.kv_connector.connectors else None,
+        )
+        self.runner.measure_kernel_choices(
+            scheduler_config.max_chunk_tokens, self.max_model_len, KERNEL_CHOICE_BUDGET_S
         )
         self._tracked: dict[str, _Tracked] = {}
         # Hand-offs to announce at the next step, before the request computes (streamed
@@ -234,6 +239,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_transfers()
 
     # ---- the step ----------------------------------------------------------------------
+    def measure_when_idle(self) -> bool:
+        """Do one piece of the work left for idle time (a kernel-choice case serving met
+        unmeasured); whether there was one. Call only with no request in flight."""
+        return self.runner.measure_when_idle()
+
     def step(self) -> list[RequestOutput]:
         step_start = time.perf_counter()
         outputs = self._announcements() + self._update_kv_transfers()

@@ -8,7 +8,13 @@ from pdserve.core.scheduler import SchedulerOutput
 from pdserve.engine.sampler import SampledToken, Sampler
 from pdserve.kv_transfer.protocol import KVLayout
 from pdserve.kv_transfer.shm import SharedKVCache
-from pdserve.model.attention import AttentionMetadata, allocate_kv_cache
+from pdserve.model.attention import (
+    AttentionMetadata,
+    allocate_kv_cache,
+    kernel_attends,
+    measure_prefill_choices,
+    prefill_kernel_choice,
+)
 from pdserve.model.loader import LoadedModel
 
 
@@ -48,6 +54,30 @@ class ModelRunner:
     def kv_caches(self) -> torch.Tensor | SharedKVCache:
         """What KV connectors register: the cache, or the shared segment holding it."""
         return self.kv_cache_segment or self.kv_cache
+
+    def measure_kernel_choices(self, max_num_new: int, max_model_len: int, budget_s: float) -> None:
+        """Measure, before serving, the kernel choices that chunks of up to `max_num_new` new
+        tokens in sequences of up to `max_model_len` meet (a first long prompt would wait for
+        them otherwise)."""
+        ops = self.model.cpu_ops
+        if ops is None or not kernel_attends(
+            ops, self.device, self.model.dtype, self.kv_cache.dtype, self.config.head_dim
+        ):
+            return
+        measure_prefill_choices(
+            ops,
+            self.model.dtype,
+            self.kv_cache.dtype,
+            self.config,
+            max_num_new,
+            max_model_len,
+            budget_s,
+        )
+
+    def measure_when_idle(self) -> bool:
+        """Measure one kernel-choice case that serving met unmeasured; whether there was one."""
+        ops = self.model.cpu_ops
+        return ops is not None and prefill_kernel_choice(ops).measure_pending()
 
     def close(self) -> None:
         """Unlink the shared segment (mappings stay valid while referenced)."""

@@ -9,8 +9,10 @@ tokens computed in earlier steps.
 cache and returns the attention output. `TorchAttentionBackend` serves CPU and CUDA. On CPU,
 native kernels (every ISA) read K/V in place through the block tables: decodes always, prefill
 chunks (flash-style, causal, offset by the cached context) where they beat torch SDPA, as
-measured on this machine per variant, dtypes, heads, threads and chunk/context size at first
-use and cached on disk (`prefill_kernel_choice`, `kernels/choice.py`). Elsewhere SDPA runs
+measured on this machine per variant, dtypes, heads, threads and chunk/context size and
+cached on disk (`prefill_kernel_choice`, `kernels/choice.py`): the engine measures the cases
+its limits allow at startup (`measure_prefill_choices`); a case met unmeasured runs SDPA and
+is measured when the engine is idle, never on a request's path. Elsewhere SDPA runs
 prefill chunks, over the context gathered from the cache when there is one, and decodes are
 batched matmuls over gathered K/V.
 The cache may hold a narrower dtype than the model's (`--kv-cache-dtype bfloat16`): new K/V
@@ -20,6 +22,9 @@ are rounded once on write and read back in the model dtype.
 from __future__ import annotations
 
 import functools
+import json
+import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +36,8 @@ from pdserve.model.config import KV_CACHE_DTYPES, ModelConfig
 from pdserve.model.kernels.build import cache_dir
 from pdserve.model.kernels.choice import MeasuredChoice, size_bucket
 from pdserve.model.kernels.cpu_ops import CpuOps
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -275,11 +282,7 @@ class TorchAttentionBackend(AttentionBackend):
         decode = meta.decode
         kernel = (
             self.cpu_ops
-            if self.cpu_ops is not None
-            and q.device.type == "cpu"
-            and self.cpu_ops.supports(q.dtype)
-            and self.cpu_ops.supports(kv_layer.dtype)
-            and head_dim % 16 == 0
+            if kernel_attends(self.cpu_ops, q.device, q.dtype, kv_layer.dtype, head_dim)
             else None
         )
         if decode is not None and decode.num_seqs == num_tokens:
@@ -314,7 +317,8 @@ class TorchAttentionBackend(AttentionBackend):
             chunk.token_end - chunk.token_start,
             chunk.num_computed_tokens,
         )
-        return kernel if prefill_kernel_choice(kernel).a_wins(case) else None
+        is_kernel_faster = prefill_kernel_choice(kernel).a_wins_or(case, default=False)
+        return kernel if is_kernel_faster else None
 
     def _decode(
         self, q: torch.Tensor, kv_layer: torch.Tensor, batch: DecodeBatch, kernel: CpuOps | None
@@ -401,10 +405,101 @@ def prefill_case(
     )
 
 
+def prefill_cases(
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_num_new: int,
+    max_model_len: int,
+) -> list[tuple]:
+    """Every `prefill_case` a chunk of 2..`max_num_new` new tokens can have in a sequence of at
+    most `max_model_len` tokens, cheapest (new x context tokens) first."""
+    smallest = size_bucket(1)
+
+    def buckets(largest: int) -> list[int]:
+        return [
+            smallest << i
+            for i in range(size_bucket(largest).bit_length() - smallest.bit_length() + 1)
+        ]
+
+    def fewest(bucket: int) -> int:  # the fewest tokens a bucket holds
+        return min(bucket, bucket // 2 + 1)
+
+    max_num_new = min(max_num_new, max_model_len)
+    sizes = [
+        (num_new, num_computed)
+        for num_new in buckets(max_num_new)
+        for num_computed in [0, *buckets(max_model_len - 2)]
+        if max(2, fewest(num_new)) + (num_computed and fewest(num_computed)) <= max_model_len
+    ]
+    sizes.sort(key=lambda size: size[0] * (size[0] + size[1]))
+    return [
+        prefill_case(q_dtype, kv_dtype, num_heads, num_kv_heads, head_dim, *size) for size in sizes
+    ]
+
+
+def measure_prefill_choices(
+    ops: CpuOps,
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    config: ModelConfig,
+    max_num_new: int,
+    max_model_len: int,
+    budget_s: float,
+) -> None:
+    """Measure (within `budget_s`) the prefill cases a model of `config` meets under these
+    limits, so that serving never waits for a measurement; log what was chosen."""
+    heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    cases = prefill_cases(q_dtype, kv_dtype, *heads, max_num_new, max_model_len)
+    choice = prefill_kernel_choice(ops)
+    start = time.perf_counter()
+    num_measured = choice.measure(cases, budget_s)
+    elapsed_s = time.perf_counter() - start
+    measured = [case for case in cases if json.dumps(case) in choice.timings]
+    sdpa = [case for case in measured if not choice.a_wins_or(case, default=False)]
+    logger.info(
+        "prefill attention (%s kernels, %s q / %s KV, %d x %d heads of %d, %d thread(s)): "
+        "%d cases up to %d new tokens in %d, %d measured now in %.1f s, %d left for idle "
+        "time; the kernel on %d, SDPA on %d (new/context tokens: %s)",
+        ops.isa,
+        *(str(dtype).removeprefix("torch.") for dtype in (q_dtype, kv_dtype)),
+        *heads,
+        torch.get_num_threads(),
+        len(cases),
+        max_num_new,
+        max_model_len,
+        num_measured,
+        elapsed_s,
+        len(cases) - len(measured),
+        len(measured) - len(sdpa),
+        len(sdpa),
+        " ".join(f"{case[-2]}/{case[-1]}" for case in sdpa) or "-",
+    )
+
+
+def kernel_attends(
+    ops: CpuOps | None,
+    device: torch.device,
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    head_dim: int,
+) -> bool:
+    """Whether `ops`' attention kernels serve these tensors (else torch ops do)."""
+    return (
+        ops is not None
+        and device.type == "cpu"
+        and ops.supports(q_dtype)
+        and ops.supports(kv_dtype)
+        and head_dim % 16 == 0
+    )
+
+
 @functools.cache
 def prefill_kernel_choice(ops: CpuOps) -> MeasuredChoice:
-    """Whether `ops.paged_prefill` (A) beats SDPA (B) per `prefill_case`, timed on first use
-    on this machine and cached next to the compiled kernels."""
+    """Whether `ops.paged_prefill` (A) beats SDPA (B) per `prefill_case`, measured on this
+    machine (`measure_prefill_choices`) and cached next to the compiled kernels."""
     try:
         directory = cache_dir()
     except OSError:

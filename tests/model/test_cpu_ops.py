@@ -269,7 +269,7 @@ def _quantized(qtype: QuantType, weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(qtype, blocks, tuple(weight.shape))
 
 
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rows", [*ROWS, 32, 70])  # AMX (int8): 32 rows per pass
 @pytest.mark.parametrize("qtype", list(QuantType))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_linear_multiplies_the_blocks(ops, qtype, dtype, rows):
@@ -283,7 +283,11 @@ def test_quantized_linear_multiplies_the_blocks(ops, qtype, dtype, rows):
     bias = torch.randn(40, generator=generator).to(dtype)
     quantized = _quantized(qtype, weight)
     x_used = quantize_activations(x) if qtype.quantizes_activations else x.float()
-    expected = F.linear(x_used, quantized.dequantize(), bias.float())
+    weight_used = quantized.dequantize()
+    if qtype is QuantType.INT8 and rows >= (ops.int8_amx_min_rows or rows + 1):
+        # In AMX tiles: x and the dequantized weights rounded to bfloat16.
+        x_used, weight_used = (t.to(torch.bfloat16).float() for t in (x_used, weight_used))
+    expected = F.linear(x_used, weight_used, bias.float())
     got = ops.linear(x, quantized.pack(), bias)
     assert got.dtype == dtype and got.shape == (rows, 40)
     tolerance = (2e-4, 1e-5) if dtype == torch.float32 else (0.1, 0.01)

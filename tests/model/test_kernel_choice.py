@@ -16,6 +16,7 @@ from pdserve.model.attention import (
     AttentionMetadata,
     TorchAttentionBackend,
     prefill_case,
+    prefill_cases,
     prefill_kernel_choice,
 )
 from pdserve.model.kernels.choice import MeasuredChoice, interleaved_best_seconds, size_bucket
@@ -58,6 +59,55 @@ def test_measured_once_per_case_and_cached_on_disk(tmp_path):
     other_build = MeasuredChoice("demo", "build-2", prepare, tmp_path)
     other_build.a_wins(("a", 1))
     assert len(measured) == 3  # another library is measured anew
+
+
+def test_serving_lookups_never_measure_and_leave_the_case_for_idle_time(tmp_path):
+    measured = []
+
+    def prepare(case):
+        measured.append(case)
+        return (lambda: None), (lambda: time.sleep(0.001))
+
+    choice = MeasuredChoice("demo", "build-1", prepare, tmp_path)
+    assert choice.a_wins_or(("a", 1), default=False) is False  # unmeasured: the default
+    assert choice.a_wins_or(("a", 1), default=False) is False
+    assert measured == [] and choice.num_defaulted == 2 and list(choice.pending) == ['["a", 1]']
+    assert choice.measure_pending() and measured == [("a", 1)]
+    assert not choice.measure_pending() and not choice.pending
+    assert choice.a_wins_or(("a", 1), default=False) is True  # measured: A (no sleep) wins
+
+
+def test_measure_times_what_its_budget_allows_and_queues_the_rest(tmp_path):
+    measured = []
+
+    def prepare(case):
+        measured.append(case)
+        return (lambda: None), (lambda: None)
+
+    cases = [("a", n) for n in range(4)]
+    choice = MeasuredChoice("demo", "build-1", prepare, tmp_path)
+    assert choice.measure(cases, budget_s=0.0) == 0
+    assert measured == [] and len(choice.pending) == 4
+    assert choice.measure(cases[:3], budget_s=60.0) == 3
+    assert measured == cases[:3] and list(choice.pending) == ['["a", 3]']
+    assert choice.measure(cases, budget_s=60.0) == 1  # the cached three are not timed again
+    assert MeasuredChoice("demo", "build-1", prepare, tmp_path).timings.keys() == {
+        json.dumps(case) for case in cases
+    }
+
+
+def test_prefill_cases_cover_every_chunk_the_limits_allow_and_no_more():
+    max_num_new, max_model_len = 512, 3000
+    cases = prefill_cases(torch.float32, torch.bfloat16, 9, 3, 64, max_num_new, max_model_len)
+    assert len(cases) == len(set(cases))
+    met = {
+        prefill_case(torch.float32, torch.bfloat16, 9, 3, 64, num_new, num_computed)
+        for num_new in range(2, max_num_new + 1)
+        for num_computed in range(0, max_model_len - num_new + 1, 7)
+    }
+    assert met == set(cases)
+    costs = [num_new * (num_new + num_computed) for *_, num_new, num_computed in cases]
+    assert costs == sorted(costs)
 
 
 def _own_timing(ops, dtype, num_new, num_computed) -> tuple[float, float]:

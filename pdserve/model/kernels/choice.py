@@ -2,10 +2,15 @@
 
 Which of two kernels is faster depends on the CPU (its ISA, cache sizes, whether torch's
 kernels use AMX), the dtypes, the thread count and the sizes, so a table measured elsewhere
-goes stale. A `MeasuredChoice` times both candidates the first time a case comes up (a
-synthetic input of the case's size bucket), keeps the winner, and caches the timings on disk
-next to the compiled kernels, keyed by the library build, the CPU model and torch's version:
-later processes on the machine read the answer instead of measuring again.
+goes stale. A `MeasuredChoice` times both candidates on a synthetic input of a case's size
+bucket, keeps the winner, and caches the timings on disk next to the compiled kernels, keyed
+by the library build, the CPU model and torch's version: later processes on the machine read
+the answer instead of measuring again.
+
+Measuring takes up to seconds, so a serving path never measures: the engine measures the
+cases its limits allow at startup (`measure`, within a time budget), a case met unmeasured
+takes the caller's default and waits in a queue, and the engine measures the queue while it
+is idle (`measure_pending`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 
 import torch
@@ -57,7 +62,7 @@ def interleaved_best_seconds(
 
 
 class MeasuredChoice:
-    """Whether candidate A beats candidate B per case, timed on first use and cached.
+    """Whether candidate A beats candidate B per case, timed on this machine and cached.
 
     `prepare(case) -> (run_a, run_b)` makes both runnable on an input of the case's size
     (a case is a tuple of JSON scalars, dtypes as names); they are timed interleaved."""
@@ -76,10 +81,25 @@ class MeasuredChoice:
             None if cache_dir is None else cache_dir / f"{name}-{_machine_key(build_id)}.json"
         )
         self.timings: dict[str, tuple[float, float]] = self._read()
+        # Cases met unmeasured by `a_wins_or`, by key, in arrival order.
+        self.pending: dict[str, tuple] = {}
+        self.num_defaulted = 0  # how often `a_wins_or` answered with its default
 
     def a_wins(self, case: tuple[Hashable, ...]) -> bool:
+        """Whether A is faster on `case`, measured now if it never was (blocks for it)."""
         a_seconds, b_seconds = self.timing(case)
         return a_seconds < b_seconds
+
+    def a_wins_or(self, case: tuple[Hashable, ...], default: bool) -> bool:
+        """Whether A is faster on `case` as measured; never measures nor waits for a
+        measurement: a case not measured yet answers `default` and is queued for
+        `measure_pending`."""
+        timing = self.timings.get(json.dumps(case))
+        if timing is not None:
+            return timing[0] < timing[1]
+        self.pending.setdefault(json.dumps(case), case)  # one dict operation: thread-safe
+        self.num_defaulted += 1
+        return default
 
     def timing(self, case: tuple[Hashable, ...]) -> tuple[float, float]:
         """(A's, B's) best seconds on `case`: from the cache, else measured now."""
@@ -89,17 +109,67 @@ class MeasuredChoice:
             with self._lock:
                 timing = self.timings.get(key)
                 if timing is None:
-                    timing = interleaved_best_seconds(*self._prepare(case))
-                    self.timings[key] = timing
-                    logger.info(
-                        "%s %s: %.3f ms vs %.3f ms (measured here, cached in %s)",
-                        self.name,
-                        key,
-                        timing[0] * 1e3,
-                        timing[1] * 1e3,
-                        self._path,
-                    )
+                    timing = self._measure(key, case)
                     self._write()
+        return timing
+
+    def measure(self, cases: Sequence[tuple], budget_s: float) -> int:
+        """Measure the `cases` not measured yet, in order (cheapest first, so that the case
+        just timed bounds what the next costs), while the next one should end within
+        `budget_s`; queue the rest for `measure_pending`. Returns how many it timed."""
+        start = time.perf_counter()
+        last_case_s = 0.0
+        num_measured = 0
+        with self._lock:
+            for case in cases:
+                key = json.dumps(case)
+                if key in self.timings:
+                    continue
+                case_start = time.perf_counter()
+                if case_start - start + last_case_s > budget_s:
+                    self.pending.setdefault(key, case)
+                    continue
+                self._measure(key, case)
+                last_case_s = time.perf_counter() - case_start
+                num_measured += 1
+            if num_measured:
+                self._write()
+        return num_measured
+
+    def measure_pending(self) -> bool:
+        """Measure the oldest queued case, if any (for idle time); whether one was."""
+        try:
+            key = next(iter(self.pending))
+        except (StopIteration, RuntimeError):  # empty, or changed meanwhile: next time
+            return False
+        case = self.pending[key]
+        with self._lock:
+            if key not in self.timings:
+                a_seconds, b_seconds = self._measure(key, case)
+                self._write()
+                logger.info(
+                    "%s %s measured while idle: %.3f ms vs %.3f ms",
+                    self.name,
+                    key,
+                    a_seconds * 1e3,
+                    b_seconds * 1e3,
+                )
+            self.pending.pop(key, None)  # measured meanwhile by someone else: just drop it
+        return True
+
+    def _measure(self, key: str, case: tuple) -> tuple[float, float]:
+        """Time `case` now and keep it (the caller holds the lock and writes the cache)."""
+        timing = interleaved_best_seconds(*self._prepare(case))
+        self.timings[key] = timing
+        self.pending.pop(key, None)
+        logger.debug(
+            "%s %s: %.3f ms vs %.3f ms (measured here, cached in %s)",
+            self.name,
+            key,
+            timing[0] * 1e3,
+            timing[1] * 1e3,
+            self._path,
+        )
         return timing
 
     def _read(self) -> dict[str, tuple[float, float]]:

@@ -316,6 +316,10 @@ ALWAYS_INLINE int64_t block_bytes(int wfmt) {
 /* Bytes of scratch `linear` needs for `rows` rows of `in` inputs. */
 int64_t linear_scratch(int wfmt, int64_t rows, int64_t in) {
     if (is_quantized(wfmt)) return rows * (in + 2 * (in / 32) * (int64_t)sizeof(float));
+#if defined(__AMX_BF16__)
+    /* The AMX path's bf16 x, then one group dequantized to bf16 (amx_int8_linear). */
+    if (wfmt == W_INT8) return round_up_64(rows * in * 4) + in * 32;
+#endif
     return rows * in * (int64_t)sizeof(float);
 }
 
@@ -654,6 +658,9 @@ ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int ydt, c
 
 #if defined(__AMX_BF16__)
 #define AMX_LINEAR_ROWS 32 /* rows of x per pass over a weight group: two 16-row tiles */
+/* W_INT8 runs in AMX tiles from this many rows (x rounded to bfloat16); below, in float FMAs
+ * (memory-bound there, and x exact). */
+#define AMX_INT8_MIN_ROWS 3
 /* Tiles 0, 1: y of rows [0, m0) and [m0, m0 + m1) (float); 2, 3: their x (32 bf16 inputs);
  * 4: one group's 32 inputs, which W_BF16 stores as AMX wants B (pairs of inputs per row). */
 static void amx_linear_configure(int64_t m0, int64_t m1) {
@@ -668,36 +675,80 @@ static void amx_linear_configure(int64_t m0, int64_t m1) {
     _tile_loadconfig(&config);
 }
 
-/* Rows [first, first + n), n <= AMX_LINEAR_ROWS, of y for groups [g0, g1): bf16 x [rows][in]
- * times W_BF16 in tiles (fp32 sums of exact bf16 products), in % 32 == 0. */
-static void amx_linear_pass(const uint16_t* w, const uint16_t* x, const void* bias, void* y,
-                            int ydt, int64_t first, int64_t n, int64_t out, int64_t in,
-                            int64_t g0, int64_t g1) {
-    const int64_t m0 = n < 16 ? n : 16, m1 = n - m0, stride = in * 2;
+/* Rows [first, first + n), n <= AMX_LINEAR_ROWS (as configured), of y's outputs of group g:
+ * bf16 x [rows][in] times the group's weights wg in W_BF16's layout (AMX's B operand), in
+ * tiles (fp32 sums of exact bf16 products), in % 32 == 0. */
+static void amx_group_pass(const uint16_t* wg, const uint16_t* x, const void* bias, void* y,
+                           int ydt, int64_t first, int64_t n, int64_t out, int64_t in,
+                           int64_t g) {
+    const int64_t m1 = n > 16 ? n - 16 : 0, stride = in * 2;
     const uint16_t* x0 = x + first * in;
     const uint16_t* x1 = x0 + 16 * in;
     float c[AMX_LINEAR_ROWS][16];
-    amx_linear_configure(m0, m1);
-    for (int64_t g = g0; g < g1; g++) {
-        const uint16_t* wg = w + g * 16 * in;
-        _tile_zero(0);
-        if (m1) _tile_zero(1);
-        for (int64_t k = 0; k < in; k += 32) {
-            _tile_loadd(4, wg + 16 * k, 64);
-            _tile_loadd(2, x0 + k, stride);
-            _tile_dpbf16ps(0, 2, 4);
-            if (m1) {
-                _tile_loadd(3, x1 + k, stride);
-                _tile_dpbf16ps(1, 3, 4);
-            }
+    _tile_zero(0);
+    if (m1) _tile_zero(1);
+    for (int64_t k = 0; k < in; k += 32) {
+        _tile_loadd(4, wg + 16 * k, 64);
+        _tile_loadd(2, x0 + k, stride);
+        _tile_dpbf16ps(0, 2, 4);
+        if (m1) {
+            _tile_loadd(3, x1 + k, stride);
+            _tile_dpbf16ps(1, 3, 4);
         }
-        _tile_stored(0, c[0], 64);
-        if (m1) _tile_stored(1, c[16], 64);
-        const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;
-        const V16 b = bias ? load_dt_n(bias, 16 * g, width, ydt) : v_zero();
-        for (int64_t r = 0; r < n; r++)
-            store_dt_n(y, (first + r) * out + 16 * g, width, v_add(v_load(c[r]), b), ydt);
     }
+    _tile_stored(0, c[0], 64);
+    if (m1) _tile_stored(1, c[16], 64);
+    const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;
+    const V16 b = bias ? load_dt_n(bias, 16 * g, width, ydt) : v_zero();
+    for (int64_t r = 0; r < n; r++)
+        store_dt_n(y, (first + r) * out + 16 * g, width, v_add(v_load(c[r]), b), ydt);
+}
+
+/* Configure the tiles for passes of n rows, unless they are (*configured: the current n). */
+ALWAYS_INLINE void amx_configure_rows(int64_t n, int64_t* configured) {
+    if (n == *configured) return;
+    amx_linear_configure(n < 16 ? n : 16, n > 16 ? n - 16 : 0);
+    *configured = n;
+}
+
+/* One W_INT8 group dequantized into W_BF16's layout: each block's int8 weights times their
+ * scales (exact in float32), rounded to bfloat16 (to nearest even), input pairs interleaved
+ * per output. group: [in / 32 blocks][16 pair rows][16 outputs][2] bf16. */
+static void amx_int8_group(const uint8_t* wg, int64_t in, uint16_t* group) {
+    /* Lanes 2o and 2o + 1 take output o's scale: outputs 0-7 (low half), 8-15 (high). */
+    const __m512i low_outputs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i high_outputs = _mm512_add_epi32(low_outputs, _mm512_set1_epi32(8));
+    for (int64_t b = 0; b < in / 32; b++) {
+        const uint8_t* block = wg + b * block_bytes(W_INT8);
+        const V16 scale = v_load_f16((const uint16_t*)block);
+        const V16 scale_low = _mm512_permutexvar_ps(low_outputs, scale);
+        const V16 scale_high = _mm512_permutexvar_ps(high_outputs, scale);
+        const __m128i* q = (const __m128i*)(block + 32); /* [32 inputs][16 outputs] int8 */
+        for (int64_t p = 0; p < 16; p++) {
+            const __m128i even = _mm_loadu_si128(q + 2 * p), odd = _mm_loadu_si128(q + 2 * p + 1);
+            const V16 low = v_mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                      _mm_unpacklo_epi8(even, odd))), scale_low);
+            const V16 high = v_mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                       _mm_unpackhi_epi8(even, odd))), scale_high);
+            _mm512_storeu_si512(group + 512 * b + 32 * p, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+        }
+    }
+}
+
+/* W_INT8 against bf16 x in AMX tiles: per group, the weights dequantized to bfloat16 once
+ * (into `group`, in * 16 bf16), then every pass of rows multiplied against them. */
+static void amx_int8_linear(const uint8_t* w, const uint16_t* x, const void* bias, void* y,
+                            int ydt, int64_t rows, int64_t out, int64_t in, uint16_t* group) {
+    int64_t configured = 0;
+    for (int64_t g = 0; g < (out + 15) / 16; g++) {
+        amx_int8_group(w + g * group_bytes(W_INT8, in), in, group);
+        for (int64_t first = 0; first < rows; first += AMX_LINEAR_ROWS) {
+            const int64_t n = rows - first < AMX_LINEAR_ROWS ? rows - first : AMX_LINEAR_ROWS;
+            amx_configure_rows(n, &configured);
+            amx_group_pass(group, x, bias, y, ydt, first, n, out, in, g);
+        }
+    }
+    _tile_release();
 }
 #endif
 
@@ -711,6 +762,16 @@ int linear_has_amx(void) {
 #endif
 }
 
+/* Rows from which `linear` multiplies W_INT8 in AMX tiles here (x rounded to bfloat16, each
+ * weight times its scale rounded to bfloat16), or 0: never. */
+int64_t linear_int8_amx_min_rows(void) {
+#if defined(__AMX_BF16__)
+    return pf_amx_permitted() ? AMX_INT8_MIN_ROWS : 0;
+#else
+    return 0;
+#endif
+}
+
 ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, const void* bias,
                                void* y, int64_t rows, int64_t out, int64_t in, uint8_t* scratch) {
     const int64_t num_groups = (out + 15) / 16;
@@ -719,15 +780,31 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
         /* As below, a chunk of groups stays in L2 while every pass of rows crosses it. */
         int64_t chunk = CHUNK_BYTES / group_bytes(wfmt, in);
         chunk = chunk < 1 ? 1 : chunk;
+        int64_t configured = 0;
         for (int64_t g0 = 0; g0 < num_groups; g0 += chunk) {
             const int64_t g1 = g0 + chunk < num_groups ? g0 + chunk : num_groups;
             for (int64_t first = 0; first < rows; first += AMX_LINEAR_ROWS) {
                 const int64_t n = rows - first < AMX_LINEAR_ROWS ? rows - first : AMX_LINEAR_ROWS;
-                amx_linear_pass((const uint16_t*)w, (const uint16_t*)x, bias, y, xdt, first, n,
-                                out, in, g0, g1);
+                amx_configure_rows(n, &configured);
+                for (int64_t g = g0; g < g1; g++)
+                    amx_group_pass((const uint16_t*)w + g * 16 * in, (const uint16_t*)x, bias, y,
+                                   xdt, first, n, out, in, g);
             }
         }
         _tile_release();
+        return;
+    }
+    if (wfmt == W_INT8 && rows >= AMX_INT8_MIN_ROWS && pf_amx_permitted()) {
+        /* x rounded to bfloat16 (as torch rounds: to nearest even), then the group buffer. */
+        const uint16_t* xb = (const uint16_t*)x;
+        if (xdt == DT_F32) {
+            for (int64_t i = 0; i < rows * in; i += 16)
+                store_dt_n(scratch, i, rows * in - i, load_dt_n(x, i, rows * in - i, DT_F32),
+                           DT_BF16);
+            xb = (const uint16_t*)scratch;
+        }
+        uint16_t* group = (uint16_t*)(scratch + round_up_64(rows * in * 2));
+        amx_int8_linear((const uint8_t*)w, xb, bias, y, xdt, rows, out, in, group);
         return;
     }
 #endif

@@ -43,6 +43,7 @@ _SIGNATURES = {
     "linear": ([_C, _C, *[_P] * 4, _I, _I, _I, _P], None),
     "linear_scratch": ([_C, _I, _I], _I),
     "linear_has_amx": ([], _C),
+    "linear_int8_amx_min_rows": ([], _I),
     "stream_sum": ([_P, _I], _F),
     "pdserve_isa": ([], ctypes.c_char_p),
     "pdserve_struct_sizes": ([_P], None),
@@ -105,6 +106,12 @@ class CpuOps:
         """Whether bfloat16 weights are multiplied by bf16 dot-product instructions (else
         converted to float32 in registers)."""
         return self.isa in ("amx", "avx512_bf16")
+
+    @property
+    def int8_amx_min_rows(self) -> int | None:
+        """Rows from which int8 weights are multiplied in AMX tiles (x and each dequantized
+        weight rounded to bfloat16 first, sums in float32), None: never."""
+        return self._lib.linear_int8_amx_min_rows() or None
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
