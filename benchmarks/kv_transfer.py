@@ -14,10 +14,13 @@ namespace, e.g. ``ip netns exec B ...``) the prefill side moves into namespace N
 server binds ADDR there, so tcp crosses whatever link joins the two namespaces (a veth pair).
 
 With ``--fleet-secret`` both sides hold a deployment's secret: tcp connections prove it and
-seal every frame (the cost of authenticating the KV bytes).
+seal every frame (the cost of authenticating the KV bytes). With ``--fleet-tls`` too, both
+sides hold certificates of one CA made here and every connection is mutual TLS
+(`--fleet-tls`: the cost of encrypting them).
 
     .venv/bin/python benchmarks/kv_transfer.py [--repeats 5] [--threads 1] [--json FILE]
         [--transports shm tcp] [--sender-netns NS --sender-host ADDR] [--fleet-secret]
+        [--fleet-tls]
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.fleet import FleetCA, FleetTLS
 from pdserve.kv_transfer import KVLayout, KVTransferConfig, KVTransferParams, plan_units
 from pdserve.kv_transfer.connector import create_kv_transport
 
@@ -77,7 +81,8 @@ class Sender:
     transports: tuple[str, ...] = TRANSPORTS
     netns: str | None = None
     host: str = "127.0.0.1"
-    secret: str | None = None
+    secret: str | None = field(default=None, repr=False)
+    tls: FleetTLS | None = field(default=None, repr=False)  # the prefill side's
 
 
 def cache_blocks(case: Case) -> int:
@@ -116,6 +121,7 @@ def sender_main(conn, threads: int, sender: Sender) -> None:
                 kv_role="kv_producer",
                 kv_host=sender.host,
                 secret=sender.secret,
+                tls=sender.tls,
             )
             producer = create_kv_transport(config, case.layout, cache_blocks(case))
             producer.kv_cache.normal_()
@@ -160,8 +166,9 @@ def time_transport(
     repeats: int,
     memcpy: Memcpy,
     secret: str | None,
+    tls: FleetTLS | None,
 ) -> Samples:
-    config = KVTransferConfig(transport=transport, kv_role="kv_consumer", secret=secret)
+    config = KVTransferConfig(transport=transport, kv_role="kv_consumer", secret=secret, tls=tls)
     consumer = create_kv_transport(config, case.layout, cache_blocks(case))
     samples = Samples([], [], [])
     try:
@@ -210,7 +217,12 @@ def _paired_ratio(memcpy: list[float], transfer: list[float]) -> float:
     return statistics.median(c / t for c, t in zip(memcpy, transfer, strict=True))
 
 
-def run(repeats: int, threads: int, sender: Sender = Sender()) -> list[dict]:
+def run(
+    repeats: int,
+    threads: int,
+    sender: Sender = Sender(),
+    receiver_tls: FleetTLS | None = None,
+) -> list[dict]:
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
     process = ctx.Process(target=sender_main, args=(child, threads, sender), daemon=True)
@@ -224,7 +236,15 @@ def run(repeats: int, threads: int, sender: Sender = Sender()) -> list[dict]:
             for transport in sender.transports:
                 for order in BLOCK_ORDERS:
                     samples = time_transport(
-                        conn, index, case, transport, order, repeats, memcpy, sender.secret
+                        conn,
+                        index,
+                        case,
+                        transport,
+                        order,
+                        repeats,
+                        memcpy,
+                        sender.secret,
+                        receiver_tls,
                     )
                     copies += samples.memcpy
                     rows.append(row(case, transport, order, samples.e2e, samples))
@@ -276,16 +296,33 @@ def main() -> None:
     parser.add_argument(
         "--fleet-secret", action="store_true", help="both sides hold a fleet secret (sealed tcp)"
     )
+    parser.add_argument(
+        "--fleet-tls", action="store_true", help="both sides hold certificates of one CA (TLS)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     secret = "kv-transfer-benchmark-secret" if args.fleet_secret else None
-    sender = Sender(tuple(args.transports), args.sender_netns, args.sender_host, secret)
-    results = run(args.repeats, args.threads, sender)
+    ca = FleetCA() if args.fleet_tls else None
+    sender = Sender(
+        tuple(args.transports),
+        args.sender_netns,
+        args.sender_host,
+        secret,
+        ca.issue("prefill") if ca is not None else None,
+    )
+    receiver_tls = ca.issue("decode") if ca is not None else None
+    results = run(args.repeats, args.threads, sender, receiver_tls)
     print_table(results)
     report = {
         "threads": args.threads,
         "repeats": args.repeats,
-        "sender": asdict(sender),
+        "sender": {
+            "transports": sender.transports,
+            "netns": sender.netns,
+            "host": sender.host,
+            "fleet_secret": secret is not None,
+            "fleet_tls": ca is not None,
+        },
         "results": results,
     }
     print(json.dumps(report, indent=2))

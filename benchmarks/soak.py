@@ -31,9 +31,6 @@ import collections
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,9 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.api.signing import FleetAuth
+from pdserve.bench.launcher import LaunchConfig, launch_server
+from pdserve.bench.processes import num_held_blocks, process_facts, worker_pid
 from pdserve.fleet import FLEET_SECRET_ENV
 
 SECRET = "soak-fleet-secret"
@@ -65,51 +63,23 @@ def main() -> int:
     args = parser.parse_args()
     logs = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-soak-"))
     print(f"logs in {logs}", file=sys.stderr, flush=True)
-    process, url = start_deployment(logs)
-    try:
-        results = asyncio.run(soak(url, process.pid, args))
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    config = LaunchConfig(
+        extra_args=(
+            *("--autoscale", "--worker-auth", "--worker-log-dir", str(logs / "workers")),
+            *("--health-check-interval", "1", "--autoscale-interval", "5"),
+            *("--autoscale-grace", "20", "--max-num-seqs", "8"),
+        ),
+        health_timeout_s=900.0,
+        stop_grace_s=120.0,
+        log_dir=logs,
+        env={**os.environ, FLEET_SECRET_ENV: SECRET},
+    )
+    with launch_server(config, "disagg") as server:
+        results = asyncio.run(soak(server.base_url, server.process.pid, args))
     print(render(results))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0 if not results["outcomes"].get("failed") else 1
-
-
-def start_deployment(logs: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [
-        *(sys.executable, "-m", "pdserve.cli", "serve", "--mode", "disagg", "--autoscale"),
-        *("--port", str(port), "--worker-auth", "--worker-log-dir", str(logs / "workers")),
-        *("--health-check-interval", "1", "--autoscale-interval", "5", "--autoscale-grace", "20"),
-        *("--max-num-seqs", "8"),
-    ]
-    logs.mkdir(parents=True, exist_ok=True)
-    log = open(logs / "launcher.log", "ab")  # noqa: SIM115 (lives as long as the process)
-    process = subprocess.Popen(
-        command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, FLEET_SECRET_ENV: SECRET}
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while not _is_up(url):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"the deployment did not start; see {logs / 'launcher.log'}")
-        time.sleep(1.0)
-    return process, url
-
-
-def _is_up(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", trust_env=False, timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 # ---- traffic ----------------------------------------------------------------------------
@@ -210,47 +180,8 @@ def _judge(answer: httpx.Response, is_whole) -> str:
 # ---- the processes ------------------------------------------------------------------------
 
 
-def process_facts(pid: int) -> dict[str, Any]:
-    status = Path(f"/proc/{pid}/status").read_text()
-    rss_kib = int(
-        next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]
-    )
-    return {
-        "pid": pid,
-        "rss_mib": round(rss_kib / 1024, 1),
-        "fds": len(os.listdir(f"/proc/{pid}/fd")),
-    }
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def worker_pid(launcher: int, url: str) -> int | None:
-    port = url.rsplit(":", 1)[1].encode()
-    for pid in children(launcher):
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if b"--port" in argv and argv[argv.index(b"--port") + 1] == port:
-            return pid
-    return None
-
-
-def held_blocks(url: str, auth: httpx.Auth) -> int:
-    text = httpx.get(f"{url}/metrics", auth=auth, trust_env=False, timeout=30).text
-    values = collections.Counter()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[sample.name] += sample.value
-    return round(values["pdserve:kv_cache_total_blocks"] - values["pdserve:kv_cache_free_blocks"])
+def held_blocks(url: str) -> int:
+    return num_held_blocks(url, FleetAuth(SECRET))  # signed as the router signs
 
 
 def rss_sample(url: str, launcher: int) -> dict[str, float]:
@@ -273,7 +204,6 @@ async def sample_rss(url: str, launcher: int, interval_s: float, samples: list) 
 
 
 def snapshot(url: str, launcher: int) -> dict[str, Any]:
-    auth = FleetAuth(SECRET)
     workers = httpx.get(f"{url}/workers", trust_env=False, timeout=30).json()["workers"]
     facts = {"router": process_facts(launcher), "workers": {}}
     for worker in workers:
@@ -283,7 +213,7 @@ def snapshot(url: str, launcher: int) -> dict[str, Any]:
         facts["workers"][worker["id"]] = {
             **process_facts(pid),
             "role": worker["role"],
-            "kv_blocks_held": held_blocks(worker["url"], auth),
+            "kv_blocks_held": held_blocks(worker["url"]),
         }
     return facts
 

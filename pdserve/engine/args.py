@@ -8,6 +8,7 @@ import argparse
 from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, SchedulerConfig
 from pdserve.engine.config import DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS, EngineConfig
 from pdserve.flags import flag
+from pdserve.fleet import FleetTLS
 from pdserve.kv_store.config import KVStoreConfig, read_namespace_secret, read_password
 from pdserve.kv_transfer.config import KVRole, KVTransferConfig
 from pdserve.kv_transfer.registry import TRANSPORTS
@@ -181,15 +182,15 @@ _KV_FIELDS = (
 
 
 def engine_config_from_args(
-    args: argparse.Namespace, fleet_secret: str | None = None
+    args: argparse.Namespace, fleet_secret: str | None = None, fleet_tls: FleetTLS | None = None
 ) -> EngineConfig:
     """The engine `args` (`ENGINE_FLAGS`, `--mode`, and `KV_TRANSFER_FLAGS` and
-    `KV_STORE_FLAGS` where the command has them) describe; `fleet_secret` (never a flag)
-    guards its KV server and connections."""
+    `KV_STORE_FLAGS` where the command has them) describe; `fleet_secret` and `fleet_tls`
+    (never flags: `pdserve.fleet`) guard its KV server and connections."""
     kwargs = {option.dest: getattr(args, option.dest) for option in ENGINE_FLAGS}
     if hasattr(args, "role"):
         kwargs.update(
-            kv_transfer=kv_transfer_config(args, fleet_secret),
+            kv_transfer=kv_transfer_config(args, fleet_secret, fleet_tls),
             kv_failure_policy=args.kv_failure_policy,
         )
     if hasattr(args, "kv_store"):
@@ -198,14 +199,18 @@ def engine_config_from_args(
 
 
 def kv_transfer_config(
-    args: argparse.Namespace, fleet_secret: str | None = None
+    args: argparse.Namespace, fleet_secret: str | None = None, fleet_tls: FleetTLS | None = None
 ) -> KVTransferConfig | None:
     kv_role = ROLE_TO_KV_ROLE[args.role]
     if kv_role is None:
         return None
     fields = {name: getattr(args, name) for name in _KV_FIELDS}
     return KVTransferConfig(
-        transport=args.kv_transport, kv_role=kv_role, secret=fleet_secret, **fields
+        transport=args.kv_transport,
+        kv_role=kv_role,
+        secret=fleet_secret,
+        tls=fleet_tls,
+        **fields,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
+import ssl
 from typing import Any
 
 from pdserve.kv_transfer.protocol import (
@@ -49,12 +50,22 @@ _ERROR_CODES = {
 class KVClient:
     """Framed request/response over one TCP connection, reconnecting when it went stale."""
 
-    def __init__(self, host: str, port: int, timeout: float, secret: str | None = None) -> None:
-        """`secret`: the deployment's fleet secret (None: talk to open servers only)."""
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout: float,
+        secret: str | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        """`secret`: the deployment's fleet secret (None: talk to open servers only); `tls`:
+        wrap each connection in it (`--fleet-tls`: `pdserve.fleet.FleetTLS.client_context`)
+        before the handshake."""
         self.host = host
         self.port = port
         self._timeout = timeout
         self._secret = secret
+        self._tls = tls
         self._sock: socket.socket | None = None
         # Seals this connection's frames once its handshake is done.
         self._session: Session | None = None
@@ -157,10 +168,21 @@ class KVClient:
             except OSError as exc:
                 raise KVTransferError(f"cannot reach KV server {self.address}: {exc}") from None
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                sock = self._wrap(sock)
             self._sock = sock
             if self._secret is not None:
                 self._authenticate(sock)
         return self._sock
+
+    def _wrap(self, sock: socket.socket) -> ssl.SSLSocket:
+        try:
+            return self._tls.wrap_socket(sock)
+        except (ssl.SSLError, OSError) as exc:
+            sock.close()
+            raise KVAuthError(
+                f"KV server {self.address}: no TLS session under this deployment's CA ({exc})"
+            ) from None
 
     def _authenticate(self, sock: socket.socket) -> None:
         """The handshake of wire.py on a new connection; closes it on any failure."""
@@ -235,11 +257,16 @@ def release_over(client: KVClient, params: KVTransferParams) -> bool:
     return released
 
 
-def release_lease(params: KVTransferParams, timeout: float, secret: str | None = None) -> bool:
+def release_lease(
+    params: KVTransferParams,
+    timeout: float,
+    secret: str | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> bool:
     """`release_over` a one-off connection: RELEASE needs no layout agreement, so a worker
     that refused the KV, or a router whose decode leg never took it, can free it (with the
-    fleet `secret` where the deployment has one)."""
-    client = KVClient(params.remote_host, params.remote_port, timeout, secret)
+    fleet `secret` and `tls` where the deployment has them)."""
+    client = KVClient(params.remote_host, params.remote_port, timeout, secret, tls)
     try:
         return release_over(client, params)
     finally:

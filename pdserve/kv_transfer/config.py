@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pdserve.fleet import FleetTLS
 from pdserve.kv_transfer.registry import TRANSPORTS
 
 
@@ -22,7 +23,9 @@ class KVTransferConfig:
     a consumer's socket timeout per operation; `kv_idle_timeout`: a producer drops
     connections silent this long. `kv_node_id`: the node this worker runs on, for
     ``transport="auto"`` (None: this host). `secret`: the deployment's fleet secret, which
-    every KV connection must prove (None: an open KV server, as on one host)."""
+    every KV connection must prove (None: an open KV server, as on one host). `tls`: this
+    worker's `--fleet-tls` credentials: every KV connection is mutual TLS under the
+    deployment's CA (None: in clear)."""
 
     # Shared memory: the one-host deployment; workers on other hosts need tcp.
     transport: str = "shm"
@@ -36,6 +39,7 @@ class KVTransferConfig:
     engine_id: str | None = None
     kv_node_id: str | None = None
     secret: str | None = field(default=None, repr=False)
+    tls: FleetTLS | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_role, str):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,8 +97,12 @@ class KVServer:
         idle_timeout: float,
         hello_extra: dict[str, Any] | None = None,
         secret: str | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        """`secret`: the deployment's fleet secret; None serves any peer (one host, tests)."""
+        """`secret`: the deployment's fleet secret; None serves any peer (one host, tests).
+        `tls`: every connection is wrapped in it first (`--fleet-tls`:
+        `pdserve.fleet.FleetTLS.server_context`, which admits only the deployment's
+        certificates); the handshake and sealed frames then run inside."""
         self._kv_cache = kv_cache
         self._layout = layout
         self._leases = leases
@@ -110,6 +115,7 @@ class KVServer:
         }
         self._idle_timeout = idle_timeout
         self._secret = secret
+        self._tls = tls
         self._listener = socket.create_server((host, port))
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
@@ -169,6 +175,8 @@ class KVServer:
         connection = _Connection(conn, peer, StagingBuffer(self._layout))
         connection.is_member = self._secret is None
         try:
+            if self._tls is not None and not self._wrap(connection):
+                return
             while self._handle_one(connection):
                 pass
         except Exception:
@@ -176,8 +184,8 @@ class KVServer:
             logger.exception("KV server connection from %s failed", peer)
         finally:
             with self._lock:
-                self._connections.discard(conn)
-            conn.close()
+                self._connections.discard(connection.sock)
+            connection.sock.close()
             for request_id in connection.watched:
                 if self._leases.release(request_id):
                     logger.warning(
@@ -185,6 +193,19 @@ class KVServer:
                         request_id,
                         peer,
                     )
+
+    def _wrap(self, connection: _Connection) -> bool:
+        """Put the connection in TLS (in `_connections` too); False: the peer was refused."""
+        raw = connection.sock
+        try:
+            connection.sock = self._tls.wrap_socket(raw, server_side=True)
+        except (ssl.SSLError, OSError) as exc:
+            logger.warning("KV server refused a TLS session from %s: %s", connection.peer, exc)
+            return False
+        with self._lock:
+            self._connections.discard(raw)
+            self._connections.add(connection.sock)
+        return True
 
     def _handle_one(self, connection: _Connection) -> bool:
         """Serve one request; False ends the connection."""

@@ -130,6 +130,8 @@ class KVTransport(ABC):
         self._lock = threading.Lock()
         # Least recently used first; at most MAX_REMOTES.
         self._remotes: OrderedDict[tuple[str, str, int], RemoteEngine] = OrderedDict()
+        # --fleet-tls: how this worker's KV connections to others are wrapped.
+        self._client_tls = config.tls.client_context() if config.tls is not None else None
         self._server = self._start_server() if config.is_producer else None
         # Set when this worker shuts down: streamed receives stop at their next round.
         self._is_stopping = threading.Event()
@@ -146,6 +148,7 @@ class KVTransport(ABC):
             idle_timeout=config.kv_idle_timeout,
             hello_extra=self._hello_extra(),
             secret=config.secret,
+            tls=config.tls.server_context() if config.tls is not None else None,
         )
 
     def switch_role(self, kv_role: KVRole) -> None:
@@ -409,7 +412,9 @@ class KVTransport(ABC):
         with self._lock:
             remote = self._remotes.get(_remote_key(params))
         if remote is None:  # never fetched (aborted, or refused as incompatible)
-            return release_lease(params, self.config.kv_transfer_timeout, self.config.secret)
+            return release_lease(
+                params, self.config.kv_transfer_timeout, self.config.secret, self._client_tls
+            )
         with self._using(remote):
             return release_over(remote.client, params)
 
@@ -545,6 +550,7 @@ class KVTransport(ABC):
             params.remote_port,
             self.config.kv_transfer_timeout,
             self.config.secret,
+            self._client_tls,
         )
         try:
             hello = client.hello()

@@ -127,8 +127,16 @@ CLUSTER_FLAGS = (
         action=argparse.BooleanOptionalAction,
         default=_D.worker_auth,
         help="workers answer only their deployment: a secret ($PDSERVE_FLEET_SECRET, or a new "
-        "one) guards their HTTP API (Bearer) and KV port (HMAC); default: on with "
+        "one) guards their HTTP API (signed requests) and KV port (HMAC); default: on with "
         "--cluster, off on one host",
+    ),
+    flag(
+        "--fleet-tls",
+        action="store_true",
+        default=False,
+        help="encrypt the deployment's own traffic (router to workers, KV between workers): "
+        "the launcher makes a CA and a certificate per worker and router, and every "
+        "connection is mutual TLS under that CA; implies --worker-auth",
     ),
 )
 
@@ -156,6 +164,11 @@ def run(args: argparse.Namespace) -> int:
         if args.autoscale:
             raise ValueError("--autoscale sizes the pools of --mode disagg")
         if args.data_parallel_size == 1 and args.cluster is None:
+            if args.fleet_tls:
+                raise ValueError(
+                    "--fleet-tls encrypts what a router and its workers send each other; one "
+                    "server has neither (--mode disagg, --data-parallel-size N or --cluster)"
+                )
             return run_server(args)
     deployment = deployment_config_from_args(args)
     # The deployment's modules only when it is one (Ray only when asked for).

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pdserve.core.config import Mode
 from pdserve.engine.config import EngineConfig
+from pdserve.fleet import FleetTLS
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.router.autoscale.config import AutoscaleConfig
 from pdserve.router.config import RouterConfig
@@ -67,6 +68,8 @@ class DeploymentConfig:
     placement_strategy: str | None = None
     # A fleet secret guards the workers (None: on with a cluster, off on one host).
     worker_auth: bool | None = None
+    # --fleet-tls: the fleet's traffic in mutual TLS under a CA the launcher makes.
+    fleet_tls: bool = False
 
     def __post_init__(self) -> None:
         if self.cluster is None:
@@ -112,12 +115,18 @@ class DeploymentConfig:
         return ["prefill"] * num_prefill + ["decode"] * num_decode
 
     def router_config(
-        self, prefill_urls: tuple[str, ...], decode_urls: tuple[str, ...], fleet_secret: str | None
+        self,
+        prefill_urls: tuple[str, ...],
+        decode_urls: tuple[str, ...],
+        fleet_secret: str | None,
+        fleet_tls: FleetTLS | None = None,
     ) -> RouterConfig:
-        """The router in front of these workers (none: the launcher's discovery finds them)."""
+        """The router in front of these workers (none: the launcher's discovery finds them),
+        with the fleet's secret and the router's --fleet-tls credentials."""
         return dataclasses.replace(
             self.router,
             prefill_urls=tuple(prefill_urls),
             decode_urls=tuple(decode_urls),
             fleet_secret=fleet_secret,
+            fleet_tls=fleet_tls,
         )

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from pdserve.engine.args import ENGINE_FLAGS, KV_STORE_FLAGS, KV_TRANSFER_FLAGS
-from pdserve.fleet import FLEET_SECRET_ENV
+from pdserve.fleet import FLEET_SECRET_ENV, FLEET_TLS_ENV, FleetCA, FleetTLS, deployment_secret
 from pdserve.kv_store.config import (
     KV_STORE_NAMESPACE_SECRET_ENV,
     KV_STORE_PASSWORD_ENV,
@@ -86,13 +86,37 @@ def kv_store_secrets(deployment: DeploymentConfig) -> dict[str, str]:
 
 
 # Every secret a launcher hands its workers, in their environment: none inherited from it.
-WORKER_SECRETS = (FLEET_SECRET_ENV, KV_STORE_PASSWORD_ENV, KV_STORE_NAMESPACE_SECRET_ENV)
+WORKER_SECRETS = (
+    FLEET_SECRET_ENV,
+    *FLEET_TLS_ENV,
+    KV_STORE_PASSWORD_ENV,
+    KV_STORE_NAMESPACE_SECRET_ENV,
+)
 
 
-def worker_secrets(fleet_secret: str | None, kv_store_secrets: Mapping[str, str]) -> dict[str, str]:
+def worker_secrets(
+    fleet_secret: str | None,
+    kv_store_secrets: Mapping[str, str],
+    fleet_tls: FleetTLS | None = None,
+) -> dict[str, str]:
     """The environment that carries a worker's secrets (never its argv): the fleet secret
-    (`pdserve.fleet`) and the store's (`kv_store_secrets`)."""
-    return {**kv_store_secrets, **({FLEET_SECRET_ENV: fleet_secret} if fleet_secret else {})}
+    and its TLS credentials (`pdserve.fleet`) and the store's (`kv_store_secrets`)."""
+    return {
+        **kv_store_secrets,
+        **({FLEET_SECRET_ENV: fleet_secret} if fleet_secret else {}),
+        **(fleet_tls.to_env() if fleet_tls is not None else {}),
+    }
+
+
+def fleet_membership(deployment: DeploymentConfig) -> tuple[str | None, FleetCA | None]:
+    """The deployment's fleet secret (`pdserve.fleet`: by default on a cluster, off on one
+    host; always with --fleet-tls) and, with --fleet-tls, the CA its launcher makes."""
+    if deployment.fleet_tls and deployment.worker_auth is False:
+        raise ValueError("--fleet-tls encrypts a guarded deployment: drop --no-worker-auth")
+    is_cluster = deployment.cluster is not None
+    is_guarded = is_cluster if deployment.worker_auth is None else deployment.worker_auth
+    secret = deployment_secret() if is_guarded or deployment.fleet_tls else None
+    return secret, FleetCA() if deployment.fleet_tls else None
 
 
 def worker_command(
@@ -122,15 +146,17 @@ def worker_process(
     fleet_secret: str | None,
     kv_store_secrets: Mapping[str, str],
     env: Mapping[str, str] | None = None,
+    fleet_tls: FleetTLS | None = None,
     **options,
 ) -> WorkerGroup:
-    """The process of one worker: its secrets in its environment (`worker_secrets`), besides
-    `env`, and none this process holds (nor the user's API key: workers answer only the
-    router, which checks it); `options` as `WorkerGroup` takes them."""
+    """The process of one worker: its secrets in its environment (`worker_secrets`: with
+    --fleet-tls its own certificate too), besides `env`, and none this process holds (nor the
+    user's API key: workers answer only the router, which checks it); `options` as
+    `WorkerGroup` takes them."""
     return WorkerGroup(
         [spec],
         unset_env=("PDSERVE_API_KEY", *WORKER_SECRETS),
-        env={**(env or {}), **worker_secrets(fleet_secret, kv_store_secrets)},
+        env={**(env or {}), **worker_secrets(fleet_secret, kv_store_secrets, fleet_tls)},
         **options,
     )
 

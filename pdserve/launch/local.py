@@ -9,9 +9,10 @@ SIGINT/SIGTERM and stops every child. A worker that dies during startup stops th
 launcher exits 1 with its log tail. Workers get the flags `DeploymentConfig.worker_argv`
 gives them, plus their own role, loopback address, thread count and step log (one file per
 worker, named after it), and with `--worker-auth` the deployment's fleet secret in their
-environment (`pdserve.fleet`). A replica gets the same, without `--decode-worker-args` (that
-is the disaggregated decode pool's); a replica that dies takes only its own requests with it:
-the router's health checks take it out of rotation and its other requests go to the rest.
+environment (`pdserve.fleet`; with `--fleet-tls` also a certificate of the deployment's CA).
+A replica gets the same, without `--decode-worker-args` (that is the disaggregated decode
+pool's); a replica that dies takes only its own requests with it: the router's health checks
+take it out of rotation and its other requests go to the rest.
 
 The workers come from a `LocalProvisioner`, the one-host `Provisioner`: the host's cores are
 cut into slots (one per worker of the initial layout; with ``--autoscale`` one per worker the
@@ -31,10 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.fleet import deployment_secret
+from pdserve.fleet import FleetCA
 from pdserve.launch.config import DeploymentConfig
 from pdserve.launch.deployment import (
     WORKER_HOST,
+    fleet_membership,
     free_port,
     kv_store_secrets,
     run_deployment,
@@ -53,14 +55,15 @@ def launch_local(deployment: DeploymentConfig) -> int:
     slots = core_slots(deployment, len(specs))
     bounds = deployment.autoscale
     autoscale = None if bounds is None else bounds.within(len(slots))
-    # Workers listen on loopback, so a secret is opt-in here (--worker-auth).
-    secret = deployment_secret() if deployment.worker_auth else None
+    # Workers listen on loopback, so a secret is opt-in here (--worker-auth, --fleet-tls).
+    secret, ca = fleet_membership(deployment)
     config = deployment.router_config(
         tuple(s.url for s in specs if s.role == "prefill"),
         tuple(s.url for s in specs if s.role == "decode"),
         secret,
+        ca.issue("router") if ca is not None else None,
     )
-    provisioner = LocalProvisioner(deployment, specs, slots, secret)
+    provisioner = LocalProvisioner(deployment, specs, slots, secret, ca)
     _print_plan(deployment, specs)
 
     def start() -> None:
@@ -124,7 +127,8 @@ def worker_spec(
         len(cores),
         deployment.step_log,
     )
-    return WorkerSpec(name, role, port, cores, command, log_dir / f"{name}.log")
+    log_path = log_dir / f"{name}.log"
+    return WorkerSpec(name, role, port, cores, command, log_path, is_tls=deployment.fleet_tls)
 
 
 @dataclass
@@ -151,10 +155,15 @@ class LocalProvisioner:
         initial: Sequence[WorkerSpec],
         slots: Sequence[tuple[int, ...]],
         secret: str | None = None,
+        ca: FleetCA | None = None,
     ) -> None:
+        """`secret` and `ca`: the deployment's fleet secret and --fleet-tls CA, which issues
+        each worker its certificate and this launcher its own (for health checks)."""
         self._deployment = deployment
         self._secret = secret
         self._kv_store_secrets = kv_store_secrets(deployment)
+        self._ca = ca
+        self._tls = ca.issue("launcher").client_context() if ca is not None else None
         self._slots = list(slots)
         self._log_dir = initial[0].log_path.parent if initial else Path(tempfile.mkdtemp())
         self._lock = threading.Lock()
@@ -219,7 +228,10 @@ class LocalProvisioner:
             child.group.stop()
 
     def _group(self, spec: WorkerSpec) -> WorkerGroup:
-        return worker_process(spec, self._secret, self._kv_store_secrets)
+        tls = self._ca.issue(spec.name) if self._ca is not None else None
+        return worker_process(
+            spec, self._secret, self._kv_store_secrets, fleet_tls=tls, tls=self._tls
+        )
 
     def _used_slots(self) -> set[int]:
         return {c.slot for c in self._children.values() if c.slot is not None}

@@ -20,8 +20,9 @@ in this process, as on one host (`launch.deployment.run_deployment`).
 
 Every worker is handed the deployment's fleet secret (`pdserve.fleet`) and the store's secrets
 (`launch.deployment.worker_secrets`) through Ray (its actor's arguments) and on to its process
-in the environment. The Ray cluster itself is the trust boundary above that: whoever may
-submit Ray jobs to it runs code on its nodes.
+in the environment; with `--fleet-tls` also its own certificate, issued here by the
+deployment's CA (whose key never leaves this process). The Ray cluster itself is the trust
+boundary above that: whoever may submit Ray jobs to it runs code on its nodes.
 
 Ray is imported only here, and only when a cluster is asked for.
 """
@@ -45,9 +46,10 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.flags import MissingExtraError
-from pdserve.fleet import deployment_secret
+from pdserve.fleet import FleetCA, FleetTLS
 from pdserve.launch.config import DeploymentConfig
 from pdserve.launch.deployment import (
+    fleet_membership,
     free_port,
     kv_store_secrets,
     run_deployment,
@@ -177,7 +179,8 @@ class WorkerHost:
     process, because Linux's parent-death signal follows the thread that started a child: it
     fires only when the actor's process is gone."""
 
-    def __init__(self, name: str, role: str, plan: RayPlan) -> None:
+    def __init__(self, name: str, role: str, plan: RayPlan, tls: FleetTLS | None = None) -> None:
+        """`tls`: the worker's --fleet-tls credentials (it also checks its health with them)."""
         import ray
 
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -196,13 +199,16 @@ class WorkerHost:
             node_argv=self._kv_flags(plan, host),
         )
         # Not pinned: Ray accounts for CPUs, it does not assign cores.
-        self.spec = WorkerSpec(name, role, port, (), command, log_dir / f"{name}.log", host)
+        log_path = log_dir / f"{name}.log"
+        self.spec = WorkerSpec(name, role, port, (), command, log_path, host, tls is not None)
         self._group = worker_process(
             self.spec,
             plan.secret,
             plan.kv_store_secrets,
             env={"OMP_NUM_THREADS": str(threads)},
+            fleet_tls=tls,
             death_signal=signal.SIGKILL,
+            tls=tls.client_context() if tls is not None else None,
         )
         self._exited = threading.Event()
         self._exit_code: int | None = None
@@ -270,11 +276,14 @@ class RayProvisioner:
     Thread-safe: the router's event loop reads `workers()`, the autoscaler may start and stop
     workers, the death watch and restores run on their own threads."""
 
-    def __init__(self, plan: RayPlan) -> None:
+    def __init__(self, plan: RayPlan, ca: FleetCA | None = None) -> None:
+        """`ca`: the deployment's --fleet-tls CA, which issues each worker's certificate here
+        (its key stays in this process)."""
         import ray
 
         self._ray = ray
         self._plan = plan
+        self._ca = ca
         self._host_class = ray.remote(WorkerHost)
         self._lock = threading.Lock()
         self._live: dict[str, _Placed] = {}
@@ -383,7 +392,7 @@ class RayProvisioner:
             options["scheduling_strategy"] = "SPREAD"
         actor = self._host_class.options(
             name=name, max_concurrency=_ACTOR_CONCURRENCY, max_restarts=0, **options
-        ).remote(name, role, self._plan)
+        ).remote(name, role, self._plan, self._ca.issue(name) if self._ca is not None else None)
         ready = actor.wait_healthy.remote(self._plan.startup_timeout_s)
         return _Launched(name, role, actor, ready, bundle_index)
 
@@ -513,13 +522,15 @@ def launch_on_ray(deployment: DeploymentConfig) -> int:
     require_ray()
     roles = deployment.initial_roles()  # within the --autoscale bounds
     address = ray_address(deployment.cluster)
-    secret = None if deployment.worker_auth is False else deployment_secret()
+    secret, ca = fleet_membership(deployment)
     plan = RayPlan.from_deployment(deployment, secret)
-    config = deployment.router_config((), (), secret)
+    config = deployment.router_config(
+        (), (), secret, ca.issue("router") if ca is not None else None
+    )
     import ray
 
     connect(address, namespace=f"pdserve-{secrets.token_hex(4)}")
-    provisioner = RayProvisioner(plan)
+    provisioner = RayProvisioner(plan, ca)
 
     def start() -> None:
         for handle in provisioner.start(roles.count("prefill"), roles.count("decode")):

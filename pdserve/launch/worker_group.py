@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import ssl
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -35,10 +36,11 @@ class WorkerSpec:
     command: tuple[str, ...]
     log_path: Path
     host: str = "127.0.0.1"
+    is_tls: bool = False  # --fleet-tls: it serves HTTPS
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.is_tls else 'http'}://{self.host}:{self.port}"
 
 
 class WorkerStartupError(RuntimeError):
@@ -52,11 +54,14 @@ class WorkerGroup:
         unset_env: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         death_signal: signal.Signals = signal.SIGTERM,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         """`unset_env`: variables of this process the workers must not inherit; `env`: ones
         they get besides, or instead of the group's own (the fleet secret goes here: never in
-        argv, which every local user can read). Workers with no cores are not pinned."""
+        argv, which every local user can read). Workers with no cores are not pinned. `tls`:
+        how health checks reach --fleet-tls workers (a member's client context)."""
         self.specs = list(specs)
+        self._tls = tls
         self._unset_env = frozenset(unset_env)
         self._env = dict(env or {})
         self._death_signal = death_signal
@@ -99,7 +104,8 @@ class WorkerGroup:
         `WorkerStartupError` when one exits first or `timeout_s` passes."""
         deadline = time.monotonic() + timeout_s
         pending = list(self.specs)
-        with httpx.Client(trust_env=False, timeout=poll_s * 4) as client:
+        verify = self._tls if self._tls is not None else True
+        with httpx.Client(trust_env=False, timeout=poll_s * 4, verify=verify) as client:
             while pending:
                 for spec in list(pending):
                     code = self._processes[spec.name].poll()

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pdserve.flags import add_flags, config_from_args, flag
-from pdserve.fleet import fleet_secret_from_env
+from pdserve.fleet import FleetTLS, fleet_secret_from_env
 from pdserve.router.autoscale.config import SLO, AutoscaleConfig
 from pdserve.router.config import KVHandoff, RouterConfig
 from pdserve.router.policies import POLICIES
@@ -202,8 +202,10 @@ def router_config_from_args(
     prefill_urls: Sequence[str],
     decode_urls: Sequence[str],
     fleet_secret: str | None = None,
+    fleet_tls: FleetTLS | None = None,
 ) -> RouterConfig:
-    """A `RouterConfig` from `ROUTING_FLAGS` plus --host, --port, --api-key and --block-size."""
+    """A `RouterConfig` from `ROUTING_FLAGS` plus --host, --port, --api-key and --block-size
+    (and the deployment's fleet secret and TLS credentials, which are never flags)."""
     return config_from_args(
         RouterConfig,
         args,
@@ -219,6 +221,7 @@ def router_config_from_args(
         api_key=args.api_key,
         block_size=args.block_size,
         fleet_secret=fleet_secret,
+        fleet_tls=fleet_tls,
     )
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from pdserve.core.config import CacheConfig
+from pdserve.fleet import FleetTLS
 from pdserve.router.policies import POLICIES
 
 
@@ -42,7 +43,9 @@ class RouterConfig:
     0 sends every prompt through a prefill worker. `kv_handoff`: pull the KV after the prefill
     leg answered, or stream it (the prefill leg announces where its KV appears before
     computing, and the decode leg starts at once). `fleet_secret`: the deployment's
-    (`pdserve.fleet`), presented to the workers on every leg; None for open workers. Without
+    (`pdserve.fleet`), presented to the workers on every leg; None for open workers.
+    `fleet_tls`: the router's `--fleet-tls` credentials: every connection to a worker (its
+    HTTPS API, a KV port) is mutual TLS under the deployment's CA. Without
     `decode_urls` the workers come from a discovery (`RouterRuntime`'s).
     """
 
@@ -72,6 +75,7 @@ class RouterConfig:
     request_timeout_s: float | None = None
     max_body_bytes: int = 16 << 20
     fleet_secret: str | None = field(default=None, repr=False)
+    fleet_tls: FleetTLS | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(

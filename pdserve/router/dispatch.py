@@ -102,7 +102,9 @@ class Dispatcher:
         self.health = health
         self.metrics = metrics
         self.tokenizer = tokenizer
-        self.unclaimed_kv = UnclaimedKV(config.connect_timeout_s, config.fleet_secret)
+        self.unclaimed_kv = UnclaimedKV(
+            config.connect_timeout_s, config.fleet_secret, config.fleet_tls
+        )
 
     async def handle(self, request: Request, endpoint: str, body: dict[str, Any]) -> Response:
         """Serve `endpoint` (``/v1/completions`` or ``/v1/chat/completions``) for `body`, the

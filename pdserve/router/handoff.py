@@ -13,6 +13,7 @@ import asyncio
 import logging
 from typing import Any
 
+from pdserve.fleet import FleetTLS
 from pdserve.kv_transfer.client import release_lease
 from pdserve.kv_transfer.protocol import KVTransferError, KVTransferParams
 
@@ -71,10 +72,13 @@ class UnclaimedKV:
     """Sends RELEASE for unclaimed leases in the background (a refused request's answer
     does not wait on it)."""
 
-    def __init__(self, timeout_s: float, secret: str | None = None) -> None:
-        """`secret`: the fleet's, which the prefill workers' KV servers ask for."""
+    def __init__(
+        self, timeout_s: float, secret: str | None = None, tls: FleetTLS | None = None
+    ) -> None:
+        """`secret` and `tls`: the fleet's, which the prefill workers' KV servers ask for."""
         self.timeout_s = timeout_s
         self._secret = secret
+        self._tls = tls.client_context() if tls is not None else None
         self._tasks: set[asyncio.Task] = set()
 
     def release(self, kv_transfer_params: dict[str, Any] | None) -> None:
@@ -95,7 +99,9 @@ class UnclaimedKV:
     async def _release(self, data: dict[str, Any]) -> None:
         try:
             params = KVTransferParams.from_dict(data)
-            released = await asyncio.to_thread(release_lease, params, self.timeout_s, self._secret)
+            released = await asyncio.to_thread(
+                release_lease, params, self.timeout_s, self._secret, self._tls
+            )
         except (KVTransferError, OSError) as exc:
             logger.warning(
                 "could not release unclaimed KV lease %s: %s", data.get("remote_request_id"), exc

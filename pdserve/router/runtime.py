@@ -134,6 +134,8 @@ class RouterRuntime:
             # Every leg, health check, scrape and fleet change is signed as the fleet's (the
             # secret itself never leaves; the client's own Authorization is never relayed).
             auth=FleetAuth(config.fleet_secret) if config.fleet_secret is not None else None,
+            # --fleet-tls: the workers' HTTPS takes the router's certificate, and only theirs.
+            verify=config.fleet_tls.client_context() if config.fleet_tls is not None else True,
         )
         scrape = [
             role

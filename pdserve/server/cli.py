@@ -70,11 +70,12 @@ def run_server(args: argparse.Namespace) -> int:
     """Serve one engine (`--mode colocated` or `chunked`) until SIGINT/SIGTERM."""
     from pdserve.engine.args import engine_config_from_args
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.fleet import take_fleet_secret
+    from pdserve.fleet import take_fleet_secret, take_fleet_tls
     from pdserve.server.app import create_app
 
     fleet_secret = take_fleet_secret()
-    llm_engine = LLMEngine(engine_config_from_args(args, fleet_secret))
+    fleet_tls = take_fleet_tls()
+    llm_engine = LLMEngine(engine_config_from_args(args, fleet_secret, fleet_tls))
     settings = ServerSettings(
         served_model_names=tuple(args.served_model_name or (llm_engine.model_name,)),
         api_key=args.api_key,
@@ -95,12 +96,20 @@ def run_server(args: argparse.Namespace) -> int:
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10,
+        # --fleet-tls: HTTPS that admits only the deployment's certificates.
+        ssl_context_factory=None
+        if fleet_tls is None
+        else lambda config, default: fleet_tls.server_context(),
     )
     server = GracefulServer(
         config, on_exit=lambda: app.state.pdserve.engine.begin_shutdown(settings.shutdown_grace_s)
     )
     logging.getLogger(__name__).warning(
-        "pdserve serving %s on http://%s:%d", settings.served_model_names[0], args.host, args.port
+        "pdserve serving %s on %s://%s:%d",
+        settings.served_model_names[0],
+        "http" if fleet_tls is None else "https",
+        args.host,
+        args.port,
     )
     server.run()
     return 0 if server.started else 1

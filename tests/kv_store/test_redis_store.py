@@ -196,9 +196,8 @@ def test_slow_server_times_out_to_a_miss(redis_server, make_store):
     )
     sleeper.start()
     time.sleep(0.1)
-    start = time.monotonic()
     assert store.lookup(seq.blocks) == 0
-    assert time.monotonic() - start < 0.6
+    assert sleeper.is_alive()  # the lookup gave up before the server woke
     assert _errors(store, ErrorKind.TIMEOUT) == 1
     sleeper.join()
     sleep_past_backoff(store)
@@ -214,12 +213,11 @@ def test_full_write_queue_drops_and_counts(redis_server, make_store):
     )
     sleeper.start()
     time.sleep(0.1)
-    start = time.monotonic()
     queued = sum(
         store.write([b], seq.cache_bytes, [i])
         for b, i in zip(seq.blocks, seq.block_ids, strict=True)
     )
-    assert time.monotonic() - start < 0.2  # never waits for the store
+    assert sleeper.is_alive()  # never waits for the store: it is still asleep
     assert 1 <= queued <= 4
     assert store.metrics.value("pdserve:kv_store_dropped_writes_total") == 20 - queued
     sleeper.join()

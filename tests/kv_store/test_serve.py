@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.bench.processes import child_pids
 from tests.kv_store.conftest import REDIS_SERVER, RedisServer
 from tests.router.harness import wait_until
-from tests.router.real_workers import _children
 from tests.server.conftest import NUM_KV_BLOCKS, ServerProcess, free_port, start_server
 
 pytestmark = pytest.mark.slow
@@ -224,7 +224,7 @@ def test_disaggregated_prefill_writes_and_the_decode_worker_reads(
         "--worker-base-port", str(base),
     )  # fmt: skip
     try:
-        workers = _children(deployment.process.pid)
+        workers = child_pids(deployment.process.pid)
         assert len(workers) >= 2
         for pid in (deployment.process.pid, *workers):
             assert password.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()

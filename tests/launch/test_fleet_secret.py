@@ -1,21 +1,25 @@
 """The fleet secret on one host (`serve --mode disagg --worker-auth`): the launcher hands it to
 its workers in their environment, never in argv; the router signs every leg with it; a client
 without it is refused by the workers' HTTP and KV ports. Without `--worker-auth` (the one-host
-default) workers stay open, as the other disaggregation tests rely on."""
+default) workers stay open, as the other disaggregation tests rely on. With `--fleet-tls` the
+launcher also makes a CA and a certificate per worker, handed over the same way: workers serve
+HTTPS that admits only the deployment's certificates."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import httpx
 import pytest
 
 from pdserve.api.signing import FleetAuth
-from pdserve.fleet import FLEET_SECRET_ENV
+from pdserve.fleet import FLEET_SECRET_ENV, FLEET_TLS_ENV, FLEET_TLS_KEY_ENV, take_fleet_tls
 from pdserve.kv_transfer import KVAuthError, KVTransferParams
 from pdserve.kv_transfer.client import KVClient, release_lease
-from pdserve.launch.cli import deployment_config_from_args
+from pdserve.launch.cli import deployment_config_from_args, run
+from pdserve.launch.deployment import fleet_membership, worker_secrets
 from pdserve.launch.local import plan_workers
 from tests.launch.test_launcher import serve_parser
 from tests.router.real_workers import Disagg
@@ -28,6 +32,60 @@ def test_worker_auth_is_off_on_one_host_unless_asked(tmp_path):
     assert args.worker_auth is None  # the launcher reads None as: off here, on a cluster
     workers = plan_workers(deployment_config_from_args(args))
     assert all(SECRET not in " ".join(w.command) for w in workers)
+
+
+def test_fleet_tls_guards_the_deployment_and_hands_certificates_over_in_the_environment(
+    tmp_path, monkeypatch
+):
+    args = serve_parser().parse_args(
+        ["--mode", "disagg", "--fleet-tls", "--worker-log-dir", str(tmp_path)]
+    )
+    deployment = deployment_config_from_args(args)
+    secret, ca = fleet_membership(deployment)
+    assert secret is not None and ca is not None  # --fleet-tls implies --worker-auth
+    workers = plan_workers(deployment)
+    assert all(w.url.startswith("https://") for w in workers)
+    tls = ca.issue("prefill-0")
+    env = worker_secrets(secret, {}, tls)
+    assert set(env) == {FLEET_SECRET_ENV, *FLEET_TLS_ENV}
+    assert all("PRIVATE KEY" not in " ".join(w.command) for w in workers)
+    refused = serve_parser().parse_args(["--fleet-tls", "--no-worker-auth", "--cluster", "ray"])
+    with pytest.raises(ValueError, match="no-worker-auth"):
+        fleet_membership(deployment_config_from_args(refused))
+    with pytest.raises(ValueError, match="one server has neither"):
+        run(serve_parser().parse_args(["--mode", "chunked", "--fleet-tls"]))
+    # A worker takes its credentials out of its environment: nothing it starts inherits them.
+    monkeypatch.setattr(os, "environ", {**os.environ, **tls.to_env()})
+    assert take_fleet_tls() == tls
+    assert not set(FLEET_TLS_ENV) & set(os.environ) and take_fleet_tls() is None
+    monkeypatch.setattr(os, "environ", {FLEET_TLS_KEY_ENV: tls.key_pem})
+    with pytest.raises(ValueError, match="needs all of"):
+        take_fleet_tls()
+
+
+@pytest.mark.slow
+def test_one_host_deployment_with_fleet_tls_serves_https_to_members_only(tmp_path):
+    disagg = Disagg(tmp_path, "tls", "--fleet-tls")
+    try:
+        disagg.wait_healthy()  # the router's own front door is the user's: plain http
+        body = {"prompt": "The fleet " * 40, "max_tokens": 4, "temperature": 0}
+        routed = httpx.post(f"{disagg.url}/v1/completions", json=body, trust_env=False, timeout=600)
+        assert routed.status_code == 200, routed.text
+        timing = json.loads(routed.headers["x-pdserve-timing"])
+        assert timing["route"] == "remote"
+        assert len(disagg.healthy_worker_urls()) == 2  # health checks in TLS too
+        for worker_id, worker in disagg.workers().items():
+            assert worker["url"].startswith("https://")
+            argv = Path(f"/proc/{disagg.worker_pid(worker_id)}/cmdline").read_bytes()
+            assert b"PRIVATE KEY" not in argv and b"CERTIFICATE" not in argv
+            for url, verify in (
+                (worker["url"], False),
+                (worker["url"].replace("https", "http"), True),
+            ):
+                with pytest.raises(httpx.HTTPError):  # no certificate, or no TLS at all
+                    httpx.get(f"{url}/health", verify=verify, trust_env=False, timeout=30)
+    finally:
+        disagg.process.stop(timeout=60)
 
 
 @pytest.mark.slow

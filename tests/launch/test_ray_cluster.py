@@ -28,6 +28,7 @@ import pytest
 from ray.cluster_utils import Cluster
 
 from pdserve.api.signing import FleetAuth
+from pdserve.bench.processes import num_held_blocks
 from pdserve.kv_transfer import KVAuthError, KVTransferParams
 from pdserve.kv_transfer.client import KVClient, release_lease
 from pdserve.kv_transfer.wire import MessageType, encode_frame, read_frame
@@ -261,13 +262,7 @@ def test_decode_node_removed_mid_stream_others_complete_and_the_pool_is_restored
 
 def held_blocks(url: str) -> int:
     """KV blocks a worker holds for requests or leases (read with the fleet's secret)."""
-    text = httpx.get(f"{url}/metrics", auth=AUTH, trust_env=False, timeout=30).text
-    values = {}
-    for name in ("pdserve:kv_cache_total_blocks", "pdserve:kv_cache_free_blocks"):
-        match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
-        assert match, name
-        values[name] = float(match.group(1))
-    return round(values["pdserve:kv_cache_total_blocks"] - values["pdserve:kv_cache_free_blocks"])
+    return num_held_blocks(url, AUTH)
 
 
 def foreign_kv_segments(url: str) -> set[str]:
@@ -300,7 +295,13 @@ def test_the_autoscaler_grows_the_decode_pool_onto_another_ray_node(tmp_path):
     """`--autoscale` with the Ray placement: a burst of long generations queues on the one
     decode worker (two sequences at a time), the planner asks the Ray provisioner for a
     second, Ray places it on the other decode node, and the router routes to both."""
-    from tests.router.test_autoscale_live import keep_sending, served_by, text_of
+    from tests.router.test_autoscale_live import (
+        MAX_NUM_SEQS,
+        keep_sending,
+        measure_decode_load,
+        served_by,
+        text_of,
+    )
     from tests.server.conftest import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny-model")
@@ -320,7 +321,8 @@ def test_the_autoscaler_grows_the_decode_pool_onto_another_ray_node(tmp_path):
                 *("--decode-worker-resources", json.dumps(DECODE_RESOURCES)),
                 *("--autoscale", "--autoscale-interval", "0.5", "--autoscale-grace", "2"),
                 *("--max-prefill-workers", "0", "--max-decode-workers", "2"),
-                *("--slo", "ttft:60000,itl:100000", "--worker-args", "--max-num-seqs 2"),
+                *("--slo", "ttft:60000,itl:100000"),
+                *("--worker-args", f"--max-num-seqs {MAX_NUM_SEQS}"),
                 *("--health-check-interval", "0.5", "--worker-log-dir", str(tmp_path / "w")),
             ),
             tmp_path / "launcher.log",
@@ -333,9 +335,19 @@ def test_the_autoscaler_grows_the_decode_pool_onto_another_ray_node(tmp_path):
             listing = httpx.get(f"{url}/workers", trust_env=False, timeout=30).json()["workers"]
             return [w for w in listing if w["role"] == "decode" and w["state"] == "healthy"]
 
-        # Load until the planner acts: a fast CPU would finish a fixed burst first.
-        with keep_sending(url, lambda i: (text_of(20, i), 400), concurrency=6) as load:
-            wait_until(lambda: len(decode_workers()) == 2, 600, "a second decode worker")
+        # Load until the planner acts (a fast CPU would finish a fixed burst first), sized
+        # from this deployment's own request times (its one decode worker cannot be drained).
+        load_size = measure_decode_load(url)
+        with keep_sending(
+            url,
+            lambda i: (text_of(20, i), load_size.max_tokens),
+            concurrency=load_size.concurrency,
+        ) as load:
+            wait_until(
+                lambda: len(decode_workers()) == 2,
+                600,
+                f"a second decode worker ({load_size.measured})",
+            )
             # While the load lasts (once it ends the pool is soon drained), both answer.
             wait_until(lambda: len(served_by(load)) == 2, 600, "answers from both")
             placed = {w["node_id"] for w in decode_workers()}
@@ -343,6 +355,68 @@ def test_the_autoscaler_grows_the_decode_pool_onto_another_ray_node(tmp_path):
         first_decision = state["decisions"][0]
         assert (first_decision["action"], first_decision["role"]) == ("add", "decode")
         assert placed == {node.node_id for node in nodes}  # one on each decode node
+    finally:
+        if launcher is not None:
+            launcher.stop(timeout=90)
+        cluster.shutdown()
+    assert launcher.process.returncode == 0, launcher.log_tail()
+
+
+# ---- fleet TLS on the cluster ----------------------------------------------------------------
+
+
+def test_with_fleet_tls_the_pools_answer_and_workers_admit_only_member_certificates(tmp_path):
+    """`--fleet-tls` with the Ray placement: the launcher's CA issues each worker its
+    certificate, which reaches it through its actor; the pools on two nodes answer through
+    the router (KV over tcp, in TLS), every worker URL is https, nothing of the credentials
+    is in a worker's argv, and a client without a member's certificate gets no session."""
+    from tests.server.conftest import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny-model")
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**NODE_ARGS, "num_cpus": 0, "include_dashboard": False},
+    )
+    launcher = None
+    try:
+        cluster.add_node(**NODE_ARGS, resources={"pdserve_prefill": 1})
+        cluster.add_node(**NODE_ARGS, resources={"pdserve_decode": 1})
+        port = free_port()
+        launcher = ManagedProcess(
+            serve_argv(
+                *("--mode", "disagg", "--cluster", "ray", "--port", str(port), "--fleet-tls"),
+                *("--model", str(model), "--max-model-len", "1024"),
+                *("--prefill-worker-resources", json.dumps(PREFILL_RESOURCES)),
+                *("--decode-worker-resources", json.dumps(DECODE_RESOURCES)),
+                *("--health-check-interval", "0.5", "--worker-log-dir", str(tmp_path / "w")),
+            ),
+            tmp_path / "launcher.log",
+            env={"RAY_ADDRESS": cluster.address, "RAY_USAGE_STATS_ENABLED": "0"},
+        )
+        url = f"http://127.0.0.1:{port}"
+        launcher.wait_healthy(f"{url}/health", STARTUP_TIMEOUT_S)
+        wait_until(
+            lambda: len(httpx.get(f"{url}/workers", trust_env=False).json()["workers"]) == 2,
+            600,
+            "both workers registered",
+        )
+        response = httpx.post(
+            f"{url}{COMPLETIONS}", json=greedy(2, max_tokens=8), trust_env=False, timeout=600
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 8
+        timing = json.loads(response.headers["x-pdserve-timing"])
+        assert timing["route"] == "remote" and timing["kv_transfer_bytes"] > 0
+        workers = httpx.get(f"{url}/workers", trust_env=False, timeout=30).json()["workers"]
+        for worker in workers:
+            assert worker["url"].startswith("https://") and worker["state"] == "healthy"
+            worker_port = int(worker["url"].rsplit(":", 1)[1])
+            argv = Path(f"/proc/{_pid_listening_on(worker_port)}/cmdline").read_bytes()
+            assert b"PRIVATE KEY" not in argv and b"CERTIFICATE" not in argv
+            plain = worker["url"].replace("https://", "http://")
+            for target, verify in ((worker["url"], False), (plain, True)):
+                with pytest.raises(httpx.HTTPError):  # no certificate, or no TLS at all
+                    httpx.get(f"{target}/health", verify=verify, trust_env=False, timeout=30)
     finally:
         if launcher is not None:
             launcher.stop(timeout=90)

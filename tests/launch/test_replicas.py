@@ -5,6 +5,7 @@ holds no KV blocks afterwards."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -14,13 +15,16 @@ from pathlib import Path
 import openai
 import pytest
 
+from pdserve.bench.processes import metric_values
 from tests.router.harness import wait_until
-from tests.router.real_workers import Routed, assert_no_blocks_held, metric_values
+from tests.router.real_workers import Routed, assert_no_blocks_held, request_times
 
 pytestmark = pytest.mark.slow
 
 NUM_STREAMS = 4
-STREAM_TOKENS = 120
+# The streams must outlast starting them all and the kill by far, however fast the CPU:
+# sized from this machine's pace (`stream_tokens`), within these bounds (the context).
+STREAM_TOKENS = (120, 2000)
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +71,18 @@ def test_requests_spread_over_the_replicas(replicas):
     assert len(served) == 2 and all(n > 0 for n in served), served
 
 
+def stream_tokens(url: str) -> int:
+    """Tokens a stream needs to last 20 times a request without them (the starts of
+    NUM_STREAMS streams, each until its first token, then the kill, fit many times)."""
+    overhead_s, token_s = request_times(url, "Story 0:")
+    low, high = STREAM_TOKENS
+    return min(high, max(low, math.ceil(20 * overhead_s / token_s)))
+
+
 def test_a_killed_replica_loses_only_its_own_requests(replicas):
     client = _client(replicas)
     model = client.models.list().data[0].id
+    num_tokens = stream_tokens(replicas.url)
     outcomes: dict[int, object] = {}
     streaming = [threading.Event() for _ in range(NUM_STREAMS)]
 
@@ -79,11 +92,13 @@ def test_a_killed_replica_loses_only_its_own_requests(replicas):
             for chunk in client.completions.create(
                 model=model,
                 prompt=f"Story {i}:",
-                max_tokens=STREAM_TOKENS,
+                max_tokens=num_tokens,
                 stream=True,
+                stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True},
             ):
-                tokens += len(chunk.choices)
+                if chunk.usage is not None:  # the last chunk: every token was streamed
+                    tokens = chunk.usage.completion_tokens
                 streaming[i].set()
             outcomes[i] = tokens
         except openai.APIError as exc:
@@ -100,7 +115,7 @@ def test_a_killed_replica_loses_only_its_own_requests(replicas):
     os.kill(replicas.worker_pid("decode-0"), signal.SIGKILL)
     for thread in threads:
         thread.join(timeout=600)
-    completed = [n for n in outcomes.values() if n == STREAM_TOKENS]
+    completed = [n for n in outcomes.values() if n == num_tokens]
     assert len(completed) == NUM_STREAMS - on_victim, outcomes
     wait_until(lambda: replicas.workers()["decode-0"]["state"] == "unhealthy", 30)
     after = client.completions.create(model=model, prompt="After:", max_tokens=4)

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -205,9 +206,14 @@ class ManagedProcess:
             )
 
     def wait_healthy(
-        self, url: str, timeout: float = 600.0, runner: Callable[[str], bool] | None = None
+        self,
+        url: str,
+        timeout: float = 600.0,
+        runner: Callable[[str], bool] | None = None,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
-        """Poll `url` until it answers 200 (through `runner` when given, e.g. in a netns)."""
+        """Poll `url` until it answers 200 (through `runner` when given, e.g. in a netns;
+        `verify`: a --fleet-tls member's client context for an https `url`)."""
 
         def is_up() -> bool:
             if self.process.poll() is not None:
@@ -217,7 +223,8 @@ class ManagedProcess:
             if runner is not None:
                 return runner(url)
             try:
-                return httpx.get(url, trust_env=False, timeout=5).status_code == 200
+                answer = httpx.get(url, trust_env=False, timeout=5, verify=verify)
+                return answer.status_code == 200
             except httpx.HTTPError:
                 return False
 

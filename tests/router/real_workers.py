@@ -7,14 +7,16 @@ once and the model loads overlap; `wait_healthy()` then waits for each.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.bench.processes import num_held_blocks, worker_pid
 from tests.router.harness import ManagedProcess, free_port, http, read_sse, stream_text, wait_until
 from tests.router.netns import TwoHosts
 
@@ -130,12 +132,10 @@ class Routed(Server):
 
     def worker_pid(self, worker_id: str) -> int:
         """The launcher's child serving `worker_id` (matched by its --port)."""
-        port = self.worker_url(worker_id).rsplit(":", 1)[1]
-        for pid in _children(self.pid):
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            if b"--port" in argv and argv[argv.index(b"--port") + 1].decode() == port:
-                return pid
-        raise LookupError(f"no child process serves {worker_id}")
+        pid = worker_pid(self.pid, self.worker_url(worker_id))
+        if pid is None:
+            raise LookupError(f"no child process serves {worker_id}")
+        return pid
 
     def healthy_worker_urls(self) -> list[str]:
         return [w["url"] for w in self.workers().values() if w["state"] == "healthy"]
@@ -167,26 +167,29 @@ class Reference:
             return self._answers[key]
 
 
+def request_times(url: str, prompt: str, num_tokens: int = 64) -> tuple[float, float]:
+    """This machine's pace at `url`, one greedy request at a time (medians of three, after a
+    warm-up): a request's time besides its generated tokens (HTTP, routing, tokenizing, the
+    prefill), and each generated token's. What tests size their load or streams from, so
+    that they hold on a CPU many times faster or slower than this one."""
+
+    def timed(max_tokens: int) -> float:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        started = time.perf_counter()
+        with http() as client:
+            response = client.post(f"{url}/v1/completions", json=body, timeout=600)
+        assert response.status_code == 200, response.text
+        return time.perf_counter() - started
+
+    timed(8)
+    overhead_s = statistics.median(timed(1) for _ in range(3))
+    sample_s = statistics.median(timed(num_tokens + 1) for _ in range(3))
+    return overhead_s, max((sample_s - overhead_s) / num_tokens, 1e-6)
+
+
 def answer_text(response_json: dict[str, Any]) -> str:
     choice = response_json["choices"][0]
     return choice["message"]["content"] if "message" in choice else choice["text"]
-
-
-def metric_values(url: str, auth: httpx.Auth | None = None) -> dict[str, float]:
-    """A worker's `pdserve:*` samples by name (label sets summed); `auth`: a fleet worker's
-    (`api.signing.FleetAuth`)."""
-    text = httpx.get(f"{url}/metrics", auth=auth, trust_env=False, timeout=30).text
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
-
-
-def num_held_blocks(url: str, auth: httpx.Auth | None = None) -> int:
-    """KV blocks a worker holds for requests or leases (free-but-cached ones count as free)."""
-    values = metric_values(url, auth)
-    return round(values["pdserve:kv_cache_total_blocks"] - values["pdserve:kv_cache_free_blocks"])
 
 
 def assert_no_blocks_held(
@@ -200,16 +203,3 @@ def assert_no_blocks_held(
             timeout_s,
             f"{url} to hold no KV blocks (holds {num_held_blocks(url, auth)})",
         )
-
-
-def _children(pid: int) -> list[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(entry.name))
-    return children

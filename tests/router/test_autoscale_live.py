@@ -12,9 +12,11 @@ import concurrent.futures
 import contextlib
 import itertools
 import json
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -22,7 +24,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.router.harness import http, wait_until
-from tests.router.real_workers import Disagg, answer_text, assert_no_blocks_held
+from tests.router.real_workers import (
+    Disagg,
+    answer_text,
+    assert_no_blocks_held,
+    request_times,
+)
 from tests.server.conftest import write_tiny_model
 
 pytestmark = [
@@ -32,6 +39,17 @@ pytestmark = [
 
 INTERVAL_S = 0.5
 GRACE_S = 2.0
+# Any TTFT is over this SLO, however fast the CPU (the histogram's p90 is never below it).
+ALWAYS_MISSED_TTFT = "ttft:0.001"
+# The decode pressure tests: sequences per decode worker, and how many requests its engine
+# must hold for a queue (`AutoscaleConfig.queue_high`: over 2 waiting per worker), with room
+# to spare: the queue must be there whenever the planner samples it.
+MAX_NUM_SEQS = 2
+NUM_IN_ENGINE = 2 * (MAX_NUM_SEQS + 3)
+# Bounds of the measured load: the model's context (1024) less the prompt, and the clients
+# this test process and the router can drive.
+MAX_TOKENS = (64, 800)
+MAX_CLIENTS = 48
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "wizards")
 
 
@@ -78,6 +96,51 @@ def complete(url: str, prompt: str, max_tokens: int) -> tuple[str, dict]:
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == max_tokens
     return answer_text(response.json()), json.loads(response.headers.get("x-pdserve-timing", "{}"))
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """Long generations that keep a decode worker's queue full on this machine: `max_tokens`
+    each, from `concurrency` clients (`decode_load`)."""
+
+    max_tokens: int
+    concurrency: int
+    measured: str  # what it was sized from, for failure messages
+
+
+def measure_decode_load(url: str) -> DecodeLoad:
+    """The decode pressure tests' load, sized from this machine's request times on `url`, a
+    deployment with one decode worker of MAX_NUM_SEQS and nothing else to do: a client
+    spends only part of each request in the engine (the rest in HTTP, the router,
+    tokenizing), and a CPU whose kernels outrun its HTTP stack spends less. So the
+    generations are made long enough that engine time is about nine tenths of a request,
+    and the clients enough to keep NUM_IN_ENGINE in the engine, within MAX_TOKENS and
+    MAX_CLIENTS. One request at a time: no queue, nothing for a planner to act on."""
+    overhead_s, token_s = request_times(url, text_of(20, 0))
+    low, high = MAX_TOKENS
+    max_tokens = min(high, max(low, math.ceil(9 * overhead_s / token_s)))
+    engine_share = max_tokens * token_s / (max_tokens * token_s + overhead_s)
+    concurrency = min(MAX_CLIENTS, math.ceil(NUM_IN_ENGINE / engine_share))
+    measured = (
+        f"a request {overhead_s * 1000:.1f} ms besides {token_s * 1000:.2f} ms per token: "
+        f"{concurrency} clients x {max_tokens} tokens, {engine_share:.0%} in the engine"
+    )
+    print(measured)
+    return DecodeLoad(max_tokens, concurrency, measured)
+
+
+@pytest.fixture(scope="module")
+def decode_load(tmp_path_factory, tiny_model) -> DecodeLoad:
+    """`measure_decode_load` on a deployment of its own (the tests' pools are busy or idle
+    in ways a planner would act on while it measured)."""
+    with deployment(
+        tmp_path_factory.mktemp("decode-load"),
+        tiny_model,
+        *("--prefill-workers", "0", "--decode-workers", "1"),
+        *("--worker-args", f"--max-num-seqs {MAX_NUM_SEQS}"),
+        autoscale=False,
+    ) as server:
+        return measure_decode_load(server.url)
 
 
 def burst(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> list[tuple]:
@@ -207,13 +270,13 @@ def router_samples(server: Disagg) -> dict[tuple[str, tuple], float]:
 
 
 def test_a_burst_of_long_prompts_grows_the_prefill_pool_and_quiet_shrinks_it(tmp_path, tiny_model):
-    # No prefill worker at first: the decode worker prefills, and any TTFT over 1 ms is over
-    # the SLO. Room for one prefill worker beside it.
+    # No prefill worker at first: the decode worker prefills, and any TTFT is over the SLO.
+    # Room for one prefill worker beside it.
     with deployment(
         tmp_path,
         tiny_model,
         *("--prefill-workers", "0", "--decode-workers", "1", "--max-prefill-workers", "1"),
-        *("--max-decode-workers", "1", "--slo", "ttft:1,itl:100000"),
+        *("--max-decode-workers", "1", "--slo", f"{ALWAYS_MISSED_TTFT},itl:100000"),
     ) as server:
         # Bursts until the planner acts: a fast CPU prefills a burst within one interval.
         with keep_sending(server.url, lambda i: (text_of(600, i), 2), concurrency=3) as load:
@@ -270,30 +333,41 @@ def test_a_drained_worker_loses_no_request(tmp_path, tiny_model):
         assert_no_blocks_held(server.healthy_worker_urls())
 
 
-def test_a_burst_of_long_generations_grows_the_decode_pool(tmp_path, tiny_model):
-    # Two sequences per decode worker and six clients: four long generations wait (a queue is
+def test_a_burst_of_long_generations_grows_the_decode_pool(tmp_path, tiny_model, decode_load):
+    # Two sequences per decode worker and more clients: long generations wait (a queue is
     # over two per worker), which is pressure for as long as the clients keep sending.
     with deployment(
         tmp_path,
         tiny_model,
         *("--prefill-workers", "0", "--decode-workers", "1", "--max-prefill-workers", "0"),
         *("--max-decode-workers", "2", "--slo", "ttft:60000,itl:100000"),
-        *("--worker-args", "--max-num-seqs 2"),
+        *("--worker-args", f"--max-num-seqs {MAX_NUM_SEQS}"),
     ) as server:
-        with keep_sending(server.url, lambda i: (text_of(20, i), 400), concurrency=6) as load:
-            wait_for(server, "a second decode worker", lambda: pool_sizes(server)["decode"] == 2)
+        with keep_sending(
+            server.url,
+            lambda i: (text_of(20, i), decode_load.max_tokens),
+            concurrency=decode_load.concurrency,
+        ) as load:
+            wait_for(
+                server,
+                f"a second decode worker ({decode_load.measured})",
+                lambda: pool_sizes(server)["decode"] == 2,
+            )
             # While the load lasts (once it ends, the pool is soon drained back to one), the
             # new worker answers some of it.
             wait_for(
                 server, "answers from both", lambda: served_by(load) == {"decode-0", "decode-1"}
             )
         assert decisions(server)[0] == ("add", "decode", "queue")
+        # Quiet now: the pool drains back to one, and what is left holds no KV.
+        wait_for(server, "the decode pool to shrink", lambda: len(server.workers()) == 1)
+        assert decisions(server)[-1] == ("remove", "decode", "idle")
         assert_paced(server)
         assert_no_blocks_held(server.healthy_worker_urls())
 
 
 def test_the_planner_switches_an_idle_prefill_worker_to_a_saturated_decode_pool(
-    tmp_path, tiny_model
+    tmp_path, tiny_model, decode_load
 ):
     # Both cores are taken (1 + 1), so the decode pool can grow only by a switch.
     with deployment(
@@ -301,13 +375,23 @@ def test_the_planner_switches_an_idle_prefill_worker_to_a_saturated_decode_pool(
         tiny_model,
         *("--prefill-workers", "1", "--decode-workers", "1", "--max-prefill-workers", "1"),
         *("--max-decode-workers", "2", "--slo", "ttft:60000,itl:100000"),
-        *("--worker-args", "--max-num-seqs 2"),
+        *("--worker-args", f"--max-num-seqs {MAX_NUM_SEQS}"),
     ) as server:
         # Short prompts, long generations: the decode worker is the bottleneck, from the start
         # (the idle prefill worker would be drained after a few quiet ticks, not switched).
         # Every prompt gets one answer, whichever worker gave it, before the switch or after.
-        with keep_sending(server.url, lambda i: (text_of(20, i), 400), concurrency=6):
-            wait_for(server, "a switch to decode", lambda: pool_sizes(server)["decode"] == 2)
+        with keep_sending(
+            server.url,
+            lambda i: (text_of(20, i), decode_load.max_tokens),
+            concurrency=decode_load.concurrency,
+        ):
+            wait_for(
+                server,
+                f"a switch to decode ({decode_load.measured})",
+                lambda: pool_sizes(server)["decode"] == 2,
+            )
+            # Its address, while it is decode-1 (once quiet the planner may move it again).
+            switched = server.worker_url("decode-1")
         assert decisions(server)[0] == ("switch", "decode", "queue")
         (outcome,) = autoscale_state(server)["outcomes"]
         assert outcome["previous_id"] == "prefill-0" and outcome["worker"]["id"] == "decode-1"
@@ -316,7 +400,6 @@ def test_the_planner_switches_an_idle_prefill_worker_to_a_saturated_decode_pool(
         checks = [text_of(200, i) for i in range(4)]
         reference = [text for text, _ in burst(server.worker_url("decode-0"), checks, 48, 1)]
         assert [text for text, _ in burst(server.url, checks, 48, 4)] == reference
-        switched = server.worker_url("decode-1")
         assert [text for text, _ in burst(switched, checks, 48, 2)] == reference
         assert_no_blocks_held(server.healthy_worker_urls())
 
@@ -352,10 +435,12 @@ def test_role_switch_under_load_loses_nothing_and_answers_the_same(tmp_path, tin
         def request(i: int) -> tuple[str, int]:
             return prompts[i % len(prompts)], 32
 
+        pid = server.worker_pid("prefill-0")
         with keep_sending(server.url, request, concurrency=4, expected=expected):
             wait_until(lambda: in_flight_at("prefill-0"), 300, "prefill legs on prefill-0")
             switch("prefill-0", "decode")
             assert pool_sizes(server) == {"prefill": 0, "decode": 2}
+            assert server.worker_pid("decode-1") == pid  # in place: the same process
         with keep_sending(server.url, request, concurrency=4, expected=expected):
             wait_until(lambda: in_flight_at("decode-1"), 300, "streams on decode-1")
             switch("decode-1", "prefill")
@@ -366,8 +451,11 @@ def test_role_switch_under_load_loses_nothing_and_answers_the_same(tmp_path, tin
         to_decode, to_prefill = switches
         assert (to_decode["previous_id"], to_decode["worker"]["id"]) == ("prefill-0", "decode-1")
         assert (to_prefill["previous_id"], to_prefill["worker"]["id"]) == ("decode-1", "prefill-1")
+        assert server.worker_pid("prefill-1") == pid
         for record in switches:
-            assert record["switch_s"] < 1.0 and record["total_s"] >= record["router_drain_s"]
+            # The parts add up (the worker's own clock times its part of the POST).
+            worker_s = record["worker_drain_s"] + record["switch_s"]
+            assert record["total_s"] >= record["router_drain_s"] + worker_s - 1e-3
         # The last decode worker cannot leave its pool.
         refused = httpx.post(
             f"{server.url}/workers/decode-0/role", json={"role": "prefill"}, trust_env=False

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from pdserve.bench.processes import metric_values
 from pdserve.kv_transfer.shm import remove_stale_segments
 from pdserve.kv_transfer.wire import HEADER, MAGIC, MessageType, encode_frame, read_frame
 from pdserve.router.config import RouterConfig
@@ -46,13 +47,13 @@ from tests.router.netns import TwoHosts, netns_unavailable_reason, two_hosts
 from tests.router.real_workers import (
     CHAT,
     COMPLETIONS,
+    MAX_TOKENS,
     Disagg,
     Reference,
     Server,
     answer_text,
     assert_no_blocks_held,
     greedy,
-    metric_values,
     netns_router,
     netns_worker,
     stream_greedy,
@@ -483,30 +484,23 @@ def test_decode_worker_killed_its_stream_errors_the_other_completes(cluster):
 
 
 def test_prefill_worker_killed_under_load_requests_still_complete(cluster):
+    from tests.router.test_autoscale_live import keep_sending
+
     disagg = cluster.shm
-    # Distinct uncached prompts, so the prefill worker is busy computing when it dies.
-    prompts = [text_of(500, seed) + f" variant {seed}" for seed in (11, 12, 13)]
-    expected = [cluster.ref.answer(COMPLETIONS, greedy({"prompt": p})) for p in prompts]
-    answers: dict[int, str] = {}
 
-    def send(index: int) -> None:
-        with http() as client:
-            response = client.post(
-                f"{disagg.url}{COMPLETIONS}", json=greedy({"prompt": prompts[index]}), timeout=600
-            )
-        answers[index] = (
-            answer_text(response.json()) if response.status_code == 200 else response.text
-        )
+    # Distinct uncached prompts, so the prefill worker is busy computing when it dies; sent
+    # until it is dead and out of rotation (a fast CPU would finish a fixed burst first).
+    def request(i: int) -> tuple[str, int]:
+        return text_of(500, 11 + i) + f" variant {i}", MAX_TOKENS
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    wait_until(lambda: disagg.workers()["prefill-0"]["num_inflight"] > 0, 60)
-    os.kill(disagg.worker_pid("prefill-0"), signal.SIGKILL)
-    for thread in threads:
-        thread.join(timeout=600)
-    assert [answers.get(i) for i in range(len(prompts))] == expected
-    wait_until(lambda: disagg.workers()["prefill-0"]["state"] == "unhealthy", 30)
+    with keep_sending(disagg.url, request, concurrency=3) as load:
+        wait_until(lambda: disagg.workers()["prefill-0"]["num_inflight"] > 0, 60)
+        os.kill(disagg.worker_pid("prefill-0"), signal.SIGKILL)
+        wait_until(lambda: disagg.workers()["prefill-0"]["state"] == "unhealthy", 30)
+    # Every request sent was answered in full (none failed), each as a colocated server does.
+    for i, (text, _) in load.answers.items():
+        body = {"prompt": load.prompts[i], "max_tokens": MAX_TOKENS, "ignore_eos": True}
+        assert text == cluster.ref.answer(COMPLETIONS, greedy(body)), i
     assert_no_blocks_held(disagg.healthy_worker_urls())
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.bench.processes import metric_values
 from pdserve.router.config import KVHandoff, RouterConfig
 from tests.router.harness import (
     ManagedProcess,
@@ -44,7 +45,6 @@ from tests.router.real_workers import (
     answer_text,
     assert_no_blocks_held,
     greedy,
-    metric_values,
     netns_router,
     netns_worker,
     stream_greedy,

@@ -146,7 +146,7 @@ def test_unclaimed_kv_releases_in_flight_are_bounded(monkeypatch):
     unblock = threading.Event()
     calls = []
 
-    def stuck_release(params, timeout, secret=None):  # a KV port that never answers
+    def stuck_release(params, timeout, secret=None, tls=None):  # a KV port that never answers
         calls.append(params.remote_request_id)
         unblock.wait(30)
         return True

@@ -21,11 +21,12 @@ import httpx
 import pytest
 from openapi_spec_validator import validate
 
+from pdserve.bench.processes import metric_values
 from pdserve.router.app import build_app
 from pdserve.router.config import RouterConfig
 from pdserve.server.app import create_app
 from pdserve.server.settings import ServerSettings
-from tests.router.real_workers import Disagg, assert_no_blocks_held, metric_values
+from tests.router.real_workers import Disagg, assert_no_blocks_held
 from tests.server.conftest import start_server, tiny_engine
 
 API_KEY = "conformance-key"
