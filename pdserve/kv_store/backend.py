@@ -12,6 +12,7 @@ interface, never the other way round.
 
 from __future__ import annotations
 
+import enum
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -19,6 +20,13 @@ from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from pdserve.kv_store.config import KVStoreConfig
+
+
+class Presence(enum.Enum):
+    ABSENT = "absent"
+    # Not stored yet, but a writer announced it (`mark_pending`) and has not landed it.
+    PENDING = "pending"
+    PRESENT = "present"
 
 
 class KVStoreBackend(ABC):
@@ -45,6 +53,15 @@ class KVStoreBackend(ABC):
     def from_config(cls, config: KVStoreConfig, salt: str, value_nbytes: int) -> KVStoreBackend:
         """The backend `config.url` names. `salt` names the embedded store's segment (one per
         namespace and layout), whose slots hold `value_nbytes` each."""
+
+    def presence_many(self, keys: Sequence[bytes]) -> list[Presence]:
+        """Per key: stored, announced by a writer, or neither; in one round trip. A backend
+        without in-flight markers (writes that land at once) answers from `exists_many`."""
+        return [Presence.PRESENT if found else Presence.ABSENT for found in self.exists_many(keys)]
+
+    def mark_pending(self, keys: Sequence[bytes], ttl_s: float) -> None:  # noqa: B027
+        """Announce writes of `keys` to come: `presence_many` says PENDING for each absent one
+        until it is written or `ttl_s` has passed (a writer that died announces nothing)."""
 
     def close(self) -> None:  # noqa: B027 - a backend without resources needs no close
         """Release connections or mappings."""

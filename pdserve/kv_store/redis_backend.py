@@ -1,7 +1,9 @@
 """`RedisBackend`: the store on a Redis (or Valkey) server, shared by workers on any host.
 
 One pipelined round trip per batch (EXISTS per key for lookups, MGET for reads, SET per key
-for writes). redis-py's own retries are off: a failure surfaces at once as
+for writes). A write to come is announced by an in-flight marker, ``<key>:pending``, that
+expires on its own (a writer killed before its write landed leaves nothing lasting) and is
+deleted with the write. redis-py's own retries are off: a failure surfaces at once as
 `StoreUnavailable`, and `KVStore` backs off before trying again, so a down server costs each
 request one fast miss, not a stall. A broken connection is dropped by redis-py's pool and the
 next call dials again: that is the reconnect.
@@ -16,7 +18,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pdserve.kv_store.backend import KVStoreBackend
+from pdserve.kv_store.backend import KVStoreBackend, Presence
 from pdserve.kv_store.config import KVStoreConfig
 from pdserve.kv_store.errors import ErrorKind, StoreUnavailable
 
@@ -24,6 +26,7 @@ T = TypeVar("T")
 # Bytes asked of the socket per read: a KV block is hundreds of KB, 32 KB reads are many
 # syscalls per value.
 _SOCKET_READ_SIZE = 1 << 20
+_PENDING_SUFFIX = b":pending"
 
 
 class RedisBackend(KVStoreBackend):
@@ -57,6 +60,33 @@ class RedisBackend(KVStoreBackend):
 
         return [bool(n) for n in self._call(run)] if keys else []
 
+    def presence_many(self, keys: Sequence[bytes]) -> list[Presence]:
+        def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+                pipe.exists(key + _PENDING_SUFFIX)
+            return pipe.execute()
+
+        if not keys:
+            return []
+        found = self._call(run)
+        return [
+            Presence.PRESENT if stored else Presence.PENDING if pending else Presence.ABSENT
+            for stored, pending in zip(found[::2], found[1::2], strict=True)
+        ]
+
+    def mark_pending(self, keys: Sequence[bytes], ttl_s: float) -> None:
+        def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.set(key + _PENDING_SUFFIX, b"", px=ttl_ms)
+            return pipe.execute()
+
+        ttl_ms = max(int(ttl_s * 1000), 1)
+        if keys:
+            self._call(run)
+
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return self._call(lambda: self._client.mget(keys)) if keys else []
 
@@ -65,6 +95,7 @@ class RedisBackend(KVStoreBackend):
             pipe = self._client.pipeline(transaction=False)
             for key, value in items:
                 pipe.set(key, value)
+                pipe.delete(key + _PENDING_SUFFIX)
             return pipe.execute()
 
         if items:
