@@ -40,6 +40,23 @@ class KVStoreBackend(ABC):
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values of `keys` (None where absent), in one round trip."""
 
+    def read_into(
+        self, keys: Sequence[bytes], targets: Sequence[Sequence[memoryview]]
+    ) -> list[int | None]:
+        """Read the value of `keys[i]` into `targets[i]` (views filled in order, whose sizes
+        add up to the length a value should have), in one round trip; returns each value's
+        length (None: absent). A value of another length fills only the first view, as far
+        as it goes (its head, to tell what it is), and is reported by its length.
+
+        This default copies out of `get_many`; a backend that can read straight into the
+        views (`RedisBackend`) does."""
+        lengths: list[int | None] = []
+        for value, views in zip(self.get_many(keys), targets, strict=True):
+            if value is not None:
+                _scatter(memoryview(value), views)
+            lengths.append(None if value is None else len(value))
+        return lengths
+
     @abstractmethod
     def put_many(self, items: Sequence[tuple[bytes, bytes | bytearray]]) -> None:
         """Store each (key, value), replacing what is there, in one round trip."""
@@ -65,6 +82,19 @@ class KVStoreBackend(ABC):
 
     def close(self) -> None:  # noqa: B027 - a backend without resources needs no close
         """Release connections or mappings."""
+
+
+def _scatter(value: memoryview, views: Sequence[memoryview]) -> None:
+    """Copy `value` into `views` in order if it fills them exactly, else only its head into
+    the first."""
+    if len(value) != sum(len(v) for v in views):
+        head = views[0][: len(value)]
+        head[:] = value[: len(head)]
+        return
+    offset = 0
+    for view in views:
+        view[:] = value[offset : offset + len(view)]
+        offset += len(view)
 
 
 def create_backend(config: KVStoreConfig, salt: str, value_nbytes: int) -> KVStoreBackend:

@@ -1,9 +1,17 @@
 """`RedisBackend`: the store on a Redis (or Valkey) server, shared by workers on any host.
 
-One pipelined round trip per batch (EXISTS per key for lookups, MGET for reads, SET per key
-for writes). A write to come is announced by an in-flight marker, ``<key>:pending``, that
+One pipelined round trip per batch (EXISTS per key for lookups, GET per key for reads, SET
+per key for writes). A write to come is announced by an in-flight marker, ``<key>:pending``, that
 expires on its own (a writer killed before its write landed leaves nothing lasting) and is
-deleted with the write. redis-py's own retries are off: a failure surfaces at once as
+deleted with the write.
+
+Reads (`read_into`) bypass redis-py's reply parser: the GETs go out pipelined on one of its
+pooled connections (so its connect, AUTH, SELECT and TLS apply), and each reply's bulk string
+is received straight into the caller's views (the KV cache's rows) with one scatter
+`recvmsg_into` per arrival, not into a reply buffer, then a bytes object, then the cache.
+Only reply lines (``$<length>``) and the few bytes read past them go through a small buffer.
+Any failure mid-read disconnects that connection (its replies are out of step), and the next
+call dials a fresh one. redis-py's own retries are off: a failure surfaces at once as
 `StoreUnavailable`, and `KVStore` backs off before trying again, so a down server costs each
 request one fast miss, not a stall. A broken connection is dropped by redis-py's pool and the
 next call dials again: that is the reconnect.
@@ -11,6 +19,8 @@ next call dials again: that is the reconnect.
 
 from __future__ import annotations
 
+import socket
+import ssl
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -27,6 +37,11 @@ T = TypeVar("T")
 # syscalls per value.
 _SOCKET_READ_SIZE = 1 << 20
 _PENDING_SUFFIX = b":pending"
+# Bytes asked of the socket for a reply line: one bulk string's ``$<length>\r\n`` and a little
+# of its value (copied on from the buffer): small, so nearly all of a value lands in place.
+_LINE_READ_SIZE = 64
+# Views handed to one recvmsg_into (Linux's IOV_MAX is 1024).
+_MAX_IOV = 512
 
 
 class RedisBackend(KVStoreBackend):
@@ -46,6 +61,8 @@ class RedisBackend(KVStoreBackend):
                 socket_connect_timeout=config.timeout_s,
                 socket_read_size=_SOCKET_READ_SIZE,
                 retry=Retry(NoBackoff(), 0),
+                # RESP2: `_Replies` reads its replies (no RESP3 pushes between them).
+                protocol=2,
                 client_name="pdserve-kv-store",
             )
         except ValueError as exc:  # a URL redis-py cannot read; its message has no password
@@ -90,6 +107,29 @@ class RedisBackend(KVStoreBackend):
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return self._call(lambda: self._client.mget(keys)) if keys else []
 
+    def read_into(
+        self, keys: Sequence[bytes], targets: Sequence[Sequence[memoryview]]
+    ) -> list[int | None]:
+        return self._call(lambda: self._read_into(keys, targets)) if keys else []
+
+    def _read_into(
+        self, keys: Sequence[bytes], targets: Sequence[Sequence[memoryview]]
+    ) -> list[int | None]:
+        pool = self._client.connection_pool
+        connection = pool.get_connection()
+        try:
+            connection.send_packed_command(connection.pack_commands([("GET", k) for k in keys]))
+            replies = _Replies(connection._sock)
+            return [replies.read_bulk_into(views) for views in targets]
+        except TimeoutError:  # the socket's, not redis-py's
+            connection.disconnect()
+            raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
+
     def put_many(self, items: Sequence[tuple[bytes, bytes | bytearray]]) -> None:
         def run() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
@@ -119,3 +159,77 @@ class RedisBackend(KVStoreBackend):
             raise StoreUnavailable(ErrorKind.SERVER, f"{self._where}: {exc}") from None
         except OSError as exc:  # a socket error redis-py did not wrap
             raise StoreUnavailable(ErrorKind.CONNECTION, f"{self._where}: {exc}") from None
+
+
+class _Replies:
+    """RESP2 replies to pipelined GETs, read off `sock` in order."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        # A TLS socket has no scatter read: it fills one view per call.
+        self._can_scatter = not isinstance(sock, ssl.SSLSocket)
+        self._buffer = bytearray()  # received past the last reply line
+
+    def read_bulk_into(self, views: Sequence[memoryview]) -> int | None:
+        """One GET's reply into `views` (see `KVStoreBackend.read_into`): its length, or None
+        for a missing key."""
+        line = self._read_line()
+        if line == b"_":  # RESP3's null, should a server answer in it
+            return None
+        if line[:1] == b"-":
+            raise redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
+        if line[:1] != b"$":
+            raise redis.exceptions.InvalidResponse(f"not a bulk string reply: {line[:32]!r}")
+        length = int(line[1:])
+        if length < 0:
+            return None
+        crlf = memoryview(bytearray(2))
+        if length == sum(len(v) for v in views):
+            self._read_exactly([*views, crlf])
+        else:  # not a block's value: its head is enough for the caller to say what it is
+            value = memoryview(bytearray(length))
+            self._read_exactly([value, crlf])
+            head = views[0][:length]
+            head[:] = value[: len(head)]
+        if crlf != b"\r\n":
+            raise redis.exceptions.InvalidResponse("a bulk string not ended by CRLF")
+        return length
+
+    def _read_line(self) -> bytes:
+        while (end := self._buffer.find(b"\r\n")) < 0:
+            chunk = self._sock.recv(_LINE_READ_SIZE)
+            if not chunk:
+                raise redis.exceptions.ConnectionError("the server closed the connection")
+            self._buffer += chunk
+        line = bytes(self._buffer[:end])
+        del self._buffer[: end + 2]
+        return line
+
+    def _read_exactly(self, views: list[memoryview]) -> None:
+        """Fill every view, in order: first from the buffer, then off the socket."""
+        pending = [v for v in views if len(v)]
+        while pending and self._buffer:
+            view = pending[0]
+            n = min(len(view), len(self._buffer))
+            view[:n] = self._buffer[:n]
+            del self._buffer[:n]
+            _consume(pending, n)
+        while pending:
+            if self._can_scatter:
+                n = self._sock.recvmsg_into(pending[:_MAX_IOV])[0]
+            else:
+                n = self._sock.recv_into(pending[0])
+            if not n:
+                raise redis.exceptions.ConnectionError("the server closed the connection")
+            _consume(pending, n)
+
+
+def _consume(pending: list[memoryview], n: int) -> None:
+    """Drop the first `n` bytes' worth of `pending`'s leading views."""
+    i = 0
+    while n and n >= len(pending[i]):
+        n -= len(pending[i])
+        i += 1
+    del pending[:i]
+    if n:
+        pending[0] = pending[0][n:]

@@ -29,7 +29,14 @@ import numpy as np
 
 from pdserve.core.kv_events import KVCacheObserver
 from pdserve.kv_store.backend import KVStoreBackend, Presence, create_backend
-from pdserve.kv_store.codec import decode_block, new_value, payload_view, seal, value_nbytes
+from pdserve.kv_store.codec import (
+    check_value,
+    head_nbytes,
+    new_value,
+    payload_view,
+    seal,
+    value_nbytes,
+)
 from pdserve.kv_store.config import KVStoreConfig
 from pdserve.kv_store.errors import ErrorKind, StoreUnavailable, ValueRejected
 from pdserve.kv_store.keys import BlockRef, KeyScheme, LayoutFingerprint
@@ -39,10 +46,10 @@ from pdserve.kv_store.writer import PendingWrite, WriteBehind
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-# Bytes one fetch round trip asks for at most. A long prompt is read in several: each reply
-# is checked and copied while it is still in the CPU's cache, and the client's reply buffer
-# stays small (one 46 MB MGET reads at half the speed of 2 MB ones here).
-MAX_FETCH_BYTES = 2 << 20
+# Bytes one fetch round trip asks for at most (pipelined GETs): far above a fast link's
+# bandwidth-delay product (10 Gb/s x 1 ms is 1.25 MB), so the link stays busy, and a bound on
+# what the server buffers for one reader and on what is read past a missing block.
+MAX_FETCH_BYTES = 8 << 20
 # Polls of a block another worker is writing: from the first interval, doubling up to the last.
 _POLL_S, _MAX_POLL_S = 0.001, 0.016
 
@@ -79,6 +86,7 @@ class KVStore:
             self._write_batch, int(config.write_queue_mb * 2**20), announce=self._announce
         )
         self._max_fetch_blocks = max(MAX_FETCH_BYTES // self.value_nbytes, 1)
+        self._head_nbytes = head_nbytes(self.block_size)
         # Changes whenever blocks given to `write` may be missing from the store: an outage
         # began (it may come back empty) or queued writes were lost.
         self.epoch = 0
@@ -121,12 +129,16 @@ class KVStore:
         """Read `blocks[i]` into cache block `block_ids[i]` of `dest` (see `cache_bytes`).
 
         Returns how many leading blocks arrived intact; from the first miss or rejected
-        value on, blocks are left as they were, for the caller to compute. A block another
-        worker announced it is writing is waited for, as the writes land, until
-        `pending_write_wait_s` after the start.
+        value on, blocks hold whatever the read left in them, for the caller to compute. A
+        block another worker announced it is writing is waited for, as the writes land,
+        until `pending_write_wait_s` after the start.
+
+        Values are read straight into the blocks' rows of `dest` (C-contiguous), each head
+        into a small buffer, and checked there (`codec.check_value`): no value is assembled.
         """
         start = time.perf_counter()
         deadline = time.monotonic() + self.config.pending_write_wait_s
+        rows = _BlockRows(dest)
         num_read = num_bytes = 0
         waited_s = 0.0  # not the read's speed: kept out of the fetch policy's estimate
         rejected: list[bytes] = []
@@ -134,15 +146,26 @@ class KVStore:
             while num_read < len(blocks):
                 chunk = blocks[num_read : num_read + self._max_fetch_blocks]
                 keys = self.keys.keys(chunk)
-                values = self._call(self.backend.get_many, keys)
-                if values is None:  # unavailable: a miss, counted by `_call`
+                heads = memoryview(bytearray(len(chunk) * self._head_nbytes))
+                heads = [
+                    heads[i * self._head_nbytes : (i + 1) * self._head_nbytes]
+                    for i in range(len(chunk))
+                ]
+                parts = [
+                    rows.of(block_id) for block_id in block_ids[num_read : num_read + len(chunk)]
+                ]
+                targets = [
+                    [head, *block_rows] for head, block_rows in zip(heads, parts, strict=True)
+                ]
+                lengths = self._call(self.backend.read_into, keys, targets)
+                if lengths is None:  # unavailable: a miss, counted by `_call`
                     break
-                num_bytes += sum(len(v) for v in values if v is not None)
-                num_ok = self._place(chunk, values, dest, block_ids[num_read:], keys, rejected)
+                num_bytes += sum(n for n in lengths if n is not None)
+                num_ok = self._check(chunk, lengths, heads, parts, keys, rejected)
                 num_read += num_ok
                 if num_ok == len(chunk):
                     continue
-                if values[num_ok] is not None:  # rejected
+                if lengths[num_ok] is not None:  # rejected
                     break
                 wait_start = time.perf_counter()
                 has_landed = self._wait_landed(keys[num_ok], deadline)
@@ -177,31 +200,30 @@ class KVStore:
             time.sleep(min(poll_s, remaining_s))
             poll_s = min(2 * poll_s, _MAX_POLL_S)
 
-    def _place(
+    def _check(
         self,
         blocks: Sequence[BlockRef],
-        values: Sequence[bytes | None],
-        dest: np.ndarray,
-        block_ids: Sequence[int],
+        lengths: Sequence[int | None],
+        heads: Sequence[memoryview],
+        parts: Sequence[list[memoryview]],
         keys: Sequence[bytes],
         rejected: list[bytes],
     ) -> int:
-        """Copy the leading run of good `values` into `dest`; returns its length (a rejected
-        value is added to `rejected`)."""
+        """The length of the leading run of values read intact (a rejected one is added to
+        `rejected`; a missing one ends the run too)."""
         digest = self.keys.fingerprint_digest
-        for i, value in enumerate(values):
-            if value is None:  # the caller waits for it or counts the miss
+        for i, length in enumerate(lengths):
+            if length is None:  # the caller waits for it or counts the miss
                 return i
             try:
-                payload = decode_block(value, digest, blocks[i], self.payload_nbytes)
+                check_value(heads[i], length, parts[i], digest, blocks[i], self.payload_nbytes)
             except ValueRejected as exc:
                 logger.info("KV store value rejected (%s): %s", exc.kind.value, exc)
                 self.metrics.count_error(exc.kind)
                 self.observer.blocks_removed([blocks[i].block_hash])
                 rejected.append(keys[i])
                 return i
-            dest[:, block_ids[i]] = np.frombuffer(payload, np.uint8).reshape(self._rows, -1)
-        return len(values)
+        return len(lengths)
 
     # ---- write path --------------------------------------------------------------------
     def write(self, blocks: Sequence[BlockRef], src: np.ndarray, block_ids: Sequence[int]) -> int:
@@ -287,6 +309,25 @@ class KVStore:
         if self._backoff.succeed():
             logger.info("KV store %s is available again", self.config.redacted_url)
         return ok if result is None else result
+
+
+class _BlockRows:
+    """Each block's rows of a cache's bytes ``[rows, num_blocks, row bytes]`` (`cache_bytes`:
+    one layer's K or V of the block per row), as views a read fills in the value's order."""
+
+    def __init__(self, cache: np.ndarray) -> None:
+        if not cache.flags.c_contiguous:
+            raise ValueError("a KV store reads into a C-contiguous cache")
+        self._flat = memoryview(cache.reshape(-1))
+        self._num_rows, self._num_blocks, self._row_nbytes = cache.shape
+
+    def of(self, block_id: int) -> list[memoryview]:
+        n = self._row_nbytes
+        stride = self._num_blocks * n
+        first = block_id * n
+        return [
+            self._flat[first + r * stride : first + r * stride + n] for r in range(self._num_rows)
+        ]
 
 
 class _Backoff:
