@@ -205,6 +205,16 @@ class DemoPlan:
             "prefill_share": self.prefill_share,
             "disagg_split": list(self.disagg_split),
             "num_seeds": self.num_seeds,
+            # How `slos_ms` follows from the probe, for a simulated device's own profile:
+            # TTFT in the longest document's prefills, TPOT and the longest gap in steps of a
+            # batch of short streams.
+            "slo_rule": {
+                "ttft_prefills": TTFT_SCALE,
+                "tpot_steps": TPOT_SCALE,
+                "max_itl_steps": STALL_SCALE,
+                "batch": PROBE_BATCH,
+                "batch_context": CHAT_INPUT.high,
+            },
         }
 
 

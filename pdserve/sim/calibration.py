@@ -187,6 +187,7 @@ def fit_efficiency(
     allow_curve: bool = True,
     memory: float | None = None,
     sharpness: float | None = None,
+    is_served: bool = False,
 ) -> Fit:
     """The efficiency that best predicts `samples` on `cost_model`'s model and hardware
     (or on each measurement's own deployment).
@@ -197,7 +198,9 @@ def fit_efficiency(
     off by more than `_OUTLIER_FACTOR` × the median error are set aside for a last fit.
     The jitter the simulator draws from is how the kept samples' single-step observations
     spread around the model's (the set-aside ones stay out of it too: they are the
-    calibration machine's accidents, not the served engine's normal variation).
+    calibration machine's accidents, not the served engine's normal variation), unless
+    `is_served`: samples logged by the very runs the simulator is to re-predict, whose
+    accidents are part of what was measured.
     `allow_curve` False keeps the roofline (a few published points cannot pin a curve's
     knots down across models); `memory` fixes the bandwidth share instead of fitting it
     (one source tells it, another the rest); `sharpness` is the roofline's
@@ -218,7 +221,7 @@ def fit_efficiency(
     kept = [m for m, k in zip(measurements, is_kept, strict=True) if k]
     if len(measurements) > len(kept) >= 3:
         fit = _fit(cost_model, kept, network, np.ones(len(kept)), allow_curve, memory, shape)
-    fit = _with_jitter(cost_model, fit, kept)
+    fit = _with_jitter(cost_model, fit, measurements if is_served else kept)
     residuals = [
         p / m.seconds - 1
         for m, p in zip(measurements, _predictions(cost_model, fit, measurements), strict=True)
@@ -245,8 +248,8 @@ def band_of(residuals: Sequence[float]) -> float:
 def _with_jitter(
     cost_model: CostModel, efficiency: Efficiency, kept: Sequence[Measurement]
 ) -> Efficiency:
-    """`efficiency` with the quantiles of observed / modelled single steps, where enough
-    single-step observations were kept."""
+    """`efficiency` with the quantiles of observed / modelled single steps, and how their
+    spread shrinks with the step's length, where enough single-step observations were kept."""
     ratios, typical = [], []
     for m, predicted in zip(kept, _predictions(cost_model, efficiency, kept), strict=True):
         if m.observations:
@@ -260,7 +263,36 @@ def _with_jitter(
         efficiency,
         step_jitter=tuple(round(float(q), 4) for q in quantiles),
         jitter_step_s=float(np.median(typical)),
+        jitter_decay=_jitter_decay(np.array(ratios), np.array(typical)),
     )
+
+
+def _jitter_decay(ratios: np.ndarray, step_s: np.ndarray) -> float:
+    """The exponent by which the ratios' spread (median absolute deviation) shrinks with the
+    modelled step length, from the steps longer than the median one (the draw's reference);
+    0.5 (independent interruptions averaging out) where too few long steps tell. Clamped to
+    [0, 0.5]: a spread growing with length is the load lasting as long as the steps."""
+    reference = float(np.median(step_s))
+    spreads, lengths = [], []
+    short = step_s <= reference
+    for group in [short, *_length_groups(step_s, reference)]:
+        if group.sum() >= _MIN_JITTER_SAMPLES:
+            r = ratios[group]
+            spreads.append(float(np.median(np.abs(r - np.median(r)))))
+            lengths.append(float(np.median(step_s[group])))
+    if len(spreads) < 2 or min(spreads) <= 0:
+        return 0.5
+    slope = np.polyfit(np.log(lengths), np.log(spreads), 1)[0]
+    return float(np.clip(-slope, 0.0, 0.5))
+
+
+def _length_groups(step_s: np.ndarray, reference: float) -> list[np.ndarray]:
+    """Masks of the steps longer than `reference`, in octaves of length."""
+    groups, low = [], reference
+    while low < step_s.max():
+        groups.append((step_s > low) & (step_s <= 2 * low))
+        low *= 2
+    return groups
 
 
 def _fit(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import random
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -80,11 +79,15 @@ class Efficiency:
     linear_curve: tuple[tuple[int, float], ...] = ()
     # Measured / modelled step time at evenly spaced probabilities 0..1 (ascending), over
     # steps of typically `jitter_step_s`: the simulator multiplies each step by a draw from
-    # it (threads losing their core to the HTTP server or a KV transfer). Interruptions
-    # average out over longer steps, so there the draw's deviation from 1 shrinks as
-    # sqrt(jitter_step_s / step). Empty: every step takes exactly the modelled time.
+    # it (threads losing their core to the HTTP server or a KV transfer). Past
+    # `jitter_step_s` the draw's deviation from 1 shrinks as (jitter_step_s / step) **
+    # jitter_decay: 0.5 where interruptions are independent and average out over a longer
+    # step, 0 where the machine's load lasts as long as the steps do (two engines, a router
+    # and a client on two cores); fitted from the observations. Empty: every step takes
+    # exactly the modelled time.
     step_jitter: tuple[float, ...] = ()
     jitter_step_s: float = 0.0
+    jitter_decay: float = 0.5
 
     def __post_init__(self) -> None:
         factors = ("linear_compute", "fp8_linear_compute", "attention_compute", "memory")
@@ -119,6 +122,8 @@ class Efficiency:
             )
         if self.step_jitter and not self.jitter_step_s > 0:
             raise SimConfigError("efficiency jitter_step_s must be positive with step_jitter")
+        if not 0 <= self.jitter_decay <= 1:
+            raise SimConfigError("efficiency jitter_decay must be in [0, 1]")
 
     def linear_share(self, dtype: str) -> float:
         """The share of the peak a GEMM on weights stored in `dtype` reaches."""
@@ -137,7 +142,7 @@ class Efficiency:
         fraction = position - index
         factor = jitter[index] + (jitter[index + 1] - jitter[index]) * fraction
         if step_s > self.jitter_step_s:
-            factor = 1 + (factor - 1) * math.sqrt(self.jitter_step_s / step_s)
+            factor = 1 + (factor - 1) * (self.jitter_step_s / step_s) ** self.jitter_decay
         return factor
 
     def save(self, path: str | Path, **metadata: object) -> None:

@@ -307,6 +307,11 @@ def at_rate(specs, base_rate: float, rate: float) -> list:
     return [replace(s, arrival_time=s.arrival_time * base_rate / rate) for s in specs]
 
 
+def search_ceiling(inputs: PlanInputs) -> float:
+    """The highest rate `find_capacity` tries: a capacity there is only a lower bound."""
+    return planned_rate(inputs) * 2**_MAX_DOUBLINGS
+
+
 def find_capacity(
     inputs: PlanInputs,
     layout: Layout,

@@ -8,16 +8,20 @@ calibrated for one core (`cpu-local`), then:
    workers, with the demo's token budgets), on the demo's workload: its highest rate meeting
    the SLOs (the planner's capacity search) against the measured interval, and TTFT / ITL p99
    at the offered rate against the measured row, with the relative error (goal: 15%);
-2. on the same traffic shape (the same requests per core, arriving as much faster as the fleet
-   is larger) each mode's goodput per core on fleets of `FLEET_SIZES` cores, disagg at its best
-   P:D split of a few around the workload's prefill share;
+2. on the same traffic shape, sustained (the demo's requests per core, at least
+   `MIN_PROMPTS_PER_CORE`, so every engine of a larger fleet is as loaded as the demo's were)
+   each mode's goodput per core on fleets of `FLEET_SIZES` cores, disagg at its best P:D split
+   of a few around the workload's prefill share; each search starts from the mode's capacity
+   per core at the previous size, and a capacity at the search's ceiling is reported as a
+   lower bound (">=") that decides no crossing;
 3. with `gpu`, the same for a GPU fleet (`GPU_MODEL` on `GPU_HARDWARE`) at its shipped
-   calibration: a prediction, with the range the calibration's band puts on every capacity.
-   Not in `make demo`: the SLOs are this machine's, so loose for a GPU that every layout
-   meets them at every rate the capacity search tries (the capacities are lower bounds).
+   calibration: a prediction, with the range the calibration's band puts on every capacity,
+   at SLOs the demo's own rule (`slo_rule` in sizing.json) gives the GPU's predicted prefill
+   and decode step. Not in `make demo` (it doubles the section's time).
 
 Where the best mode per core changes between two fleet sizes, the lines cross; the report says
-where, or that they do not, with a plot of goodput per core against fleet size.
+where, that they do not, or that a lower bound leaves it open, with a plot of goodput per core
+against fleet size.
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ import itertools
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pdserve.sim.calibration import fit_efficiency, load_samples
 from pdserve.sim.config import Mode
-from pdserve.sim.cost_model import CostModel
+from pdserve.sim.cost_model import CostModel, SeqWork
 from pdserve.sim.efficiency import calibration_for
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import get_hardware
@@ -44,14 +48,20 @@ from pdserve.sim.options import (
     add_workload_args,
     workload_from_args,
 )
-from pdserve.sim.planner import PlanInputs, evaluate, find_capacity
+from pdserve.sim.planner import PlanInputs, evaluate, find_capacity, search_ceiling
 from pdserve.sim.profile_fit import calibration_of
 
 FLEET_SIZES = (4, 8, 16, 64)
 GPU_HARDWARE = "H100-SXM"
 GPU_MODEL = "Llama-3.1-8B"
-# A fleet run has the demo's requests per core, up to this many (the simulation's time).
-MAX_FLEET_PROMPTS = 48
+# A fleet run has the demo's requests per core, at least this many: fewer is a burst that
+# any layout serves (the capacity search then ends at its ceiling).
+MIN_PROMPTS_PER_CORE = 16
+# The calibration fits at most this many logged steps (evenly spaced): the fit's time.
+MAX_CALIBRATION_STEPS = 5000
+# A GPU fleet's requests per GPU: as long a run as the demo's at the GPU's estimated
+# capacity, up to this many (the simulation's time).
+MAX_GPU_PROMPTS = 100
 # Disagg's prefill shares tried per fleet: the workload's, and twice it.
 SPLIT_FACTORS = (1.0, 2.0)
 GOAL = 0.15
@@ -85,7 +95,8 @@ def run_scale(
     share = sizing["prefill_share"]
     num_cores = sizing["num_cores"]
     per_core_rate = sizing["request_rate"] / num_cores
-    cpu_fleet = _fleet(sizing, cpu, per_core_rate, share, num_cores, progress)
+    per_core_prompts = max(MIN_PROMPTS_PER_CORE, sizing["workload"]["num_prompts"] / num_cores)
+    cpu_fleet = _fleet(sizing, cpu, per_core_rate, per_core_prompts, share, progress)
     report.data["cpu_fleet"] = cpu_fleet
     report.lines += _fleet_lines(
         "This machine's cores, calibrated from the demo's own step logs", cpu_fleet, "cores"
@@ -94,14 +105,23 @@ def run_scale(
     if gpu:
         gpu_cal = calibration_for(None, get_hardware(GPU_HARDWARE).name)
         gpu_inputs = _inputs(sizing, GPU_HARDWARE, GPU_MODEL, None)
-        gpu_rate = _capacity_guess(gpu_inputs, num_cores, progress) / num_cores
-        gpu_fleet = _fleet(sizing, gpu_inputs, gpu_rate, share, num_cores, progress)
-        report.data.update(gpu_fleet=gpu_fleet, gpu_band=gpu_cal.band, gpu=gpu_cal.name)
+        slos, gpu_rate = _device_profile(sizing, gpu_inputs, gpu_cal)
+        gpu_inputs = replace(gpu_inputs, slos=slos)
+        # As long a run as the demo's, up to the simulation's time.
+        prompts = min(MAX_GPU_PROMPTS, max(MIN_PROMPTS_PER_CORE, gpu_rate * sizing["run_s"]))
+        gpu_fleet = _fleet(sizing, gpu_inputs, gpu_rate, prompts, share, progress)
+        report.data.update(
+            gpu_fleet=gpu_fleet,
+            gpu_band=gpu_cal.band,
+            gpu=gpu_cal.name,
+            gpu_slos_ms=gpu_inputs.slos,
+        )
         band = gpu_cal.band or 0.0
         report.lines += _fleet_lines(
             f"A GPU fleet: {GPU_MODEL} on {GPU_HARDWARE} (a prediction from the shipped "
             f"calibration {gpu_cal.name}, band ±{band:.0%}: each capacity lies in "
-            "[c/(1+band), c/(1-band)]; this machine's SLOs, loose for a GPU)",
+            "[c/(1+band), c/(1-band)]; SLOs by the demo's rule from the GPU's predicted "
+            f"steps: {_slo_text(gpu_inputs.slos)})",
             gpu_fleet,
             "GPUs",
             band,
@@ -116,7 +136,8 @@ def run_scale(
 def _calibrate(steps: Sequence[Path], path: Path) -> None:
     model, hardware = load_model_spec("SmolLM2-135M"), get_hardware("cpu-local")
     samples = [s for p in steps for s in load_samples(p)]
-    fit = fit_efficiency(CostModel(model, hardware, 1), samples)
+    samples = samples[:: math.ceil(len(samples) / MAX_CALIBRATION_STEPS)]
+    fit = fit_efficiency(CostModel(model, hardware, 1), samples, is_served=True)
     calibration_of(
         fit,
         path.stem,
@@ -249,31 +270,77 @@ def _error(measured: float, predicted: float) -> str:
     return f"{error:+.0%}" + ("" if abs(error) <= GOAL else " (over goal)")
 
 
-def _capacity_guess(inputs: PlanInputs, num_cores: int, progress: Progress) -> float:
-    """A chunked fleet's capacity at `num_cores`: where the GPU fleet's searches start."""
-    layout = Layout(Mode.CHUNKED, 1)
-    return max(1e-3, find_capacity(inputs, layout, num_cores, progress))
+def _device_profile(
+    sizing: dict, inputs: PlanInputs, calibration
+) -> tuple[dict[str, float], float]:
+    """A simulated device's SLOs (ms), by the demo's rule from its predicted prefill and
+    decode step, and its capacity (req/s) by the demo's estimate: each request costs its
+    prefill and its share of batched decode steps."""
+    rule, workload = sizing["slo_rule"], sizing["workload"]
+    d = inputs.deployment
+    cost = CostModel(d.model, d.hardware, 1, efficiency=calibration.efficiency)
+
+    def prefill_s(num_tokens: float) -> float:
+        return cost.step_time((SeqWork(round(num_tokens), 0, True),))
+
+    step_s = cost.step_time((SeqWork(1, rule["batch_context"], True),) * rule["batch"])
+    longest_doc = _high(workload["long_input_len"])
+    slos = {
+        "ttft": round(rule["ttft_prefills"] * prefill_s(longest_doc) * 1000, 1),
+        "tpot": round(rule["tpot_steps"] * step_s * 1000, 1),
+        "max_itl": round(rule["max_itl_steps"] * step_s * 1000, 1),
+    }
+    per_token = step_s / rule["batch"]
+    docs = workload["long_fraction"]
+    mean_cost = sum(
+        share
+        * (
+            prefill_s(_mean(workload[f"{kind}_input_len"]))
+            + _mean(workload[f"{kind}_output_len"]) * per_token
+        )
+        for kind, share in (("long", docs), ("chat", 1 - docs))
+    )
+    return slos, 1 / mean_cost
+
+
+def _slo_text(slos: dict[str, float]) -> str:
+    return ", ".join(f"{name} {value:g} ms" for name, value in slos.items())
+
+
+def _high(lengths: str) -> int:
+    """The top of a workload's "LOW:HIGH" length range."""
+    return int(str(lengths).split(":")[-1])
+
+
+def _mean(lengths: str) -> float:
+    low, _, high = str(lengths).partition(":")
+    return (int(low) + int(high or low)) / 2
 
 
 def _fleet(
     sizing: dict,
     base: PlanInputs,
     per_core_rate: float,
+    per_core_prompts: float,
     share: float,
-    demo_cores: int,
     progress: Progress,
 ) -> dict[str, dict]:
-    """Each fleet size: each mode's best capacity per core (and disagg's split)."""
+    """Each fleet size: each mode's best capacity per core (and disagg's split), with
+    `is_bound` where the search never found a rate the layout misses; every fleet carries
+    `per_core_prompts` requests per core at `base`'s SLOs, the first search starting at
+    `per_core_rate`."""
     hardware = base.deployment.hardware.name
     model = base.deployment.model.name
     calibration = base.deployment.args.calibration
-    per_core_prompts = sizing["workload"]["num_prompts"] / demo_cores
+    guess = dict.fromkeys(MODES, per_core_rate)  # each mode's capacity per core so far
     fleet: dict[str, dict] = {}
     for size in FLEET_SIZES:
-        num_prompts = min(MAX_FLEET_PROMPTS, math.ceil(per_core_prompts * size))
-        inputs = _inputs(sizing, hardware, model, calibration, num_prompts, per_core_rate * size)
+        num_prompts = math.ceil(per_core_prompts * size)
         best: dict[str, dict] = {}
         for mode, layouts in _layouts(sizing, size, share).items():
+            rate = guess[mode] * size
+            inputs = _inputs(sizing, hardware, model, calibration, num_prompts, rate)
+            inputs = replace(inputs, slos=base.slos)
             if base.deployment.hardware.name != "cpu-local":
                 layouts = [_gpu_layout(layout) for layout in layouts]
             for layout in layouts:
@@ -283,7 +350,9 @@ def _fleet(
                         "capacity": capacity,
                         "per_core": capacity / size,
                         "layout": layout.label(size),
+                        "is_bound": capacity >= search_ceiling(inputs),
                     }
+            guess[mode] = best[mode]["per_core"] or per_core_rate
         fleet[str(size)] = best
     return fleet
 
@@ -311,7 +380,7 @@ def _fleet_lines(title: str, fleet: dict[str, dict], unit: str, band: float = 0.
             if entry is None:
                 cells.append("-")
                 continue
-            text = f"{entry['per_core']:.3g}"
+            text = (">=" if entry.get("is_bound") else "") + f"{entry['per_core']:.3g}"
             if band:
                 low, high = entry["per_core"] / (1 + band), entry["per_core"] / (1 - band)
                 text += f" ({low:.3g}-{high:.3g})"
@@ -324,16 +393,34 @@ def _fleet_lines(title: str, fleet: dict[str, dict], unit: str, band: float = 0.
 
 
 def crossing(fleet: dict[str, dict], unit: str) -> str:
-    """Where the best mode per core changes between fleet sizes, or that it never does."""
-    leaders = [(size, max(best, key=lambda m: best[m]["per_core"])) for size, best in fleet.items()]
+    """Where the best mode per core changes between fleet sizes, that it never does, or
+    which sizes a lower bound (a capacity at the search's ceiling) leaves undecided."""
+    open_sizes = [
+        size
+        for size, best in fleet.items()
+        if any(entry.get("is_bound") for entry in best.values())
+    ]
+    decided = {size: best for size, best in fleet.items() if size not in open_sizes}
+    open_note = (
+        f" At {', '.join(open_sizes)} {unit} a capacity reached the search's ceiling (a lower "
+        "bound), so the ranking there is left open."
+        if open_sizes
+        else ""
+    )
+    if not decided:
+        return "The lines cannot be compared:" + open_note
+    leaders = [
+        (size, max(best, key=lambda m: best[m]["per_core"])) for size, best in decided.items()
+    ]
     changes = [
         f"{b} overtakes {a} between {s} and {t} {unit}"
         for (s, a), (t, b) in itertools.pairwise(leaders)
         if a != b
     ]
+    sizes = "every size" if not open_sizes else "every size decided"
     if not changes:
-        return f"The lines do not cross: {leaders[0][1]} leads at every size."
-    return "The lines cross: " + "; ".join(changes) + "."
+        return f"The lines do not cross: {leaders[0][1]} leads at {sizes}." + open_note
+    return "The lines cross: " + "; ".join(changes) + "." + open_note
 
 
 def _plot(cpu: dict[str, dict], gpu: dict[str, dict] | None, path: Path) -> None:

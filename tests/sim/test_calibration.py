@@ -1,8 +1,10 @@
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
+from pdserve.sim import calibration
 from pdserve.sim.calibration import StepSample, fit_efficiency, load_samples, save_samples
 from pdserve.sim.cost_model import CostModel, SeqWork
 from pdserve.sim.efficiency import Efficiency
@@ -117,6 +119,25 @@ def test_disturbed_steps_are_set_aside():
     assert fit.num_outliers == 2
     assert fit.mean_abs_rel_error < 0.02
     assert fit.efficiency.linear_compute == pytest.approx(0.21, rel=0.1)
+
+
+def test_served_steps_keep_their_disturbances_in_the_jitter():
+    """Logged by the runs to re-predict, a slowed step is part of what was measured."""
+    truth = CostModel(SMOL, CPU, efficiency=TRUTH)
+    samples = [StepSample(b, truth.step_time(b)) for b in _batches() * 2]
+    samples[3] = StepSample(samples[3].batch, samples[3].step_s * 8)
+    calibration_run = fit_efficiency(CostModel(SMOL, CPU), samples).efficiency
+    served = fit_efficiency(CostModel(SMOL, CPU), samples, is_served=True).efficiency
+    assert calibration_run.step_jitter[-1] == pytest.approx(1.0, abs=0.05)
+    assert served.step_jitter[-1] == pytest.approx(8.0, rel=0.1)
+
+
+@pytest.mark.parametrize(("shrink", "decay"), [(0.0, 0.0), (0.5, 0.5)])
+def test_jitter_decay_is_how_the_spread_shrinks_with_step_length(shrink, decay):
+    rng = np.random.default_rng(0)
+    step_s = np.repeat([0.03, 0.06, 0.12, 0.24, 0.48], 400)
+    ratios = 1 + rng.normal(0, 0.2, step_s.size) * (0.03 / step_s) ** shrink
+    assert calibration._jitter_decay(ratios, step_s) == pytest.approx(decay, abs=0.08)
 
 
 def test_jitter_records_the_spread_of_measured_around_modelled_steps():

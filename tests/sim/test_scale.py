@@ -30,6 +30,18 @@ def test_the_lines_cross_where_the_best_mode_per_core_changes():
     )
 
 
+def test_a_capacity_at_the_search_ceiling_decides_no_crossing():
+    """A lower bound is no ranking: the size it is at is left open, not read as a lead."""
+    fleet = {
+        "4": {"chunked": {"per_core": 1.0}, "disagg": {"per_core": 2.0}},
+        "8": {"chunked": {"per_core": 16.8, "is_bound": True}, "disagg": {"per_core": 2.1}},
+    }
+    assert scale.crossing(fleet, "cores") == (
+        "The lines do not cross: disagg leads at every size decided. At 8 cores a capacity "
+        "reached the search's ceiling (a lower bound), so the ranking there is left open."
+    )
+
+
 def _demo_dir(tmp_path):
     """What `bench demo` leaves: its sizing, its compare.json rows, its servers' step logs."""
     profile = MachineProfile("colocated", 5.0, (768, 3072), (0.4, 2.0), 0.03, 0.06)
@@ -57,7 +69,7 @@ def _demo_dir(tmp_path):
 @pytest.mark.slow
 def test_scale_repredicts_the_demo_and_sizes_the_fleets(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(scale, "FLEET_SIZES", (4, 8))
-    monkeypatch.setattr(scale, "MAX_FLEET_PROMPTS", 24)
+    monkeypatch.setattr(scale, "MIN_PROMPTS_PER_CORE", 3)
     demo = _demo_dir(tmp_path)
     assert main(["simulate", "scale", str(demo), "--quiet"]) == 0
     printed = capsys.readouterr().out
@@ -69,5 +81,21 @@ def test_scale_repredicts_the_demo_and_sizes_the_fleets(tmp_path, monkeypatch, c
     for size, best in fleet.items():
         assert set(best) == set(scale.MODES)
         assert best["disagg"]["per_core"] == best["disagg"]["capacity"] / int(size)
+        assert not any(entry["is_bound"] for entry in best.values())  # sustained load
     assert printed.count("The lines") == 1  # cross, or not
     assert (demo / "scale.png").is_file() and (demo / "calibration.json").is_file()
+
+
+@pytest.mark.slow
+def test_the_gpu_fleet_is_judged_at_slos_of_its_own_speed(tmp_path, monkeypatch, capsys):
+    """The demo's SLO rule on the GPU's predicted steps: far tighter than this machine's, so
+    the GPU's capacities are found, not left at the search's ceiling."""
+    monkeypatch.setattr(scale, "FLEET_SIZES", (4,))
+    monkeypatch.setattr(scale, "MIN_PROMPTS_PER_CORE", 3)
+    monkeypatch.setattr(scale, "MAX_GPU_PROMPTS", 40)
+    demo = _demo_dir(tmp_path)
+    assert main(["simulate", "scale", str(demo), "--gpu", "--quiet"]) == 0
+    data = json.loads((demo / "scale.json").read_text())
+    cpu_slos = json.loads((demo / "sizing.json").read_text())["slos_ms"]
+    assert all(data["gpu_slos_ms"][name] < cpu_slos[name] / 5 for name in cpu_slos)
+    assert not any(entry["is_bound"] for entry in data["gpu_fleet"]["4"].values())
