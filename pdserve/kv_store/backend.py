@@ -44,7 +44,8 @@ class KVStoreBackend(ABC):
         self, keys: Sequence[bytes], targets: Sequence[Sequence[memoryview]]
     ) -> list[int | None]:
         """Read the value of `keys[i]` into `targets[i]` (views filled in order, whose sizes
-        add up to the length a value should have), in one round trip; returns each value's
+        add up to the length a value should have, the same for every target: one layout),
+        in one round trip; returns each value's
         length (None: absent). A value of another length fills only the first view, as far
         as it goes (its head, to tell what it is), and is reported by its length.
 

@@ -120,7 +120,8 @@ class RedisBackend(KVStoreBackend):
         try:
             connection.send_packed_command(connection.pack_commands([("GET", k) for k in keys]))
             replies = _Replies(connection._sock)
-            return [replies.read_bulk_into(views) for views in targets]
+            value_nbytes = sum(len(v) for v in targets[0])  # every target's (one layout)
+            return [replies.read_bulk_into(views, value_nbytes) for views in targets]
         except TimeoutError:  # the socket's, not redis-py's
             connection.disconnect()
             raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
@@ -170,9 +171,9 @@ class _Replies:
         self._can_scatter = not isinstance(sock, ssl.SSLSocket)
         self._buffer = bytearray()  # received past the last reply line
 
-    def read_bulk_into(self, views: Sequence[memoryview]) -> int | None:
-        """One GET's reply into `views` (see `KVStoreBackend.read_into`): its length, or None
-        for a missing key."""
+    def read_bulk_into(self, views: Sequence[memoryview], value_nbytes: int) -> int | None:
+        """One GET's reply into `views`, of `value_nbytes` in all (see
+        `KVStoreBackend.read_into`): its length, or None for a missing key."""
         line = self._read_line()
         if line == b"_":  # RESP3's null, should a server answer in it
             return None
@@ -184,7 +185,7 @@ class _Replies:
         if length < 0:
             return None
         crlf = memoryview(bytearray(2))
-        if length == sum(len(v) for v in views):
+        if length == value_nbytes:
             self._read_exactly([*views, crlf])
         else:  # not a block's value: its head is enough for the caller to say what it is
             value = memoryview(bytearray(length))
@@ -206,30 +207,32 @@ class _Replies:
         return line
 
     def _read_exactly(self, views: list[memoryview]) -> None:
-        """Fill every view, in order: first from the buffer, then off the socket."""
-        pending = [v for v in views if len(v)]
-        while pending and self._buffer:
-            view = pending[0]
-            n = min(len(view), len(self._buffer))
-            view[:n] = self._buffer[:n]
+        """Fill every view of `views` (which this consumes), in order: first from the buffer,
+        then off the socket."""
+        i = 0  # views[:i] are full; views[i] is what is left of the next one
+        while i < len(views) and self._buffer:
+            n = min(len(views[i]), len(self._buffer))
+            views[i][:n] = self._buffer[:n]
             del self._buffer[:n]
-            _consume(pending, n)
-        while pending:
+            i = _advance(views, i, n)
+        while i < len(views):
             if self._can_scatter:
-                n = self._sock.recvmsg_into(pending[:_MAX_IOV])[0]
+                n = self._sock.recvmsg_into(views[i : i + _MAX_IOV])[0]
             else:
-                n = self._sock.recv_into(pending[0])
+                n = self._sock.recv_into(views[i])
             if not n:
                 raise redis.exceptions.ConnectionError("the server closed the connection")
-            _consume(pending, n)
+            i = _advance(views, i, n)
 
 
-def _consume(pending: list[memoryview], n: int) -> None:
-    """Drop the first `n` bytes' worth of `pending`'s leading views."""
-    i = 0
-    while n and n >= len(pending[i]):
-        n -= len(pending[i])
+def _advance(views: list[memoryview], i: int, n: int) -> int:
+    """`n` more bytes were received into `views` from `views[i]` on: the index of the first
+    view not yet full (what is left of it replacing it)."""
+    while n:
+        size = len(views[i])
+        if n < size:
+            views[i] = views[i][n:]
+            return i
+        n -= size
         i += 1
-    del pending[:i]
-    if n:
-        pending[0] = pending[0][n:]
+    return i
