@@ -424,3 +424,20 @@ def test_a_write_that_never_lands_costs_the_bound_then_a_miss(redis_server, make
     client = redis_server.client()
     assert all(0 < client.pttl(key) <= 30_000 for key in client.keys("pdserve:kv:*"))
     assert client.exists(*reader.keys.keys(seq.blocks)) == 0
+
+
+def test_an_error_reply_mid_read_is_a_miss_and_the_next_read_works(redis_server, make_store):
+    store = make_store(redis_server.url)
+    seq = make_sequence(4)
+    _write_all(store, seq)
+    raw = redis_server.client()
+    key = store.keys.key(seq.blocks[1].block_hash)
+    raw.delete(key)
+    raw.rpush(key, b"not a value")  # GET answers WRONGTYPE between good values
+    assert _fetch(store, seq)[0] == 0
+    assert _errors(store, ErrorKind.SERVER) == 1
+    raw.delete(key)
+    _write_all(store, seq)
+    num_read, dest, dest_ids = _fetch(store, seq)  # a fresh connection, replies in step
+    assert num_read == 4
+    assert blocks_equal(seq.cache, seq.block_ids, dest, dest_ids)
