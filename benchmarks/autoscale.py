@@ -49,7 +49,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench.workloads.trace_file import (
+from pdserve.workload.trace_file import (
     TraceEntry,
     default_trace_path,
     load_trace,

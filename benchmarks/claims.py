@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import median
 
-from pdserve.bench.workloads import TraceWindow, WorkloadOptions, make_workload
 from pdserve.core.config import Mode
 from pdserve.sim.config import PoolConfig, SimConfig, scheduler_config_for
 from pdserve.sim.cost_model import CostModel, SeqWork
@@ -29,6 +28,7 @@ from pdserve.sim.points import load_source
 from pdserve.sim.report import scaled
 from pdserve.sim.simulator import SimResult, simulate
 from pdserve.sim.workload import SimRequestSpec, plan_requests
+from pdserve.workload import TraceWindow, WorkloadOptions, make_workload
 
 # Llama-3-70B's own context is 8,192 tokens; the long-prompt claims need Llama-3.1-70B,
 # which has the same shapes (so the same FLOPs, bytes and KV size) and a 128k context.

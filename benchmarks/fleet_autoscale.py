@@ -30,7 +30,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.bench.workloads.trace_file import default_trace_path, load_trace
 from pdserve.core.config import Mode
 from pdserve.router.autoscale.config import SLO, AutoscaleConfig
 from pdserve.sim.config import PoolConfig, SimAutoscale, SimConfig, scheduler_config_for
@@ -38,6 +37,7 @@ from pdserve.sim.hardware import get_hardware
 from pdserve.sim.model_spec import load_model_spec
 from pdserve.sim.simulator import SimResult, simulate
 from pdserve.sim.workload import SimRequestSpec
+from pdserve.workload.trace_file import default_trace_path, load_trace
 
 
 @dataclass(frozen=True)

@@ -42,18 +42,19 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.bench.benchmark import WARMUP_OUTPUT_LEN, BenchSpec, seeded_rng, summarize
-from pdserve.bench.client import CHAT_COMPLETIONS, EndpointConfig, make_http_client, send_request
-from pdserve.bench.errors import BenchError
-from pdserve.bench.interference import InterferenceConfig
+from pdserve.bench.client import make_http_client, send_request
 from pdserve.bench.launcher import LaunchConfig, launch_server
-from pdserve.bench.metrics import Distribution
-from pdserve.bench.plots import plot_itl_timeline
-from pdserve.bench.prompts import PromptSynthesizer
-from pdserve.bench.records import RequestRecord
 from pdserve.bench.runner import probe_server, warm_up
-from pdserve.bench.tokenizer import load_tokenizer
-from pdserve.bench.workloads.base import BenchRequest, Workload
+from pdserve.workload.base import BenchRequest, Workload
+from pdserve.workload.endpoint import CHAT_COMPLETIONS, EndpointConfig
+from pdserve.workload.errors import BenchError
+from pdserve.workload.interference import InterferenceConfig
+from pdserve.workload.metrics import Distribution
+from pdserve.workload.plots import plot_itl_timeline
+from pdserve.workload.prompts import PromptSynthesizer
+from pdserve.workload.records import RequestRecord
+from pdserve.workload.run import WARMUP_OUTPUT_LEN, BenchSpec, seeded_rng, summarize
+from pdserve.workload.tokenizer import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Targets of issue 4.

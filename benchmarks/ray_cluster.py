@@ -41,13 +41,14 @@ from typing import Any
 import httpx
 import numpy as np
 
-from pdserve.bench.client import EndpointConfig, make_http_client, send_request
-from pdserve.bench.metrics import Distribution
-from pdserve.bench.prompts import PromptSynthesizer
-from pdserve.bench.records import RequestRecord
-from pdserve.bench.tokenizer import load_tokenizer
-from pdserve.bench.workloads.base import BenchRequest
+from pdserve.bench.client import make_http_client, send_request
 from pdserve.fleet import FLEET_SECRET_ENV
+from pdserve.workload.base import BenchRequest
+from pdserve.workload.endpoint import EndpointConfig
+from pdserve.workload.metrics import Distribution
+from pdserve.workload.prompts import PromptSynthesizer
+from pdserve.workload.records import RequestRecord
+from pdserve.workload.tokenizer import load_tokenizer
 
 SECRET = "benchmark-fleet-secret"
 LONG_PROMPT_TOKENS = 3000

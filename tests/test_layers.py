@@ -21,8 +21,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "pdserve"
 LAYERS = (
     ("pdserve.cli", "pdserve"),
     ("pdserve.launch",),
-    ("pdserve.sim",),
-    ("pdserve.bench",),
+    ("pdserve.sim", "pdserve.bench"),
+    ("pdserve.workload",),
     ("pdserve.server", "pdserve.router"),
     ("pdserve.engine", "pdserve.api"),
     ("pdserve.kv_store",),

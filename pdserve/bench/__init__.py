@@ -20,30 +20,30 @@ pdserve's tokenizer is imported only when no tokenizer file is given.
 
 import importlib
 
-# The package's Python API, each name from its module, imported when first asked for: a
-# `pdserve.bench.<module>` import (the simulator's, say) loads that module alone.
+# The package's Python API (the run's data types are `pdserve.workload`'s), each name from its
+# module, imported when first asked for: importing one module loads that module alone.
 _EXPORTS = {
-    "ArrivalProcess": "arrivals",
-    "BenchError": "errors",
-    "BenchResult": "benchmark",
-    "BenchSpec": "benchmark",
-    "CompareResult": "compare",
-    "CompareSpec": "compare",
-    "EndpointConfig": "client",
-    "HFTokenizer": "tokenizer",
-    "InterferenceConfig": "interference",
-    "LaunchConfig": "launcher",
-    "compute_metrics": "metrics",
-    "detect_interference": "interference",
-    "format_summary": "summary",
-    "launch_server": "launcher",
-    "load_tokenizer": "tokenizer",
-    "plan_workload": "benchmark",
-    "run_benchmark": "benchmark",
-    "run_compare": "compare",
-    "save_compare": "compare",
-    "save_results": "results",
-    "write_report": "report",
+    "ArrivalProcess": "pdserve.workload.arrivals",
+    "BenchError": "pdserve.workload.errors",
+    "BenchResult": "pdserve.workload.run",
+    "BenchSpec": "pdserve.workload.run",
+    "CompareResult": "pdserve.bench.compare",
+    "CompareSpec": "pdserve.bench.compare",
+    "EndpointConfig": "pdserve.workload.endpoint",
+    "HFTokenizer": "pdserve.workload.tokenizer",
+    "InterferenceConfig": "pdserve.workload.interference",
+    "LaunchConfig": "pdserve.bench.launcher",
+    "compute_metrics": "pdserve.workload.metrics",
+    "detect_interference": "pdserve.workload.interference",
+    "format_summary": "pdserve.workload.summary",
+    "launch_server": "pdserve.bench.launcher",
+    "load_tokenizer": "pdserve.workload.tokenizer",
+    "plan_workload": "pdserve.workload.run",
+    "run_benchmark": "pdserve.bench.benchmark",
+    "run_compare": "pdserve.bench.compare",
+    "save_compare": "pdserve.bench.compare",
+    "save_results": "pdserve.workload.results",
+    "write_report": "pdserve.workload.report",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -51,4 +51,4 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pdserve.bench' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"pdserve.bench.{_EXPORTS[name]}"), name)
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -15,44 +15,45 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pdserve.bench.arrivals import parse_request_rates
-from pdserve.bench.benchmark import TRACE_WINDOW_STREAM, BenchSpec, run_benchmark, seeded_rng
-from pdserve.bench.client import CHAT_COMPLETIONS, COMPLETIONS, EndpointConfig
+from pdserve.bench.benchmark import run_benchmark
 from pdserve.bench.compare import (
     DEFAULT_MODES,
     CompareResult,
     CompareSpec,
     SavedRuns,
-    format_table,
     judged,
     load_saved,
     run_compare,
     save_compare,
 )
 from pdserve.bench.demo import demo_spec, measure_machine, size_demo
-from pdserve.bench.errors import BenchError
-from pdserve.bench.interference import InterferenceConfig
 from pdserve.bench.launcher import DEFAULT_SERVER_COMMAND, LaunchConfig
-from pdserve.bench.layout import Layout, parse_split, resolve_cores
-from pdserve.bench.metrics import parse_goodput
-from pdserve.bench.report import write_report
-from pdserve.bench.results import save_results
+from pdserve.bench.layout import parse_split, resolve_cores
 from pdserve.bench.search import DEFAULT_ATTAINMENT, RateSearch
-from pdserve.bench.summary import format_summary
-from pdserve.bench.tokenizer import load_tokenizer
-from pdserve.bench.workloads import (
+from pdserve.flags import add_flags
+from pdserve.workload import (
     default_trace_path,
     load_trace,
     make_workload,
     write_trace_jsonl,
 )
-from pdserve.bench.workloads.flags import (
+from pdserve.workload.arrivals import parse_request_rates
+from pdserve.workload.endpoint import CHAT_COMPLETIONS, COMPLETIONS, EndpointConfig
+from pdserve.workload.errors import BenchError
+from pdserve.workload.flags import (
     TRACE_WINDOW_FLAGS,
     WORKLOAD_FLAGS,
     trace_window,
     workload_options,
 )
-from pdserve.flags import add_flags
+from pdserve.workload.interference import InterferenceConfig
+from pdserve.workload.metrics import parse_goodput
+from pdserve.workload.report import write_report
+from pdserve.workload.results import save_results
+from pdserve.workload.run import TRACE_WINDOW_STREAM, BenchSpec, seeded_rng
+from pdserve.workload.summary import format_summary
+from pdserve.workload.table import Layout, format_table
+from pdserve.workload.tokenizer import load_tokenizer
 
 _DESCRIPTION = (
     "Load-test an OpenAI-compatible server (pdserve, vLLM, llama.cpp) with streaming requests "

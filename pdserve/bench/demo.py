@@ -41,20 +41,21 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from pdserve.bench.benchmark import WARMUP_OUTPUT_LEN, WARMUP_PROMPT_LEN, BenchSpec, seeded_rng
-from pdserve.bench.client import EndpointConfig, make_http_client, send_request
+from pdserve.bench.client import make_http_client, send_request
 from pdserve.bench.compare import CompareSpec
-from pdserve.bench.errors import BenchError
-from pdserve.bench.interference import InterferenceConfig
 from pdserve.bench.launcher import LaunchConfig, launch_server
 from pdserve.bench.layout import disagg_split
-from pdserve.bench.prompts import PromptSynthesizer
-from pdserve.bench.records import RequestRecord
 from pdserve.bench.runner import probe_server, warm_up
 from pdserve.bench.search import RateSearch
-from pdserve.bench.tokenizer import TokenizerLike
-from pdserve.bench.workloads import LengthRange, MixedWorkload
-from pdserve.bench.workloads.base import BenchRequest, make_request
+from pdserve.workload import LengthRange, MixedWorkload
+from pdserve.workload.base import BenchRequest, make_request
+from pdserve.workload.endpoint import EndpointConfig
+from pdserve.workload.errors import BenchError
+from pdserve.workload.interference import InterferenceConfig
+from pdserve.workload.prompts import PromptSynthesizer
+from pdserve.workload.records import RequestRecord
+from pdserve.workload.run import WARMUP_OUTPUT_LEN, WARMUP_PROMPT_LEN, BenchSpec, seeded_rng
+from pdserve.workload.tokenizer import TokenizerLike
 
 # The probe: prompts of two lengths (prefill time is linear plus attention's square), and
 # short streams decoding alone and `PROBE_BATCH` at once.

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.bench.errors import BenchError
 from pdserve.redaction import redact_argv
+from pdserve.workload.errors import BenchError
 
 # Placeholders: {python} (this interpreter), {mode}, {host}, {port}.
 DEFAULT_SERVER_COMMAND = (

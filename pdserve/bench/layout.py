@@ -13,28 +13,10 @@ server declares its cores (`--external NAME=URL@CORES`) or is shown but not rank
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
-from pdserve.bench.errors import BenchError
 from pdserve.core.config import Mode
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What one row ran on: `num_engines` engine processes on `num_cores` cores (None: not
-    declared), `description` for the table, `argv` the launched server's flags for it."""
-
-    num_engines: int | None
-    num_cores: int | None
-    description: str
-    argv: tuple[str, ...] = ()
-
-    def to_dict(self) -> dict:
-        return {
-            "num_engines": self.num_engines,
-            "num_cores": self.num_cores,
-            "layout": self.description,
-        }
+from pdserve.workload.errors import BenchError
+from pdserve.workload.table import Layout
 
 
 def machine_cores() -> list[int]:

@@ -12,10 +12,11 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from pdserve.bench.client import EndpointConfig, fetch_models, send_request
-from pdserve.bench.errors import BenchError
-from pdserve.bench.records import RequestRecord
-from pdserve.bench.workloads.base import BenchRequest
+from pdserve.bench.client import fetch_models, send_request
+from pdserve.workload.base import BenchRequest
+from pdserve.workload.endpoint import EndpointConfig
+from pdserve.workload.errors import BenchError
+from pdserve.workload.records import RequestRecord
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,11 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from pdserve.bench.benchmark import BenchResult
-from pdserve.bench.errors import BenchError
-from pdserve.bench.metrics import has_missed_slos
-from pdserve.bench.records import RequestRecord
 from pdserve.bench.runner import STOPPED_EARLY, StopWhen
+from pdserve.workload.errors import BenchError
+from pdserve.workload.metrics import has_missed_slos
+from pdserve.workload.records import RequestRecord
+from pdserve.workload.run import BenchResult
 
 DEFAULT_ATTAINMENT = 0.9
 

@@ -9,7 +9,8 @@ from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, SchedulerCo
 from pdserve.engine.config import DTYPES, KV_FAILURE_POLICIES, QUANTIZATIONS, EngineConfig
 from pdserve.flags import flag
 from pdserve.kv_store.config import KVStoreConfig, read_namespace_secret, read_password
-from pdserve.kv_transfer.config import TRANSPORT_CHOICES, KVRole, KVTransferConfig
+from pdserve.kv_transfer.config import KVRole, KVTransferConfig
+from pdserve.kv_transfer.registry import TRANSPORTS
 from pdserve.model.config import KV_CACHE_DTYPES
 
 # A worker's --role to its part in KV transfer (both: a plain server, no transfer).
@@ -99,7 +100,7 @@ KV_TRANSFER_FLAGS = (
     ),
     flag(
         "--kv-transport",
-        choices=TRANSPORT_CHOICES,
+        choices=TRANSPORTS,
         default=_KV.transport,
         help="how KV blocks move between workers: shared memory (same host), TCP, or auto: "
         "shared memory with workers on this --kv-node-id, TCP with the others",

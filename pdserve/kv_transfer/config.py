@@ -5,11 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdserve.kv_transfer.protocol import TRANSPORT_NAMES
-
-# A worker's --kv-transport: what a sender offers (`TRANSPORT_NAMES`), or "auto": chosen per
-# pair, shared memory with a sender on this worker's node and tcp with the others.
-TRANSPORT_CHOICES = (*TRANSPORT_NAMES, "auto")
+from pdserve.kv_transfer.registry import TRANSPORTS
 
 
 class KVRole(enum.Enum):
@@ -44,10 +40,8 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         if isinstance(self.kv_role, str):
             object.__setattr__(self, "kv_role", KVRole(self.kv_role))
-        if self.transport not in TRANSPORT_CHOICES:
-            raise ValueError(
-                f"transport must be one of {list(TRANSPORT_CHOICES)}, got {self.transport!r}"
-            )
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {list(TRANSPORTS)}, got {self.transport!r}")
         if self.secret == "":
             raise ValueError("secret must not be empty")
         if not (isinstance(self.kv_port, int) and 0 <= self.kv_port <= 65535):
@@ -69,7 +63,7 @@ class KVTransferConfig:
     def needs_shared_cache(self) -> bool:
         """Whether the engine's KV cache must live in shared memory (receivers on this host
         copy straight out of it)."""
-        return self.transport != "tcp"
+        return TRANSPORTS[self.transport].needs_shared_cache
 
     @property
     def advertise_host(self) -> str:

@@ -17,6 +17,7 @@ the lease server's threads, and reach the scheduler only through `get_finished()
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -39,8 +40,9 @@ from pdserve.kv_transfer.blocks import TORCH_DTYPES
 from pdserve.kv_transfer.config import KVRole, KVTransferConfig
 from pdserve.kv_transfer.lease import LeaseManager
 from pdserve.kv_transfer.protocol import KVLayout, KVTransferError, KVTransferParams
-from pdserve.kv_transfer.shm import AutoTransport, SharedKVCache, ShmTransport
-from pdserve.kv_transfer.transport import KVTransport, TcpTransport, TransferStats
+from pdserve.kv_transfer.registry import TRANSPORTS
+from pdserve.kv_transfer.shm import SharedKVCache
+from pdserve.kv_transfer.transport import KVTransport, TransferStats
 
 logger = logging.getLogger(__name__)
 
@@ -61,14 +63,15 @@ def transport_over(
 ) -> KVTransport:
     """The transport that moves KV in and out of `kv_caches`: a shared segment for shm and
     auto (receivers on this host map it), any CPU tensor for tcp."""
+    entry = TRANSPORTS[config.transport]
+    transport_type = getattr(importlib.import_module(entry.module), entry.class_name)
     leases = LeaseManager(config.kv_lease_timeout) if config.is_producer else None
-    if config.transport == "tcp":
+    if not entry.needs_shared_cache:
         cache = kv_caches.tensor if isinstance(kv_caches, SharedKVCache) else kv_caches
-        return TcpTransport(cache, layout, config, leases)
+        return transport_type(cache, layout, config, leases)
     if not isinstance(kv_caches, SharedKVCache):
         raise ValueError(f"the {config.transport!r} KV transport needs a shared-memory cache")
-    shm_transport = AutoTransport if config.transport == "auto" else ShmTransport
-    return shm_transport(kv_caches, layout, config, leases)
+    return transport_type(kv_caches, layout, config, leases)
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from pdserve.kv_transfer.registry import offered_transports
+
 # Bump on any change to `KVTransferParams`, `KVLayout` hashing or the wire format (wire.py).
 KV_TRANSFER_PROTOCOL_VERSION = 1
 
-TRANSPORT_NAMES = ("shm", "tcp")
 
 # dtype name -> bytes per element.
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -369,9 +370,9 @@ def _validate_params_dict(data: Mapping[str, Any], where: str) -> None:
     get_int(data, "first_token_id", where, required=False)
     is_streamed = get_bool(data, "is_streamed", where)
     transport = get_str(data, "transport", where, required=do_remote_prefill)
-    if transport is not None and transport not in TRANSPORT_NAMES:
+    if transport is not None and transport not in offered_transports():
         raise KVProtocolError(
-            f"{where}.transport must be one of {list(TRANSPORT_NAMES)}, got {transport!r}"
+            f"{where}.transport must be one of {list(offered_transports())}, got {transport!r}"
         )
     get_str(data, "shm_name", where, required=do_remote_prefill and transport == "shm")
     if do_remote_prefill:

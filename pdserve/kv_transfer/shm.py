@@ -40,13 +40,13 @@ from pdserve.kv_transfer.blocks import TORCH_DTYPES, copy_blocks
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.kv_transfer.lease import LeaseManager
 from pdserve.kv_transfer.protocol import (
-    TRANSPORT_NAMES,
     KVLayout,
     KVProtocolError,
     KVTransferError,
     KVTransferParams,
     KVTransferUnit,
 )
+from pdserve.kv_transfer.registry import offered_transports
 from pdserve.kv_transfer.transport import KVTransport, RemoteEngine
 
 SHM_DIR = Path("/dev/shm")
@@ -248,7 +248,7 @@ class AutoTransport(ShmTransport):
         return {**super()._params_extra(), "transport": ShmTransport.name}
 
     def _accepts(self, transport: str) -> bool:
-        return transport in TRANSPORT_NAMES
+        return transport in offered_transports()
 
     def _attach(self, remote: RemoteEngine, params: KVTransferParams) -> SharedKVCache | None:
         if params.transport != ShmTransport.name or remote.hello.get("node_id") != self.node_id:

@@ -16,36 +16,67 @@ import argparse
 
 from pdserve.core.config import Mode
 from pdserve.engine.args import ENGINE_FLAGS, KV_STORE_FLAGS, KV_TRANSFER_FLAGS
-from pdserve.flags import add_flags, flag
-from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTING_FLAGS
+from pdserve.flags import add_flags, config_from_args, flag
+from pdserve.kv_store.config import split_password
+from pdserve.launch.config import DeploymentConfig
+from pdserve.launch.deployment import WORKER_FLAGS
+from pdserve.router.cli import (
+    AUTOSCALE_FLAGS,
+    ROUTING_FLAGS,
+    autoscale_config_from_args,
+    router_config_from_args,
+)
 from pdserve.server.cli import SERVER_FLAGS, run_server
 
+_D = DeploymentConfig
 DISAGG_FLAGS = (
-    flag("--prefill-workers", type=int, default=1),
-    flag("--decode-workers", type=int, default=1),
+    flag(
+        "--prefill-workers",
+        dest="num_prefill_workers",
+        type=int,
+        default=_D.num_prefill_workers,
+        metavar="N",
+    ),
+    flag(
+        "--decode-workers",
+        dest="num_decode_workers",
+        type=int,
+        default=_D.num_decode_workers,
+        metavar="N",
+    ),
     flag(
         "--worker-base-port",
         type=int,
-        default=None,
+        default=_D.worker_base_port,
         help="workers listen on consecutive ports from here (default: free ports)",
     ),
     flag(
         "--worker-log-dir",
-        default=None,
+        default=_D.worker_log_dir,
         help="one log file per worker (default: a new temporary directory)",
     ),
-    flag("--startup-timeout", type=float, default=600.0, metavar="SECONDS"),
-    flag("--worker-args", default="", help="extra flags for every worker, one shell-quoted string"),
+    flag(
+        "--startup-timeout",
+        dest="startup_timeout_s",
+        type=float,
+        default=_D.startup_timeout_s,
+        metavar="SECONDS",
+    ),
+    flag(
+        "--worker-args",
+        default=_D.worker_args,
+        help="extra flags for every worker, one shell-quoted string",
+    ),
     # One pool's flags come after --worker-args, so they win.
     flag(
         "--prefill-worker-args",
-        default="",
+        default=_D.prefill_worker_args,
         metavar="FLAGS",
         help="extra flags for prefill workers only, e.g. '--max-num-batched-tokens 2048'",
     ),
     flag(
         "--decode-worker-args",
-        default="",
+        default=_D.decode_worker_args,
         metavar="FLAGS",
         help="extra flags for decode workers only, e.g. '--max-num-batched-tokens 128' "
         "to chunk their local prefills finely",
@@ -55,7 +86,7 @@ REPLICA_FLAGS = (
     flag(
         "--data-parallel-size",
         type=int,
-        default=1,
+        default=_D.data_parallel_size,
         metavar="N",
         help="colocated/chunked: N engine processes, each on its own cores, behind the router "
         "(its routing policies, health checks, /workers, /metrics); 1: one server, no router",
@@ -64,7 +95,7 @@ REPLICA_FLAGS = (
 CLUSTER_FLAGS = (
     flag(
         "--cluster",
-        default=None,
+        default=_D.cluster,
         metavar="ray|ray:local|ray:ADDRESS",
         help="place the workers on a Ray cluster: 'ray' joins $RAY_ADDRESS (else the one "
         "started on this machine), 'ray:ADDRESS' that one (e.g. ray:ray://head:10001), "
@@ -72,21 +103,21 @@ CLUSTER_FLAGS = (
     ),
     flag(
         "--prefill-worker-resources",
-        default=None,
+        default=_D.prefill_worker_resources,
         metavar="JSON",
         help="Ray resources each prefill worker asks for, e.g. '{\"CPU\": 2}' "
         "(default: 1 CPU); its torch threads are its CPUs",
     ),
     flag(
         "--decode-worker-resources",
-        default=None,
+        default=_D.decode_worker_resources,
         metavar="JSON",
         help='Ray resources each decode worker asks for, e.g. \'{"CPU": 1, "GPU": 1}\'',
     ),
     flag(
         "--placement-strategy",
         choices=("pack", "spread", "strict_pack", "strict_spread"),
-        default=None,
+        default=_D.placement_strategy,
         help="place the first workers in one Ray placement group with this strategy "
         "(spread: the pools on different nodes where it can); default: wherever Ray "
         "finds the resources",
@@ -94,7 +125,7 @@ CLUSTER_FLAGS = (
     flag(
         "--worker-auth",
         action=argparse.BooleanOptionalAction,
-        default=None,
+        default=_D.worker_auth,
         help="workers answer only their deployment: a secret ($PDSERVE_FLEET_SECRET, or a new "
         "one) guards their HTTP API (Bearer) and KV port (HMAC); default: on with "
         "--cluster, off on one host",
@@ -126,16 +157,31 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--autoscale sizes the pools of --mode disagg")
         if args.data_parallel_size == 1 and args.cluster is None:
             return run_server(args)
-    if args.cluster is None:
-        for name in ("prefill_worker_resources", "decode_worker_resources", "placement_strategy"):
-            if getattr(args, name) is not None:
-                flag_name = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag_name} places workers on a cluster: give --cluster too")
+    deployment = deployment_config_from_args(args)
     # The deployment's modules only when it is one (Ray only when asked for).
-    if args.cluster is not None:
+    if deployment.cluster is not None:
         from pdserve.launch.ray_cluster import launch_on_ray
 
-        return launch_on_ray(args)
+        return launch_on_ray(deployment)
     from pdserve.launch.local import launch_local
 
-    return launch_local(args)
+    return launch_local(deployment)
+
+
+def deployment_config_from_args(args: argparse.Namespace) -> DeploymentConfig:
+    """The deployment `serve`'s flags describe: the one parse, at the command line's edge."""
+    given = {option.dest: getattr(args, option.dest) for option in WORKER_FLAGS}
+    if args.kv_store is not None:  # its password goes in the environment (`worker_secrets`)
+        given["kv_store"] = split_password(args.kv_store)[0]
+    return config_from_args(
+        DeploymentConfig,
+        args,
+        (*DISAGG_FLAGS, *REPLICA_FLAGS, *CLUSTER_FLAGS, *KV_STORE_FLAGS),
+        mode=Mode(args.mode),
+        router=router_config_from_args(args, (), ()),
+        worker_flags=tuple(arg for o in WORKER_FLAGS for arg in o.argv(given[o.dest])),
+        autoscale=autoscale_config_from_args(args),
+        model=args.model,
+        step_log=args.step_log,
+        kv_transport=args.kv_transport,
+    )

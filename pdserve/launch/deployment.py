@@ -1,27 +1,23 @@
 """What every deployment behind a router shares (`--mode disagg`, or replicas of
 `--mode colocated|chunked --data-parallel-size N`), on one host or on a cluster.
 
-`WORKER_FLAGS`, the flags a worker is started with (and `worker_argv`, their values from the
-command line); the pools' initial sizes (`initial_roles`), each worker's own step log; and
+`WORKER_FLAGS`, the flags a worker is started with (`DeploymentConfig.worker_flags` holds
+their values from the command line); each worker's own step log and secrets; and
 `run_deployment`, which starts the workers, runs the router in this process until
 SIGINT/SIGTERM and stops them. The one-host launcher (`launch.local`) and the Ray placement
-(`launch.ray_cluster`) both build on it; `launch.cli` picks between them.
-"""
+(`launch.ray_cluster`) both build on it; `launch.cli` picks between them."""
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import contextlib
 import logging
-import shlex
 import signal
 import socket
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from pdserve.core.config import Mode
 from pdserve.engine.args import ENGINE_FLAGS, KV_STORE_FLAGS, KV_TRANSFER_FLAGS
 from pdserve.fleet import FLEET_SECRET_ENV
 from pdserve.kv_store.config import (
@@ -31,11 +27,11 @@ from pdserve.kv_store.config import (
     read_password,
     split_password,
 )
-from pdserve.launch.worker_group import WorkerStartupError
+from pdserve.launch.config import DeploymentConfig
+from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
 from pdserve.router.autoscale.config import AutoscaleConfig
-from pdserve.router.cli import autoscale_config_from_args, serve_router
+from pdserve.router.cli import serve_router
 from pdserve.router.config import RouterConfig
-from pdserve.router.policies import PoolRole
 from pdserve.router.provision import Provisioner
 from pdserve.router.runtime import Discover
 from pdserve.router.tokenizer import LocalTokenizer, PromptTokenizer
@@ -64,39 +60,15 @@ WORKER_FLAGS = tuple(
 )
 
 
-def is_replicated(args: argparse.Namespace) -> bool:
-    """Whether the deployment's workers are replicas (whole servers of `--mode`), not pools
-    of a disaggregated one."""
-    return args.mode != Mode.DISAGG.value
-
-
-def role_argv(args: argparse.Namespace, role: str) -> list[str]:
-    """What makes a worker what it is: a replica is a plain server of the deployment's mode,
-    a disaggregated worker a `--role prefill|decode` server."""
-    return ["--mode", args.mode] if is_replicated(args) else ["--role", role]
-
-
-def worker_argv(args: argparse.Namespace, role: str) -> list[str]:
-    """The flags each `role` worker is started with besides its role, address, threads and
-    step log: `WORKER_FLAGS` the user gave, then --worker-args, then the pool's own (a
-    disaggregated worker's; the last of a flag given twice wins)."""
-    given = {option.dest: getattr(args, option.dest) for option in WORKER_FLAGS}
-    if args.kv_store is not None:  # its password goes in the environment (`worker_secrets`)
-        given["kv_store"] = split_password(args.kv_store)[0]
-    forwarded = [arg for option in WORKER_FLAGS for arg in option.argv(given[option.dest])]
-    pool_args = "" if is_replicated(args) else getattr(args, f"{role}_worker_args")
-    return [*forwarded, *shlex.split(args.worker_args), *shlex.split(pool_args)]
-
-
-def kv_store_secrets(args: argparse.Namespace) -> dict[str, str]:
+def kv_store_secrets(deployment: DeploymentConfig) -> dict[str, str]:
     """The store's secrets a deployment's workers get in their environment (by variable),
     never in argv: its password (the URL's, the file's or `$PDSERVE_KV_STORE_PASSWORD`) and
     its namespace's secret."""
-    if args.kv_store is None:
+    if deployment.kv_store is None:
         return {}
-    password = split_password(args.kv_store)[1]
+    password = split_password(deployment.kv_store)[1]
     if password is None:
-        password = read_password(args.kv_store_password_file)
+        password = read_password(deployment.kv_store_password_file)
     else:
         logger.warning(
             "--kv-store's password is in this process's argv, which every user of the host "
@@ -106,7 +78,9 @@ def kv_store_secrets(args: argparse.Namespace) -> dict[str, str]:
         )
     secrets = {
         KV_STORE_PASSWORD_ENV: password,
-        KV_STORE_NAMESPACE_SECRET_ENV: read_namespace_secret(args.kv_store_namespace_secret_file),
+        KV_STORE_NAMESPACE_SECRET_ENV: read_namespace_secret(
+            deployment.kv_store_namespace_secret_file
+        ),
     }
     return {name: value for name, value in secrets.items() if value}
 
@@ -121,8 +95,48 @@ def worker_secrets(fleet_secret: str | None, kv_store_secrets: Mapping[str, str]
     return {**kv_store_secrets, **({FLEET_SECRET_ENV: fleet_secret} if fleet_secret else {})}
 
 
+def worker_command(
+    name: str,
+    role_argv: Sequence[str],
+    argv: Sequence[str],
+    address: tuple[str, int],
+    num_threads: int,
+    step_log: str | None,
+    node_argv: Sequence[str] = (),
+) -> tuple[str, ...]:
+    """One worker's ``pdserve serve`` command: what makes it what it is (`role_argv`), its
+    address and threads, the deployment's flags for it (`argv`), its own step log, then
+    `node_argv`, flags of the node it runs on (they win: they come last)."""
+    host, port = address
+    return (
+        *(sys.executable, "-m", "pdserve.cli", "serve", *role_argv),
+        *("--host", host, "--port", str(port), "--num-threads", str(num_threads)),
+        *argv,
+        *step_log_flags(step_log, name),
+        *node_argv,
+    )
+
+
+def worker_process(
+    spec: WorkerSpec,
+    fleet_secret: str | None,
+    kv_store_secrets: Mapping[str, str],
+    env: Mapping[str, str] | None = None,
+    **options,
+) -> WorkerGroup:
+    """The process of one worker: its secrets in its environment (`worker_secrets`), besides
+    `env`, and none this process holds (nor the user's API key: workers answer only the
+    router, which checks it); `options` as `WorkerGroup` takes them."""
+    return WorkerGroup(
+        [spec],
+        unset_env=("PDSERVE_API_KEY", *WORKER_SECRETS),
+        env={**(env or {}), **worker_secrets(fleet_secret, kv_store_secrets)},
+        **options,
+    )
+
+
 def run_deployment(
-    args: argparse.Namespace,
+    deployment: DeploymentConfig,
     config: RouterConfig,
     start: Callable[[], None],
     stop: Callable[[], None],
@@ -137,9 +151,12 @@ def run_deployment(
     with _sigterm_raises_shutdown():
         try:
             tokenizer = (
-                _load_tokenizer_while(start, args.model) if config.needs_token_ids else start()
+                _load_tokenizer_while(start, deployment.model)
+                if config.needs_token_ids
+                else start()
             )
-            print(f"pdserve {args.mode}: serving on http://{config.host}:{config.port}", flush=True)
+            mode = deployment.mode.value
+            print(f"pdserve {mode}: serving on http://{config.host}:{config.port}", flush=True)
             serve_router(config, tokenizer, provisioner, autoscale, discover)
         except WorkerStartupError as exc:
             print(f"pdserve serve --mode disagg: {exc}", file=sys.stderr)
@@ -149,21 +166,6 @@ def run_deployment(
         finally:
             stop()
     return 0
-
-
-def initial_roles(args: argparse.Namespace) -> list[str]:
-    """Prefill workers then decode workers; with --autoscale within the pools' bounds.
-    Replicas serve whole requests: they are the router's decode pool."""
-    if is_replicated(args):
-        return ["decode"] * args.data_parallel_size
-    num_prefill, num_decode = args.prefill_workers, args.decode_workers
-    if num_prefill < 0 or num_decode < 1:
-        raise ValueError("--decode-workers must be >= 1 and --prefill-workers >= 0")
-    bounds = autoscale_config_from_args(args)
-    if bounds is not None:
-        num_prefill = bounds.clamp(PoolRole.PREFILL, num_prefill)
-        num_decode = bounds.clamp(PoolRole.DECODE, num_decode)
-    return ["prefill"] * num_prefill + ["decode"] * num_decode
 
 
 def step_log_flags(path: str | None, worker_name: str) -> list[str]:

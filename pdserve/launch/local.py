@@ -1,12 +1,12 @@
 """One-command serving with a router on one host: `pdserve serve --mode disagg`, or
 `--mode colocated|chunked --data-parallel-size N`.
 
-`launch_local(args)` starts N prefill and M decode workers (``pdserve serve --role ...``), or
+`launch_local(deployment)` starts N prefill and M decode workers (``pdserve serve --role ...``), or
 N replicas (``pdserve serve --mode colocated|chunked``: the router's decode pool, each
 serving whole requests), as separate processes, each pinned to its own cores with one torch
 thread per core, waits until all answer /health, then runs the router in this process until
 SIGINT/SIGTERM and stops every child. A worker that dies during startup stops the rest; the
-launcher exits 1 with its log tail. Workers get the flags `launch.deployment.worker_argv`
+launcher exits 1 with its log tail. Workers get the flags `DeploymentConfig.worker_argv`
 gives them, plus their own role, loopback address, thread count and step log (one file per
 worker, named after it), and with `--worker-auth` the deployment's fleet secret in their
 environment (`pdserve.fleet`). A replica gets the same, without `--decode-worker-args` (that
@@ -22,7 +22,6 @@ Ray one too) is `launch.deployment`.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -33,54 +32,49 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.fleet import deployment_secret
+from pdserve.launch.config import DeploymentConfig
 from pdserve.launch.deployment import (
     WORKER_HOST,
-    WORKER_SECRETS,
     free_port,
-    initial_roles,
-    is_replicated,
     kv_store_secrets,
-    role_argv,
     run_deployment,
-    step_log_flags,
-    worker_argv,
-    worker_secrets,
+    worker_command,
+    worker_process,
 )
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
-from pdserve.router.cli import autoscale_config_from_args, router_config_from_args
 from pdserve.router.provision import WorkerHandle
 
 logger = logging.getLogger("pdserve.launch")
 
 
-def launch_local(args: argparse.Namespace) -> int:
+def launch_local(deployment: DeploymentConfig) -> int:
     """Run the deployment until SIGINT/SIGTERM; 0 after a clean stop, 1 if startup failed."""
-    specs = plan_workers(args)
-    slots = core_slots(args, len(specs))
-    autoscale = autoscale_config_from_args(args, room=len(slots))
+    specs = plan_workers(deployment)
+    slots = core_slots(deployment, len(specs))
+    bounds = deployment.autoscale
+    autoscale = None if bounds is None else bounds.within(len(slots))
     # Workers listen on loopback, so a secret is opt-in here (--worker-auth).
-    secret = deployment_secret() if args.worker_auth else None
-    config = router_config_from_args(
-        args,
-        [s.url for s in specs if s.role == "prefill"],
-        [s.url for s in specs if s.role == "decode"],
+    secret = deployment_secret() if deployment.worker_auth else None
+    config = deployment.router_config(
+        tuple(s.url for s in specs if s.role == "prefill"),
+        tuple(s.url for s in specs if s.role == "decode"),
         secret,
     )
-    provisioner = LocalProvisioner(args, specs, slots, secret)
-    _print_plan(args, specs)
+    provisioner = LocalProvisioner(deployment, specs, slots, secret)
+    _print_plan(deployment, specs)
 
     def start() -> None:
         provisioner.start_initial()
-        provisioner.wait_healthy(args.startup_timeout)
+        provisioner.wait_healthy(deployment.startup_timeout_s)
 
-    return run_deployment(args, config, start, provisioner.stop_all, provisioner, autoscale)
+    return run_deployment(deployment, config, start, provisioner.stop_all, provisioner, autoscale)
 
 
-def core_slots(args: argparse.Namespace, num_initial: int) -> list[tuple[int, ...]]:
+def core_slots(deployment: DeploymentConfig, num_initial: int) -> list[tuple[int, ...]]:
     """The cores of each worker the deployment may run at once: one slot per initial worker,
     or with --autoscale one per worker the pools may grow to, at most one per core."""
     cores = sorted(os.sched_getaffinity(0))
-    bounds = autoscale_config_from_args(args)
+    bounds = deployment.autoscale
     if bounds is None:
         return assign_cores(cores, num_initial)
     num_slots = min(bounds.total_limit, len(cores))
@@ -96,24 +90,24 @@ def core_slots(args: argparse.Namespace, num_initial: int) -> list[tuple[int, ..
     return assign_cores(cores, max(num_slots, 1))
 
 
-def plan_workers(args: argparse.Namespace) -> list[WorkerSpec]:
+def plan_workers(deployment: DeploymentConfig) -> list[WorkerSpec]:
     """The initial workers, prefill then decode: ports, cores, commands and log files."""
-    roles = initial_roles(args)
-    slots = core_slots(args, len(roles))
-    log_dir = Path(args.worker_log_dir or tempfile.mkdtemp(prefix="pdserve-disagg-"))
+    roles = deployment.initial_roles()
+    slots = core_slots(deployment, len(roles))
+    log_dir = Path(deployment.worker_log_dir or tempfile.mkdtemp(prefix="pdserve-disagg-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     counts = {"prefill": 0, "decode": 0}
     specs = []
     for slot, role in enumerate(roles):
         name = f"{role}-{counts[role]}"
         counts[role] += 1
-        port = _worker_port(args.worker_base_port, slot)
-        specs.append(worker_spec(args, role, name, port, slots[slot], log_dir))
+        port = _worker_port(deployment.worker_base_port, slot)
+        specs.append(worker_spec(deployment, role, name, port, slots[slot], log_dir))
     return specs
 
 
 def worker_spec(
-    args: argparse.Namespace,
+    deployment: DeploymentConfig,
     role: str,
     name: str,
     port: int,
@@ -122,20 +116,13 @@ def worker_spec(
 ) -> WorkerSpec:
     """One worker's command: ``pdserve serve --role ROLE`` (a replica: ``--mode MODE``) on
     loopback, pinned to `cores`."""
-    command = (
-        sys.executable,
-        "-m",
-        "pdserve.cli",
-        "serve",
-        *role_argv(args, role),
-        "--host",
-        WORKER_HOST,
-        "--port",
-        str(port),
-        "--num-threads",
-        str(len(cores)),
-        *worker_argv(args, role),
-        *step_log_flags(args.step_log, name),
+    command = worker_command(
+        name,
+        deployment.role_argv(role),
+        deployment.worker_argv(role),
+        (WORKER_HOST, port),
+        len(cores),
+        deployment.step_log,
     )
     return WorkerSpec(name, role, port, cores, command, log_dir / f"{name}.log")
 
@@ -160,13 +147,14 @@ class LocalProvisioner:
 
     def __init__(
         self,
-        args: argparse.Namespace,
+        deployment: DeploymentConfig,
         initial: Sequence[WorkerSpec],
         slots: Sequence[tuple[int, ...]],
         secret: str | None = None,
     ) -> None:
-        self._args = args
-        self._env = worker_secrets(secret, kv_store_secrets(args))
+        self._deployment = deployment
+        self._secret = secret
+        self._kv_store_secrets = kv_store_secrets(deployment)
         self._slots = list(slots)
         self._log_dir = initial[0].log_path.parent if initial else Path(tempfile.mkdtemp())
         self._lock = threading.Lock()
@@ -196,12 +184,12 @@ class LocalProvisioner:
                 raise WorkerStartupError(f"no free cores for another {role} worker")
             name = f"{role}-{self._counts[role]}"
             self._counts[role] += 1
-            port = _worker_port(self._args.worker_base_port, slot)
-            spec = worker_spec(self._args, role, name, port, self._slots[slot], self._log_dir)
+            port = _worker_port(self._deployment.worker_base_port, slot)
+            spec = worker_spec(self._deployment, role, name, port, self._slots[slot], self._log_dir)
             child = self._children[name] = _Child(spec, self._group(spec), slot)
         try:
             child.group.start()
-            child.group.wait_healthy(self._args.startup_timeout)
+            child.group.wait_healthy(self._deployment.startup_timeout_s)
         except BaseException:
             self.stop_worker(name)
             raise
@@ -231,12 +219,7 @@ class LocalProvisioner:
             child.group.stop()
 
     def _group(self, spec: WorkerSpec) -> WorkerGroup:
-        # Workers listen on loopback behind the router, which alone checks the API key.
-        return WorkerGroup(
-            [spec],
-            unset_env=("PDSERVE_API_KEY", *WORKER_SECRETS),
-            env=self._env,
-        )
+        return worker_process(spec, self._secret, self._kv_store_secrets)
 
     def _used_slots(self) -> set[int]:
         return {c.slot for c in self._children.values() if c.slot is not None}
@@ -273,13 +256,13 @@ def _worker_port(base_port: int | None, slot: int) -> int:
     return base_port + slot if base_port is not None else free_port()
 
 
-def _print_plan(args: argparse.Namespace, specs: list[WorkerSpec]) -> None:
-    kind = f"{args.mode} replica " if is_replicated(args) else ""
+def _print_plan(deployment: DeploymentConfig, specs: list[WorkerSpec]) -> None:
+    mode = deployment.mode.value
+    kind = f"{mode} replica " if deployment.is_replicated else ""
     for spec in specs:
         cores = ",".join(map(str, spec.cores))
         print(
-            f"pdserve {args.mode}: {kind}{spec.name} on {spec.url}, cores {cores}, "
-            f"log {spec.log_path}",
+            f"pdserve {mode}: {kind}{spec.name} on {spec.url}, cores {cores}, log {spec.log_path}",
             file=sys.stderr,
             flush=True,
         )

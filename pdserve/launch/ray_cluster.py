@@ -28,7 +28,6 @@ Ray is imported only here, and only when a cluster is asked for.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import logging
@@ -47,20 +46,15 @@ from typing import Any
 
 from pdserve.flags import MissingExtraError
 from pdserve.fleet import deployment_secret
+from pdserve.launch.config import DeploymentConfig
 from pdserve.launch.deployment import (
-    WORKER_SECRETS,
     free_port,
-    initial_roles,
-    is_replicated,
     kv_store_secrets,
-    role_argv,
     run_deployment,
-    step_log_flags,
-    worker_argv,
-    worker_secrets,
+    worker_command,
+    worker_process,
 )
-from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
-from pdserve.router.cli import autoscale_config_from_args, router_config_from_args
+from pdserve.launch.worker_group import WorkerSpec, WorkerStartupError
 from pdserve.router.provision import WorkerHandle
 
 logger = logging.getLogger("pdserve.launch")
@@ -132,10 +126,10 @@ def num_threads(resources: Mapping[str, float]) -> int:
 
 @dataclass(frozen=True)
 class RayPlan:
-    """What each worker of a pool is started with (`plan_from_args`)."""
+    """What each worker of a pool is started with (`from_deployment`)."""
 
-    # role -> what makes the worker what it is (`launch.deployment.role_argv`), its other
-    # flags (`launch.deployment.worker_argv`)
+    # role -> what makes the worker what it is (`DeploymentConfig.role_argv`), its other
+    # flags (`DeploymentConfig.worker_argv`)
     role_argv: Mapping[str, tuple[str, ...]]
     argv: Mapping[str, tuple[str, ...]]
     resources: Mapping[str, Mapping[str, float]]  # role -> Ray resources
@@ -151,35 +145,29 @@ class RayPlan:
         """The role's resources as a placement-group bundle (zero amounts left out)."""
         return {k: v for k, v in self.resources[role].items() if v > 0}
 
-
-def plan_from_args(args: argparse.Namespace, secret: str | None) -> RayPlan:
-    if args.worker_base_port is not None:
-        raise ValueError(
-            "--worker-base-port is for one host; on a cluster each worker takes a free port "
-            "on its node"
+    @classmethod
+    def from_deployment(cls, deployment: DeploymentConfig, secret: str | None) -> RayPlan:
+        resources = {role: getattr(deployment, f"{role}_worker_resources") for role in ROLES}
+        return cls(
+            role_argv={role: tuple(deployment.role_argv(role)) for role in ROLES},
+            argv={role: tuple(deployment.worker_argv(role)) for role in ROLES},
+            resources={
+                role: parse_resources(text, f"--{role}-worker-resources")
+                for role, text in resources.items()
+            },
+            # Shared memory alone cannot cross nodes: "shm" (the default) becomes "auto".
+            kv_transport=None
+            if deployment.is_replicated
+            else "tcp"
+            if deployment.kv_transport == "tcp"
+            else "auto",
+            startup_timeout_s=deployment.startup_timeout_s,
+            strategy=deployment.placement_strategy,
+            log_dir=deployment.worker_log_dir,
+            step_log=deployment.step_log,
+            secret=secret,
+            kv_store_secrets=kv_store_secrets(deployment),
         )
-    return RayPlan(
-        role_argv={role: tuple(role_argv(args, role)) for role in ROLES},
-        argv={role: tuple(worker_argv(args, role)) for role in ROLES},
-        resources={
-            role: parse_resources(
-                getattr(args, f"{role}_worker_resources"), f"--{role}-worker-resources"
-            )
-            for role in ROLES
-        },
-        # Shared memory alone cannot cross nodes: "shm" (the default) becomes "auto".
-        kv_transport=None
-        if is_replicated(args)
-        else "tcp"
-        if args.kv_transport == "tcp"
-        else "auto",
-        startup_timeout_s=args.startup_timeout,
-        strategy=args.placement_strategy,
-        log_dir=args.worker_log_dir,
-        step_log=args.step_log,
-        secret=secret,
-        kv_store_secrets=kv_store_secrets(args),
-    )
 
 
 class WorkerHost:
@@ -198,29 +186,22 @@ class WorkerHost:
         log_dir.mkdir(parents=True, exist_ok=True)
         port = free_port(host)
         threads = num_threads(plan.resources[role])
-        command = (
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "serve",
-            *plan.role_argv[role],
-            *("--host", host, "--port", str(port)),
-            *("--num-threads", str(threads)),
-            *plan.argv[role],
-            *step_log_flags(plan.step_log, name),
-            # After the user's flags: these are the node's, they win.
-            *self._kv_flags(plan, host),
+        command = worker_command(
+            name,
+            plan.role_argv[role],
+            plan.argv[role],
+            (host, port),
+            threads,
+            plan.step_log,
+            node_argv=self._kv_flags(plan, host),
         )
         # Not pinned: Ray accounts for CPUs, it does not assign cores.
         self.spec = WorkerSpec(name, role, port, (), command, log_dir / f"{name}.log", host)
-        env = {
-            "OMP_NUM_THREADS": str(threads),
-            **worker_secrets(plan.secret, plan.kv_store_secrets),
-        }
-        self._group = WorkerGroup(
-            [self.spec],
-            unset_env=("PDSERVE_API_KEY", *WORKER_SECRETS),
-            env=env,
+        self._group = worker_process(
+            self.spec,
+            plan.secret,
+            plan.kv_store_secrets,
+            env={"OMP_NUM_THREADS": str(threads)},
             death_signal=signal.SIGKILL,
         )
         self._exited = threading.Event()
@@ -526,15 +507,15 @@ def require_ray() -> None:
         ) from None
 
 
-def launch_on_ray(args: argparse.Namespace) -> int:
+def launch_on_ray(deployment: DeploymentConfig) -> int:
     """Run the deployment on the cluster until SIGINT/SIGTERM; 0 after a clean stop, 1 if
     its workers could not start."""
     require_ray()
-    roles = initial_roles(args)  # within the --autoscale bounds
-    address = ray_address(args.cluster)
-    secret = None if args.worker_auth is False else deployment_secret()
-    plan = plan_from_args(args, secret)
-    config = router_config_from_args(args, [], [], secret)
+    roles = deployment.initial_roles()  # within the --autoscale bounds
+    address = ray_address(deployment.cluster)
+    secret = None if deployment.worker_auth is False else deployment_secret()
+    plan = RayPlan.from_deployment(deployment, secret)
+    config = deployment.router_config((), (), secret)
     import ray
 
     connect(address, namespace=f"pdserve-{secrets.token_hex(4)}")
@@ -543,7 +524,8 @@ def launch_on_ray(args: argparse.Namespace) -> int:
     def start() -> None:
         for handle in provisioner.start(roles.count("prefill"), roles.count("decode")):
             print(
-                f"pdserve {args.mode}: {handle.name} on {handle.url}, Ray node {handle.node_id}, "
+                f"pdserve {deployment.mode.value}: {handle.name} on {handle.url}, "
+                f"Ray node {handle.node_id}, "
                 f"log {provisioner.log_path(handle.name)} (on that node)",
                 file=sys.stderr,
                 flush=True,
@@ -555,7 +537,12 @@ def launch_on_ray(args: argparse.Namespace) -> int:
         ray.shutdown()
         logger.info("deployment stopped in %.1fs", time.monotonic() - started)
 
-    autoscale = autoscale_config_from_args(args)
     return run_deployment(
-        args, config, start, stop, provisioner, autoscale, discover=provisioner.workers
+        deployment,
+        config,
+        start,
+        stop,
+        provisioner,
+        deployment.autoscale,
+        discover=provisioner.workers,
     )

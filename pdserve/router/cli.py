@@ -7,7 +7,6 @@ disagg`; every default is its `RouterConfig` field's.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -145,17 +144,11 @@ AUTOSCALE_FLAGS = (
 )
 
 
-def autoscale_config_from_args(
-    args: argparse.Namespace, room: int | None = None
-) -> AutoscaleConfig | None:
-    """The config `AUTOSCALE_FLAGS` give (None without --autoscale); `room`: how many
-    workers the caller can run at once (its cores), when it knows."""
+def autoscale_config_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:
+    """The config `AUTOSCALE_FLAGS` give (None without --autoscale)."""
     if not args.autoscale:
         return None
-    config = config_from_args(AutoscaleConfig, args, AUTOSCALE_FLAGS, slo=SLO.parse(args.slo))
-    if room is not None and room < config.total_limit:
-        config = dataclasses.replace(config, max_workers=room)
-    return config
+    return config_from_args(AutoscaleConfig, args, AUTOSCALE_FLAGS, slo=SLO.parse(args.slo))
 
 
 # The router command's own: its workers, address and key (`serve` has its own of those).

@@ -4,7 +4,7 @@ A discrete-event simulation (`simulator`) runs the real `pdserve.core` scheduler
 manager and KV-connector interface per worker (`worker`, `connector`), and the real
 `pdserve.router` pools, policies, leases and prefix index (`router`), with a physical cost
 model (`cost_model`) in place of the forward pass and a fair-share link model (`transfers`)
-for KV transfers. Results are `pdserve.bench` records and metrics (`report`), so simulated
+for KV transfers. Results are `pdserve.workload` records and metrics (`report`), so simulated
 and measured runs read the same way.
 
 - Catalogs: `hardware`, `network`, `model_spec` (plus any Hugging Face config.json).

@@ -11,9 +11,6 @@ import math
 import sys
 from pathlib import Path
 
-from pdserve.bench.compare import CompareRow, format_table
-from pdserve.bench.report import write_report
-from pdserve.bench.summary import format_summary
 from pdserve.sim.calibration import fit_efficiency, load_samples, save_samples
 from pdserve.sim.cost_model import CostModel
 from pdserve.sim.efficiency import calibration_for
@@ -42,6 +39,9 @@ from pdserve.sim.profile_fit import (
 )
 from pdserve.sim.report import bench_result, format_decisions, result_json, simulate_band
 from pdserve.sim.simulator import simulate
+from pdserve.workload.report import write_report
+from pdserve.workload.summary import format_summary
+from pdserve.workload.table import CompareRow, format_table
 
 
 def add_parsers(subparsers) -> None:
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    deployment = Deployment.from_args(args)
+    deployment = Deployment.from_args(args, with_layout=True)
     planned = workload_from_args(args, deployment.max_model_len)
     slos = slos_from_text(args.goodput)
     calibration = calibration_for(args.calibration, deployment.hardware.name)

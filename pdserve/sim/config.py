@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from pdserve.core.config import CacheConfig, Mode, SchedulerConfig
 from pdserve.router.autoscale.config import AutoscaleConfig
-from pdserve.router.config import KVHandoff, RouterConfig
+from pdserve.router.config import RouterConfig
 from pdserve.sim.efficiency import Efficiency, default_efficiency
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import Hardware
@@ -64,27 +64,23 @@ class SimConfig:
     prefill_pool: PoolConfig | None = None
     # Link between nodes (KV transfers, TP across nodes).
     network: Interconnect = field(default_factory=lambda: get_network("ib-8x400"))
-    # Disagg: prompts with fewer uncached tokens prefill on the decode worker (0: none do),
-    # as the router's --local-prefill-threshold.
-    local_prefill_threshold: int = 0
-    # Disagg: KV pulled after the prefill, or streamed chunk by chunk during it (the
-    # router's --kv-handoff; only what the link cannot hide is on the TTFT, `sim/handoff.py`).
-    kv_handoff: KVHandoff = RouterConfig.kv_handoff
+    # Every worker's KV cache, as the engine takes it: its block size and prefix caching,
+    # and `num_blocks` per worker where given (e.g. to match a real engine).
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    # Without `cache.num_blocks`: True sizes each worker's cache to what its devices' memory
+    # holds after the weights (× `memory_utilization`); False to `cache.kv_cache_memory_gb`
+    # per worker, as the engine does.
+    is_kv_cache_from_memory: bool = True
+    # The router in front, as `pdserve router` takes it: its policies, (disagg) its
+    # local_prefill_threshold and kv_handoff (pulled after the prefill, or streamed chunk by
+    # chunk during it: only what the link cannot hide is on the TTFT, `sim/handoff.py`), and
+    # its health_interval_s, how often it reads the workers' load gauges. Its block_size is
+    # the workers'.
+    router: RouterConfig = field(default_factory=lambda: RouterConfig((), ()))
     efficiency: Efficiency | None = None
     dtype: str = "bf16"
     kv_dtype: str = "bf16"
-    block_size: int = CacheConfig.block_size
-    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     memory_utilization: float = 0.9
-    # Override the KV blocks per worker computed from memory (e.g. to match a real engine):
-    # a block count, or a KV budget in GiB per worker (the engine's --kv-cache-memory-gb).
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float | None = None
-    # The router's policies (pdserve.router.policies names).
-    prefill_policy: str = "least_loaded"
-    decode_policy: str = "least_loaded"
-    # How often the router reads workers' load gauges (its health_interval_s).
-    scrape_interval_s: float = 2.0
     # Client-side cap on requests in flight (the benchmark's --max-concurrency).
     max_concurrency: int | None = None
     # Stop the clock here; requests still in flight are reported incomplete.
@@ -99,16 +95,13 @@ class SimConfig:
             raise SimConfigError(
                 "--prefill-workers/--decode-workers go with --mode disagg (and only with it)"
             )
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise SimConfigError("--num-kv-blocks must be >= 1")
-        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
-            raise SimConfigError("--kv-cache-memory-gb must be positive")
         if not 0 < self.memory_utilization <= 1:
             raise SimConfigError("--memory-utilization must be in (0, 1]")
-        if self.local_prefill_threshold < 0:
-            raise SimConfigError("--local-prefill-threshold must be >= 0")
-        if not self.scrape_interval_s > 0:
-            raise SimConfigError("scrape_interval_s must be positive")
+        if self.router.block_size != self.cache.block_size:
+            raise SimConfigError(
+                f"the router's block_size {self.router.block_size} is not the workers' "
+                f"{self.cache.block_size}"
+            )
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise SimConfigError("--max-concurrency must be >= 1")
         if self.autoscale is not None and self.mode is not Mode.DISAGG:
@@ -135,8 +128,8 @@ class SimConfig:
         if self.mode is Mode.DISAGG:
             pre = self.prefill_pool
             label = f"disagg {pre.num_workers}×TP{pre.tp}:{pool.num_workers}×TP{pool.tp}"
-            if self.local_prefill_threshold:
-                label += f" local<{self.local_prefill_threshold}"
+            if self.router.local_prefill_threshold:
+                label += f" local<{self.router.local_prefill_threshold}"
             budget = pool.scheduler_config.max_num_batched_tokens
             if budget != pre.scheduler_config.max_num_batched_tokens:
                 label += f" decode budget {budget}"

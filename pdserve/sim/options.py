@@ -8,25 +8,14 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pdserve.bench.arrivals import parse_request_rates
-from pdserve.bench.benchmark import TRACE_WINDOW_STREAM, seeded_rng
-from pdserve.bench.errors import BenchError
-from pdserve.bench.metrics import parse_goodput
-from pdserve.bench.workloads import (
-    TraceWorkload,
-    Workload,
-    make_workload,
-)
-from pdserve.bench.workloads.flags import WORKLOAD_FLAGS, workload_options
-from pdserve.bench.workloads.trace_file import TraceEntry
 from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, Mode, SchedulerConfig
 from pdserve.engine.args import ENGINE_FLAGS
 from pdserve.flags import Flag, add_flags
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTING_FLAGS, autoscale_config_from_args
-from pdserve.router.config import KVHandoff
+from pdserve.router.config import KVHandoff, RouterConfig
 from pdserve.sim.config import (
     DEFAULT_STARTUP_S,
     DEFAULT_SWITCH_S,
@@ -41,6 +30,17 @@ from pdserve.sim.hardware import Hardware, get_hardware
 from pdserve.sim.model_spec import ModelSpec, load_model_spec
 from pdserve.sim.network import get_network
 from pdserve.sim.workload import SimRequestSpec, plan_requests, specs_from_bench_result
+from pdserve.workload import (
+    TraceWorkload,
+    Workload,
+    make_workload,
+)
+from pdserve.workload.arrivals import parse_request_rates
+from pdserve.workload.errors import BenchError
+from pdserve.workload.flags import WORKLOAD_FLAGS, workload_options
+from pdserve.workload.metrics import parse_goodput
+from pdserve.workload.run import TRACE_WINDOW_STREAM, seeded_rng
+from pdserve.workload.trace_file import TraceEntry
 
 # On cpu-local the engine's own defaults (core.config) apply. Datacenter defaults: vLLM's
 # chunked budget and sequence cap on large GPUs.
@@ -81,8 +81,8 @@ ENGINE_FLAGS_SIMULATED = (
         "else device memory minus weights)",
     ),
     _reused(ENGINE_FLAGS, "--no-prefix-caching"),
-    _reused(ROUTING_FLAGS, "--prefill-policy", default=SimConfig.prefill_policy),
-    _reused(ROUTING_FLAGS, "--decode-policy", default=SimConfig.decode_policy),
+    _reused(ROUTING_FLAGS, "--prefill-policy", default=RouterConfig.prefill_policy),
+    _reused(ROUTING_FLAGS, "--decode-policy", default=RouterConfig.decode_policy),
     _reused(ROUTING_FLAGS, "--kv-handoff"),
 )
 _BUDGET_HELP = (
@@ -193,30 +193,115 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 
 # ---- deployments -----------------------------------------------------------------------
 @dataclass(frozen=True)
+class LayoutOptions:
+    """`simulate`'s one layout (its layout and autoscaling options; `plan` searches layouts
+    itself)."""
+
+    tp: int = 1
+    num_workers: int = 1
+    max_num_batched_tokens: int | None = None  # None: the device's chunked budget
+    num_prefill_workers: int = 1
+    num_decode_workers: int = 1
+    prefill_tp: int | None = None  # None: `tp`
+    decode_tp: int | None = None
+    decode_max_num_batched_tokens: int | None = None  # None: the prefill pool's budget
+    local_prefill_threshold: int = RouterConfig.local_prefill_threshold
+    horizon_s: float | None = None
+    autoscale: SimAutoscale | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LayoutOptions:
+        return cls(
+            tp=args.tp,
+            num_workers=args.num_workers,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_prefill_workers=args.prefill_workers,
+            num_decode_workers=args.decode_workers,
+            prefill_tp=args.prefill_tp,
+            decode_tp=args.decode_tp,
+            decode_max_num_batched_tokens=args.decode_max_num_batched_tokens,
+            local_prefill_threshold=args.local_prefill_threshold,
+            horizon_s=args.horizon,
+            autoscale=sim_autoscale(args),
+        )
+
+
+@dataclass(frozen=True)
 class Deployment:
-    """Everything but the layout: model, device, links, engine knobs."""
+    """Everything but the layout: model, device, links, engine knobs, parsed once from the
+    command line (`from_args`), the simulated device's defaults resolved."""
 
     model: ModelSpec
     hardware: Hardware
-    args: argparse.Namespace
+    max_num_seqs: int
+    max_model_len: int
+    network: str  # a `sim.network` link name, or Gb/s
+    # The workers' KV cache and the router, as `SimConfig` embeds them.
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    is_kv_cache_from_memory: bool = SimConfig.is_kv_cache_from_memory
+    router: RouterConfig = field(default_factory=lambda: RouterConfig((), ()))
+    calibration: str | None = None  # `Efficiency.load`'s argument; None: the device's default
+    dtype: str = SimConfig.dtype
+    kv_dtype: str = SimConfig.kv_dtype
+    long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold
+    max_num_partial_prefills: int = SchedulerConfig.max_num_partial_prefills
+    memory_utilization: float = SimConfig.memory_utilization
+    seed: int = SimConfig.seed
+    layout: LayoutOptions | None = None  # `simulate`'s (None: `plan`'s, which has none)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Deployment:
-        return cls(load_model_spec(args.model), get_hardware(args.hardware), args)
-
-    @property
-    def max_num_seqs(self) -> int:
-        default = SchedulerConfig.max_num_seqs if is_local_cpu(self.hardware) else GPU_MAX_NUM_SEQS
-        return self.args.max_num_seqs or default
+    def from_args(cls, args: argparse.Namespace, *, with_layout: bool = False) -> Deployment:
+        """`with_layout`: the command has `add_deployment_args`' layout options (`simulate`)."""
+        model, hardware = load_model_spec(args.model), get_hardware(args.hardware)
+        is_local = is_local_cpu(hardware)
+        max_model_len = args.max_model_len or model.max_position_embeddings
+        kv_gb = args.kv_cache_memory_gb
+        if kv_gb is None and args.num_kv_blocks is None and is_local:
+            kv_gb = CacheConfig.kv_cache_memory_gb
+        if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
+            raise SimConfigError("--num-kv-blocks must be >= 1")
+        if kv_gb is not None and not kv_gb > 0:
+            raise SimConfigError("--kv-cache-memory-gb must be positive")
+        try:
+            cache = CacheConfig(
+                args.block_size,
+                args.num_kv_blocks,
+                args.enable_prefix_caching,
+                CacheConfig.kv_cache_memory_gb if kv_gb is None else kv_gb,
+            )
+            router = RouterConfig(
+                (),
+                (),
+                prefill_policy=args.prefill_policy,
+                decode_policy=args.decode_policy,
+                kv_handoff=KVHandoff(args.kv_handoff),
+                block_size=args.block_size,
+            )
+        except ValueError as exc:
+            raise SimConfigError(str(exc)) from None
+        return cls(
+            model,
+            hardware,
+            max_num_seqs=args.max_num_seqs
+            or (SchedulerConfig.max_num_seqs if is_local else GPU_MAX_NUM_SEQS),
+            max_model_len=min(max_model_len, model.max_position_embeddings),
+            network=args.network or ("shm" if is_local else "ib-8x400"),
+            cache=cache,
+            is_kv_cache_from_memory=kv_gb is None,
+            router=router,
+            calibration=args.calibration,
+            dtype=args.dtype,
+            kv_dtype=args.kv_dtype,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            max_num_partial_prefills=args.max_num_partial_prefills,
+            memory_utilization=args.memory_utilization,
+            seed=args.seed,
+            layout=LayoutOptions.from_args(args) if with_layout else None,
+        )
 
     @property
     def default_budget(self) -> int:
         return DEFAULT_CHUNKED_BUDGET if is_local_cpu(self.hardware) else GPU_CHUNKED_BUDGET
-
-    @property
-    def max_model_len(self) -> int:
-        limit = self.args.max_model_len or self.model.max_position_embeddings
-        return min(limit, self.model.max_position_embeddings)
 
     def config(
         self,
@@ -228,11 +313,12 @@ class Deployment:
         prefill: tuple[int, int] | None = None,
         decode: tuple[int, int] | None = None,
         decode_budget: int | None = None,
+        local_prefill_threshold: int = RouterConfig.local_prefill_threshold,
         **overrides,
     ) -> SimConfig:
         """A layout: `num_workers` × `tp` (colocated/chunked), or `prefill`/`decode` as
-        (workers, tp) pools (disagg), the decode pool on `decode_budget` when given."""
-        a = self.args
+        (workers, tp) pools (disagg), the decode pool on `decode_budget` when given, the
+        router's `local_prefill_threshold` (disagg)."""
         if mode is Mode.COLOCATED:
             budget = None  # prompts whole: the scheduler's colocated budget, the context length
         elif budget is None:
@@ -248,8 +334,8 @@ class Deployment:
             budget,
             self.max_num_seqs,
             self.max_model_len,
-            long_prefill_token_threshold=a.long_prefill_token_threshold,
-            max_num_partial_prefills=a.max_num_partial_prefills,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_num_partial_prefills=self.max_num_partial_prefills,
         )
         if mode is Mode.DISAGG:
             decode_sched = (
@@ -260,25 +346,19 @@ class Deployment:
             pool, prefill_pool = PoolConfig(*decode, decode_sched), PoolConfig(*prefill, sched)
         else:
             pool, prefill_pool = PoolConfig(num_workers, tp, sched), None
-        kv_gb = a.kv_cache_memory_gb
-        if kv_gb is None and a.num_kv_blocks is None and is_local_cpu(self.hardware):
-            kv_gb = CacheConfig.kv_cache_memory_gb
-        network = a.network or ("shm" if is_local_cpu(self.hardware) else "ib-8x400")
-        efficiency = Efficiency.load(a.calibration) if a.calibration else None
+        if local_prefill_threshold < 0:
+            raise SimConfigError("--local-prefill-threshold must be >= 0")
+        efficiency = Efficiency.load(self.calibration) if self.calibration else None
         fields = dict(
-            network=get_network(network),
+            network=get_network(self.network),
+            cache=self.cache,
+            is_kv_cache_from_memory=self.is_kv_cache_from_memory,
+            router=replace(self.router, local_prefill_threshold=local_prefill_threshold),
             efficiency=efficiency,
-            dtype=a.dtype,
-            kv_dtype=a.kv_dtype,
-            block_size=a.block_size,
-            enable_prefix_caching=a.enable_prefix_caching,
-            memory_utilization=a.memory_utilization,
-            num_kv_blocks=a.num_kv_blocks,
-            kv_cache_memory_gb=kv_gb,
-            prefill_policy=a.prefill_policy,
-            decode_policy=a.decode_policy,
-            kv_handoff=KVHandoff(a.kv_handoff),
-            seed=a.seed,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
+            memory_utilization=self.memory_utilization,
+            seed=self.seed,
         )
         fields.update(overrides)
         return SimConfig(self.model, self.hardware, mode, pool, prefill_pool, **fields)
@@ -286,18 +366,18 @@ class Deployment:
 
 def layout_config(deployment: Deployment, mode: Mode, **overrides) -> SimConfig:
     """The single layout `simulate`'s layout options describe, for one mode."""
-    a = deployment.args
+    layout = deployment.layout
     return deployment.config(
         mode,
-        tp=a.tp,
-        num_workers=a.num_workers,
-        budget=a.max_num_batched_tokens,
-        prefill=(a.prefill_workers, a.prefill_tp or a.tp),
-        decode=(a.decode_workers, a.decode_tp or a.tp),
-        decode_budget=a.decode_max_num_batched_tokens,
-        local_prefill_threshold=a.local_prefill_threshold,
-        horizon_s=a.horizon,
-        autoscale=sim_autoscale(a) if mode is Mode.DISAGG else None,
+        tp=layout.tp,
+        num_workers=layout.num_workers,
+        budget=layout.max_num_batched_tokens,
+        prefill=(layout.num_prefill_workers, layout.prefill_tp or layout.tp),
+        decode=(layout.num_decode_workers, layout.decode_tp or layout.tp),
+        decode_budget=layout.decode_max_num_batched_tokens,
+        local_prefill_threshold=layout.local_prefill_threshold,
+        horizon_s=layout.horizon_s,
+        autoscale=layout.autoscale if mode is Mode.DISAGG else None,
         **overrides,
     )
 

@@ -15,14 +15,14 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from pdserve.bench.benchmark import BenchResult
-from pdserve.bench.metrics import meets_slos
 from pdserve.core.config import Mode
 from pdserve.sim.cost_model import CostModel
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.layout import Layout
 from pdserve.sim.report import bench_result, scaled
 from pdserve.sim.simulator import SimResult, simulate
+from pdserve.workload.metrics import meets_slos
+from pdserve.workload.run import BenchResult
 
 ATTAINMENT_TARGET = 0.9
 TP_DEGREES = (1, 2, 4, 8)

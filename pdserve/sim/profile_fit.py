@@ -8,14 +8,14 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve.bench.errors import BenchError
-from pdserve.bench.records import RequestRecord
-from pdserve.bench.workloads.profile import profile_points
 from pdserve.sim.calibration import Fit, Measurement, fit_efficiency, fit_link, predict
 from pdserve.sim.cost_model import CostModel
 from pdserve.sim.efficiency import Calibration
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.points import deployment, measurement
+from pdserve.workload.errors import BenchError
+from pdserve.workload.profile import profile_points
+from pdserve.workload.records import RequestRecord
 
 
 def load_profile(path: str | Path) -> tuple[list[dict], dict]:

@@ -1,6 +1,6 @@
 """A simulated run in the benchmark's terms: its metrics code, result JSON and report.
 
-`bench_result` wraps the simulator's per-request records in a `pdserve.bench` `BenchResult`,
+`bench_result` wraps the simulator's per-request records in a `pdserve.workload` `BenchResult`,
 so `result_to_dict`, `write_report` and the compare table treat a simulated run exactly like
 a measured one. `simulation_summary` adds what only a simulation knows: where time went.
 """
@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from pdserve.bench.benchmark import BenchResult, BenchSpec, summarize
-from pdserve.bench.client import EndpointConfig
-from pdserve.bench.metrics import BenchMetrics, compute_metrics
-from pdserve.bench.results import result_to_dict
-from pdserve.bench.workloads import Workload
 from pdserve.sim.config import SimConfig
 from pdserve.sim.efficiency import Calibration
 from pdserve.sim.simulator import SimResult, simulate
 from pdserve.sim.workload import SimRequestSpec
+from pdserve.workload import Workload
+from pdserve.workload.endpoint import EndpointConfig
+from pdserve.workload.metrics import BenchMetrics, compute_metrics
+from pdserve.workload.results import result_to_dict
+from pdserve.workload.run import BenchResult, BenchSpec, summarize
 
 # Result files name the server they measured; a simulation names itself.
 SIMULATED_BASE_URL = "http://simulated"

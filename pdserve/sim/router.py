@@ -4,8 +4,8 @@ prefix index, driven the way its dispatcher drives them.
 Per request (as `pdserve.router.dispatch`): pick a decode worker; a prompt whose uncached
 length there is below the local-prefill threshold (or any prompt when there is no prefill
 pool) goes to it directly; otherwise a prefill worker runs the prefill leg first. Decode load
-comes from the workers' metrics, scraped every `scrape_interval_s`; in-flight counts and
-pending prefill tokens are the router's own exact bookkeeping (leases).
+comes from the workers' metrics, scraped every `RouterConfig.health_interval_s`; in-flight
+counts and pending prefill tokens are the router's own exact bookkeeping (leases).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.router.config import RouterConfig
 from pdserve.router.policies import PoolRole, make_policy
 from pdserve.router.pool import Lease, ScrapedLoad, Worker, WorkerPool, WorkerRegistry, WorkerState
 from pdserve.router.prefix_index import PrefixIndex, PromptInfo
@@ -35,31 +36,24 @@ class SimRouter:
         self,
         prefill: Sequence[SimWorker],
         decode: Sequence[SimWorker],
-        *,
-        prefill_policy: str,
-        decode_policy: str,
-        local_prefill_threshold: int,
-        block_size: int,
+        config: RouterConfig,
     ) -> None:
         # Fed straight from the workers' block managers: their KV events without the wire.
-        self.prefix_index = PrefixIndex(block_size)
+        self.prefix_index = PrefixIndex(config.block_size)
         try:
             pools = [
-                WorkerPool(role, make_policy(name, role), self.prefix_index)
+                WorkerPool(role, make_policy(name, role, config.balance_factor), self.prefix_index)
                 for role, name in (
-                    (PoolRole.PREFILL, prefill_policy),
-                    (PoolRole.DECODE, decode_policy),
+                    (PoolRole.PREFILL, config.prefill_policy),
+                    (PoolRole.DECODE, config.decode_policy),
                 )
             ]
         except ValueError as exc:
             raise SimConfigError(f"--policy: {exc}") from None
         self.registry = WorkerRegistry(*pools)
-        self.local_prefill_threshold = local_prefill_threshold
-        self.block_size = block_size
-        self.needs_token_ids = local_prefill_threshold > 0 or "prefix_aware" in (
-            prefill_policy,
-            decode_policy,
-        )
+        self.local_prefill_threshold = config.local_prefill_threshold
+        self.block_size = config.block_size
+        self.needs_token_ids = config.needs_token_ids
         self._sim_workers: dict[str, SimWorker] = {}
         for role, workers in ((PoolRole.PREFILL, prefill), (PoolRole.DECODE, decode)):
             for worker in workers:

@@ -331,7 +331,7 @@ def _fleet(
     `per_core_rate`."""
     hardware = base.deployment.hardware.name
     model = base.deployment.model.name
-    calibration = base.deployment.args.calibration
+    calibration = base.deployment.calibration
     guess = dict.fromkeys(MODES, per_core_rate)  # each mode's capacity per core so far
     fleet: dict[str, dict] = {}
     for size in FLEET_SIZES:

@@ -14,11 +14,9 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
-from pdserve.bench.records import RequestRecord
-from pdserve.core.config import CacheConfig
 from pdserve.core.request import Request, RequestMetrics
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.config import KVHandoff
@@ -34,6 +32,7 @@ from pdserve.sim.router import Route, SimRouter
 from pdserve.sim.transfers import Channel, Transfer, TransferNetwork
 from pdserve.sim.worker import SimWorker, WorkerStats
 from pdserve.sim.workload import SimRequestSpec
+from pdserve.workload.records import RequestRecord
 
 # Prompt token ids: a request's own tokens start with a unique id, a shared prefix with its
 # group's id, so block hashes match exactly where real prompts would share text.
@@ -119,12 +118,7 @@ class Simulation:
         self.prefill = self._build_pool("prefill", config.prefill_pool)
         self.main = self._build_pool("decode" if config.prefill_pool else "main", config.pool)
         self.router = SimRouter(
-            self.prefill.workers if self.prefill else [],
-            self.main.workers,
-            prefill_policy=config.prefill_policy,
-            decode_policy=config.decode_policy,
-            local_prefill_threshold=config.local_prefill_threshold,
-            block_size=config.block_size,
+            self.prefill.workers if self.prefill else [], self.main.workers, config.router
         )
         self.autoscaler = SimAutoscaler(self, config.autoscale) if config.autoscale else None
 
@@ -152,7 +146,7 @@ class Simulation:
         self._num_workers_made[pool.name] = index + 1
         node = self._next_device // cfg.hardware.devices_per_node
         self._next_device += pool.config.tp
-        cache = CacheConfig(cfg.block_size, pool.num_kv_blocks, cfg.enable_prefix_caching)
+        cache = replace(cfg.cache, num_blocks=pool.num_kv_blocks)
         worker = SimWorker(
             f"{pool.name}-{index}",
             pool.cost_model,
@@ -200,16 +194,16 @@ class Simulation:
         return self._num_open > 0
 
     def _num_kv_blocks(self, cost: CostModel, sched) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        if cfg.kv_cache_memory_gb is not None:
-            num_bytes = cfg.kv_cache_memory_gb * 2**30
-            return max(int(num_bytes // (cost.kv_bytes_per_token * cfg.block_size)), 1)
+        cfg, cache = self.config, self.config.cache
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if not cfg.is_kv_cache_from_memory:
+            num_bytes = cache.kv_cache_memory_gb * 2**30
+            return max(int(num_bytes // (cost.kv_bytes_per_token * cache.block_size)), 1)
         tokens = cost.kv_capacity_tokens(
             sched.max_num_batched_tokens, sched.max_num_seqs, cfg.memory_utilization
         )
-        return max(tokens // cfg.block_size, 1)
+        return max(tokens // cache.block_size, 1)
 
     # ---- event loop --------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -253,7 +247,7 @@ class Simulation:
     def _on_scrape(self, _: object) -> None:
         self.router.scrape()
         if self._num_open:
-            self._push(self.now + self.config.scrape_interval_s, self._on_scrape, None)
+            self._push(self.now + self.config.router.health_interval_s, self._on_scrape, None)
 
     # ---- clients -----------------------------------------------------------------------
     def _on_arrival(self, spec: SimRequestSpec) -> None:
@@ -301,8 +295,9 @@ class Simulation:
         if spec.prompt_len >= max_model_len:
             return f"prompt of {spec.prompt_len} tokens does not fit max_model_len {max_model_len}"
         num_tokens = min(spec.prompt_len + spec.output_len, max_model_len)
+        num_blocks = -(-num_tokens // self.config.cache.block_size)
         for pool in (self.prefill, self.main):
-            if pool is not None and -(-num_tokens // self.config.block_size) > pool.num_kv_blocks:
+            if pool is not None and num_blocks > pool.num_kv_blocks:
                 return (
                     f"{num_tokens} tokens exceed a worker's KV cache ({pool.num_kv_blocks} blocks)"
                 )
@@ -352,7 +347,7 @@ class Simulation:
     def _on_step_done(self, worker: SimWorker) -> None:
         sampled, finished = worker.finish_step()
         if self.prefill is not None and worker in self.prefill.workers:
-            if self.config.kv_handoff is KVHandoff.STREAM:
+            if self.config.router.kv_handoff is KVHandoff.STREAM:
                 for leg in worker.last_scheduled:
                     first_end, num_chunks = self._streams.get(leg.request_id, (self.now, 0))
                     self._streams[leg.request_id] = (first_end, num_chunks + 1)

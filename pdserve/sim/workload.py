@@ -1,4 +1,4 @@
-"""What the simulator serves: request lengths and arrival times, from pdserve.bench's workloads.
+"""What the simulator serves: request lengths and arrival times, from pdserve.workload's workloads.
 
 The benchmark builds requests as text of exact token lengths; the simulator needs only the
 lengths, so it runs the same workload definitions with a synthesizer that writes no text, and
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.bench.benchmark import CONTENT_STREAM, WorkloadPlan, seeded_rng
-from pdserve.bench.errors import BenchError
-from pdserve.bench.workloads import PrefixRepetitionWorkload, Workload
 from pdserve.sim.errors import SimConfigError
+from pdserve.workload import PrefixRepetitionWorkload, Workload
+from pdserve.workload.errors import BenchError
+from pdserve.workload.run import CONTENT_STREAM, WorkloadPlan, seeded_rng
 
 
 @dataclass(frozen=True)

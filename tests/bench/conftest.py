@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.bench.launcher import LaunchConfig, launch_server
-from pdserve.bench.tokenizer import HFTokenizer
+from pdserve.workload.tokenizer import HFTokenizer
 
 
 def _default_gguf() -> Path:

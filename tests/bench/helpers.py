@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.bench.records import RequestRecord
+from pdserve.workload.records import RequestRecord
 
 
 def record(

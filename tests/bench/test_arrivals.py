@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from pdserve.bench.arrivals import ArrivalProcess, parse_request_rates
-from pdserve.bench.errors import BenchError
+from pdserve.workload.arrivals import ArrivalProcess, parse_request_rates
+from pdserve.workload.errors import BenchError
 
 N = 20_000
 

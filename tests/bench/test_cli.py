@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from pdserve.bench import cli
-from pdserve.bench.workloads import load_trace
+from pdserve.workload import load_trace
 from tests.bench.conftest import REPO_ROOT, running_stub
 from tests.bench.test_trace_file import AZURE_ROWS
 

@@ -7,9 +7,10 @@ import json
 import pytest
 
 from pdserve.bench.cli import main
-from pdserve.bench.compare import CompareRow, format_table, recommend
-from pdserve.bench.errors import BenchError
-from pdserve.bench.layout import Layout, disagg_split, mode_layout, parse_external, parse_split
+from pdserve.bench.compare import recommend
+from pdserve.bench.layout import disagg_split, mode_layout, parse_external, parse_split
+from pdserve.workload.errors import BenchError
+from pdserve.workload.table import CompareRow, Layout, format_table
 from tests.bench.conftest import REPO_ROOT, running_stub
 
 SCHEDULE = "--ttft-ms 30 --itl-ms 15 --long-prompt-words 250 --long-ttft-ms 400"
@@ -325,7 +326,7 @@ def test_table_shows_failed_rows():
 def test_saved_single_runs_are_judged_from_their_records(tmp_path, capsys):
     """One bench --save-result file per row, judged like measured runs (other SLOs given
     here), and a file of another tool (numbers only) shown as it is."""
-    from pdserve.bench.results import save_results
+    from pdserve.workload.results import save_results
     from tests.bench.test_report import _result
 
     save_results([_result("a", 1.0, stall=True)], tmp_path / "a.json")
@@ -355,12 +356,12 @@ SECRETS = ("sk-never-saved", "redis-pw", "worker-key", "url-pw")
 def test_compare_json_and_launch_errors_name_no_secret(tmp_path):
     """API keys, passwords and URLs' credentials in the server command never reach
     compare.json or the error printed when a server does not start."""
-    from pdserve.bench.benchmark import BenchSpec
-    from pdserve.bench.client import COMPLETIONS, EndpointConfig
     from pdserve.bench.compare import CompareResult, CompareSpec
-    from pdserve.bench.errors import BenchError
     from pdserve.bench.launcher import LaunchConfig, launch_server
-    from pdserve.bench.workloads import RandomWorkload
+    from pdserve.workload import RandomWorkload
+    from pdserve.workload.endpoint import COMPLETIONS, EndpointConfig
+    from pdserve.workload.errors import BenchError
+    from pdserve.workload.run import BenchSpec
 
     secret_args = ("--api-key", "sk-never-saved", "--kv-store", "redis://tenant:redis-pw@h/0")
     launch = LaunchConfig(

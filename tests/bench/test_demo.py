@@ -16,8 +16,8 @@ from pdserve.bench.demo import (
     MachineProfile,
     size_demo,
 )
-from pdserve.bench.errors import BenchError
 from pdserve.bench.layout import disagg_split
+from pdserve.workload.errors import BenchError
 from tests.bench.conftest import REPO_ROOT
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.errors import BenchError
-from pdserve.bench.interference import (
+from pdserve.workload.errors import BenchError
+from pdserve.workload.interference import (
     RUN_REFERENCE,
     WARMUP_REFERENCE,
     InterferenceConfig,

@@ -8,8 +8,8 @@ import sys
 import httpx
 import pytest
 
-from pdserve.bench.errors import BenchError
 from pdserve.bench.launcher import LaunchConfig, launch_server, stop_process
+from pdserve.workload.errors import BenchError
 from tests.bench.conftest import REPO_ROOT, stub_launch_config
 
 pytestmark = pytest.mark.slow

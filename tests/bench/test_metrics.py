@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from pdserve.bench.errors import BenchError
-from pdserve.bench.metrics import compute_metrics, meets_slos, parse_goodput
+from pdserve.workload.errors import BenchError
+from pdserve.workload.metrics import compute_metrics, meets_slos, parse_goodput
 from tests.bench.helpers import failed, record
 
 

@@ -7,13 +7,13 @@ import math
 
 import pytest
 
-from pdserve.bench.benchmark import BenchSpec, summarize
-from pdserve.bench.client import EndpointConfig
-from pdserve.bench.records import RequestRecord
-from pdserve.bench.report import server_breakdown, write_report
-from pdserve.bench.results import save_results
-from pdserve.bench.summary import format_summary
-from pdserve.bench.workloads import RandomWorkload
+from pdserve.workload import RandomWorkload
+from pdserve.workload.endpoint import EndpointConfig
+from pdserve.workload.records import RequestRecord
+from pdserve.workload.report import server_breakdown, write_report
+from pdserve.workload.results import save_results
+from pdserve.workload.run import BenchSpec, summarize
+from pdserve.workload.summary import format_summary
 from tests.bench.test_interference import _long_prompt, _stream
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -12,11 +12,12 @@ import os
 import numpy as np
 import pytest
 
-from pdserve.bench.benchmark import BenchSpec, run_benchmark
-from pdserve.bench.client import CHAT_COMPLETIONS, COMPLETIONS, EndpointConfig
-from pdserve.bench.errors import BenchError
-from pdserve.bench.workloads import MixedWorkload, RandomWorkload
-from pdserve.bench.workloads.base import LengthRange
+from pdserve.bench.benchmark import run_benchmark
+from pdserve.workload import MixedWorkload, RandomWorkload
+from pdserve.workload.base import LengthRange
+from pdserve.workload.endpoint import CHAT_COMPLETIONS, COMPLETIONS, EndpointConfig
+from pdserve.workload.errors import BenchError
+from pdserve.workload.run import BenchSpec
 from tests.bench.conftest import running_stub
 
 TTFT_MS, ITL_MS, LONG_TTFT_MS = 50.0, 20.0, 300.0

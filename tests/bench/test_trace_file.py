@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdserve.bench.errors import BenchError
-from pdserve.bench.workloads import (
+from pdserve.workload import (
     TraceEntry,
     TraceWindow,
     default_trace_path,
     load_trace,
     write_trace_jsonl,
 )
+from pdserve.workload.errors import BenchError
 
 AZURE_ROWS = [
     ("2023-11-16 18:15:46.6805900", 374, 44),

@@ -7,12 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pdserve.bench.benchmark import WARMUP_OUTPUT_LEN, plan_workload
-from pdserve.bench.errors import BenchError
-from pdserve.bench.prompts import PromptSynthesizer
-from pdserve.bench.tokenizer import HFTokenizer
-from pdserve.bench.words import COMMON_WORDS
-from pdserve.bench.workloads import (
+from pdserve.workload import (
     LengthRange,
     LongContextWorkload,
     MixedWorkload,
@@ -23,6 +18,11 @@ from pdserve.bench.workloads import (
     WorkloadOptions,
     make_workload,
 )
+from pdserve.workload.errors import BenchError
+from pdserve.workload.prompts import PromptSynthesizer
+from pdserve.workload.run import WARMUP_OUTPUT_LEN, plan_workload
+from pdserve.workload.tokenizer import HFTokenizer
+from pdserve.workload.words import COMMON_WORDS
 
 SMALL_MIXED = MixedWorkload(
     num_prompts=20, long_fraction=0.2, long_input_len=LengthRange(1500, 2500)
@@ -30,7 +30,7 @@ SMALL_MIXED = MixedWorkload(
 WORKLOADS = [
     SMALL_MIXED,
     RandomWorkload(num_prompts=20, input_len=300, output_len=50, range_ratio=0.5),
-    PrefixRepetitionWorkload(num_prompts=12, num_prefixes=3, prefix_len=200, suffix_len=40),
+    PrefixRepetitionWorkload(num_prompts=12, num_prefixes=3, prefix_len=200, input_len=40),
     LongContextWorkload(num_prompts=3),
     TraceWorkload(
         (TraceEntry(0.0, 5, prompt_len=700), TraceEntry(1.5, 9, prompt="Hello there, how are you?"))
@@ -172,7 +172,7 @@ def test_registry_builds_by_name_with_defaults_and_overrides():
     )
     assert random_ == RandomWorkload(num_prompts=5, input_len=10, output_len=3)
     prefix = make_workload("prefix-repetition", WorkloadOptions(input_len=7), rng)
-    assert prefix.suffix_len == 7
+    assert prefix.input_len == 7
     with pytest.raises(BenchError, match="--workload: unknown 'nope'"):
         make_workload("nope", WorkloadOptions(), rng)
 
@@ -197,7 +197,7 @@ def test_bad_options_name_the_option(make, option):
 @pytest.mark.slow
 def test_prompts_are_exact_with_pdserves_own_tokenizer():
     pytest.importorskip("pdserve.model.loader")
-    from pdserve.bench.tokenizer import load_tokenizer
+    from pdserve.workload.tokenizer import load_tokenizer
 
     real = load_tokenizer(None)  # the default model's, via pdserve's loader
     plan = plan_workload(SMALL_MIXED, real, seed=0, max_model_len=None)
@@ -211,3 +211,28 @@ def test_warmups_share_no_prefix_block_with_measured_requests(tokenizer):
     firsts = {tuple(tokenizer.encode(r.prompt)[:16]) for r in plan.requests}
     assert not firsts & {tuple(tokenizer.encode(w.prompt)[:16]) for w in plan.warmups}
     assert all(w.output_len == WARMUP_OUTPUT_LEN for w in plan.warmups)
+
+
+@pytest.mark.parametrize("name", ["mixed", "random", "prefix-repetition", "long-context"])
+def test_a_workload_reads_each_option_by_its_own_name(name):
+    """No renaming between the command line's options and a workload's fields: every field an
+    option names takes that option's value."""
+    import dataclasses
+
+    values = {
+        "num_prompts": 7,
+        "input_len": 33,
+        "output_len": 9,
+        "range_ratio": 0.25,
+        "prefix_len": 55,
+        "num_prefixes": 2,
+        "long_fraction": 0.5,
+        "burst_size": 3,
+        "chat_input_len": LengthRange(10, 20),
+        "chat_output_len": LengthRange(11, 21),
+        "long_input_len": LengthRange(300, 400),
+        "long_output_len": LengthRange(12, 22),
+    }
+    workload = make_workload(name, WorkloadOptions(**values), np.random.default_rng(0))
+    read = {f.name for f in dataclasses.fields(workload)} & set(values)
+    assert read and all(getattr(workload, field) == values[field] for field in read)

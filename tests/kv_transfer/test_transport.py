@@ -237,3 +237,48 @@ def test_an_owner_exiting_without_close_unlinks_its_segment():
     name = out.stdout.strip()
     assert name.startswith("pdserve-kv-")
     assert not (SHM_DIR / name).exists()
+
+
+class RenamedTcp(transport_module.TcpTransport):
+    name = "tcp-renamed"
+
+
+def test_a_registered_transport_is_a_choice_the_config_and_the_connector_take():
+    """A new transport is a `KVTransport` and one `register_transport`: `--kv-transport`
+    offers it, the config accepts it, the connector makes it, a sender may offer it."""
+    import argparse
+
+    from pdserve.engine.args import KV_TRANSFER_FLAGS
+    from pdserve.flags import add_flags
+    from pdserve.kv_transfer import registry
+
+    entry = registry.TransportEntry(__name__, "RenamedTcp", needs_shared_cache=False)
+    registry.register_transport(RenamedTcp.name, entry)
+    try:
+        with pytest.raises(ValueError, match="registered already"):
+            registry.register_transport(RenamedTcp.name, entry)
+        parser = argparse.ArgumentParser()
+        add_flags(parser, None, KV_TRANSFER_FLAGS)
+        assert parser.parse_args(["--kv-transport", RenamedTcp.name]).kv_transport == "tcp-renamed"
+        assert RenamedTcp.name in registry.offered_transports()
+        config = KVTransferConfig(transport=RenamedTcp.name, kv_role="kv_consumer")
+        assert not config.needs_shared_cache
+        made = create_kv_transport(config, LAYOUT, NUM_BLOCKS)
+        try:
+            assert type(made) is RenamedTcp
+        finally:
+            made.close()
+    finally:
+        del registry.TRANSPORTS[RenamedTcp.name]
+    with pytest.raises(ValueError, match="transport must be one of"):
+        KVTransferConfig(transport=RenamedTcp.name)
+
+
+def test_the_built_in_transports_are_registered_under_their_names():
+    import importlib
+
+    from pdserve.kv_transfer.registry import TRANSPORTS, offered_transports
+
+    assert list(TRANSPORTS) == ["shm", "tcp", "auto"] and offered_transports() == ("shm", "tcp")
+    for name, entry in TRANSPORTS.items():
+        assert getattr(importlib.import_module(entry.module), entry.class_name).name == name

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+from pdserve.core.config import Mode
 from pdserve.engine.args import (
     ENGINE_FLAGS,
     KV_STORE_FLAGS,
@@ -16,7 +17,12 @@ from pdserve.engine.args import (
     engine_config_from_args,
 )
 from pdserve.kv_store.config import split_password
-from pdserve.launch.cli import CLUSTER_FLAGS, DISAGG_FLAGS, REPLICA_FLAGS
+from pdserve.launch.cli import (
+    CLUSTER_FLAGS,
+    DISAGG_FLAGS,
+    REPLICA_FLAGS,
+    deployment_config_from_args,
+)
 from pdserve.launch.deployment import PER_WORKER_FLAGS, WORKER_FLAGS
 from pdserve.launch.local import plan_workers
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTER_FLAGS, ROUTING_FLAGS
@@ -113,13 +119,11 @@ serve = parser.parse_args(["serve"])
 router = parser.parse_args(["router", "--decode", "http://127.0.0.1:1"])
 simulate = parser.parse_args(["simulate"])
 from pdserve.router.config import RouterConfig
-from pdserve.sim.config import SimConfig
 print(json.dumps({
     "serve": vars(serve),
     "router": vars(router),
     "simulate": vars(simulate),
     "RouterConfig.block_size": RouterConfig.block_size,
-    "SimConfig.block_size": SimConfig.block_size,
 }, default=str))
 """
 
@@ -138,7 +142,7 @@ def test_a_default_changed_in_its_field_shows_in_every_command_line():
     serve, router, simulate = seen["serve"], seen["router"], seen["simulate"]
     assert (serve["max_num_seqs"], serve["max_num_partial_prefills"]) == (7, 3)
     assert (serve["block_size"], router["block_size"], simulate["block_size"]) == (32, 32, 32)
-    assert seen["RouterConfig.block_size"] == seen["SimConfig.block_size"] == 32
+    assert seen["RouterConfig.block_size"] == 32  # SimConfig embeds CacheConfig and RouterConfig
     assert serve["kv_cache_memory_gb"] == 2.5
     assert serve["kv_store_max_gb"] == 7.5
     assert (serve["kv_transport"], serve["kv_lease_timeout"]) == ("tcp", 12.5)
@@ -185,7 +189,7 @@ def test_each_worker_gets_every_flag_the_user_gave_it(tmp_path):
     assert {f.name for f in WORKER_FLAGS} <= set(EVERY_WORKER_FLAG)  # this test stays complete
     argv = [*EVERY_WORKER_FLAG, *LAUNCHER_FLAGS, "--worker-log-dir", str(tmp_path)]
     args = serve_parser().parse_args(argv)
-    workers = plan_workers(args)
+    workers = plan_workers(deployment_config_from_args(args))
     assert [w.role for w in workers] == ["prefill", "prefill", "decode"]
     for worker in workers:
         assert worker.command[3] == "serve"
@@ -238,12 +242,30 @@ def test_routing_and_autoscale_flags_are_named_as_their_config_fields():
     """`config_from_args` maps by name: a flag whose dest is no field would be dropped."""
     import dataclasses
 
+    from pdserve.launch.config import DeploymentConfig
     from pdserve.router.autoscale.config import AutoscaleConfig
     from pdserve.router.config import RouterConfig
 
     for flags, config, own in (
         (ROUTING_FLAGS, RouterConfig, {"policy"}),  # --policy: both pools' default
         (AUTOSCALE_FLAGS, AutoscaleConfig, {"autoscale"}),  # --autoscale: whether at all
+        ((*DISAGG_FLAGS, *REPLICA_FLAGS, *CLUSTER_FLAGS), DeploymentConfig, set()),
     ):
         names = {f.name for f in dataclasses.fields(config)}
         assert {option.dest for option in flags} - names == own
+
+
+def test_a_deployment_is_parsed_once_into_its_config_with_the_fields_defaults():
+    from pdserve.launch.config import DeploymentConfig
+    from pdserve.router.autoscale.config import SLO
+
+    deployment = deployment_config_from_args(serve_parser().parse_args(["--mode", "disagg"]))
+    assert deployment == DeploymentConfig(Mode.DISAGG, deployment.router)
+    assert deployment.router.decode_urls == () and deployment.autoscale is None
+    argv = ["--mode", "disagg", "--autoscale", "--slo", "ttft:500", "--max-workers", "3"]
+    deployment = deployment_config_from_args(serve_parser().parse_args(argv))
+    assert deployment.autoscale.slo == SLO(ttft_s=0.5)
+    assert deployment.autoscale.within(2).total_limit == 2
+    assert deployment.autoscale.within(8) is deployment.autoscale
+    secret_router = deployment.router_config((), ("http://d:1",), "s")
+    assert secret_router.decode_urls == ("http://d:1",) and secret_router.fleet_secret == "s"

@@ -15,6 +15,7 @@ from pdserve.api.signing import FleetAuth
 from pdserve.fleet import FLEET_SECRET_ENV
 from pdserve.kv_transfer import KVAuthError, KVTransferParams
 from pdserve.kv_transfer.client import KVClient, release_lease
+from pdserve.launch.cli import deployment_config_from_args
 from pdserve.launch.local import plan_workers
 from tests.launch.test_launcher import serve_parser
 from tests.router.real_workers import Disagg
@@ -25,7 +26,8 @@ SECRET = "one-host-fleet-secret"
 def test_worker_auth_is_off_on_one_host_unless_asked(tmp_path):
     args = serve_parser().parse_args(["--mode", "disagg", "--worker-log-dir", str(tmp_path)])
     assert args.worker_auth is None  # the launcher reads None as: off here, on a cluster
-    assert all(SECRET not in " ".join(w.command) for w in plan_workers(args))
+    workers = plan_workers(deployment_config_from_args(args))
+    assert all(SECRET not in " ".join(w.command) for w in workers)
 
 
 @pytest.mark.slow

@@ -16,7 +16,8 @@ import pytest
 
 from pdserve.fleet import FLEET_SECRET_ENV
 from pdserve.kv_store.config import KV_STORE_NAMESPACE_SECRET_ENV, KV_STORE_PASSWORD_ENV
-from pdserve.launch.deployment import kv_store_secrets, worker_argv, worker_secrets
+from pdserve.launch.cli import deployment_config_from_args
+from pdserve.launch.deployment import kv_store_secrets, worker_secrets
 from pdserve.launch.local import assign_cores, plan_workers
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
 from tests.router.harness import REPO_ROOT, free_port, wait_until
@@ -75,7 +76,7 @@ def test_workers_get_engine_and_server_flags_but_not_the_launchers():
             "4",
         ]
     )
-    assert worker_argv(args, "decode") == [
+    assert deployment_config_from_args(args).worker_argv("decode") == [
         "--served-model-name",
         "a",
         "b",
@@ -99,14 +100,17 @@ def test_the_store_password_reaches_workers_in_their_environment_never_argv(tmp_
         (in_file, "from-file"),
     ):
         args = serve_parser().parse_args(["--mode", "disagg", *flags])
-        argv = worker_argv(args, "prefill")
-        assert argv == ["--kv-store", "redis://tenant-a@h:6379/0"]
-        assert kv_store_secrets(args) == {KV_STORE_PASSWORD_ENV: password}
+        deployment = deployment_config_from_args(args)
+        assert deployment.worker_argv("prefill") == ["--kv-store", "redis://tenant-a@h:6379/0"]
+        assert kv_store_secrets(deployment) == {KV_STORE_PASSWORD_ENV: password}
     monkeypatch.setenv(KV_STORE_PASSWORD_ENV, "from-env")
     monkeypatch.setenv(KV_STORE_NAMESPACE_SECRET_ENV, "tenant-secret")
     args = serve_parser().parse_args(["--mode", "disagg", "--kv-store", "redis://h:6379/0"])
-    assert worker_argv(args, "decode") == ["--kv-store", "redis://h:6379/0"]
-    assert worker_secrets("fleet", kv_store_secrets(args)) == {
+    assert deployment_config_from_args(args).worker_argv("decode") == [
+        "--kv-store",
+        "redis://h:6379/0",
+    ]
+    assert worker_secrets("fleet", kv_store_secrets(deployment_config_from_args(args))) == {
         FLEET_SECRET_ENV: "fleet",
         KV_STORE_PASSWORD_ENV: "from-env",
         KV_STORE_NAMESPACE_SECRET_ENV: "tenant-secret",
@@ -127,7 +131,7 @@ def test_plan_pins_prefill_then_decode_workers(tmp_path):
             "3",
         ]
     )
-    prefill, decode = plan_workers(args)
+    prefill, decode = plan_workers(deployment_config_from_args(args))
     assert (prefill.name, prefill.port, decode.name, decode.port) == (
         "prefill-0",
         9100,
@@ -155,7 +159,7 @@ def test_role_worker_args_reach_only_that_role_and_win_over_worker_args(tmp_path
             "--max-num-batched-tokens 128",
         ]
     )
-    prefill, decode = plan_workers(args)
+    prefill, decode = plan_workers(deployment_config_from_args(args))
     parsed = {w.role: serve_parser().parse_args(w.command[4:]) for w in (prefill, decode)}
     assert parsed["prefill"].max_num_batched_tokens == 512
     assert parsed["decode"].max_num_batched_tokens == 128
@@ -173,7 +177,8 @@ def test_each_worker_logs_its_steps_to_its_own_file(tmp_path):
             str(tmp_path / "steps.jsonl"),
         ]
     )
-    logs = [w.command[w.command.index("--step-log") + 1] for w in plan_workers(args)]
+    workers = plan_workers(deployment_config_from_args(args))
+    logs = [w.command[w.command.index("--step-log") + 1] for w in workers]
     assert logs == [str(tmp_path / "steps.prefill-0.jsonl"), str(tmp_path / "steps.decode-0.jsonl")]
 
 
@@ -231,11 +236,12 @@ def test_launch_local_exits_1_when_a_worker_cannot_start(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         from tests.launch.test_launcher import serve_parser
+        from pdserve.launch.cli import deployment_config_from_args
         from pdserve.launch.local import launch_local
         args = serve_parser().parse_args([
             "--mode", "disagg", "--worker-log-dir", {str(tmp_path)!r},
             "--worker-args=--no-such-flag", "--startup-timeout", "120"])
-        sys.exit(launch_local(args))
+        sys.exit(launch_local(deployment_config_from_args(args)))
     """)
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=180
@@ -256,6 +262,7 @@ def test_launch_local_serves_through_stub_workers_and_stops_them_on_sigterm(tmp_
         from pathlib import Path
         import pdserve.launch.local as launcher
         from pdserve.launch.worker_group import WorkerSpec
+        from pdserve.launch.cli import deployment_config_from_args
         from tests.launch.test_launcher import serve_parser
 
         def stub(role, port, core):
@@ -268,7 +275,7 @@ def test_launch_local_serves_through_stub_workers_and_stops_them_on_sigterm(tmp_
         launcher.plan_workers = lambda args: [stub("prefill", {prefill_port}, cores[0]),
                                               stub("decode", {decode_port}, cores[-1])]
         args = serve_parser().parse_args(["--mode", "disagg", "--port", "{router_port}"])
-        sys.exit(launcher.launch_local(args))
+        sys.exit(launcher.launch_local(deployment_config_from_args(args)))
     """)
     launcher_process = subprocess.Popen(
         [sys.executable, "-c", script],

@@ -8,11 +8,12 @@ import sys
 
 import pytest
 
+from pdserve.launch.cli import deployment_config_from_args
 from pdserve.launch.ray_cluster import (
+    RayPlan,
     actor_options,
     num_threads,
     parse_resources,
-    plan_from_args,
     ray_address,
 )
 from tests.launch.test_launcher import serve_parser
@@ -58,7 +59,8 @@ def test_bad_resources_name_the_flag(text):
 
 
 def _plan(*flags: str):
-    return plan_from_args(serve_parser().parse_args(["--mode", "disagg", *flags]), SECRET)
+    args = serve_parser().parse_args(["--mode", "disagg", *flags])
+    return RayPlan.from_deployment(deployment_config_from_args(args), SECRET)
 
 
 def test_each_pool_gets_its_flags_resources_and_a_transport_that_crosses_nodes():
@@ -73,7 +75,7 @@ def test_each_pool_gets_its_flags_resources_and_a_transport_that_crosses_nodes()
     assert _plan("--kv-transport", "tcp").kv_transport == "tcp"
     assert plan.secret == SECRET and SECRET not in repr(plan)
     with pytest.raises(ValueError, match="--worker-base-port"):
-        _plan("--worker-base-port", "9000")
+        _plan("--cluster", "ray", "--worker-base-port", "9000")
 
 
 def test_pdserve_imports_without_ray():
@@ -89,7 +91,7 @@ def test_replicas_are_plain_servers_of_their_mode_with_the_decode_pools_resource
             *("--decode-worker-resources", '{"CPU": 2}'),
         ]
     )
-    plan = plan_from_args(args, SECRET)
+    plan = RayPlan.from_deployment(deployment_config_from_args(args), SECRET)
     assert plan.role_argv["decode"] == ("--mode", "chunked")
     assert plan.argv["decode"] == ("--max-num-seqs", "4")  # a disagg decode pool's flags: no
     assert plan.resources["decode"] == {"CPU": 2.0}

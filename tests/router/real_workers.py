@@ -6,6 +6,7 @@ once and the model loads overlap; `wait_healthy()` then waits for each.
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from pathlib import Path
@@ -14,15 +15,70 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.router.harness import ManagedProcess, free_port, http, wait_until
+from tests.router.harness import ManagedProcess, free_port, http, read_sse, stream_text, wait_until
+from tests.router.netns import TwoHosts
 
 # float32 so that comparisons are about the hand-off, not bf16 kernel batch invariance.
 ENGINE_FLAGS = ("--dtype", "float32", "--num-kv-blocks", "256", "--max-num-seqs", "8")
 STARTUP_TIMEOUT_S = 900.0
 
 
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+# Greedy answers this long: compared token for token with the colocated reference's.
+MAX_TOKENS = 12
+WORDS = (
+    *("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven"),
+    *("wizards", "quietly", "judge", "boxing", "matches", "near", "an", "old", "river", "bank"),
+)
+
+
+def text_of(num_words: int, seed: int) -> str:
+    """A prompt of `num_words` words; another `seed` shares no prefix with it."""
+    return " ".join(WORDS[(i * 7 + seed) % len(WORDS)] for i in range(num_words))
+
+
+def greedy(body: dict, **extra) -> dict:
+    return {**body, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+
+
+def stream_greedy(client: httpx.Client, url: str, body: dict) -> tuple[str, dict]:
+    """A greedy stream's text, and its timing: the router's header plus the decode worker's
+    `pdserve_timing` from the final usage chunk (relayed because the client asked)."""
+    request = greedy(body, stream=True, stream_options={"include_usage": True})
+    with client.stream("POST", url, json=request, timeout=600) as response:
+        assert response.status_code == 200, response.read()
+        header = json.loads(response.headers["x-pdserve-timing"])
+        events = read_sse(response)
+    usage_chunk = events[-2]
+    assert events[-1] == "[DONE]" and usage_chunk["choices"] == []
+    return stream_text(events), {
+        **usage_chunk["pdserve_timing"],
+        "route": header["route"],
+        "usage": usage_chunk["usage"],
+    }
+
+
 def serve_argv(*flags: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.cli", "serve", *flags, *ENGINE_FLAGS]
+
+
+def netns_worker(
+    hosts: TwoHosts, ns: str, role: str, addr: str, port: int, log: Path, *flags: str
+) -> ManagedProcess:
+    """A `--role` worker inside namespace `ns`: its HTTP API and KV server (tcp) bind, and
+    advertise, the namespace's veth address `addr`."""
+    own = ("--role", role, "--host", addr, "--port", str(port), "--kv-transport", "tcp")
+    argv = serve_argv(*own, "--kv-host", addr, "--num-threads", "1", *flags)
+    return ManagedProcess(hosts.command(ns, argv), log)
+
+
+def netns_router(
+    hosts: TwoHosts, prefill_url: str, decode_url: str, port: int, log: Path, *flags: str
+) -> ManagedProcess:
+    """`pdserve router` in host B, in front of one prefill and one decode worker."""
+    argv = [sys.executable, "-m", "pdserve.cli", "router", "--prefill", prefill_url]
+    argv += ["--decode", decode_url, "--port", str(port), *flags]
+    return ManagedProcess(hosts.command(hosts.ns_b, argv), log)
 
 
 class Server:

@@ -270,6 +270,28 @@ def test_a_saturated_pool_takes_a_worker_of_an_idle_pool():
     assert decisions[1].action is Action.ADD
 
 
+def test_at_the_limit_a_pressed_pool_takes_a_worker_a_comfortable_pool_can_spare():
+    """Four prefill workers half busy are not idle (no `switch_in`), but three carry their
+    load: at the fleet's limit the pressed decode pool gets one. At 70% busy they cannot."""
+    wide = config(max_prefill_workers=8, max_decode_workers=8)
+
+    def decisions(busy: float) -> dict:
+        fleet = Fleet(p0=PREFILL, p1=PREFILL, p2=PREFILL, p3=PREFILL, d0=DECODE)
+        prefill = {"ttft": FAST_TTFT, "busy": busy}
+        tick = {**{f"p{i}": prefill for i in range(4)}, "d0": {"itl": SLOW_ITL}}
+        return run(AutoscaleController(wide), fleet, [tick] * 4, can_start=NO_ROOM)
+
+    [(_, decision)] = decisions(0.5).items()
+    assert (decision.action, decision.role) == (Action.SWITCH, DECODE)
+    assert "prefill pool can spare a worker" in decision.detail
+    assert decisions(0.7) == {}
+    # With room, a new worker comes first.
+    fleet = Fleet(p0=PREFILL, p1=PREFILL, p2=PREFILL, p3=PREFILL, d0=DECODE)
+    tick = {**{f"p{i}": {"ttft": FAST_TTFT, "busy": 0.5} for i in range(4)}}
+    tick["d0"] = {"itl": SLOW_ITL}
+    assert run(AutoscaleController(wide), fleet, [tick] * 2)[1].action is Action.ADD
+
+
 def test_without_prefill_workers_the_decode_workers_ttft_is_the_prefill_demand():
     fleet = Fleet(d0=DECODE, d1=DECODE)
     long_prompts = {"d0": {"ttft": SLOW_TTFT, "itl": FAST_ITL}, "d1": {"itl": FAST_ITL}}
@@ -366,6 +388,7 @@ def test_the_rules_are_tried_in_order_on_the_pressed_pools_then_the_quiet_ones()
     assert [(rule.name, rule.streak) for rule in planner.RULES] == [
         ("switch_in", Pressure.HIGH),
         ("add", Pressure.HIGH),
+        ("rebalance", Pressure.HIGH),
         ("merge", Pressure.HIGH),
         ("split", Pressure.HIGH),
         ("drain", Pressure.LOW),

@@ -23,7 +23,6 @@ import math
 import os
 import signal
 import socket
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,59 +40,30 @@ from tests.router.harness import (
     http,
     iter_sse,
     read_sse,
-    stream_text,
     wait_until,
 )
 from tests.router.netns import TwoHosts, netns_unavailable_reason, two_hosts
 from tests.router.real_workers import (
+    CHAT,
+    COMPLETIONS,
     Disagg,
     Reference,
     Server,
     answer_text,
     assert_no_blocks_held,
+    greedy,
     metric_values,
-    serve_argv,
+    netns_router,
+    netns_worker,
+    stream_greedy,
+    text_of,
 )
 
 pytestmark = pytest.mark.slow
 
 THRESHOLD = 64
 BLOCK_SIZE = 16
-MAX_TOKENS = 12
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-WORDS = (
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "wizards",
-    "quietly",
-    "judge",
-    "boxing",
-    "matches",
-    "near",
-    "an",
-    "old",
-    "river",
-    "bank",
-)
 NETNS_UNAVAILABLE = netns_unavailable_reason()
-
-
-def text_of(num_words: int, seed: int) -> str:
-    return " ".join(WORDS[(i * 7 + seed) % len(WORDS)] for i in range(num_words))
-
-
-def greedy(body: dict, **extra) -> dict:
-    return {**body, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
-
 
 LONG = text_of(400, 1)
 
@@ -206,54 +176,16 @@ def _stop_all(processes: list[ManagedProcess]) -> None:
 
 def _start_two_hosts(hosts: TwoHosts, logs) -> TwoHostsDeployment:
     prefill_url, decode_url = f"http://{hosts.addr_a}:8100", f"http://{hosts.addr_b}:8100"
-
-    def worker(ns: str, role: str, addr: str) -> ManagedProcess:
-        # The KV server binds (and advertises) the namespace's veth address.
-        return ManagedProcess(
-            hosts.command(
-                ns,
-                serve_argv(
-                    "--role",
-                    role,
-                    "--host",
-                    addr,
-                    "--port",
-                    "8100",
-                    "--kv-transport",
-                    "tcp",
-                    "--kv-host",
-                    addr,
-                    "--num-threads",
-                    "1",
-                ),
-            ),
-            logs / f"netns-{role}.log",
-        )
-
-    router = ManagedProcess(
-        hosts.command(
-            hosts.ns_b,
-            [
-                sys.executable,
-                "-m",
-                "pdserve.cli",
-                "router",
-                "--prefill",
-                prefill_url,
-                "--decode",
-                decode_url,
-                "--port",
-                "8000",
-            ],
-        ),
-        logs / "netns-router.log",
-    )
     return TwoHostsDeployment(
         hosts,
         [
-            worker(hosts.ns_a, "prefill", hosts.addr_a),
-            worker(hosts.ns_b, "decode", hosts.addr_b),
-            router,
+            netns_worker(
+                hosts, hosts.ns_a, "prefill", hosts.addr_a, 8100, logs / "netns-prefill.log"
+            ),
+            netns_worker(
+                hosts, hosts.ns_b, "decode", hosts.addr_b, 8100, logs / "netns-decode.log"
+            ),
+            netns_router(hosts, prefill_url, decode_url, 8000, logs / "netns-router.log"),
         ],
         prefill_url,
         decode_url,
@@ -271,7 +203,7 @@ def test_greedy_disagg_equals_colocated(transport, cluster):
         for case in CASES:
             expected = cluster.ref.answer(case.endpoint, greedy(case.body))
             if case.stream:
-                text, report = _stream(client, f"{disagg.url}{case.endpoint}", case.body)
+                text, report = stream_greedy(client, f"{disagg.url}{case.endpoint}", case.body)
             else:
                 response = client.post(
                     f"{disagg.url}{case.endpoint}", json=greedy(case.body), timeout=600
@@ -288,23 +220,6 @@ def test_greedy_disagg_equals_colocated(transport, cluster):
     prefill_url = disagg.worker_url("prefill-0")
     assert metric_values(prefill_url)["pdserve:prefix_cache_hit_rate"] > 0  # LONG reused
     assert_no_blocks_held(disagg.healthy_worker_urls())
-
-
-def _stream(client: httpx.Client, url: str, body: dict) -> tuple[str, dict]:
-    """A stream's text, and its timing: the router's header plus the decode worker's
-    `pdserve_timing` from the final usage chunk (relayed because the client asked)."""
-    request = greedy(body, stream=True, stream_options={"include_usage": True})
-    with client.stream("POST", url, json=request, timeout=600) as response:
-        assert response.status_code == 200
-        header = json.loads(response.headers["x-pdserve-timing"])
-        events = read_sse(response)
-    usage_chunk = events[-2]
-    assert events[-1] == "[DONE]" and usage_chunk["choices"] == []
-    return stream_text(events), {
-        **usage_chunk["pdserve_timing"],
-        "route": header["route"],
-        "usage": usage_chunk["usage"],
-    }
 
 
 def _check_transfers(reports: dict[str, dict]) -> None:

@@ -23,7 +23,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from pdserve.router.config import KVHandoff, RouterConfig
@@ -37,43 +36,24 @@ from tests.router.harness import (
 )
 from tests.router.netns import TwoHosts, netns_unavailable_reason, shape_link, two_hosts
 from tests.router.real_workers import (
+    CHAT,
+    COMPLETIONS,
     Disagg,
     Reference,
     Server,
     answer_text,
     assert_no_blocks_held,
+    greedy,
     metric_values,
-    serve_argv,
+    netns_router,
+    netns_worker,
+    stream_greedy,
+    text_of,
 )
 
 pytestmark = pytest.mark.slow
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 CHUNK = 64
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "wizards",
-    "judge",
-    "boxing",
-]
-
-
-def text_of(num_words: int, seed: int) -> str:
-    return " ".join(WORDS[(i * 5 + seed) % len(WORDS)] for i in range(num_words))
-
-
-def greedy(body: dict, **extra) -> dict:
-    return {**body, "max_tokens": 10, "temperature": 0, **extra}
 
 
 class Deployment:
@@ -119,15 +99,6 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
             process.stop(timeout=60)
 
 
-def _stream(client: httpx.Client, url: str, body: dict) -> tuple[str, dict]:
-    request = greedy(body, stream=True, stream_options={"include_usage": True})
-    with client.stream("POST", url, json=request, timeout=600) as response:
-        assert response.status_code == 200, response.read()
-        events = list(iter_sse(response))
-    assert events[-1] == "[DONE]"
-    return stream_text(events), events[-2]["pdserve_timing"]
-
-
 def test_streamed_hand_off_equals_colocated_greedy(deployment):
     reference = Reference(deployment.ref)
     url = deployment.disagg.url
@@ -138,7 +109,7 @@ def test_streamed_hand_off_equals_colocated_greedy(deployment):
     with http() as client:
         for endpoint, body in cases:
             expected = reference.answer(endpoint, greedy(body))
-            text, timing = _stream(client, f"{url}{endpoint}", body)
+            text, timing = stream_greedy(client, f"{url}{endpoint}", body)
             assert text == expected
             assert timing["kv_transfer_bytes"] > 0 and "kv_transfer_error" not in timing
             assert 0 <= timing["kv_transfer_exposed_ms"] <= timing["kv_transfer_ms"]
@@ -238,15 +209,14 @@ def _two_host_deployment(hosts: TwoHosts, logs: Path):
 
     def worker(ns: str, role: str, addr: str) -> ManagedProcess:
         # 128-token chunks: the prompt's KV leaves in eight pieces.
-        flags = ("--kv-transport", "tcp", "--kv-host", addr, "--num-threads", "1")
-        flags += ("--max-num-batched-tokens", "128")
-        argv = serve_argv("--role", role, "--host", addr, "--port", str(port), *flags)
-        return ManagedProcess(hosts.command(ns, argv), logs / f"{role}.log")
+        chunks = ("--max-num-batched-tokens", "128")
+        return netns_worker(hosts, ns, role, addr, port, logs / f"{role}.log", *chunks)
 
     def router(handoff: str, router_port: int) -> ManagedProcess:
-        argv = [sys.executable, "-m", "pdserve.cli", "router", "--prefill", prefill_url]
-        argv += ["--decode", decode_url, "--port", str(router_port), "--kv-handoff", handoff]
-        return ManagedProcess(hosts.command(hosts.ns_b, argv), logs / f"router-{handoff}.log")
+        log = logs / f"router-{handoff}.log"
+        return netns_router(
+            hosts, prefill_url, decode_url, router_port, log, "--kv-handoff", handoff
+        )
 
     processes = [
         worker(hosts.ns_a, "prefill", hosts.addr_a),

@@ -32,13 +32,13 @@ def azure_trace(num_prompts: int, request_rate: float | None) -> list[SimRequest
     """The first requests of the Azure conversation trace, through the bench's workload."""
     import pytest
 
-    from pdserve.bench.workloads import (
+    from pdserve.sim.workload import plan_requests
+    from pdserve.workload import (
         TraceWindow,
         WorkloadOptions,
         default_trace_path,
         make_workload,
     )
-    from pdserve.sim.workload import plan_requests
 
     if not default_trace_path().is_file():
         pytest.skip(f"the packaged Azure trace {default_trace_path()} is missing")

@@ -20,7 +20,7 @@ from pdserve.api.metric_names import (
     TTFT_HISTOGRAM,
     WAITING_GAUGE,
 )
-from pdserve.core.config import Mode
+from pdserve.core.config import CacheConfig, Mode
 from pdserve.router.autoscale.config import SLO, AutoscaleConfig
 from pdserve.router.autoscale.loop import Autoscaler
 from pdserve.router.autoscale.signals import WorkerSample
@@ -71,7 +71,8 @@ def sim_config() -> SimConfig:
         PoolConfig(1, 1, sched),
         PoolConfig(1, 1, sched),
         network=get_network("shm"),
-        kv_cache_memory_gb=1.0,
+        cache=CacheConfig(kv_cache_memory_gb=1.0),
+        is_kv_cache_from_memory=False,
         autoscale=SimAutoscale(AUTOSCALE, startup_s=3.0, switch_s=0.01),
     )
 

@@ -168,8 +168,8 @@ def test_plan_shows_bands_beside_latencies_and_capacity(capsys):
 def test_simulate_and_bench_read_the_workload_flags_alike():
     """One declaration (`WORKLOAD_FLAGS`), one conversion: the same argv gives both commands
     the same workload options, trace window included."""
-    from pdserve.bench.workloads.flags import workload_options
     from pdserve.cli import build_parser
+    from pdserve.workload.flags import workload_options
 
     argv = [
         *("--workload", "trace", "--chat-input-len", "10:20", "--prefix-len", "7"),
@@ -200,3 +200,25 @@ def test_simulate_takes_the_engine_and_router_flags_as_they_declare_them():
         assert option.dest == own.dest
         for key in ("type", "choices", "action", "metavar"):
             assert option.options.get(key) == own.options.get(key), (option.name, key)
+
+
+def test_simulate_embeds_the_engines_cache_and_the_routers_config_built_from_their_flags():
+    from pdserve.cli import build_parser
+    from pdserve.core.config import CacheConfig, Mode
+    from pdserve.router.config import KVHandoff, RouterConfig
+    from pdserve.sim.options import Deployment, layout_config
+
+    argv = ["simulate", "--mode", "disagg", "--block-size", "32", "--no-prefix-caching"]
+    argv += ["--num-kv-blocks", "100", "--decode-policy", "round_robin"]
+    argv += ["--kv-handoff", "stream", "--local-prefill-threshold", "64"]
+    args = build_parser().parse_args(argv)
+    config = layout_config(Deployment.from_args(args, with_layout=True), Mode.DISAGG)
+    assert config.cache == CacheConfig(block_size=32, num_blocks=100, enable_prefix_caching=False)
+    assert config.router == RouterConfig(
+        (),
+        (),
+        decode_policy="round_robin",
+        kv_handoff=KVHandoff.STREAM,
+        local_prefill_threshold=64,
+        block_size=32,
+    )

@@ -6,15 +6,16 @@ import json
 
 import pytest
 
-from pdserve.bench.benchmark import BenchSpec, run_benchmark
-from pdserve.bench.client import EndpointConfig
+from pdserve.bench.benchmark import run_benchmark
 from pdserve.bench.launcher import LaunchConfig, launch_server
-from pdserve.bench.records import RequestRecord
-from pdserve.bench.results import save_results
-from pdserve.bench.workloads.profile import ProfileWorkload, profile_points
 from pdserve.cli import main
 from pdserve.sim.cost_model import CostModel, SeqWork
 from pdserve.sim.efficiency import Calibration
+from pdserve.workload.endpoint import EndpointConfig
+from pdserve.workload.profile import ProfileWorkload, profile_points
+from pdserve.workload.records import RequestRecord
+from pdserve.workload.results import save_results
+from pdserve.workload.run import BenchSpec
 from tests.bench.conftest import REPO_ROOT
 from tests.sim.law_server import LAW, MAX_MODEL_LEN, TRUTH
 
@@ -92,11 +93,11 @@ def test_profile_of_a_server_with_a_known_law_recovers_the_law(tmp_path):
         cwd=REPO_ROOT,
     )
     workload = ProfileWorkload(
-        repeats=5,
+        num_prompts=5,
         prompt_lens=(16, 64, 128, 181, 256, 362, 512, 1024, 2048, 4000),
         num_streams=(1, 2, 4, 8),
         contexts=(128, 1024),
-        decode_len=16,
+        output_len=16,
     )
     with launch_server(config, "law") as server:
         spec = BenchSpec(EndpointConfig(server.base_url), workload, show_progress=False)
@@ -149,7 +150,7 @@ def test_real_server_calibrated_from_outside_predicts_a_held_back_workload(tmp_p
     """`pdserve serve` on a tiny model: profile it, calibrate, then simulate another
     workload measured on the same server."""
     server_conftest = pytest.importorskip("tests.server.conftest")
-    from pdserve.bench.tokenizer import load_tokenizer
+    from pdserve.workload.tokenizer import load_tokenizer
 
     # Wide enough that a step (~10 ms) outlasts the timer noise of a busy 2-core machine.
     model = server_conftest.write_tiny_model(tmp_path / "small", **SMALL_SHAPE)
@@ -163,7 +164,7 @@ def test_real_server_calibrated_from_outside_predicts_a_held_back_workload(tmp_p
             prompt_lens=(16, 64, 128, 256, 512, 900),
             num_streams=(1, 2, 4, 8),
             contexts=(64, 256),
-            decode_len=16,
+            output_len=16,
         )
         spec = BenchSpec(EndpointConfig(server.url), profile, show_progress=False)
         save_results(run_benchmark(spec, tokenizer), tmp_path / "profile.json")

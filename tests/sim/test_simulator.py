@@ -3,8 +3,8 @@ from dataclasses import replace
 import pytest
 
 import pdserve.core.scheduler as core_scheduler
-from pdserve.core.config import Mode
-from pdserve.router.config import KVHandoff
+from pdserve.core.config import CacheConfig, Mode
+from pdserve.router.config import KVHandoff, RouterConfig
 from pdserve.sim.config import with_scheduler
 from pdserve.sim.efficiency import Efficiency
 from pdserve.sim.handoff import exposed_seconds, predicted_ttft
@@ -56,7 +56,7 @@ def test_horizon_reports_requests_still_in_flight():
 
 def test_kv_pressure_preempts_and_still_completes():
     specs = [SimRequestSpec(str(i), 0.0, 200, 300) for i in range(16)]
-    result = simulate(make_config(num_kv_blocks=120), specs)
+    result = simulate(make_config(cache=CacheConfig(num_blocks=120)), specs)
     assert all(r.error is None for r in result.records)
     assert sum(r.server_extra.get("num_preemptions", 0) for r in result.records) > 0
 
@@ -118,7 +118,9 @@ def test_disagg_moves_kv_and_keeps_streams_smooth():
 
 def test_local_prefill_threshold_keeps_short_prompts_on_decode():
     specs = [SimRequestSpec("short", 0.0, 100, 4), SimRequestSpec("long", 0.0, 3000, 4)]
-    result = simulate(make_config(Mode.DISAGG, local_prefill_threshold=1000), specs)
+    result = simulate(
+        make_config(Mode.DISAGG, router=RouterConfig((), (), local_prefill_threshold=1000)), specs
+    )
     short, long = result.records
     assert "kv_transfer_bytes" not in short.server_extra
     assert "kv_transfer_bytes" in long.server_extra
@@ -128,7 +130,9 @@ def test_a_smaller_decode_budget_chunks_local_prefills():
     """Disagg with a local-prefill threshold: the decode worker prefills short prompts among
     its streams, each chunk one stall; its own smaller budget shortens the stalls."""
     specs = streams_plus_long_prompt(long_len=900)  # below the threshold: prefilled locally
-    whole = make_config(Mode.DISAGG, local_prefill_threshold=1000, budget=1024)
+    whole = make_config(
+        Mode.DISAGG, router=RouterConfig((), (), local_prefill_threshold=1000), budget=1024
+    )
     chunked = replace(whole, pool=with_scheduler(whole.pool, max_num_batched_tokens=128))
     assert chunked.describe().endswith("local<1000 decode budget 128")
 
@@ -155,7 +159,9 @@ def test_concurrent_transfers_share_the_link():
 
 def test_router_policies_spread_load():
     specs = [SimRequestSpec(str(i), 0.0, 500, 50) for i in range(8)]
-    sim = Simulation(make_config(num_workers=4, decode_policy="round_robin"), specs)
+    sim = Simulation(
+        make_config(num_workers=4, router=RouterConfig((), (), decode_policy="round_robin")), specs
+    )
     sim.run()
     assert [w.stats.num_steps > 0 for w in sim.main.workers] == [True] * 4
 
@@ -180,7 +186,7 @@ def test_a_streamed_hand_off_exposes_only_what_the_link_cannot_hide():
     rest lands on the TTFT (`sim/handoff.py`)."""
     specs = [SimRequestSpec("long", 0.0, 8000, 2)]
     pulled = make_config(Mode.DISAGG, tp=8, network=get_network("100"))
-    streamed = replace(pulled, kv_handoff=KVHandoff.STREAM)
+    streamed = replace(pulled, router=replace(pulled.router, kv_handoff=KVHandoff.STREAM))
     pull, stream = (simulate(c, specs).records[0] for c in (pulled, streamed))
     assert stream.server_extra["prefill_ms"] == pytest.approx(pull.server_extra["prefill_ms"])
     assert stream.server_extra["kv_transfer_ms"] < 0.5 * pull.server_extra["kv_transfer_ms"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.router.policies import PoolRole
 
@@ -76,6 +76,11 @@ class AutoscaleConfig:
     # one stream, and batches more at little cost; decode LOW reads KV and queues.)
     utilization_low: float = 0.6
     local_prefill_share: float = 0.2
+    # At the fleet's limit a pressed pool takes a worker of the other pool when that one's
+    # load (prefill: busy time; decode: KV in use) fits on one worker less below this
+    # fraction, with nothing queued and its p90 under `low_fraction` of its SLO: eight prefill
+    # workers 70% busy can spare one; two cannot.
+    spare_fraction: float = 0.8
 
     def __post_init__(self) -> None:
         for role in PoolRole:
@@ -99,6 +104,7 @@ class AutoscaleConfig:
             "kv_low",
             "utilization_low",
             "local_prefill_share",
+            "spare_fraction",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -124,6 +130,10 @@ class AutoscaleConfig:
     @property
     def resolved_cooldown_s(self) -> float:
         return self.interval_s if self.cooldown_s is None else self.cooldown_s
+
+    def within(self, room: int) -> AutoscaleConfig:
+        """These bounds on a fleet that can run at most `room` workers at once (its cores)."""
+        return replace(self, max_workers=room) if room < self.total_limit else self
 
     def clamp(self, role: PoolRole, num_workers: int) -> int:
         low, high = self.bounds(role)

@@ -17,6 +17,9 @@ Each tick (every `interval_s`):
      one is LOW and above its minimum (a role switch: no weights loaded, no core added);
    - `add`: else it gets a new worker when there is room (`max_workers`, and the
      provisioner's `can_start`);
+   - `rebalance`: at the limit, a worker of the other pool when that one can spare it (its
+     load fits on one worker less under `spare_fraction`, nothing queued, p90 well under
+     its SLO): a large fleet's pools are rarely idle, only comfortable;
    - at the limit, small fleets rebalance by switching: `merge`, a lone prefill worker that
      cannot keep up while the decode pool idles becomes a decode worker (every decode worker
      then prefills its own prompts), and `split`, without a prefill pool, decode workers whose
@@ -158,20 +161,38 @@ def is_quiet(role: PoolRole, signals: PoolSignals, config: AutoscaleConfig) -> b
     """Nothing queued, the p90 well under its SLO, and the load would fit on one worker
     less: the KV in use (decode), the busy time (prefill; a lone prefill worker: mostly
     idle)."""
+    n = signals.num_workers
+    if not _is_comfortable(role, signals, config):
+        return False
+    if role is PoolRole.DECODE and n > 1:
+        return signals.kv_cache_usage / (n - 1) <= config.kv_low
+    if role is PoolRole.PREFILL and n:
+        return signals.utilization / max(n - 1, 1) <= config.utilization_low
+    return True
+
+
+def can_spare(role: PoolRole, signals: PoolSignals, config: AutoscaleConfig) -> bool:
+    """`role`'s pool would carry its load on one worker less: comfortable now, and that load
+    (prefill: busy time; decode: KV in use) under `spare_fraction` on the others."""
+    n = signals.num_workers
+    load = signals.utilization if role is PoolRole.PREFILL else signals.kv_cache_usage
+    return (
+        n >= 2
+        and _is_comfortable(role, signals, config)
+        and load / (n - 1) <= config.spare_fraction
+    )
+
+
+def _is_comfortable(role: PoolRole, signals: PoolSignals, config: AutoscaleConfig) -> bool:
+    """Nothing queued and the p90 well under its SLO (or nothing to measure)."""
     target, p90 = (
         (config.slo.ttft_s, signals.ttft_p90_s)
         if role is PoolRole.PREFILL
         else (config.slo.itl_s, signals.itl_p90_s)
     )
-    quiet = signals.num_waiting == 0 and (
+    return signals.num_waiting == 0 and (
         p90 is None or target is None or p90 <= config.low_fraction * target
     )
-    n = signals.num_workers
-    if role is PoolRole.DECODE and n > 1:
-        quiet = quiet and signals.kv_cache_usage / (n - 1) <= config.kv_low
-    if role is PoolRole.PREFILL and n:
-        quiet = quiet and signals.utilization / max(n - 1, 1) <= config.utilization_low
-    return quiet
 
 
 # (what to do, the pool that gains a worker or loses one, the evidence)
@@ -229,6 +250,28 @@ def _add(planner: Planner, seen: Situation, role: PoolRole) -> Change | None:
         and seen.can_start.get(role, False)
     ):
         return Action.ADD, role, seen.assessments[role]
+    return None
+
+
+def _rebalance(planner: Planner, seen: Situation, role: PoolRole) -> Change | None:
+    """At the fleet's limit, a worker of the other pool when that pool can spare one
+    (`can_spare`): `switch_in` for a large pool that is comfortable rather than idle, which
+    a large fleet rarely is. Fleets of one worker per pool never take this way."""
+    config, other = planner.config, OTHER_ROLE[role]
+    num, num_other = seen.counts(role)
+    evidence = seen.assessments[role]
+    if (
+        not (seen.has_room and seen.can_start.get(role, False))
+        and num < config.bounds(role)[1]
+        and config.allow_role_switch
+        and num_other > config.bounds(other)[0]
+        and seen.assessments[other].pressure is not Pressure.HIGH
+        and can_spare(other, seen.signals[other], config)
+        and not (role is PoolRole.PREFILL and num == 0)
+        and planner.may_switch_into(role, evidence.severity, seen.now)
+    ):
+        detail = f"{evidence.detail}; the {other.value} pool can spare a worker"
+        return Action.SWITCH, role, replace(evidence, detail=detail)
     return None
 
 
@@ -290,6 +333,7 @@ def _drain(planner: Planner, seen: Situation, role: PoolRole) -> Change | None:
 RULES = (
     Rule("switch_in", Pressure.HIGH, _switch_in),
     Rule("add", Pressure.HIGH, _add),
+    Rule("rebalance", Pressure.HIGH, _rebalance),
     Rule("merge", Pressure.HIGH, _merge),
     Rule("split", Pressure.HIGH, _split),
     Rule("drain", Pressure.LOW, _drain),

@@ -16,25 +16,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.bench.errors import BenchError
-from pdserve.bench.prompts import PromptSynthesizer
-from pdserve.bench.records import RequestRecord
-from pdserve.bench.workloads.base import BenchRequest, Workload, check_positive, make_request
+from pdserve.workload.base import BenchRequest, Workload, check_positive, make_request
+from pdserve.workload.errors import BenchError
+from pdserve.workload.prompts import PromptSynthesizer
+from pdserve.workload.records import RequestRecord
 
 TTFT = "ttft"
 ITL = "itl"
 # Decoding streams start together and prefill first; each stream generates this many tokens
-# per this many prompt tokens of the whole phase beyond its `decode_len`, so that the steady
-# window (every stream decoding) keeps `decode_len` tokens under any chunk budget >= it.
+# per this many prompt tokens of the whole phase beyond its `output_len`, so that the steady
+# window (every stream decoding) keeps `output_len` tokens under any chunk budget >= it.
 _PREFILL_TOKENS_PER_EXTRA_TOKEN = 256
 
 
 @dataclass(frozen=True)
 class ProfileWorkload(Workload):
     """TTFT at `prompt_lens` (capped by the context), ITL at `num_streams` × `contexts`
-    (while streams × (context + output) <= `max_batch_tokens`), each `repeats` times."""
+    (while streams × (context + output) <= `max_batch_tokens`), each `num_prompts` times."""
 
-    repeats: int = 3
+    num_prompts: int = 3
     # Every half octave: where a step turns from memory- to compute-bound tells the two apart.
     prompt_lens: tuple[int, ...] = (
         128,
@@ -55,13 +55,13 @@ class ProfileWorkload(Workload):
     )
     num_streams: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     contexts: tuple[int, ...] = (128, 1024, 4096)
-    decode_len: int = 32
+    output_len: int = 32
     max_batch_tokens: int = 32768
     name = "profile"
 
     def __post_init__(self) -> None:
-        check_positive("--num-prompts (profile: repeats per point)", self.repeats)
-        check_positive("--output-len (profile: tokens per decoding stream)", self.decode_len)
+        check_positive("--num-prompts (profile: repeats per point)", self.num_prompts)
+        check_positive("--output-len (profile: tokens per decoding stream)", self.output_len)
         for option, values in (
             ("--input-len (profile: prompt lengths)", self.prompt_lens),
             ("profile stream counts", self.num_streams),
@@ -79,7 +79,7 @@ class ProfileWorkload(Workload):
         for context in self.contexts:
             for streams in self.num_streams:
                 extra = streams * context // _PREFILL_TOKENS_PER_EXTRA_TOKEN
-                output = self.decode_len + 1 + extra
+                output = self.output_len + 1 + extra
                 fits = context + output <= limit
                 if fits and streams * (context + output) <= self.max_batch_tokens:
                     points.append((ITL, streams, context, output))
@@ -91,7 +91,7 @@ class ProfileWorkload(Workload):
         self, synth: PromptSynthesizer, rng: np.random.Generator, max_model_len: int | None
     ) -> list[BenchRequest]:
         requests = []
-        for repeat in range(self.repeats):
+        for repeat in range(self.num_prompts):
             for kind, streams, prompt_len, output_len in self.points(max_model_len):
                 label = f"profile:{kind}:{streams}:{prompt_len}:{repeat}"
                 requests += [

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from pdserve.bench.errors import BenchError
+from pdserve.workload.errors import BenchError
 
 
 @runtime_checkable

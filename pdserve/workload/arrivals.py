@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.bench.errors import BenchError
+from pdserve.workload.errors import BenchError
 
 
 @dataclass(frozen=True)

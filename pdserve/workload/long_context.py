@@ -6,25 +6,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.bench.prompts import PromptSynthesizer
-from pdserve.bench.workloads.base import (
+from pdserve.workload.base import (
     BenchRequest,
     LengthRange,
     Workload,
     check_positive,
     make_request,
 )
+from pdserve.workload.prompts import PromptSynthesizer
 
 DOCUMENT_LEAD = "Summarize the following document in a few sentences.\n\nDocument:"
 
 
 @dataclass(frozen=True)
 class LongContextWorkload(Workload):
-    """Prompts of `input_len` tokens (a range) asking for a summary of `output_len` tokens."""
+    """Prompts of `long_input_len` tokens (a range) asking for a summary of `long_output_len`
+    tokens (the mixed workload's long documents, alone)."""
 
     num_prompts: int = 10
-    input_len: LengthRange = field(default_factory=lambda: LengthRange(4000, 6000))
-    output_len: LengthRange = field(default_factory=lambda: LengthRange(64, 128))
+    long_input_len: LengthRange = field(default_factory=lambda: LengthRange(4000, 6000))
+    long_output_len: LengthRange = field(default_factory=lambda: LengthRange(64, 128))
     name = "long-context"
 
     def __post_init__(self) -> None:
@@ -34,7 +35,7 @@ class LongContextWorkload(Workload):
         self, synth: PromptSynthesizer, rng: np.random.Generator, max_model_len: int | None
     ) -> list[BenchRequest]:
         return long_documents(
-            synth, rng, self.num_prompts, self.input_len, self.output_len, max_model_len
+            synth, rng, self.num_prompts, self.long_input_len, self.long_output_len, max_model_len
         )
 
 

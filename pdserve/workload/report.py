@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.bench.benchmark import BenchResult
-from pdserve.bench.metrics import LATENCY_METRICS
-from pdserve.bench.records import RequestRecord
-from pdserve.bench.results import rate_text
+from pdserve.workload.metrics import LATENCY_METRICS
+from pdserve.workload.records import RequestRecord
+from pdserve.workload.results import rate_text
+from pdserve.workload.run import BenchResult
 
 
 def write_report(
@@ -38,7 +38,7 @@ def write_report(
 
 def _plots():
     # matplotlib takes about a second to import: only reports pay for it, not every CLI start.
-    from pdserve.bench import plots
+    from pdserve.workload import plots
 
     return plots
 

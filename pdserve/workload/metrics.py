@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.bench.errors import BenchError
-from pdserve.bench.records import RequestRecord
+from pdserve.workload.errors import BenchError
+from pdserve.workload.records import RequestRecord
 
 SLO_METRICS = ("ttft", "tpot", "e2el", "max_itl")
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")

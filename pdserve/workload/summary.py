@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pdserve.bench.benchmark import BenchResult
-from pdserve.bench.metrics import LATENCY_METRICS
-from pdserve.bench.results import rate_text
+from pdserve.workload.metrics import LATENCY_METRICS
+from pdserve.workload.results import rate_text
+from pdserve.workload.run import BenchResult
 
 _WIDTH = 78
 

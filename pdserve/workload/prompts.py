@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pdserve.bench.errors import BenchError
-from pdserve.bench.tokenizer import TokenizerLike
-from pdserve.bench.words import COMMON_WORDS
+from pdserve.workload.errors import BenchError
+from pdserve.workload.tokenizer import TokenizerLike
+from pdserve.workload.words import COMMON_WORDS
 
 # Enough distinct words that random text does not collapse into a handful of repeats.
 _MIN_WORDS = 32

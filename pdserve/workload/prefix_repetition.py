@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.bench.prompts import PromptSynthesizer
-from pdserve.bench.workloads.base import (
+from pdserve.workload.base import (
     BenchRequest,
     Workload,
     check_positive,
     fit_to_context,
 )
+from pdserve.workload.prompts import PromptSynthesizer
 
 _SYSTEM_LEAD = "You are a helpful assistant. Follow these instructions carefully."
 
@@ -20,7 +20,7 @@ _SYSTEM_LEAD = "You are a helpful assistant. Follow these instructions carefully
 @dataclass(frozen=True)
 class PrefixRepetitionWorkload(Workload):
     """`num_prefixes` shared prefixes of `prefix_len` tokens, each request one of them plus
-    its own `suffix_len`-token question, so a prefix cache can serve all but the suffix.
+    its own `input_len`-token question, so a prefix cache can serve all but the suffix.
 
     Words are joined by spaces, so a byte-level BPE tokenizes the shared prefix to the same
     ids in every request.
@@ -29,7 +29,7 @@ class PrefixRepetitionWorkload(Workload):
     num_prompts: int = 100
     num_prefixes: int = 4
     prefix_len: int = 1024
-    suffix_len: int = 128
+    input_len: int = 128
     output_len: int = 128
     name = "prefix-repetition"
 
@@ -37,14 +37,14 @@ class PrefixRepetitionWorkload(Workload):
         check_positive("--num-prompts", self.num_prompts)
         check_positive("--num-prefixes", self.num_prefixes)
         check_positive("--prefix-len", self.prefix_len)
-        check_positive("--input-len", self.suffix_len)
+        check_positive("--input-len", self.input_len)
         check_positive("--output-len", self.output_len)
 
     def build(
         self, synth: PromptSynthesizer, rng: np.random.Generator, max_model_len: int | None
     ) -> list[BenchRequest]:
         total, output_len = fit_to_context(
-            self.prefix_len + self.suffix_len, self.output_len, max_model_len
+            self.prefix_len + self.input_len, self.output_len, max_model_len
         )
         prefix_len = min(self.prefix_len, total - 1)
         prefixes = [synth.text(prefix_len, rng, _SYSTEM_LEAD) for _ in range(self.num_prefixes)]

@@ -11,7 +11,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from pdserve.bench.benchmark import BenchResult
+from pdserve.workload.run import BenchResult
 
 _DPI = 110
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from pdserve.bench.errors import BenchError
-from pdserve.bench.workloads.base import LengthRange
-from pdserve.bench.workloads.registry import WORKLOAD_NAMES, WorkloadOptions
-from pdserve.bench.workloads.trace_file import TraceWindow, default_trace_path
 from pdserve.flags import flag
+from pdserve.workload.base import LengthRange
+from pdserve.workload.errors import BenchError
+from pdserve.workload.registry import WORKLOAD_NAMES, WorkloadOptions
+from pdserve.workload.trace_file import TraceWindow, default_trace_path
 
 TRACE_WINDOW_FLAGS = (
     flag(

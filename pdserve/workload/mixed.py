@@ -11,17 +11,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.bench.arrivals import ArrivalProcess
-from pdserve.bench.errors import BenchError
-from pdserve.bench.prompts import PromptSynthesizer
-from pdserve.bench.workloads.base import (
+from pdserve.workload.arrivals import ArrivalProcess
+from pdserve.workload.base import (
     BenchRequest,
     LengthRange,
     Workload,
     check_positive,
     make_request,
 )
-from pdserve.bench.workloads.long_context import long_documents
+from pdserve.workload.errors import BenchError
+from pdserve.workload.long_context import long_documents
+from pdserve.workload.prompts import PromptSynthesizer
 
 CHAT = "chat"
 

@@ -4,7 +4,7 @@ JSONL, one request a line: `{"timestamp": seconds, "prompt": text, "output_len":
 `{"timestamp": seconds, "prompt_len": n, "output_len": n}`.
 Azure CSV (CRLF): `TIMESTAMP,ContextTokens,GeneratedTokens`, timestamps like
 `2023-11-16 18:15:46.6805900`. Either may be gzipped (`.jsonl.gz`, `.csv.gz`). The default,
-the Azure conversation trace, ships inside the package (`bench/data/`, its README says
+the Azure conversation trace, ships inside the package (`workload/data/`, its README says
 where it comes from and its licence).
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.bench.errors import BenchError
+from pdserve.workload.errors import BenchError
 
 AZURE_COLUMNS = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 AZURE_TRACE_NAME = "azure_llm_inference_2023_conv.csv"
@@ -42,7 +42,7 @@ class TraceEntry:
 
 def default_trace_path() -> Path:
     """The Azure conversation trace shipped inside the package (gzipped)."""
-    return Path(__file__).resolve().parents[1] / "data" / f"{AZURE_TRACE_NAME}.gz"
+    return Path(__file__).resolve().parent / "data" / f"{AZURE_TRACE_NAME}.gz"
 
 
 def load_trace(path: str | Path) -> list[TraceEntry]:

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
 
-from pdserve.bench.benchmark import BenchResult, BenchSpec, summarize
-from pdserve.bench.client import EndpointConfig
-from pdserve.bench.errors import BenchError
-from pdserve.bench.interference import InterferenceConfig
-from pdserve.bench.records import RequestRecord
-from pdserve.bench.workloads import Workload
+from pdserve.workload import Workload
+from pdserve.workload.endpoint import EndpointConfig
+from pdserve.workload.errors import BenchError
+from pdserve.workload.interference import InterferenceConfig
+from pdserve.workload.records import RequestRecord
+from pdserve.workload.run import BenchResult, BenchSpec, summarize
 
 # A saved run's server, when its file does not name one.
 SAVED_BASE_URL = "http://saved"

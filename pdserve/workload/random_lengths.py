@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.bench.errors import BenchError
-from pdserve.bench.prompts import PromptSynthesizer
-from pdserve.bench.workloads.base import BenchRequest, Workload, check_positive, make_request
+from pdserve.workload.base import BenchRequest, Workload, check_positive, make_request
+from pdserve.workload.errors import BenchError
+from pdserve.workload.prompts import PromptSynthesizer
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.bench.arrivals import ArrivalProcess
-from pdserve.bench.errors import BenchError
-from pdserve.bench.prompts import PromptSynthesizer
+from pdserve.workload.arrivals import ArrivalProcess
+from pdserve.workload.errors import BenchError
+from pdserve.workload.prompts import PromptSynthesizer
 
 
 @dataclass(frozen=True)

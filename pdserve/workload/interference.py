@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdserve.bench.errors import BenchError
-from pdserve.bench.records import RequestRecord
+from pdserve.workload.errors import BenchError
+from pdserve.workload.records import RequestRecord
 
 # A reference pace needs a few gaps to be a median.
 _MIN_REFERENCE_GAPS = 3

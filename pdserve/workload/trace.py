@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pdserve.bench.errors import BenchError
-from pdserve.bench.prompts import PromptSynthesizer
-from pdserve.bench.workloads.base import BenchRequest, Workload, fit_to_context, make_request
-from pdserve.bench.workloads.trace_file import TraceEntry
+from pdserve.workload.base import BenchRequest, Workload, fit_to_context, make_request
+from pdserve.workload.errors import BenchError
+from pdserve.workload.prompts import PromptSynthesizer
+from pdserve.workload.trace_file import TraceEntry
 
 
 @dataclass(frozen=True)
