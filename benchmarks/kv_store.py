@@ -7,7 +7,9 @@ follows its first on the first), once with both servers on one Redis store and o
 Per run: TTFT p50/p99 (non-streaming, max_tokens 1), prompt tokens computed (prompt minus
 cached, which counts store hits) and the store's hit rate. Targets: the second server's first
 hits at <= 0.2x the TTFT of the same requests cold (the no-store run), and the store run's
-prompt tokens computed <= 0.55x the no-store run's.
+prompt tokens computed <= 0.55x the no-store run's and within 5% of the ideal (each system
+prompt computed once in the fleet, every later request computing only what no full block
+holds, and its last token).
 
 Read path: a loopback `redis-server` (started here, or `--redis-url`) holds a 2,000-token prefix of
 SmolLM2-135M's KV in bfloat16 (125 blocks of 16 tokens, 369 KB each). Timed, each the median
@@ -16,9 +18,9 @@ of `--repeats` runs:
 - ``redis-benchmark GET``: Redis's own C client GETting one value of the same size over and
   over (`redis-benchmark -t get -c 1 -P 1`): what loopback and the server can do.
 - ``redis-py GET`` / ``redis-py MGET``: the Python client (with hiredis) fetching the same
-  blocks' values raw, one GET each or one MGET: the ceiling of any Python read path.
-- ``read path``: `KVStore.fetch`, what a worker does: MGET, check every header, token id and
-  checksum, copy each block into a KV cache.
+  blocks' values raw, one GET each or one MGET.
+- ``read path``: `KVStore.fetch`, what a worker does: pipelined GETs received straight into a
+  KV cache's blocks, every header, token id and checksum checked there.
 - ``local read path``: `KVStore.fetch` on the embedded `local` store (shared memory).
 - ``lookup``: `KVStore.lookup` of all 125 blocks (one pipelined round trip), in ms.
 
@@ -144,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---- serving ---------------------------------------------------------------------------
 QUESTION_LEN = 32
-SERVING_TTFT_TARGET, SERVING_COMPUTE_TARGET = 0.2, 0.55
+SERVING_TTFT_TARGET, SERVING_COMPUTE_TARGET, SERVING_IDEAL_TARGET = 0.2, 0.55, 1.05
+BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -254,11 +257,31 @@ def serving_figures(runs: dict, workload: Workload) -> dict:
     figures["computed_vs_no_store"] = (
         store["prompt_tokens_computed"] / cold["prompt_tokens_computed"]
     )
+    figures["ideal_prompt_tokens_computed"] = ideal_computed(workload)
+    figures["computed_vs_ideal"] = (
+        store["prompt_tokens_computed"] / figures["ideal_prompt_tokens_computed"]
+    )
     figures["meets_targets"] = (
         figures["first_hit_ttft_vs_cold"] <= SERVING_TTFT_TARGET
         and figures["computed_vs_no_store"] <= SERVING_COMPUTE_TARGET
+        and figures["computed_vs_ideal"] <= SERVING_IDEAL_TARGET
     )
     return figures
+
+
+def ideal_computed(workload: Workload) -> int:
+    """Prompt tokens a perfect fleet-wide cache computes: a system prompt's first request all
+    of its prompt, every later one what is past its cached full blocks (at least one token)."""
+    seen: set[int] = set()
+    total = 0
+    for _, prompt_index, prompt in workload.requests():
+        if prompt_index in seen:
+            cached = min(workload.prompt_len, len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+            total += len(prompt) - cached
+        else:
+            seen.add(prompt_index)
+            total += len(prompt)
+    return total
 
 
 def print_serving(figures: dict) -> None:
@@ -275,7 +298,9 @@ def print_serving(figures: dict) -> None:
     print(
         f"  first hit / cold TTFT: {figures['first_hit_ttft_vs_cold']:.2f} "
         f"(target <= {SERVING_TTFT_TARGET}); computed store / no store: "
-        f"{figures['computed_vs_no_store']:.2f} (target <= {SERVING_COMPUTE_TARGET})"
+        f"{figures['computed_vs_no_store']:.2f} (target <= {SERVING_COMPUTE_TARGET}); "
+        f"computed / ideal ({figures['ideal_prompt_tokens_computed']:,}): "
+        f"{figures['computed_vs_ideal']:.3f} (target <= {SERVING_IDEAL_TARGET})"
     )
 
 

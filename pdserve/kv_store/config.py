@@ -67,6 +67,10 @@ class KVStoreConfig:
     max_reconnect_backoff_s: float = 5.0
     # Bytes of blocks waiting to be written; past it new writes are dropped (and counted).
     write_queue_mb: float = 256.0
+    # How long a reader waits for blocks another worker announced it is writing (in-flight
+    # markers, which expire after as long) before computing them itself: past it, the write
+    # is taken as lost.
+    pending_write_wait_s: float = 1.0
     password: str | None = field(default=None, repr=False)
     namespace_secret: str | None = field(default=None, repr=False)
 
@@ -93,6 +97,10 @@ class KVStoreConfig:
         for name in ("timeout_s", "reconnect_backoff_s", "max_reconnect_backoff_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"kv store {name} must be positive, got {getattr(self, name)}")
+        if not self.pending_write_wait_s >= 0:
+            raise ValueError(
+                f"kv store pending_write_wait_s must be >= 0, got {self.pending_write_wait_s}"
+            )
         if not self.write_queue_mb > 0:
             raise ValueError(f"kv store write_queue_mb must be positive, got {self.write_queue_mb}")
         if self.password is not None and split_password(self.url)[1] is not None:

@@ -2,7 +2,8 @@
 
 Read path, at admission, after the local prefix cache: `get_num_new_matched_tokens` looks up
 the request's next blocks (one round trip, remembered per request so the scheduler's
-repeated asks cost nothing and get the same answer) and claims them when fetching beats
+repeated asks cost nothing and get the same answer; blocks another worker is still writing
+count, and the read waits for them) and claims them when fetching beats
 recomputing (`FetchPolicy`); `update_state_after_alloc` starts reading them into the
 request's freshly allocated blocks on a background thread while the request waits in
 `WAITING_FOR_REMOTE_KV`; `get_finished` reports it received, with `num_external_tokens`
@@ -12,7 +13,7 @@ already holds. A store read never fails a request (`failed_recving` stays empty)
 
 Write path: `save_computed_blocks`, after each step and as a request ends, copies the
 prompt's newly full blocks into the store's write-behind queue, skipping those known to be in
-the store (read from it, found by a lookup or written before). Blocks served by the local
+the store (read from it or written before). Blocks served by the local
 prefix cache are written too unless known, so a store that came back empty after an outage
 is refilled by the prefixes every worker still holds.
 
@@ -74,7 +75,7 @@ class KVStoreConnector(KVConnectorBase):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-store-fetch")
         self._lock = threading.Lock()
         self._done: list[tuple[str, StoreFetch]] = []
-        self._fetching: dict[str, Request] = {}
+        self._fetching: dict[str, tuple[Request, list[BlockRef]]] = {}
         self._abandoned: set[str] = set()
         # Per running request: its prompt's full blocks before this index are in the store,
         # the local prefix cache, or the write queue.
@@ -120,8 +121,8 @@ class KVStoreConnector(KVConnectorBase):
     def _lookup(self, request: Request, start: int, stop: int) -> _Found:
         hashes = self._hashes(request)
         blocks = block_refs(hashes, request.all_token_ids, self.block_size, start, stop)
+        # Counts blocks still being written; they are remembered once they arrive.
         num_found = self.store.lookup(blocks)
-        self._remember(b.block_hash for b in blocks[:num_found])
         return _Found(
             start, blocks[:num_found], num_found > 0 and self.store.should_fetch(num_found)
         )
@@ -138,7 +139,7 @@ class KVStoreConnector(KVConnectorBase):
         num_blocks = num_external_tokens // self.block_size
         block_ids = request.block_table[found.start : found.start + num_blocks]
         blocks = found.blocks[:num_blocks]
-        self._fetching[request_id] = request
+        self._fetching[request_id] = (request, blocks)
         future = self._pool.submit(self._fetch, blocks, block_ids)
         future.add_done_callback(lambda f: self._fetched(request_id, num_blocks, f))
 
@@ -163,7 +164,8 @@ class KVStoreConnector(KVConnectorBase):
         with self._lock:
             done, self._done = self._done, []
         for request_id, result in done:
-            request = self._fetching.pop(request_id)
+            request, blocks = self._fetching.pop(request_id)
+            self._remember(b.block_hash for b in blocks[: result.num_read])
             if request_id in self._abandoned:
                 self._abandoned.discard(request_id)
                 events.finished_recving.add(request_id)  # frees its held blocks

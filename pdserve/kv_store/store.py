@@ -1,9 +1,11 @@
 """`KVStore`: one worker's client of the shared KV store (read path, write path, metrics).
 
-Read path: `lookup` (one round trip: how many of a request's next blocks the store holds),
-`should_fetch` (the break-even of `policy.FetchPolicy`), `fetch` (read them into the blocks
-allocated for them, verifying each value). Write path: `write` copies full computed blocks
-out of the cache into values and queues them on the write-behind thread.
+Read path: `lookup` (one round trip: how many of a request's next blocks the store holds or
+another worker is writing), `should_fetch` (the break-even of `policy.FetchPolicy`), `fetch`
+(read them into the blocks allocated for them, verifying each value, and waiting, at most
+`pending_write_wait_s`, for those still being written). Write path: `write` copies full
+computed blocks out of the cache into values and queues them on the write-behind thread,
+which announces them to readers (in-flight markers) before it writes them.
 
 Every failure is a miss: an unavailable store answers lookups with 0 and fetches with
 nothing (errors counted by kind, then a backoff during which the store is not tried at all),
@@ -26,8 +28,15 @@ from typing import TypeVar
 import numpy as np
 
 from pdserve.core.kv_events import KVCacheObserver
-from pdserve.kv_store.backend import KVStoreBackend, create_backend
-from pdserve.kv_store.codec import decode_block, new_value, payload_view, seal, value_nbytes
+from pdserve.kv_store.backend import KVStoreBackend, Presence, create_backend
+from pdserve.kv_store.codec import (
+    check_value,
+    head_nbytes,
+    new_value,
+    payload_view,
+    seal,
+    value_nbytes,
+)
 from pdserve.kv_store.config import KVStoreConfig
 from pdserve.kv_store.errors import ErrorKind, StoreUnavailable, ValueRejected
 from pdserve.kv_store.keys import BlockRef, KeyScheme, LayoutFingerprint
@@ -37,10 +46,12 @@ from pdserve.kv_store.writer import PendingWrite, WriteBehind
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-# Bytes one fetch round trip asks for at most. A long prompt is read in several: each reply
-# is checked and copied while it is still in the CPU's cache, and the client's reply buffer
-# stays small (one 46 MB MGET reads at half the speed of 2 MB ones here).
-MAX_FETCH_BYTES = 2 << 20
+# Bytes one fetch round trip asks for at most (pipelined GETs): far above a fast link's
+# bandwidth-delay product (10 Gb/s x 1 ms is 1.25 MB), so the link stays busy, and a bound on
+# what the server buffers for one reader and on what is read past a missing block.
+MAX_FETCH_BYTES = 8 << 20
+# Polls of a block another worker is writing: from the first interval, doubling up to the last.
+_POLL_S, _MAX_POLL_S = 0.001, 0.016
 
 
 def cache_bytes(cache: np.ndarray) -> np.ndarray:
@@ -71,13 +82,17 @@ class KVStore:
         self.policy = FetchPolicy()
         self._backoff = _Backoff(config.reconnect_backoff_s, config.max_reconnect_backoff_s)
         self.backend = backend or create_backend(config, self.keys.salt, self.value_nbytes)
-        self._writer = WriteBehind(self._write_batch, int(config.write_queue_mb * 2**20))
+        self._writer = WriteBehind(
+            self._write_batch, int(config.write_queue_mb * 2**20), announce=self._announce
+        )
         self._max_fetch_blocks = max(MAX_FETCH_BYTES // self.value_nbytes, 1)
+        self._head_nbytes = head_nbytes(self.block_size)
         # Changes whenever blocks given to `write` may be missing from the store: an outage
         # began (it may come back empty) or queued writes were lost.
         self.epoch = 0
-        # Told which blocks the store holds (writes landed) and lacks (a lookup or read
-        # missed them): the worker's KV events of the store, for routers.
+        # Told which blocks the store holds (writes landed), will hold (writes queued) and lacks
+        # (a lookup or read missed them, a write failed): the worker's KV events of the store,
+        # for routers.
         self.observer = KVCacheObserver()
 
     @property
@@ -87,16 +102,19 @@ class KVStore:
 
     # ---- read path ---------------------------------------------------------------------
     def lookup(self, blocks: Sequence[BlockRef]) -> int:
-        """How many of `blocks`, from the first on, the store holds; one round trip."""
+        """How many of `blocks`, from the first on, the store holds or another worker is
+        writing (`fetch` waits for those); one round trip."""
         if not blocks:
             return 0
         self.metrics.lookup_tokens.inc(len(blocks) * self.block_size)
         start = time.perf_counter()
-        present = self._call(self.backend.exists_many, self.keys.keys(blocks))
-        if present is None:
+        presence = self._call(self.backend.presence_many, self.keys.keys(blocks))
+        if presence is None:
             return 0
         self.policy.observe_round_trip(time.perf_counter() - start)
-        num_present = next((i for i, found in enumerate(present) if not found), len(present))
+        num_present = next(
+            (i for i, p in enumerate(presence) if p is Presence.ABSENT), len(presence)
+        )
         if num_present < len(blocks):
             self.observer.blocks_removed([blocks[num_present].block_hash])
         return num_present
@@ -111,57 +129,101 @@ class KVStore:
         """Read `blocks[i]` into cache block `block_ids[i]` of `dest` (see `cache_bytes`).
 
         Returns how many leading blocks arrived intact; from the first miss or rejected
-        value on, blocks are left as they were, for the caller to compute.
+        value on, blocks hold whatever the read left in them, for the caller to compute. A
+        block another worker announced it is writing is waited for, as the writes land,
+        until `pending_write_wait_s` after the start.
+
+        Values are read straight into the blocks' rows of `dest` (C-contiguous), each head
+        into a small buffer, and checked there (`codec.check_value`): no value is assembled.
         """
         start = time.perf_counter()
+        deadline = time.monotonic() + self.config.pending_write_wait_s
+        rows = _BlockRows(dest)
         num_read = num_bytes = 0
+        waited_s = 0.0  # not the read's speed: kept out of the fetch policy's estimate
         rejected: list[bytes] = []
         try:
             while num_read < len(blocks):
                 chunk = blocks[num_read : num_read + self._max_fetch_blocks]
                 keys = self.keys.keys(chunk)
-                values = self._call(self.backend.get_many, keys) or []
-                num_bytes += sum(len(v) for v in values if v is not None)
-                num_ok = self._place(chunk, values, dest, block_ids[num_read:], keys, rejected)
+                heads = memoryview(bytearray(len(chunk) * self._head_nbytes))
+                heads = [
+                    heads[i * self._head_nbytes : (i + 1) * self._head_nbytes]
+                    for i in range(len(chunk))
+                ]
+                parts = [
+                    rows.of(block_id) for block_id in block_ids[num_read : num_read + len(chunk)]
+                ]
+                targets = [
+                    [head, *block_rows] for head, block_rows in zip(heads, parts, strict=True)
+                ]
+                lengths = self._call(self.backend.read_into, keys, targets)
+                if lengths is None:  # unavailable: a miss, counted by `_call`
+                    break
+                num_bytes += sum(n for n in lengths if n is not None)
+                num_ok = self._check(chunk, lengths, heads, parts, keys, rejected)
                 num_read += num_ok
-                if num_ok < len(chunk):
+                if num_ok == len(chunk):
+                    continue
+                if lengths[num_ok] is not None:  # rejected
+                    break
+                wait_start = time.perf_counter()
+                has_landed = self._wait_landed(keys[num_ok], deadline)
+                waited_s += time.perf_counter() - wait_start
+                if not has_landed:
+                    self.metrics.count_error(ErrorKind.EVICTED)
+                    self.observer.blocks_removed([chunk[num_ok].block_hash])
                     break
         finally:
             seconds = time.perf_counter() - start
             self.metrics.read_bytes.inc(num_bytes)
             self.metrics.hit_tokens.inc(num_read * self.block_size)
             self.metrics.fetch_latency.observe(seconds)
-            self.policy.observe_fetch(num_bytes, seconds)
+            self.policy.observe_fetch(num_bytes, seconds - waited_s)
             if rejected:
                 self._call(self.backend.delete_many, rejected)
         return num_read
 
-    def _place(
+    def _wait_landed(self, key: bytes, deadline: float) -> bool:
+        """Whether the block at `key`, absent when read, is stored before `deadline`: polled
+        while a writer's in-flight marker announces it."""
+        poll_s = _POLL_S
+        while True:
+            presence = self._call(self.backend.presence_many, [key])
+            if presence is None or presence[0] is Presence.ABSENT:
+                return False
+            if presence[0] is Presence.PRESENT:
+                return True
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                return False
+            time.sleep(min(poll_s, remaining_s))
+            poll_s = min(2 * poll_s, _MAX_POLL_S)
+
+    def _check(
         self,
         blocks: Sequence[BlockRef],
-        values: Sequence[bytes | None],
-        dest: np.ndarray,
-        block_ids: Sequence[int],
+        lengths: Sequence[int | None],
+        heads: Sequence[memoryview],
+        parts: Sequence[list[memoryview]],
         keys: Sequence[bytes],
         rejected: list[bytes],
     ) -> int:
-        """Copy the leading run of good `values` into `dest`; returns its length."""
+        """The length of the leading run of values read intact (a rejected one is added to
+        `rejected`; a missing one ends the run too)."""
         digest = self.keys.fingerprint_digest
-        for i, value in enumerate(values):
-            if value is None:
-                self.metrics.count_error(ErrorKind.EVICTED)
-                self.observer.blocks_removed([blocks[i].block_hash])
+        for i, length in enumerate(lengths):
+            if length is None:  # the caller waits for it or counts the miss
                 return i
             try:
-                payload = decode_block(value, digest, blocks[i], self.payload_nbytes)
+                check_value(heads[i], length, parts[i], digest, blocks[i], self.payload_nbytes)
             except ValueRejected as exc:
                 logger.info("KV store value rejected (%s): %s", exc.kind.value, exc)
                 self.metrics.count_error(exc.kind)
                 self.observer.blocks_removed([blocks[i].block_hash])
                 rejected.append(keys[i])
                 return i
-            dest[:, block_ids[i]] = np.frombuffer(payload, np.uint8).reshape(self._rows, -1)
-        return len(values)
+        return len(lengths)
 
     # ---- write path --------------------------------------------------------------------
     def write(self, blocks: Sequence[BlockRef], src: np.ndarray, block_ids: Sequence[int]) -> int:
@@ -172,14 +234,15 @@ class KVStore:
             self.metrics.dropped_writes.inc(len(blocks))
             return 0
         digest = self.keys.fingerprint_digest
-        num_queued = 0
+        writes = []
         for block, block_id in zip(blocks, block_ids, strict=True):
             value = new_value(digest, block, self.payload_nbytes)
             payload = np.frombuffer(payload_view(value, self.block_size), np.uint8)
             payload.reshape(self._rows, -1)[:] = src[:, block_id]
-            key = self.keys.key(block.block_hash)
-            num_queued += self._writer.submit(PendingWrite(key, block.block_hash, value))
+            writes.append(PendingWrite(self.keys.key(block.block_hash), block.block_hash, value))
+        num_queued = self._writer.submit(writes)
         self.metrics.dropped_writes.inc(len(blocks) - num_queued)
+        self.observer.blocks_pending([w.block_hash for w in writes[:num_queued]])
         return num_queued
 
     def flush(self, timeout_s: float = 10.0) -> bool:
@@ -191,22 +254,34 @@ class KVStore:
         self.metrics.dropped_writes.inc(self._writer.close(timeout_s))
         self.backend.close()
 
+    def _announce(self, writes: list[PendingWrite]) -> None:
+        """On the write-behind thread, before writing: mark `writes` in flight, for readers."""
+        self._call(
+            self.backend.mark_pending,
+            [w.key for w in writes],
+            self.config.pending_write_wait_s,
+            ok=True,
+        )
+
     def _write_batch(self, batch: list[PendingWrite]) -> None:
         """On the write-behind thread: skip keys the store has, write the rest."""
         present = self._call(self.backend.exists_many, [w.key for w in batch])
         if present is None:
-            self.metrics.dropped_writes.inc(len(batch))
-            self.epoch += 1
+            self._lost(batch)
             return
         missing = [w for w, is_present in zip(batch, present, strict=True) if not is_present]
         if missing:
             items = [(w.key, seal(w.value)) for w in missing]
             if self._call(self.backend.put_many, items, ok=True) is None:
-                self.metrics.dropped_writes.inc(len(missing))
-                self.epoch += 1
+                self._lost(missing)
                 return
             self.metrics.written_bytes.inc(sum(len(w.value) for w in missing))
         self.observer.blocks_stored([w.block_hash for w in batch])
+
+    def _lost(self, writes: list[PendingWrite]) -> None:
+        self.metrics.dropped_writes.inc(len(writes))
+        self.epoch += 1
+        self.observer.blocks_removed([w.block_hash for w in writes])  # announced as pending
 
     # ---- failures ----------------------------------------------------------------------
     def _call(self, operation: Callable[..., T], *args, ok: T | None = None) -> T | None:
@@ -234,6 +309,25 @@ class KVStore:
         if self._backoff.succeed():
             logger.info("KV store %s is available again", self.config.redacted_url)
         return ok if result is None else result
+
+
+class _BlockRows:
+    """Each block's rows of a cache's bytes ``[rows, num_blocks, row bytes]`` (`cache_bytes`:
+    one layer's K or V of the block per row), as views a read fills in the value's order."""
+
+    def __init__(self, cache: np.ndarray) -> None:
+        if not cache.flags.c_contiguous:
+            raise ValueError("a KV store reads into a C-contiguous cache")
+        self._flat = memoryview(cache.reshape(-1))
+        self._num_rows, self._num_blocks, self._row_nbytes = cache.shape
+
+    def of(self, block_id: int) -> list[memoryview]:
+        n = self._row_nbytes
+        stride = self._num_blocks * n
+        first = block_id * n
+        return [
+            self._flat[first + r * stride : first + r * stride + n] for r in range(self._num_rows)
+        ]
 
 
 class _Backoff:

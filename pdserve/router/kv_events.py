@@ -122,7 +122,10 @@ class KVEventSubscriber:
         if position.seq is None or seq != position.seq + 1:
             raise EventGap(f"event {seq} after {position.seq}")
         is_store = record.get("medium") == "store"
-        if kind == "stored":
+        if kind == "pending" and is_store:
+            # Counted as in the store already: a worker that reads it waits for the write.
+            self.index.add_store(url, hashes)
+        elif kind == "stored":
             self.index.add_store(url, hashes) if is_store else self.index.add(url, hashes)
         elif kind == "removed":
             self.index.discard_store(hashes) if is_store else self.index.discard(url, hashes)

@@ -47,8 +47,9 @@ class PrefixIndex:
 
     With `shared_store` (the workers share a KV store, `--kv-store`) a prompt's prefix also
     counts on every worker as far as the store holds it: the union of what the workers' store
-    events say (each worker reports the writes it landed and the blocks it found gone; a gone
-    block leaves every worker's share). Every worker then matches alike, so load, not
+    events say (each worker reports the writes it queued, which a reader waits for, and those
+    it landed, and the blocks it found gone or failed to write; a gone block leaves every
+    worker's share). Every worker then matches alike, so load, not
     affinity, picks among them.
     """
 

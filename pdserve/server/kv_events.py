@@ -3,8 +3,10 @@
 ``GET /kv/events`` streams newline-delimited JSON: first a snapshot (``{"type": "snapshot",
 "epoch", "seq", "block_hashes"}``), unless ``?epoch=E&seq=N`` names a point this process can
 resume from (then only the events after it), then every event as it happens (``{"type":
-"stored" | "removed", "seq", "block_hashes"}``). A subscriber that falls so far behind that
-the log dropped events it has not read gets a fresh snapshot in the stream. A role switch
+"stored" | "removed" | "pending", "seq", "block_hashes"}``, with ``"medium": "store"`` for
+what the worker learned of the shared KV store; ``pending`` is a store write queued). A
+subscriber that falls so far behind that the log dropped events it has not read gets a fresh
+snapshot in the stream. A role switch
 sends every subscriber a snapshot too (a clean point to re-check against). Guarded like every
 other fleet path (`api.asgi`: the fleet secret, or the API key).
 

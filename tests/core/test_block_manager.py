@@ -137,3 +137,25 @@ def test_each_full_block_is_hashed_once_however_often_it_is_looked_up():
         chained_block_hash(request.block_hashes[0], [104, 105, 106, 107]),
         chained_block_hash(request.block_hashes[1], [108, 109, 110, 111]),
     ]
+
+
+def test_the_packed_chain_equals_the_hash_spelled_out():
+    import hashlib
+    import random
+
+    from pdserve.core.block_manager import extend_block_hashes
+
+    def spelled_out(parent, token_ids):  # the chain's definition, one token at a time
+        data = (parent or 0).to_bytes(8, "little")
+        data += b"".join(t.to_bytes(4, "little") for t in token_ids)
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+    rng = random.Random(0)
+    tokens = [rng.randrange(2**32) for _ in range(16 * 9 + 5)]
+    expected, parent = [], None
+    for start in range(0, 16 * 9, 16):
+        parent = spelled_out(parent, tokens[start : start + 16])
+        expected.append(parent)
+    assert extend_block_hashes([], tokens, 16) == expected
+    assert extend_block_hashes(expected[:4], tokens, 16) == expected  # resumed mid-chain
+    assert chained_block_hash(expected[0], tokens[16:32]) == expected[1]

@@ -5,6 +5,8 @@ slow or password-protected server, a full write queue) is a counted miss, never 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,6 +18,7 @@ from pdserve.kv_store import ErrorKind, KVStore
 from pdserve.kv_store.codec import encode_block
 from pdserve.kv_store.config import KV_STORE_PASSWORD_ENV
 from tests.kv_store.conftest import (
+    REPO_ROOT,
     TINY,
     RedisServer,
     blocks_equal,
@@ -63,7 +66,8 @@ def test_writer_skips_keys_the_store_has(redis_server, make_store):
     _write_all(first, seq)
     _write_all(second, seq)  # same blocks computed on another worker
     assert second.metrics.value("pdserve:kv_store_written_bytes_total") == 0
-    assert redis_server.client().info("commandstats")["cmdstat_set"]["calls"] == 4
+    # The 4 values once, and each writer's 4 in-flight markers (announced before it knew).
+    assert redis_server.client().info("commandstats")["cmdstat_set"]["calls"] == 4 + 2 * 4
 
 
 def test_lookup_finds_the_longest_leading_run_in_one_round_trip(
@@ -344,3 +348,94 @@ def test_a_full_server_refuses_writes_but_still_serves_reads(tmp_path, make_stor
         assert _fetch(store, seq)[0] == 2
     finally:
         server.stop()
+
+
+def test_a_reader_waits_for_blocks_another_worker_is_still_writing(redis_server, make_store):
+    writer, reader = make_store(redis_server.url), make_store(redis_server.url)
+    seq = make_sequence(6)
+    assert writer.write(seq.blocks[:3], seq.cache_bytes, seq.block_ids[:3]) == 3
+    assert writer.flush()
+    landed = threading.Event()
+    put_many = writer.backend.put_many
+
+    def put_late(items):  # the next values land only when the test says
+        landed.wait(10)
+        put_many(items)
+
+    writer.backend.put_many = put_late
+    assert writer.write(seq.blocks[3:], seq.cache_bytes, seq.block_ids[3:]) == 3
+    # Blocks 3-5 are announced (in flight), not stored: the lookup counts them.
+    wait_for = time.monotonic() + 10
+    while reader.lookup(seq.blocks) < 6 and time.monotonic() < wait_for:
+        time.sleep(0.01)
+    assert reader.lookup(seq.blocks) == 6
+    assert redis_server.client().exists(*reader.keys.keys(seq.blocks[3:])) == 0
+    threading.Timer(0.1, landed.set).start()
+    num_read, dest, dest_ids = _fetch(reader, seq)
+    assert num_read == 6  # read as the writes landed, none computed
+    assert blocks_equal(seq.cache, seq.block_ids, dest, dest_ids)
+    assert _errors(reader, ErrorKind.EVICTED) == 0
+
+
+# A writer that announces its blocks, then hangs before writing them, until killed.
+_HANGING_WRITER = """
+import sys, time
+from pdserve.kv_store import KVStore, KVStoreConfig
+from pdserve.kv_store.backend import Presence
+from tests.kv_store.conftest import TINY, make_sequence
+
+store = KVStore(KVStoreConfig(sys.argv[1], pending_write_wait_s=30.0), TINY)
+store.backend.put_many = lambda items: time.sleep(3600)
+seq = make_sequence(4)
+store.write(seq.blocks, seq.cache_bytes, seq.block_ids)
+keys = store.keys.keys(seq.blocks)
+while store.backend.presence_many(keys) != [Presence.PENDING] * 4:
+    time.sleep(0.01)
+print("announced", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_write_that_never_lands_costs_the_bound_then_a_miss(redis_server, make_store):
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _HANGING_WRITER, redis_server.url],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    try:
+        assert writer.stdout.readline().strip() == "announced"
+    finally:
+        writer.kill()
+        writer.wait()
+    bound_s = 0.3
+    reader = make_store(redis_server.url, pending_write_wait_s=bound_s)
+    seq = make_sequence(4)
+    assert reader.lookup(seq.blocks) == 4  # its markers outlive it (30 s)
+    start = time.monotonic()
+    num_read, _, _ = _fetch(reader, seq)
+    waited = time.monotonic() - start
+    assert num_read == 0
+    assert bound_s <= waited < bound_s + 5.0
+    assert _errors(reader, ErrorKind.EVICTED) == 1
+    # The markers expire on their own: nothing of the dead writer stays in the store.
+    client = redis_server.client()
+    assert all(0 < client.pttl(key) <= 30_000 for key in client.keys("pdserve:kv:*"))
+    assert client.exists(*reader.keys.keys(seq.blocks)) == 0
+
+
+def test_an_error_reply_mid_read_is_a_miss_and_the_next_read_works(redis_server, make_store):
+    store = make_store(redis_server.url)
+    seq = make_sequence(4)
+    _write_all(store, seq)
+    raw = redis_server.client()
+    key = store.keys.key(seq.blocks[1].block_hash)
+    raw.delete(key)
+    raw.rpush(key, b"not a value")  # GET answers WRONGTYPE between good values
+    assert _fetch(store, seq)[0] == 0
+    assert _errors(store, ErrorKind.SERVER) == 1
+    raw.delete(key)
+    _write_all(store, seq)
+    num_read, dest, dest_ids = _fetch(store, seq)  # a fresh connection, replies in step
+    assert num_read == 4
+    assert blocks_equal(seq.cache, seq.block_ids, dest, dest_ids)

@@ -118,3 +118,25 @@ def test_a_lost_event_makes_the_router_take_a_fresh_snapshot():
             assert connections[1] == {}  # no resume point: a snapshot, not a replay
 
         asyncio.run(run())
+
+
+def test_a_store_write_in_flight_counts_on_every_worker_until_it_fails():
+    from pdserve.router.kv_events import _Position
+
+    log = KVEventLog()
+    store = log.store_observer()
+    store.blocks_pending([1, 2])  # queued for the store: a reader will wait for them
+    assert set(log.snapshot().store_block_hashes) == {1, 2}
+    index = PrefixIndex(4, shared_store=True)
+    subscriber = KVEventSubscriber(index, client=None, connect_timeout_s=1.0)
+    position = _Position()
+    subscriber.apply("http://a", position, log.snapshot().to_dict())
+    store.blocks_pending([3])
+    (event,) = log.events_after(log.epoch, position.seq)
+    assert event.to_dict()["type"] == "pending" and event.to_dict()["medium"] == "store"
+    subscriber.apply("http://a", position, event.to_dict())
+    assert index.num_cached_tokens("http://b", [1, 2, 3], 100) == 12
+    store.blocks_removed([3])  # its write failed
+    (event,) = log.events_after(log.epoch, position.seq)
+    subscriber.apply("http://a", position, event.to_dict())
+    assert index.num_cached_tokens("http://b", [1, 2, 3], 100) == 8
