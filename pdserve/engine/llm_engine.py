@@ -32,7 +32,8 @@ from pdserve.model.loader import LoadedModel, load_model
 logger = logging.getLogger(__name__)
 # How long an idle step waits when only KV transfers are in flight.
 KV_POLL_INTERVAL_S = 0.001
-# Startup time for measuring kernel choices (what is left over is measured when idle).
+# Startup time for measuring kernel choices (what is left over stays on the default until a
+# later start measures it: `MeasuredChoice.skipped`).
 KERNEL_CHOICE_BUDGET_S = 15.0
 
 

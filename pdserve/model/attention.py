@@ -461,8 +461,9 @@ def measure_prefill_choices(
     sdpa = [case for case in measured if not choice.a_wins_or(case, default=False)]
     logger.info(
         "prefill attention (%s kernels, %s q / %s KV, %d x %d heads of %d, %d thread(s)): "
-        "%d cases up to %d new tokens in %d, %d measured now in %.1f s, %d left for idle "
-        "time; the kernel on %d, SDPA on %d (new/context tokens: %s)",
+        "%d cases up to %d new tokens in %d, %d measured now in %.1f s, %d left to SDPA "
+        "(beyond the startup budget: the next start goes on); the kernel on %d, SDPA on %d "
+        "(new/context tokens: %s)",
         ops.isa,
         *(str(dtype).removeprefix("torch.") for dtype in (q_dtype, kv_dtype)),
         *heads,

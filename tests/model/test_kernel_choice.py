@@ -77,7 +77,8 @@ def test_serving_lookups_never_measure_and_leave_the_case_for_idle_time(tmp_path
     assert choice.a_wins_or(("a", 1), default=False) is True  # measured: A (no sleep) wins
 
 
-def test_measure_times_what_its_budget_allows_and_queues_the_rest(tmp_path):
+def test_measure_times_what_its_budget_allows_and_skips_the_rest(tmp_path):
+    """What the budget left out takes the default and is never queued for idle time."""
     measured = []
 
     def prepare(case):
@@ -87,9 +88,10 @@ def test_measure_times_what_its_budget_allows_and_queues_the_rest(tmp_path):
     cases = [("a", n) for n in range(4)]
     choice = MeasuredChoice("demo", "build-1", prepare, tmp_path)
     assert choice.measure(cases, budget_s=0.0) == 0
-    assert measured == [] and len(choice.pending) == 4
+    assert measured == [] and len(choice.skipped) == 4 and not choice.pending
+    assert choice.a_wins_or(cases[3], default=False) is False and not choice.pending
     assert choice.measure(cases[:3], budget_s=60.0) == 3
-    assert measured == cases[:3] and list(choice.pending) == ['["a", 3]']
+    assert measured == cases[:3] and choice.skipped == {'["a", 3]'} and not choice.pending
     assert choice.measure(cases, budget_s=60.0) == 1  # the cached three are not timed again
     assert MeasuredChoice("demo", "build-1", prepare, tmp_path).timings.keys() == {
         json.dumps(case) for case in cases

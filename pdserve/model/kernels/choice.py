@@ -8,9 +8,12 @@ by the library build, the CPU model and torch's version: later processes on the 
 the answer instead of measuring again.
 
 Measuring takes up to seconds, so a serving path never measures: the engine measures the
-cases its limits allow at startup (`measure`, within a time budget), a case met unmeasured
-takes the caller's default and waits in a queue, and the engine measures the queue while it
-is idle (`measure_pending`).
+cases its limits allow at startup (`measure`, cheapest first, within a time budget), and a
+case met unmeasured takes the caller's default. Cases the budget left out stay at the default
+in that process (`skipped`): measured while idle, a multi-second case would delay the request
+that arrives meanwhile (a colocated engine's 8k-token prompts). The cache is on disk, so the
+next start goes on from where this one stopped. A case outside the startup grid waits in a
+queue and the engine measures it while it is idle (`measure_pending`).
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ class MeasuredChoice:
         self.timings: dict[str, tuple[float, float]] = self._read()
         # Cases met unmeasured by `a_wins_or`, by key, in arrival order.
         self.pending: dict[str, tuple] = {}
+        # Keys `measure` had no budget left for: the default, never measured while serving.
+        self.skipped: set[str] = set()
         self.num_defaulted = 0  # how often `a_wins_or` answered with its default
 
     def a_wins(self, case: tuple[Hashable, ...]) -> bool:
@@ -92,12 +97,14 @@ class MeasuredChoice:
 
     def a_wins_or(self, case: tuple[Hashable, ...], default: bool) -> bool:
         """Whether A is faster on `case` as measured; never measures nor waits for a
-        measurement: a case not measured yet answers `default` and is queued for
-        `measure_pending`."""
-        timing = self.timings.get(json.dumps(case))
+        measurement: a case not measured yet answers `default` and, unless `measure` skipped
+        it, is queued for `measure_pending`."""
+        key = json.dumps(case)
+        timing = self.timings.get(key)
         if timing is not None:
             return timing[0] < timing[1]
-        self.pending.setdefault(json.dumps(case), case)  # one dict operation: thread-safe
+        if key not in self.skipped:
+            self.pending.setdefault(key, case)  # one dict operation: thread-safe
         self.num_defaulted += 1
         return default
 
@@ -116,7 +123,7 @@ class MeasuredChoice:
     def measure(self, cases: Sequence[tuple], budget_s: float) -> int:
         """Measure the `cases` not measured yet, in order (cheapest first, so that the case
         just timed bounds what the next costs), while the next one should end within
-        `budget_s`; queue the rest for `measure_pending`. Returns how many it timed."""
+        `budget_s`; mark the rest `skipped`. Returns how many it timed."""
         start = time.perf_counter()
         last_case_s = 0.0
         num_measured = 0
@@ -127,7 +134,7 @@ class MeasuredChoice:
                     continue
                 case_start = time.perf_counter()
                 if case_start - start + last_case_s > budget_s:
-                    self.pending.setdefault(key, case)
+                    self.skipped.add(key)
                     continue
                 self._measure(key, case)
                 last_case_s = time.perf_counter() - case_start
@@ -162,6 +169,7 @@ class MeasuredChoice:
         timing = interleaved_best_seconds(*self._prepare(case))
         self.timings[key] = timing
         self.pending.pop(key, None)
+        self.skipped.discard(key)
         logger.debug(
             "%s %s: %.3f ms vs %.3f ms (measured here, cached in %s)",
             self.name,
