@@ -29,7 +29,7 @@ from pdserve.bench.compare import (
 from pdserve.bench.demo import demo_spec, measure_machine, size_demo
 from pdserve.bench.launcher import DEFAULT_SERVER_COMMAND, LaunchConfig
 from pdserve.bench.layout import parse_split, resolve_cores
-from pdserve.bench.search import DEFAULT_ATTAINMENT, RateSearch
+from pdserve.bench.search import RateSearch
 from pdserve.flags import add_flags
 from pdserve.workload import (
     default_trace_path,
@@ -46,6 +46,7 @@ from pdserve.workload.flags import (
     trace_window,
     workload_options,
 )
+from pdserve.workload.goodput import DEFAULT_ATTAINMENT
 from pdserve.workload.interference import InterferenceConfig
 from pdserve.workload.metrics import parse_goodput
 from pdserve.workload.report import write_report

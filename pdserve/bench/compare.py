@@ -27,17 +27,16 @@ from pdserve.bench.client import make_http_client
 from pdserve.bench.launcher import LaunchConfig, launch_server
 from pdserve.bench.layout import mode_layout, parse_external, resolve_cores
 from pdserve.bench.runner import ServerInfo, warm_up
-from pdserve.bench.search import (
-    DEFAULT_ATTAINMENT,
-    RateSearch,
-    SearchPoint,
-    SearchResult,
-    repeat_boundary,
-    search_max_rate,
-)
+from pdserve.bench.search import RateSearch, repeat_boundary, search_max_rate
 from pdserve.core.config import Mode
 from pdserve.redaction import redact_argv, redact_url
 from pdserve.workload.errors import BenchError
+from pdserve.workload.goodput import (
+    DEFAULT_ATTAINMENT,
+    SearchPoint,
+    SearchResult,
+    sustained_count,
+)
 from pdserve.workload.report import write_report
 from pdserve.workload.results import has_records, rate_text, result_from_dict, result_to_dict
 from pdserve.workload.run import BenchResult, BenchSpec, WorkloadPlan, plan_workload
@@ -46,7 +45,6 @@ from pdserve.workload.tokenizer import TokenizerLike, load_tokenizer
 
 DEFAULT_MODES = tuple(mode.value for mode in Mode)
 # A search run at a low rate still has this many requests (its attainment means something).
-MIN_SEARCH_PROMPTS = 10
 # Without SLOs, modes within this share of the best output throughput compete on ITL p99.
 _THROUGHPUT_TOLERANCE = 0.9
 
@@ -364,8 +362,9 @@ class _Runner:
         has_count = any(f.name == "num_prompts" for f in fields(workload))
         if not has_count and seed == first.seed:
             return first
-        scale = rate / self._spec.request_rate
-        count = max(MIN_SEARCH_PROMPTS, round(workload.num_prompts * scale)) if has_count else 0
+        count = (
+            sustained_count(workload.num_prompts, self._spec.request_rate, rate) if has_count else 0
+        )
         if (count, seed) not in self._plans:
             tokenizer = self._tokenizer or load_tokenizer(None)
             resized = replace(workload, num_prompts=count) if has_count else workload

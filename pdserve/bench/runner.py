@@ -16,7 +16,7 @@ from pdserve.bench.client import fetch_models, send_request
 from pdserve.workload.base import BenchRequest
 from pdserve.workload.endpoint import EndpointConfig
 from pdserve.workload.errors import BenchError
-from pdserve.workload.records import RequestRecord
+from pdserve.workload.records import STOPPED_EARLY, RequestRecord
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,6 @@ async def warm_up(
 
 # How often a run with `stop_when` asks whether to stop.
 _STOP_POLL_S = 0.1
-STOPPED_EARLY = "stopped early: the run's outcome was already decided"
 # Asked during a run with its records and the time since its start: stop now?
 StopWhen = Callable[[list[RequestRecord], float], bool]
 

@@ -27,7 +27,7 @@ from pdserve.sim.options import (
     workload_from_args,
 )
 from pdserve.sim.plan_report import explain, format_ranking, plot_goodput_vs_split
-from pdserve.sim.planner import PlanInputs, band_of, gpus_for_rate, search
+from pdserve.sim.planner import PlanInputs, ProgressLines, band_of, gpus_for_rate, search
 from pdserve.sim.profile_fit import (
     calibrate_points,
     calibrate_table,
@@ -233,7 +233,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _scale(args: argparse.Namespace) -> int:
     from pdserve.sim.scale import run_scale
 
-    report = run_scale(Path(args.demo_dir), _progress(args.quiet), args.gpu)
+    report = run_scale(Path(args.demo_dir), ProgressLines(args.quiet), args.gpu)
     print("\n".join(report.lines))
     print(f"report: {Path(args.demo_dir) / 'scale.md'}")
     return 0
@@ -343,7 +343,7 @@ def _plan(args: argparse.Namespace) -> int:
     calibration = calibration_for(args.calibration, deployment.hardware.name)
     print(f"calibration: {calibration.describe()}")
     inputs = PlanInputs(deployment, planned, slos, calibration.band)
-    progress = _progress(args.quiet)
+    progress = ProgressLines(args.quiet)
     evaluations = search(inputs, args.gpus, progress)
     shown = evaluations[: args.top]
     bands = [band_of(inputs, e, progress) for e in shown]
@@ -397,14 +397,6 @@ def _inverse(args, inputs: PlanInputs, evaluations, target: float, progress) -> 
         )
         answer = f"{gpus} GPUs" if gpus else f"more than {args.max_gpus} GPUs"
         print(f"  {evaluation.layout.label(gpus or args.gpus)}: {answer}")
-
-
-def _progress(quiet: bool):
-    def report(message: str) -> None:
-        if not quiet:
-            print(message, file=sys.stderr, flush=True)
-
-    return report
 
 
 def _write_json(path: str, data: dict) -> None:

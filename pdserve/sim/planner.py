@@ -12,6 +12,7 @@ sustains under the SLOs), the rest by their goodput at the planned rate.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -21,6 +22,7 @@ from pdserve.sim.errors import SimConfigError
 from pdserve.sim.layout import Layout
 from pdserve.sim.report import bench_result, scaled
 from pdserve.sim.simulator import SimResult, simulate
+from pdserve.sim.workload import SimRequestSpec
 from pdserve.workload.metrics import meets_slos
 from pdserve.workload.run import BenchResult
 
@@ -37,6 +39,21 @@ _MAX_DOUBLINGS = 5
 _BISECTIONS = 3
 
 Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ProgressLines:
+    """A `Progress` that prints each message on stderr, or nothing when quiet; a plain
+    object, so worker processes (`simulate scale`'s parallel searches) print through it."""
+
+    is_quiet: bool = False
+
+    def __call__(self, message: str) -> None:
+        if not self.is_quiet:
+            print(message, file=sys.stderr, flush=True)
+
+
+QUIET = ProgressLines(is_quiet=True)
 
 
 @dataclass(frozen=True)
@@ -318,14 +335,20 @@ def find_capacity(
     num_gpus: int,
     progress: Progress,
     time_scale: float = 1.0,
+    specs_at: Callable[[float], list[SimRequestSpec]] | None = None,
+    growth: float = 2.0,
 ) -> float:
     """The highest rate (req/s, within a few percent) at which `layout` carries the planned
-    requests; 0 when it does not carry them even at 1/32 of the planned rate."""
+    requests; 0 when it does not carry them even at 1/32 of the planned rate. `specs_at`
+    gives the requests offered at a rate (default: the planned ones, their arrivals
+    compressed or stretched to it); from the planned rate the search steps by `growth` until
+    it brackets the capacity (a smaller step from a close guess runs fewer, smaller
+    simulations), within the same bounds."""
     base = planned_rate(inputs)
     specs = inputs.planned.specs
 
     def carries(rate: float) -> bool:
-        scaled_specs = at_rate(specs, base, rate)
+        scaled_specs = specs_at(rate) if specs_at else at_rate(specs, base, rate)
         evaluation = evaluate(inputs, layout, num_gpus, scaled_specs, rate, time_scale)
         progress(
             f"[capacity] {layout.label(num_gpus)} at {rate:.3g} req/s: "
@@ -334,23 +357,35 @@ def find_capacity(
         return evaluation.carries_load
 
     good, bad = (base, None) if carries(base) else (None, base)
-    for _ in range(_MAX_DOUBLINGS):
+    for _ in range(math.ceil(_MAX_DOUBLINGS * math.log(2) / math.log(growth) - 1e-9)):
         if good is not None and bad is not None:
             break
         if good is not None:
-            rate = good * 2
+            rate = good * growth
             good, bad = (rate, bad) if carries(rate) else (good, rate)
         else:
-            rate = bad / 2
+            rate = bad / growth
             good, bad = (rate, bad) if carries(rate) else (good, rate)
     if good is None:
         return 0.0
     if bad is None:
         return good
-    for _ in range(_BISECTIONS):
+    for _ in range(_bisections(growth)):
         middle = math.sqrt(good * bad)
         good, bad = (middle, bad) if carries(middle) else (good, middle)
     return good
+
+
+def _bisections(growth: float) -> int:
+    """As many halvings of a `growth`-wide bracket's log width as leave it about as narrow
+    as `_BISECTIONS` leave a doubling's."""
+    return max(1, round(_BISECTIONS - math.log2(math.log(2) / math.log(growth))))
+
+
+def capacity_resolution(growth: float = 2.0) -> float:
+    """The ratio of the bracket `find_capacity` ends with: capacities closer than this
+    are a tie."""
+    return growth ** (0.5 ** _bisections(growth))
 
 
 def gpus_for_rate(

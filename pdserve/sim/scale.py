@@ -30,7 +30,10 @@ import argparse
 import itertools
 import json
 import math
+import multiprocessing
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -48,8 +51,17 @@ from pdserve.sim.options import (
     add_workload_args,
     workload_from_args,
 )
-from pdserve.sim.planner import PlanInputs, evaluate, find_capacity, search_ceiling
+from pdserve.sim.planner import (
+    QUIET,
+    PlanInputs,
+    capacity_resolution,
+    evaluate,
+    find_capacity,
+    search_ceiling,
+)
 from pdserve.sim.profile_fit import calibration_of
+from pdserve.sim.workload import SimRequestSpec, plan_requests
+from pdserve.workload.goodput import SearchPoint, SearchResult, sustained_count
 
 FLEET_SIZES = (4, 8, 16, 64)
 GPU_HARDWARE = "H100-SXM"
@@ -62,10 +74,15 @@ MAX_CALIBRATION_STEPS = 5000
 # A GPU fleet's requests per GPU: as long a run as the demo's at the GPU's estimated
 # capacity, up to this many (the simulation's time).
 MAX_GPU_PROMPTS = 100
-# Disagg's prefill shares tried per fleet: the workload's, and twice it.
-SPLIT_FACTORS = (1.0, 2.0)
+# Disagg's prefill shares tried per fleet: the workload's, and a quarter fewer and more
+# prefill workers.
+SPLIT_FACTORS = (0.75, 1.0, 1.33)
+# Each fleet size's capacity search starts from the previous size's capacity per core, a
+# close guess: it steps by this factor (the planner's own search doubles).
+FLEET_SEARCH_GROWTH = 1.25
+# Two capacities closer than this ratio are level: the search's bracket at its end.
+SEARCH_RESOLUTION = capacity_resolution(FLEET_SEARCH_GROWTH)
 GOAL = 0.15
-MODES = ("colocated", "chunked", "disagg")
 
 Progress = Callable[[str], None]
 
@@ -78,9 +95,7 @@ class ScaleReport:
     data: dict = field(default_factory=dict)
 
 
-def run_scale(
-    demo_dir: Path, progress: Progress = lambda _: None, gpu: bool = False
-) -> ScaleReport:
+def run_scale(demo_dir: Path, progress: Progress = QUIET, gpu: bool = False) -> ScaleReport:
     """The scale section for a demo's results directory (module doc)."""
     sizing = json.loads((demo_dir / "sizing.json").read_text())
     compare = json.loads((demo_dir / "compare.json").read_text())
@@ -179,19 +194,20 @@ def _inputs(
     return PlanInputs(deployment, planned, dict(sizing["slos_ms"]))
 
 
-def _layouts(sizing: dict, num_cores: int, prefill_share: float) -> dict[str, list[Layout]]:
-    """Each mode's layouts as the demo ran them: replicas of one core, or P + D workers."""
+def _layouts(
+    sizing: dict, num_cores: int, prefill_share: float, factors: Sequence[float] = SPLIT_FACTORS
+) -> dict[Mode, list[Layout]]:
+    """Each mode's layouts as the demo ran them: replicas of one core, or P + D workers
+    (one per factor of `prefill_share`, in order; neighbouring factors may give one split)."""
     args = sizing["mode_args"]
     chunk = int(args["chunked"][1])
     threshold = int(args["disagg"][1])
     decode_budget = int(args["disagg"][3].split()[-1])
-    splits = sorted(
-        {min(num_cores - 1, max(1, round(num_cores * prefill_share * f))) for f in SPLIT_FACTORS}
-    )
+    splits = [min(num_cores - 1, max(1, round(num_cores * prefill_share * f))) for f in factors]
     return {
-        "colocated": [Layout(Mode.COLOCATED, 1)],
-        "chunked": [Layout(Mode.CHUNKED, 1, budget=chunk)],
-        "disagg": [
+        Mode.COLOCATED: [Layout(Mode.COLOCATED, 1)],
+        Mode.CHUNKED: [Layout(Mode.CHUNKED, 1, budget=chunk)],
+        Mode.DISAGG: [
             Layout(
                 Mode.DISAGG,
                 1,
@@ -205,36 +221,76 @@ def _layouts(sizing: dict, num_cores: int, prefill_share: float) -> dict[str, li
     }
 
 
+def _ran_layout(sizing: dict, mode: Mode) -> Layout:
+    """`mode` laid out as the demo ran it on its cores (disagg at its measured split)."""
+    num_cores = sizing["num_cores"]
+    return _layouts(sizing, num_cores, sizing["disagg_split"][0] / num_cores, (1.0,))[mode][0]
+
+
+def _sustained(
+    inputs: PlanInputs, num_prompts: int, base_rate: float, seed: int = 0
+) -> Callable[[float], list[SimRequestSpec]]:
+    """The demo's requests at a rate as its search offers them: drawn with `seed`, as many
+    as keep the span of `num_prompts` at `base_rate` (a sustained rate, not a burst)."""
+    workload, max_len = inputs.planned.workload, inputs.deployment.max_model_len
+
+    def specs_at(rate: float) -> list[SimRequestSpec]:
+        count = sustained_count(num_prompts, base_rate, rate)
+        resized = replace(workload, num_prompts=count)
+        return plan_requests(resized, seed=seed, request_rate=rate, max_model_len=max_len)
+
+    return specs_at
+
+
+def _simulated_point(
+    inputs: PlanInputs, layout: Layout, num_cores: int, run: SearchPoint
+) -> SearchPoint:
+    """A measured search run replayed in the simulator: the same requests (count and seed
+    at its rate) on the same layout; how many met every SLO there."""
+    specs = _sustained(inputs, run.num_requests, run.rate, run.seed or 0)(run.rate)
+    evaluation = evaluate(inputs, layout, num_cores, specs, run.rate)
+    num_good = evaluation.result.metrics.num_good or 0
+    return SearchPoint(run.rate, num_good, len(specs), seed=run.seed)
+
+
 def _repredict(
     sizing: dict, compare: dict, inputs: PlanInputs, data: dict, progress: Progress
 ) -> list[str]:
+    """Each measured mode against the simulator: its search's runs replayed (the same
+    requests at the same rates and seeds, judged by the same rule), its capacity searched
+    on the same sustained load, and TTFT / ITL p99 of the run at the offered rate."""
     num_cores = sizing["num_cores"]
-    split = sizing["disagg_split"]
+    num_prompts, rate = sizing["workload"]["num_prompts"], sizing["request_rate"]
     rows = {r["name"]: r for r in compare["rows"]}
-    measured_share = split[0] / num_cores
     table = []
-    for mode in MODES:
-        row = rows.get(mode)
-        if row is None or row.get("error"):
+    for mode in Mode:
+        row, search = rows.get(mode.value), compare.get("search", {}).get(mode.value)
+        if row is None or row.get("error") or not search:
             continue
-        layout = _layouts(sizing, num_cores, measured_share)[mode][0]
-        if mode == "disagg":
-            layout = Layout(
-                Mode.DISAGG,
-                1,
-                prefill_tp=1,
-                prefill_fraction=measured_share,
-                local_prefill_threshold=layout.local_prefill_threshold,
-                decode_budget=layout.decode_budget,
-            )
-        at_rate = evaluate(inputs, layout, num_cores)
-        capacity = find_capacity(inputs, layout, num_cores, progress)
-        m = at_rate.result.metrics
+        layout = _ran_layout(sizing, mode)
+        progress(f"[re-predict] {mode.value}")
+        measured = SearchResult(
+            search["slo_attainment"],
+            tuple(SearchPoint(**{f: p[f] for f in _POINT_FIELDS}) for p in search["points"]),
+        )
+        replayed = SearchResult(
+            measured.attainment,
+            tuple(_simulated_point(inputs, layout, num_cores, p) for p in measured.points),
+        )
+        alike = sum(
+            measured.meets(m) == replayed.meets(r)
+            for m, r in zip(measured.points, replayed.points, strict=True)
+        )
+        sustained = _sustained(inputs, num_prompts, rate)
+        capacity = find_capacity(inputs, layout, num_cores, progress, specs_at=sustained)
+        m = evaluate(inputs, layout, num_cores).result.metrics
         table.append(
             {
-                "mode": mode,
+                "mode": mode.value,
                 "layout": row.get("layout", ""),
-                "max_rate": [row.get("max_rate"), row.get("min_missed_rate")],
+                "max_rate": [measured.max_rate, measured.min_missed_rate],
+                "replayed_max_rate": [replayed.max_rate, replayed.min_missed_rate],
+                "runs_alike": [alike, len(measured.points)],
                 "predicted_max_rate": capacity,
                 "ttft_p99": [row["ttft_p99"], m.ttft.p99],
                 "itl_p99": [row["itl_p99"], m.itl.p99],
@@ -245,22 +301,50 @@ def _repredict(
         "## Past this machine: the simulator, calibrated from this run's step logs",
         "",
         f"Measured (this run) against predicted (the simulator calibrated on the same run's "
-        f"engine steps, each mode laid out as it ran on {num_cores} cores); TTFT and ITL p99 "
-        f"at the offered rate, in ms; the goal is within {GOAL:.0%}.",
+        f"engine steps, each mode laid out as it ran on {num_cores} cores). The highest rate "
+        "meeting the SLOs: measured, the same search runs replayed in the simulator (the same "
+        "requests at the same rates and seeds, judged by the same rule; how many runs it calls "
+        "as measured), and the simulator's own search on the same sustained load; TTFT and "
+        f"ITL p99 at the offered rate, in ms. The goal is within {GOAL:.0%}.",
         "",
-        "| mode | layout | max rate measured | predicted | TTFT p99 measured | predicted | error "
-        "| ITL p99 measured | predicted | error |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | layout | max rate measured | replayed | runs alike | predicted | error "
+        "| TTFT p99 measured | predicted | error | ITL p99 measured | predicted | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in table:
-        low, high = t["max_rate"]
-        measured = "none" if low is None else f"{low:.3g}" + (f"-{high:.3g}" if high else "+")
+        alike, runs = t["runs_alike"]
         lines.append(
-            f"| {t['mode']} | {t['layout']} | {measured} | {t['predicted_max_rate']:.3g} | "
+            f"| {t['mode']} | {t['layout']} | {_interval(*t['max_rate'])} | "
+            f"{_interval(*t['replayed_max_rate'])} | {alike} of {runs} | "
+            f"{t['predicted_max_rate']:.3g} | "
+            f"{_interval_error(t['max_rate'], t['predicted_max_rate'])} | "
             f"{t['ttft_p99'][0]:.0f} | {t['ttft_p99'][1]:.0f} | {_error(*t['ttft_p99'])} | "
             f"{t['itl_p99'][0]:.1f} | {t['itl_p99'][1]:.1f} | {_error(*t['itl_p99'])} |"
         )
     return lines
+
+
+_POINT_FIELDS = ("rate", "num_good", "num_requests", "goodput", "is_stopped_early", "seed")
+
+
+def _interval(low: float | None, high: float | None) -> str:
+    """A search's answer as "met-missed" (its highest rate met, its lowest missed)."""
+    if low is None:
+        return "none" + (f" (missed at {high:.3g})" if high else "")
+    return f"{low:.3g}" + (f"-{high:.3g}" if high else "+")
+
+
+def _interval_error(interval: list, predicted: float) -> str:
+    """A predicted capacity against a measured interval: 0 inside it, else the relative
+    distance to its nearer end."""
+    low, high = interval
+    if low is not None and predicted < low:
+        return _error(low, predicted)
+    if high is not None and predicted > high:
+        return _error(high, predicted)
+    if low is None and high is None:
+        return "-"
+    return "within"
 
 
 def _error(measured: float, predicted: float) -> str:
@@ -327,34 +411,74 @@ def _fleet(
 ) -> dict[str, dict]:
     """Each fleet size: each mode's best capacity per core (and disagg's split), with
     `is_bound` where the search never found a rate the layout misses; every fleet carries
-    `per_core_prompts` requests per core at `base`'s SLOs, the first search starting at
-    `per_core_rate`."""
-    hardware = base.deployment.hardware.name
-    model = base.deployment.model.name
-    calibration = base.deployment.calibration
-    guess = dict.fromkeys(MODES, per_core_rate)  # each mode's capacity per core so far
-    fleet: dict[str, dict] = {}
-    for size in FLEET_SIZES:
-        num_prompts = math.ceil(per_core_prompts * size)
-        best: dict[str, dict] = {}
-        for mode, layouts in _layouts(sizing, size, share).items():
-            rate = guess[mode] * size
-            inputs = _inputs(sizing, hardware, model, calibration, num_prompts, rate)
-            inputs = replace(inputs, slos=base.slos)
-            if base.deployment.hardware.name != "cpu-local":
-                layouts = [_gpu_layout(layout) for layout in layouts]
-            for layout in layouts:
-                capacity = find_capacity(inputs, layout, size, progress)
-                if mode not in best or capacity > best[mode]["capacity"]:
-                    best[mode] = {
-                        "capacity": capacity,
-                        "per_core": capacity / size,
-                        "layout": layout.label(size),
-                        "is_bound": capacity >= search_ceiling(inputs),
-                    }
-            guess[mode] = best[mode]["per_core"] or per_core_rate
-        fleet[str(size)] = best
+    `per_core_prompts` requests per core at `base`'s SLOs, sustained (`_sustained`), the
+    first search starting at `per_core_rate`. The layout families search in parallel, one
+    process per core."""
+    chains = [
+        _Chain(sizing, base, mode, index, per_core_rate, per_core_prompts, share, progress)
+        for mode, layouts in _layouts(sizing, FLEET_SIZES[0], share).items()
+        for index in range(len(layouts))
+    ]
+    workers = min(len(chains), os.cpu_count() or 1)
+    # fork: the workers see this module as the parent has it (tests patch FLEET_SIZES).
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        searched = list(pool.map(_Chain.run, chains))
+    fleet: dict[str, dict] = {str(size): {} for size in FLEET_SIZES}
+    for chain, capacities in zip(chains, searched, strict=True):
+        for size, entry in capacities.items():
+            best = fleet[size].get(chain.mode.value)
+            if best is None or entry["capacity"] > best["capacity"]:
+                fleet[size][chain.mode.value] = entry
     return fleet
+
+
+@dataclass(frozen=True)
+class _Chain:
+    """One layout of a mode (disagg: at one of `SPLIT_FACTORS`) over the fleet sizes, each
+    size's capacity search starting from the previous size's capacity per core (close, so
+    it steps by `FLEET_SEARCH_GROWTH`, not doubling: fewer and smaller simulations)."""
+
+    sizing: dict
+    base: PlanInputs
+    mode: Mode
+    index: int
+    per_core_rate: float
+    per_core_prompts: float
+    share: float
+    progress: Progress
+
+    def run(self) -> dict[str, dict]:
+        d = self.base.deployment
+        guess = self.per_core_rate
+        capacities: dict[str, dict] = {}
+        for size in FLEET_SIZES:
+            num_prompts = math.ceil(self.per_core_prompts * size)
+            inputs = _inputs(
+                self.sizing, d.hardware.name, d.model.name, d.calibration, num_prompts, guess * size
+            )
+            inputs = replace(inputs, slos=self.base.slos)
+            # Every rate at the span of `num_prompts` at the fleet's share of the demo's rate.
+            specs_at = _sustained(inputs, num_prompts, self.per_core_rate * size)
+            layout = _layouts(self.sizing, size, self.share)[self.mode][self.index]
+            if d.hardware.name != "cpu-local":
+                layout = _gpu_layout(layout)
+            capacity = find_capacity(
+                inputs,
+                layout,
+                size,
+                self.progress,
+                specs_at=specs_at,
+                growth=FLEET_SEARCH_GROWTH,
+            )
+            capacities[str(size)] = {
+                "capacity": capacity,
+                "per_core": capacity / size,
+                "layout": layout.label(size),
+                "is_bound": capacity >= search_ceiling(inputs),
+            }
+            guess = capacity / size or self.per_core_rate
+        return capacities
 
 
 def _gpu_layout(layout: Layout) -> Layout:
@@ -373,10 +497,10 @@ def _fleet_lines(title: str, fleet: dict[str, dict], unit: str, band: float = 0.
     lines = ["", f"### {title}", "", f"Goodput per {unit[:-1]} (req/s meeting the SLOs):", ""]
     lines += ["| mode | " + " | ".join(f"{s} {unit}" for s in sizes) + " |"]
     lines += ["|---|" + "---|" * len(sizes)]
-    for mode in MODES:
+    for mode in Mode:
         cells = []
         for size in sizes:
-            entry = fleet[size].get(mode)
+            entry = fleet[size].get(mode.value)
             if entry is None:
                 cells.append("-")
                 continue
@@ -384,10 +508,10 @@ def _fleet_lines(title: str, fleet: dict[str, dict], unit: str, band: float = 0.
             if band:
                 low, high = entry["per_core"] / (1 + band), entry["per_core"] / (1 - band)
                 text += f" ({low:.3g}-{high:.3g})"
-            if mode == "disagg":
+            if mode is Mode.DISAGG:
                 text += f" [{entry['layout']}]"
             cells.append(text)
-        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+        lines.append(f"| {mode.value} | " + " | ".join(cells) + " |")
     lines += ["", crossing(fleet, unit)]
     return lines
 
@@ -409,18 +533,40 @@ def crossing(fleet: dict[str, dict], unit: str) -> str:
     )
     if not decided:
         return "The lines cannot be compared:" + open_note
-    leaders = [
-        (size, max(best, key=lambda m: best[m]["per_core"])) for size, best in decided.items()
-    ]
+    leaders = [(size, _leaders(best)) for size, best in decided.items()]
+    # Between sizes with a clear leader (a tie between them leaves where it changed open).
+    clear = [(size, modes[0]) for size, modes in leaders if len(modes) == 1]
     changes = [
         f"{b} overtakes {a} between {s} and {t} {unit}"
-        for (s, a), (t, b) in itertools.pairwise(leaders)
+        for (s, a), (t, b) in itertools.pairwise(clear)
         if a != b
     ]
+    level = [
+        f"{' and '.join(modes)} are level at {size} {unit}"
+        for size, modes in leaders
+        if len(modes) > 1
+    ]
+    level_note = (
+        f" Within the capacity search's resolution (±{SEARCH_RESOLUTION - 1:.0%}), "
+        + "; ".join(level)
+        + "."
+        if level
+        else ""
+    )
     sizes = "every size" if not open_sizes else "every size decided"
     if not changes:
-        return f"The lines do not cross: {leaders[0][1]} leads at {sizes}." + open_note
-    return "The lines cross: " + "; ".join(changes) + "." + open_note
+        if clear and not level:
+            return f"The lines do not cross: {clear[0][1]} leads at {sizes}." + open_note
+        return "The lines do not cross within the search's resolution." + level_note + open_note
+    return "The lines cross: " + "; ".join(changes) + "." + level_note + open_note
+
+
+def _leaders(best: dict[str, dict]) -> tuple[str, ...]:
+    """The modes whose goodput per core is the best's within `SEARCH_RESOLUTION`, best
+    first: one, a clear leader; more, a tie the capacity search cannot break."""
+    top = max(entry["per_core"] for entry in best.values())
+    near = [m for m, entry in best.items() if entry["per_core"] * SEARCH_RESOLUTION >= top]
+    return tuple(sorted(near, key=lambda m: -best[m]["per_core"]))
 
 
 def _plot(cpu: dict[str, dict], gpu: dict[str, dict] | None, path: Path) -> None:
@@ -435,8 +581,9 @@ def _plot(cpu: dict[str, dict], gpu: dict[str, dict] | None, path: Path) -> None
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (fleet, title) in zip(axes[0], panels, strict=True):
         sizes = [int(s) for s in fleet]
-        for mode in MODES:
-            ax.plot(sizes, [fleet[str(s)][mode]["per_core"] for s in sizes], marker="o", label=mode)
+        for mode in Mode:
+            per_core = [fleet[str(s)][mode.value]["per_core"] for s in sizes]
+            ax.plot(sizes, per_core, marker="o", label=mode.value)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("fleet size")
         ax.set_ylabel("goodput per device (req/s)")

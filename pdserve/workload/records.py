@@ -5,6 +5,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import asdict, dataclass, field
 
+# The error of a request a run did not send, or stopped waiting for, once the run's outcome
+# (met or missed) could no longer change.
+STOPPED_EARLY = "stopped early: the run's outcome was already decided"
+
 
 @dataclass
 class RequestRecord:

@@ -9,8 +9,9 @@ import json
 import pytest
 
 from pdserve.bench.cli import main
-from pdserve.bench.search import RateSearch, SearchPoint, SearchResult, search_max_rate
+from pdserve.bench.search import RateSearch, search_max_rate
 from pdserve.workload.errors import BenchError
+from pdserve.workload.goodput import SearchPoint, SearchResult
 from pdserve.workload.metrics import has_missed_slos
 from tests.bench.conftest import REPO_ROOT
 from tests.bench.helpers import failed, record
