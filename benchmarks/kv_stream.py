@@ -14,7 +14,10 @@ three ways, in rotating order, and times the first streamed token at the client:
 
 Medians per cell; with them the decode worker's exposed and hidden transfer
 (`pdserve_timing`), and the simulator's prediction of pull and stream from the measured
-prefill alone and the link (`pdserve.sim.handoff`). Needs root (namespaces, tc).
+prefill alone, the KV bytes the decode worker fetched and the link (`pdserve.sim.handoff`).
+Every trial generates `OUTPUT_TOKENS` greedy tokens and the three ways must answer alike
+(the decode worker's tokens are the prefill worker's, however its KV came). Needs root
+(namespaces, tc).
 
     flock /work/cpu.lock .venv/bin/python benchmarks/kv_stream.py \\
         [--rates 10gbit 1gbit 100mbit] [--lengths 1024 4096] [--repeats 2] [--json FILE]
@@ -41,8 +44,8 @@ from tests.router.netns import TwoHosts, rate_bits_per_s, shape_link, two_hosts 
 
 PORT = 8100
 MODES = ("alone", "pull", "stream")
-# SmolLM2-135M's KV in bfloat16: 30 layers x K,V x 3 heads x 64 x 2 bytes.
-KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2
+# Greedy tokens per trial: the first times the hand-off, the rest are compared across modes.
+OUTPUT_TOKENS = 4
 # Token ids drawn for prompts: ordinary vocabulary, no special tokens.
 TOKEN_RANGE = (1000, 40000)
 
@@ -55,7 +58,9 @@ def serve(hosts: TwoHosts, ns: str, core: int, log: Path, *flags: str) -> subpro
 
 
 def start(hosts: TwoHosts, logs: Path, chunk: int) -> list[subprocess.Popen]:
+    # No prefix caching: the three ways of a trial send one prompt, each computed afresh.
     engine = ["--num-threads", "1", "--kv-transport", "tcp", "--num-kv-blocks", "1200"]
+    engine += ["--no-prefix-caching"]
     prefill_url = f"http://{hosts.addr_a}:{PORT}"
     decode_url = f"http://{hosts.addr_b}:{PORT}"
     processes = [
@@ -139,15 +144,26 @@ ROUTERS = {
 
 
 def plan(hosts: TwoHosts, lengths: list[int], repeats: int, seed: int) -> list[dict]:
+    """Per length and repeat, one prompt of random token ids sent the three ways (rotating
+    which goes first; the workers cache no prefix, so none finds another's KV), whose
+    answers must be the same."""
     rng = random.Random(seed)
     urls = {"alone": f"http://{hosts.addr_a}:{PORT}/v1/completions", **ROUTERS}
     trials = []
     for length in lengths:
         for repeat in range(repeats):
             order = MODES[repeat % 3 :] + MODES[: repeat % 3]
+            prompt = [rng.randrange(*TOKEN_RANGE) for _ in range(length)]
             for mode in order:
-                prompt = [rng.randrange(*TOKEN_RANGE) for _ in range(length)]
-                trials.append({"length": length, "mode": mode, "url": urls[mode], "prompt": prompt})
+                trials.append(
+                    {
+                        "length": length,
+                        "repeat": repeat,
+                        "mode": mode,
+                        "url": urls[mode],
+                        "prompt": prompt,
+                    }
+                )
     return trials
 
 
@@ -159,7 +175,7 @@ def client(trials: list[dict]) -> list[dict]:
             body = {
                 "model": "default",
                 "prompt": trial["prompt"],
-                "max_tokens": 1 if trial["mode"] == "alone" else 2,
+                "max_tokens": OUTPUT_TOKENS,
                 "temperature": 0,
                 "ignore_eos": True,
                 "stream": True,
@@ -167,7 +183,7 @@ def client(trials: list[dict]) -> list[dict]:
             }
             body.pop("model")
             started = time.perf_counter()
-            ttft, timing = None, {}
+            ttft, timing, text = None, {}, ""
             with http.stream("POST", trial["url"], json=body) as response:
                 response.raise_for_status()
                 for line in response.iter_lines():
@@ -177,9 +193,17 @@ def client(trials: list[dict]) -> list[dict]:
                     choices = event.get("choices") or []
                     if ttft is None and choices:
                         ttft = time.perf_counter() - started
+                    text += "".join(c.get("text") or "" for c in choices)
                     timing = event.get("pdserve_timing") or timing
             results.append(
-                {"length": trial["length"], "mode": trial["mode"], "ttft": ttft, "timing": timing}
+                {
+                    "length": trial["length"],
+                    "repeat": trial["repeat"],
+                    "mode": trial["mode"],
+                    "ttft": ttft,
+                    "timing": timing,
+                    "text": text,
+                }
             )
     return results
 
@@ -211,9 +235,13 @@ def summarize(rate: str, results: list[dict], chunk: int) -> list[dict]:
         def timing(mode: str, key: str, cell: dict = cell) -> float:
             return statistics.median(r["timing"].get(key, 0.0) for r in cell[mode]) / 1000
 
+        answers = {}  # per repeat, the three ways' texts
+        for r in results:
+            if r["length"] == length:
+                answers.setdefault(r["repeat"], set()).add(r["text"])
         prediction = predicted_ttft(  # the simulator's model, from the measured prefill
             prefill_s=ttft["alone"],
-            num_bytes=length * KV_BYTES_PER_TOKEN,
+            num_bytes=statistics.median(r["timing"]["kv_transfer_bytes"] for r in cell["pull"]),
             bandwidth=rate_bits_per_s(rate) / 8,
             num_chunks=-(-length // chunk),
         )
@@ -227,6 +255,7 @@ def summarize(rate: str, results: list[dict], chunk: int) -> list[dict]:
                 "stream_exposed_s": timing("stream", "kv_transfer_exposed_ms"),
                 "stream_hidden_s": timing("stream", "kv_transfer_hidden_ms"),
                 "predicted_s": prediction,
+                "is_same_output": all(len(texts) == 1 for texts in answers.values()),
             }
         )
     return rows
@@ -235,16 +264,16 @@ def summarize(rate: str, results: list[dict], chunk: int) -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     print(
         "| link | prompt | alone | pull | stream | stream/alone | exposed pull | "
-        "exposed stream | hidden stream | sim pull | sim stream |"
+        "exposed stream | hidden stream | sim pull | sim stream | same greedy output |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         t, p = r["ttft_s"], r["predicted_s"]
         print(
             f"| {r['rate']} | {r['length']} | {t['alone']:.3f} | {t['pull']:.3f} | "
             f"{t['stream']:.3f} | {r['stream_over_alone']:.2f}x | {r['pull_exposed_s']:.3f} | "
             f"{r['stream_exposed_s']:.3f} | {r['stream_hidden_s']:.3f} | {p['pull']:.3f} | "
-            f"{p['stream']:.3f} |"
+            f"{p['stream']:.3f} | {'yes' if r['is_same_output'] else 'NO'} |"
         )
 
 
@@ -279,6 +308,8 @@ def main() -> None:
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
+    if not all(r["is_same_output"] for r in rows):
+        sys.exit("the three ways answered differently somewhere (the table's last column)")
 
 
 if __name__ == "__main__":
