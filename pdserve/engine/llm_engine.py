@@ -248,9 +248,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         step_start = time.perf_counter()
         outputs = self._announcements() + self._update_kv_transfers()
+        if outputs:
+            # Hand-offs to announce and first tokens whose KV has landed leave now, not a
+            # forward pass later: the router starts a streamed leg's decode side before the
+            # prompt's first chunk computes, and a decode leg's first token is on its way
+            # while its second computes. The next call runs the forward pass.
+            return outputs
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            if not outputs and self.scheduler.has_pending_transfers():
+            if self.scheduler.has_pending_transfers():
                 time.sleep(KV_POLL_INTERVAL_S)  # only transfers in flight: don't spin
             return outputs
         batch = step_batch(scheduler_output) if self.step_observers else ()

@@ -17,8 +17,8 @@ kv_store_hit_tokens      prompt tokens read from the shared KV store (0: none)
 kv_store_fetch_ms        how long reading them took
 prefix_cache_hit_tokens  prompt tokens found in this worker's own prefix cache
 first_decode_step_ms     the engine emitting the first token to the second token reaching
-                         the HTTP layer: the first decode step (for a remote prefill the two
-                         tokens leave in one step, so it is also part of the TTFT)
+                         the HTTP layer: the first decode step (a remote prefill's first
+                         token leaves as its KV lands, before that step)
 worker_queue_ms          arrival here to the request's first scheduled step
 worker_prefill_ms        forward-pass time this worker spent on the prompt
 worker_ttft_ms           arrival here to the first token

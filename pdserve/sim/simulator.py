@@ -74,7 +74,7 @@ class _KVFlight:
     """A KV transfer's bookkeeping, carried through the network as its payload."""
 
     record: RequestRecord
-    request_id: str
+    request: Request
     source: SimWorker
     destination: SimWorker
     start_time: float
@@ -396,7 +396,10 @@ class Simulation:
         route.prefill_lease.release()
         route.decode.connector.add_decode_leg(leg.request_id, leg.num_prompt_tokens, prefill_worker)
         spec = self.specs[record.index]
-        self._submit(route.decode, self._request(spec, leg.prompt_token_ids, spec.output_len))
+        # The prefill worker's first token leaves as the KV lands (`_on_kv_arrived`): the
+        # decode worker computes the rest.
+        max_tokens = spec.output_len - 1 if spec.output_len > 1 else 1
+        self._submit(route.decode, self._request(spec, leg.prompt_token_ids, max_tokens))
 
     def _start_kv_transfer(
         self, destination: SimWorker, request: Request, num_tokens: int, source: SimWorker
@@ -413,9 +416,7 @@ class Simulation:
         hiding = self._stream_hiding.pop(request.request_id, None)
         if hiding is not None:  # only what the link could not hide is left to move
             num_bytes *= exposed_fraction(num_bytes, cap, *hiding)
-        flight = _KVFlight(
-            record, request.request_id, source, destination, self.now, link.latency_s
-        )
+        flight = _KVFlight(record, request, source, destination, self.now, link.latency_s)
         self._network.start(self.now, Transfer(num_bytes, channels, cap, flight))
         self._watch_network()
 
@@ -461,8 +462,12 @@ class Simulation:
         self._watch_network()
 
     def _on_kv_arrived(self, flight: _KVFlight) -> None:
-        request_id = flight.request_id
+        request_id = flight.request.request_id
         flight.record.server_extra["kv_transfer_ms"] = (self.now - flight.start_time) * 1000
+        if not flight.record.token_times and self.specs[flight.record.index].output_len > 1:
+            # The engine emits the prefill worker's first token as its KV lands, before the
+            # decode worker's next forward pass (a one-token answer is the decode worker's).
+            self._on_token(flight.destination, flight.request)
         flight.destination.connector.mark_received(request_id)
         flight.source.connector.mark_sent(request_id)
         self._kick(flight.destination)

@@ -93,6 +93,27 @@ def test_decode_from_transferred_kv_matches_local(
         engine.shutdown()
 
 
+def test_a_decode_legs_first_token_leaves_as_its_kv_lands(loaded_fp32, chat_token_ids, reference):
+    """Not a forward pass later: the step that emits it computes nothing, and the first
+    token is on its way while the second computes."""
+    prefill = _engine(loaded_fp32, "kv_producer", "tcp")
+    decode = _engine(loaded_fp32, "kv_consumer", "tcp")
+    prompt = chat_token_ids[0]
+    decode.add_request("d", prompt, PARAMS, _prefill_leg(prefill, "p", prompt))
+    deadline = time.monotonic() + 60
+    outputs = []
+    while not outputs:
+        assert time.monotonic() < deadline, "the KV never landed"
+        num_steps = decode.get_stats().num_steps
+        outputs = decode.step()
+    assert [t for o in outputs for t in o.new_token_ids] == reference[0][:1]
+    assert decode.get_stats().num_steps == num_steps  # no forward pass ran for it
+    rest = _run(decode, "e", prompt, PARAMS)  # the engine goes on serving
+    assert _tokens(rest) == reference[0]
+    for engine in (prefill, decode):
+        engine.shutdown()
+
+
 @pytest.mark.parametrize(
     ("policy", "reason"), [("recompute", FinishReason.LENGTH), ("fail", FinishReason.ERROR)]
 )
