@@ -54,10 +54,12 @@ def reference(loaded_fp32, prompt):
 
 
 def _start(prefill, decode, prompt):
-    """Admit the streamed prefill leg, take its announced hand-off (its first step also
-    computes the first chunk), start the decode leg."""
+    """Admit the streamed prefill leg, take its announced hand-off (its first step computes
+    nothing: the decode leg starts before the first chunk), start the decode leg."""
     prefill.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0), STREAMED)
+    num_steps = prefill.get_stats().num_steps
     [announced] = prefill.step()
+    assert prefill.get_stats().num_steps == num_steps
     hand_off = announced.kv_transfer_params
     assert hand_off["is_streamed"] and not hand_off["remote_block_ids"]
     assert not announced.new_token_ids and not announced.finished
@@ -118,7 +120,7 @@ def test_prefill_gone_after_some_chunks_keeps_them(loaded_fp32, prompt, referenc
     watched = _record_watches(monkeypatch, leases)
     try:
         _start(prefill, decode, prompt)
-        for _ in range(2):  # with `_start`'s step: three chunks, their full blocks published
+        for _ in range(3):  # three chunks, their full blocks published
             prefill.step()
         num_published = 3 * CHUNK // 16
         # Two WATCH rounds that knew every published block: the first one's answer (which
