@@ -43,6 +43,9 @@ _MIN_JITTER_SAMPLES = 20
 BAND_QUANTILE = 0.9
 # A fitted share this close to 1 sits at the search's bound (the grid ends at the peak).
 _AT_BOUND = 0.995
+# Losses closer than this share of the loss before any overhead are equal fits (rounding,
+# which differs between CPUs, decides between them otherwise): the first one found is kept.
+_TIE_TOLERANCE = 1e-9
 
 Steps = tuple[tuple[int, tuple[SeqWork, ...]], ...]
 
@@ -509,7 +512,12 @@ class _Terms:
         target = self.times - self.comm_s
         residual = (target[:, None, None, None] - predicted) * weights[:, None, None, None]
         overheads, loss = fit_overheads(residual, self.counts * weights[:, None])
-        index = np.unravel_index(np.argmin(loss), loss.shape)
+        # The first grid point within rounding of the least loss (a flat valley's minimum
+        # otherwise moves between CPUs).
+        least = np.min(loss)
+        index = np.unravel_index(
+            np.flatnonzero(loss <= least + _TIE_TOLERANCE * abs(least))[0], loss.shape
+        )
         return (
             float(linear[index[0]]),
             float(attention[index[1]]),
@@ -547,27 +555,40 @@ def fit_overheads(residual: np.ndarray, columns: np.ndarray) -> tuple[list[np.nd
     subset of the j unknowns is solved by its normal equations and the best one with no
     negative value kept (exact for the few unknowns here). Returns the j overheads and the
     loss, each shaped like the grid.
+
+    Where overheads are combinations of each other (on one model, per layer = per step ×
+    its layers; with two models and all-reduces only on the larger, per layer, per step and
+    per all-reduce are bound together), subsets that span the same columns fit exactly as
+    well, and which one rounding favours differs between CPUs (their SIMD and BLAS paths).
+    So a subset replaces the best only when it fits better by more than rounding: of equal
+    fits, the one with the fewest terms, first in `OVERHEADS` order, is kept on every CPU.
     """
+    # Each column scaled to unit length: counts run from 1 (requests) to 1e5 (sequences),
+    # and unscaled normal equations would lose most of their digits.
+    scale = np.linalg.norm(columns, axis=0)
+    scale[scale == 0] = 1.0
+    columns = columns / scale
     gram = columns.T @ columns
     projected = np.tensordot(columns.T, residual, axes=1)  # [j, ...grid]
     total = (residual**2).sum(axis=0)
+    rounding = _TIE_TOLERANCE * total
     num_terms = columns.shape[1]
     best_loss = total.copy()
     best = [np.zeros_like(total) for _ in range(num_terms)]
     for size in range(1, num_terms + 1):
         for subset in itertools.combinations(range(num_terms), size):
             sub_gram = gram[np.ix_(subset, subset)]
-            if abs(np.linalg.det(sub_gram)) <= 1e-12 * np.prod(np.diag(sub_gram)):
+            if abs(np.linalg.det(sub_gram)) <= 1e-12:
                 continue  # an unknown no sample tells apart (e.g. no requests measured)
             values = np.tensordot(np.linalg.inv(sub_gram), projected[list(subset)], axes=1)
             loss = total - (values * projected[list(subset)]).sum(axis=0)
-            better = (values >= 0).all(axis=0) & (loss < best_loss)
+            better = (values >= 0).all(axis=0) & (loss < best_loss - rounding)
             best_loss = np.where(better, loss, best_loss)
             for i, term in enumerate(subset):
                 best[term] = np.where(better, values[i], best[term])
             for term in set(range(num_terms)) - set(subset):
                 best[term] = np.where(better, 0.0, best[term])
-    return best, best_loss
+    return [b / s for b, s in zip(best, scale, strict=True)], best_loss
 
 
 # An all-reduce's latency below this many GPUs follows another NCCL algorithm (two GPUs

@@ -5,8 +5,10 @@ server (every running stream decodes each step; waiting prompts fill the rest of
 `--max-num-batched-tokens` budget), and each step lasts `LAW.step_time(batch)`: pdserve's
 cost model for Llama-3.1-8B on one A100 at the efficiency `TRUTH`. Requests are admitted
 `TRUTH.request_overhead_s` after they arrive. A prompt's tokens are its words (the tests
-synthesize prompts with a one-word-one-token tokenizer). Steps start on a fixed schedule
-(each when the last was due to end, or later), so event-loop delays do not add up.
+synthesize prompts with a one-word-one-token tokenizer). Time runs on the law's schedule:
+each step starts when the last was due to end (or, idle, when a request was due to be let
+in), so the event loop's late wake-ups (a busy or slow machine) delay a token's delivery
+but never add up into the steps after it: a client sees the law plus its HTTP.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ LAW = CostModel(MODELS["Llama-3.1-8B"], get_hardware("A100-80GB"), efficiency=TR
 class _Stream:
     num_prompt: int
     num_output: int
+    admitted: float = 0.0  # when the front end let it in: `request_overhead_s` after arrival
     tokens: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_computed: int = 0
     num_emitted: int = 0
@@ -63,9 +66,14 @@ class _Engine:
             if not (self.waiting or self.running):
                 self.wake.clear()
                 await self.wake.wait()
-                due = loop.time()
+                # From the moment the front end let the request in, not from this late wake.
+                due = max(due, self.waiting[0].admitted)
             batch, finishing = self._schedule()
-            due = max(due, loop.time()) + LAW.step_time(batch)
+            # Each step ends one law step after the last one was due to end, however late
+            # the event loop woke for it: a wake-up's lateness (timer, SSE writes, a slower
+            # machine) delays that step's tokens but never the steps after it, so the
+            # gaps a client sees average to the law's.
+            due += LAW.step_time(batch)
             await asyncio.sleep(due - loop.time())
             self._emit(finishing)
 
@@ -122,8 +130,10 @@ def create_app(budget: int) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> StreamingResponse:
         body = await request.json()
-        stream = _Stream(len(body["prompt"].split()), int(body["max_tokens"]))
-        await asyncio.sleep(TRUTH.request_overhead_s)
+        loop = asyncio.get_running_loop()
+        admitted = loop.time() + TRUTH.request_overhead_s
+        stream = _Stream(len(body["prompt"].split()), int(body["max_tokens"]), admitted)
+        await asyncio.sleep(admitted - loop.time())
         engine.submit(stream)
         return StreamingResponse(_events(stream), media_type="text/event-stream")
 

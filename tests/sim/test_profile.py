@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -92,8 +93,11 @@ def test_profile_of_a_server_with_a_known_law_recovers_the_law(tmp_path):
         log_dir=tmp_path,
         cwd=REPO_ROOT,
     )
+    # Nine repeats a point: the prompts near the knee (where prefill turns compute-bound)
+    # differ by a few ms, as much as the stub's HTTP varies on a busy machine; five put
+    # prefill(300) 8-11% off with other work on the core, nine within 3%.
     workload = ProfileWorkload(
-        num_prompts=5,
+        num_prompts=9,
         prompt_lens=(16, 64, 128, 181, 256, 362, 512, 1024, 2048, 4000),
         num_streams=(1, 2, 4, 8),
         contexts=(128, 1024),
@@ -116,9 +120,21 @@ def test_profile_of_a_server_with_a_known_law_recovers_the_law(tmp_path):
         assert fitted.prefill_time(prompt_len, BUDGET) == pytest.approx(law, rel=0.05)
     for batch in ([SeqWork(1, c, True)] * b for b in (1, 3, 6) for c in (200, 900)):
         assert fitted.step_time(batch) == pytest.approx(LAW.step_time(batch), rel=0.05)
-    # What a client sees before the first step: the law's front end plus the stub's HTTP.
-    overhead = calibration.efficiency.request_overhead_s
-    assert TRUTH.request_overhead_s <= overhead < TRUTH.request_overhead_s + 0.01
+    # What a client sees before the first step: the law's front end plus the stub's HTTP,
+    # whose time is this machine's (~5 ms here, several times that on a slow one): what
+    # the client measured beyond the law's time to first token, the median over the prompts.
+    http_s = statistics.median(
+        p["seconds"] - LAW.prefill_time(p["prompt_len"], BUDGET) - TRUTH.request_overhead_s
+        for p in profile_points(results[0].records)
+        if p["kind"] == "ttft"
+    )
+    assert http_s >= 0  # the law is a floor: a client sees nothing sooner
+    # Within 5% of a one-step time to first token, as the prefill: the overhead is the
+    # request's, not taken by the steps' overheads (nor they by it).
+    first_token_s = TRUTH.request_overhead_s + http_s + LAW.prefill_time(16, BUDGET)
+    assert calibration.efficiency.request_overhead_s == pytest.approx(
+        TRUTH.request_overhead_s + http_s, abs=0.05 * first_token_s
+    )
     saved = json.loads(out.read_text())
     assert saved["max_num_batched_tokens"] == BUDGET and saved["stack"].startswith("measured")
     # Each point fitted within 5% beyond its own repeats' spread (small prompts' TTFT is
