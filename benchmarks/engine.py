@@ -213,8 +213,13 @@ class Limits:
             self.roofs[dtype] = max(self.roofs[dtype], measure_gemm_roof(dtype))
 
     def apply(self, row: dict) -> None:
-        """Fill in `row`'s fractions of the roof and multiples of the floor."""
-        roof = self.roofs[getattr(torch, row["dtype"])]
+        """Fill in `row`'s fractions of the roof and multiples of the floor. Quantized weights
+        are judged against the machine's best roof: their kernels may compute in either dtype
+        (gguf's prefill takes bf16 dot products where the CPU has them)."""
+        if row["quantization"] == "none":
+            roof = self.roofs[getattr(torch, row["dtype"])]
+        else:
+            roof = max(self.roofs.values())
         row["roof_gflop_s"] = roof / 1e9
         for p in row["prefill"].values():
             p["of_roof"] = p["gflop_s"] * 1e9 / roof
