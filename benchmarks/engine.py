@@ -7,14 +7,14 @@ sequence holding a 512-token context). Next to each figure: transformers on the 
 in the same dtype (float32 for the quantized runs), llama.cpp on the same GGUF with one thread
 (when `--llama-cpp-python` names a Python with llama-cpp-python, see llama_cpp_venv.sh), and
 the floor: the bytes a decode step reads (weights in their stored format + the KV cache) over
-the read bandwidth measured here (one core streaming a 1 GiB buffer; the best of a
-measurement before every run and one after the last, as is the roof), and the roof: the
-activations' dtype's best GEMM on these threads (a 2048^3 `torch.mm`, oneDNN/MKL: AMX tiles
-for bfloat16 where the CPU has them), against which prefill's rate (the linears' and the
-causal attention's FLOPs per second) is reported. Quantized and bf16 runs also report
-teacher-forced quality against float32 (`pdserve.model.quality`). The CPU's ISA flags and the
-kernel variant that ran are printed and saved, with what `--dtype auto` picks here; `--isa`
-runs another variant this CPU runs (as PDSERVE_CPU_ISA does).
+the read bandwidth measured here (one core streaming a 1 GiB buffer; the best of a measurement
+before every run and one after the last, as is the roof), and the roof: the activations'
+dtype's best GEMM on these threads (a 2048^3 `torch.mm`, oneDNN/MKL: AMX tiles for bfloat16
+where the CPU has them; for quantized weights the better of the two), against which prefill's
+rate (the linears' and the causal attention's FLOPs per second) is reported. Quantized and bf16
+runs also report teacher-forced quality against float32 (`pdserve.model.quality`). The CPU's
+ISA flags and the kernel variant that ran are printed and saved, with what `--dtype auto` picks
+here; `--isa` runs another variant this CPU runs (as PDSERVE_CPU_ISA does).
 
     .venv/bin/python benchmarks/engine.py [--runs float32 bfloat16 gguf int8] [--json F]
         [--isa amx|avx512_bf16|avx512|avx2|portable] [--no-transformers] [--no-quality]
