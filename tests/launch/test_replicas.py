@@ -79,6 +79,13 @@ def stream_tokens(url: str) -> int:
     return min(high, max(low, math.ceil(20 * overhead_s / token_s)))
 
 
+def _all_idle(server: Routed) -> bool:
+    return all(
+        not w["num_inflight"] and not w["num_running"] and not w["num_waiting"]
+        for w in server.workers().values()
+    )
+
+
 def test_a_killed_replica_loses_only_its_own_requests(replicas):
     client = _client(replicas)
     model = client.models.list().data[0].id
@@ -106,6 +113,9 @@ def test_a_killed_replica_loses_only_its_own_requests(replicas):
         finally:
             streaming[i].set()
 
+    # The policy takes the larger of a worker's scraped and in-flight counts: a scrape taken
+    # during the pace probe or the previous test would tip the alternation while it is stale.
+    wait_until(lambda: _all_idle(replicas), 60, "both replicas' scraped loads idle")
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(NUM_STREAMS)]
     for thread, started in zip(threads, streaming, strict=True):
         thread.start()  # one at a time: least-loaded alternates between the replicas
