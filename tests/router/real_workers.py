@@ -7,6 +7,7 @@ once and the model loads overlap; `wait_healthy()` then waits for each.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import threading
@@ -185,6 +186,16 @@ def request_times(url: str, prompt: str, num_tokens: int = 64) -> tuple[float, f
     overhead_s = statistics.median(timed(1) for _ in range(3))
     sample_s = statistics.median(timed(num_tokens + 1) for _ in range(3))
     return overhead_s, max((sample_s - overhead_s) / num_tokens, 1e-6)
+
+
+def stream_tokens(url: str, prompt: str, bounds: tuple[int, int], min_s: float = 0.0) -> int:
+    """Tokens a stream of `prompt` needs to last 20 times a request without them (starting
+    several streams, each until its first token, then what the test does to them, fit many
+    times), and at least `min_s`, at this machine's pace at `url`, within `bounds` (the
+    context)."""
+    overhead_s, token_s = request_times(url, prompt)
+    low, high = bounds
+    return min(high, max(low, math.ceil(max(20 * overhead_s, min_s) / token_s)))
 
 
 def answer_text(response_json: dict[str, Any]) -> str:
