@@ -185,13 +185,18 @@ def held_blocks(url: str) -> int:
 
 
 def rss_sample(url: str, launcher: int) -> dict[str, float]:
-    """RSS (MiB) of the router and of each worker now, by name."""
+    """RSS and its anonymous part (MiB) of the router and of each worker now: `name` and
+    `name anon`."""
     workers = httpx.get(f"{url}/workers", trust_env=False, timeout=30).json()["workers"]
-    sample = {"router": process_facts(launcher)["rss_mib"]}
+    pids = {"router": launcher}
     for worker in workers:
         pid = worker_pid(launcher, worker["url"])
         if pid is not None:
-            sample[worker["id"]] = process_facts(pid)["rss_mib"]
+            pids[worker["id"]] = pid
+    sample = {}
+    for name, pid in pids.items():
+        facts = process_facts(pid)
+        sample[name], sample[f"{name} anon"] = facts["rss_mib"], facts["anon_mib"]
     return sample
 
 
@@ -261,25 +266,31 @@ def render(results: dict[str, Any]) -> str:
     ]
     if results["failures"]:
         lines.append(f"failures: {results['failures']}")
-    lines.append(f"{'process':<12} {'RSS MiB start':>14} {'end':>8} {'fds start':>10} {'end':>5}")
+    lines.append(
+        f"{'process':<12} {'RSS MiB start':>14} {'end':>8} {'anon start':>11} {'end':>8} "
+        f"{'fds start':>10} {'end':>5}"
+    )
     start, end = results["start"], results["end"]
     rows = [("router", start["router"], end["router"])]
     rows += [(w, start["workers"].get(w), end["workers"][w]) for w in sorted(end["workers"])]
     for name, before, after in rows:
-        first = (before["rss_mib"], before["fds"]) if before else ("-", "-")
+        first = before or {"rss_mib": "-", "anon_mib": "-", "fds": "-"}
         lines.append(
-            f"{name:<12} {first[0]:>14} {after['rss_mib']:>8} {first[1]:>10} {after['fds']:>5}"
+            f"{name:<12} {first['rss_mib']:>14} {after['rss_mib']:>8} {first['anon_mib']:>11} "
+            f"{after['anon_mib']:>8} {first['fds']:>10} {after['fds']:>5}"
         )
     lines.append(
-        "RSS MiB over the run (every sample; the second half shows a leak apart from warm-up):"
+        "RSS MiB over the run (every sample; the second half shows a leak apart from warm-up; "
+        "'anon' is the heap, the rest mapped files and shared KV segments):"
     )
     samples = results["rss_samples"]
-    for name in ["router", *sorted(end["workers"])]:
+    names = [n for p in ["router", *sorted(end["workers"])] for n in (p, f"{p} anon")]
+    for name in names:
         values = [sample[name] for sample in samples if name in sample]
         if values:
             half = values[len(values) // 2]
             lines.append(
-                f"  {name:<10} min {min(values)} max {max(values)} half-way {half} "
+                f"  {name:<15} min {min(values)} max {max(values)} half-way {half} "
                 f"last {values[-1]} ({len(values)} samples)"
             )
     held = {w: facts["kv_blocks_held"] for w, facts in end["workers"].items()}

@@ -45,14 +45,20 @@ def worker_pid(launcher_pid: int, url: str) -> int | None:
 
 
 def process_facts(pid: int) -> dict[str, Any]:
-    """A process's resident memory (MiB) and open file descriptors."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    rss_kib = int(
-        next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]
+    """A process's resident memory (MiB) and open file descriptors. `rss_mib` is split into
+    `anon_mib` (its heap: where a leak grows) and the rest (mapped files and shared memory,
+    such as a KV cache segment other workers map)."""
+    status = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
     )
+
+    def mib(key: str) -> float:
+        return round(int(status[key].split()[0]) / 1024, 1)  # "1234 kB"
+
     return {
         "pid": pid,
-        "rss_mib": round(rss_kib / 1024, 1),
+        "rss_mib": mib("VmRSS"),
+        "anon_mib": mib("RssAnon"),
         "fds": len(os.listdir(f"/proc/{pid}/fd")),
     }
 
