@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from pdserve.model.auto_dtype import measured_cpu_dtype
 from pdserve.model.config import ModelConfig, ModelLoadError, Quantization
-from pdserve.model.cpu_runtime import tune_cpu_allocator
+from pdserve.model.cpu_runtime import tune_cpu_runtime
 from pdserve.model.gguf_file import GGUFModelFile
 from pdserve.model.hf_folder import HFModelFolder
 from pdserve.model.llama import LlamaForCausalLM, hf_weight_shapes
@@ -65,14 +65,14 @@ def load_model(
     """Load a model for inference. Every failure raises `ModelLoadError` with a message that
     names the file (or argument) and the problem."""
     torch_device = resolve_device(device)
+    if torch_device.type == "cpu":
+        tune_cpu_runtime()  # before `auto` measures linears: it runs oneDNN's first
     torch_dtype = resolve_dtype(dtype, torch_device)
     path = resolve_model_path(model)
     checkpoint = open_checkpoint(path)
     quant = resolve_quantization(quantization, checkpoint)
     tokenizer = checkpoint.tokenizer()
     config = checkpoint.config
-    if torch_device.type == "cpu":
-        tune_cpu_allocator()
     weights = read_weights(checkpoint, config, keep_blocks=quant is Quantization.GGUF)
     module = LlamaForCausalLM(config, torch_dtype, torch_device, quantization=quant)
     module.load_weights(weights)

@@ -192,9 +192,13 @@ def test_real_server_calibrated_from_outside_predicts_a_held_back_workload(tmp_p
         # The same workload measured HELD_BACK_REPEATS times: a p90 over 20 requests moves
         # by tens of percent between runs on a busy machine, and the simulation is judged
         # against the run nearest to it (the machine's own spread is no prediction error).
-        runs = [tmp_path / f"held_back_{i}.json" for i in range(HELD_BACK_REPEATS)]
+        # One warm-up run first, not judged: the first visit of these prompt lengths pays
+        # one-off costs the simulator does not model (a Zen 3 CI run measured its first
+        # run's median TTFT 50% above the two runs after it, its p90 ITL 3x).
+        runs = [tmp_path / f"held_back_{i}.json" for i in range(HELD_BACK_REPEATS + 1)]
         for run in runs:
             assert main([*bench, *workload, "--save-result", str(run)]) == 0
+        runs = runs[1:]
     finally:
         server.stop()
     cal = tmp_path / "cal.json"
