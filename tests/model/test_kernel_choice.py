@@ -19,13 +19,21 @@ from pdserve.model.attention import (
     prefill_cases,
     prefill_kernel_choice,
 )
+from pdserve.model.kernels import cpu_ops
 from pdserve.model.kernels.choice import MeasuredChoice, interleaved_best_seconds, size_bucket
-from pdserve.model.kernels.cpu_ops import load_cpu_ops
+from pdserve.model.kernels.cpu_ops import (
+    DPBF16_ALL_ROWS,
+    DPBF16_FEW_ROWS,
+    DPBF16_TILE_ROWS,
+    dpbf16_choice,
+    load_cpu_ops,
+)
 from tests.model.helpers import kernel_variants
 
 # A margin past which the test's own timing must agree with the choice (shared CPUs are noisy).
 CLEAR_MARGIN = 1.5
 ATTEMPTS = 3
+BF16_TOL = dict(rtol=2e-2, atol=5e-2)
 
 
 def test_size_bucket():
@@ -178,3 +186,34 @@ def test_auto_dtype_is_the_measured_faster_one(tmp_path, monkeypatch, caplog):
         assert list(tmp_path.glob("auto-dtype-*.json"))  # the next process reads it
     finally:
         auto_dtype.dtype_choice.cache_clear()
+
+
+@pytest.mark.parametrize("isa", kernel_variants())
+def test_bf16_dot_products_serve_the_rows_they_measured_faster_on(isa, tmp_path, monkeypatch):
+    """Where the kernels have vdpbf16ps (and no AMX tiles take those rows), a full tile of
+    rows uses it exactly when it timed faster here, and both ways compute the same linear."""
+    ops = load_cpu_ops(isa)
+    if ops is None:
+        pytest.skip(f"the {isa} kernels did not compile (no C compiler?)")
+    before = ops.tune_bf16_dot()  # from the machine's cache: restored at the end
+    if before is None:
+        assert not ops.has_bf16_dot or ops._lib.linear_has_amx()
+        return
+    monkeypatch.setattr(cpu_ops, "cache_dir", lambda: tmp_path)
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 256, generator=generator).bfloat16()
+    x = torch.randn(DPBF16_TILE_ROWS, 256, generator=generator).bfloat16()
+    packed = ops.pack_dense(weight)
+    expected = x.float() @ weight.float().T
+    try:
+        for rows in (DPBF16_ALL_ROWS, DPBF16_FEW_ROWS):
+            ops.set_dpbf16_max_rows(rows)
+            torch.testing.assert_close(ops.linear(x, packed, None).float(), expected, **BF16_TOL)
+        dpbf16_choice.cache_clear()
+        rows = ops.tune_bf16_dot()
+        all_s, few_s = dpbf16_choice(ops).timing(("linear-dpbf16", DPBF16_TILE_ROWS))
+        assert rows == (DPBF16_ALL_ROWS if all_s < few_s else DPBF16_FEW_ROWS)
+        assert list(tmp_path.glob(f"linear-dpbf16-{isa}-*.json"))
+    finally:
+        dpbf16_choice.cache_clear()
+        ops.set_dpbf16_max_rows(before)

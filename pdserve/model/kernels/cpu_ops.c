@@ -303,6 +303,18 @@ ALWAYS_INLINE int is_quantized(int wfmt) { return wfmt >= W_Q8_0 && wfmt <= W_Q4
 #define HAS_DPBF16 0
 #endif
 
+/* Rows up to which bfloat16 weights meet bfloat16 x in vdpbf16ps; beyond, the weights are
+ * widened to float32 for FMAs. Which wins at 3-8 rows depends on the core (vdpbf16ps' share
+ * of the FMA ports: Zen 4 gains 25% at 8 rows, Sapphire Rapids loses), so the process sets
+ * it from a measurement (CpuOps.tune_bf16_dot). */
+static int64_t dpbf16_max_rows = 2;
+
+/* Whether this build has vdpbf16ps; sets the rows it serves (when it has). */
+int set_linear_dpbf16_max_rows(int64_t rows) {
+    dpbf16_max_rows = rows;
+    return HAS_DPBF16;
+}
+
 /* Bytes one group's block of 32 inputs occupies, and the group header. */
 ALWAYS_INLINE int64_t block_bytes(int wfmt) {
     switch (wfmt) {
@@ -808,9 +820,7 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
         return;
     }
 #endif
-    /* vdpbf16ps only for one or two rows: at more, its throughput (measured on Sapphire
-     * Rapids) falls behind converting the weights to float32 for FMAs. */
-    const int dpbf16 = HAS_DPBF16 && wfmt == W_BF16 && rows <= 2;
+    const int dpbf16 = HAS_DPBF16 && wfmt == W_BF16 && rows <= dpbf16_max_rows;
     /* x as the format's kernel reads it: bfloat16 pairs (vdpbf16ps), int8 blocks or float. */
     const uint8_t* xs;
     int64_t x_row_bytes = in * (int64_t)sizeof(float);

@@ -20,11 +20,13 @@ import torch
 from pdserve.model.cpu_runtime import BF16_MATMUL_CPU_FLAGS, read_cpu_flags
 from pdserve.model.kernels.build import (
     VARIANT_NAMES,
+    cache_dir,
     can_run,
     load_library,
     runnable_variants,
     variant,
 )
+from pdserve.model.kernels.choice import MeasuredChoice
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ _SIGNATURES = {
     "linear_scratch": ([_C, _I, _I], _I),
     "linear_has_amx": ([], _C),
     "linear_int8_amx_min_rows": ([], _I),
+    "set_linear_dpbf16_max_rows": ([_I], _C),
     "stream_sum": ([_P, _I], _F),
     "pdserve_isa": ([], ctypes.c_char_p),
     "pdserve_struct_sizes": ([_P], None),
@@ -53,6 +56,9 @@ _SIGNATURES = {
 # Rows up to which bfloat16 `linear` in AMX tiles beats oneDNN's (measured by
 # benchmarks/engine.py's decode batches on Sapphire Rapids).
 AMX_KERNEL_MAX_ROWS = 32
+# bf16 dot products (vdpbf16ps) serve one or two rows of x, or (where they measure faster at
+# a full tile of DPBF16_TILE_ROWS rows, MAX_ROW_TILE in cpu_ops.c) every row count.
+DPBF16_FEW_ROWS, DPBF16_TILE_ROWS, DPBF16_ALL_ROWS = 2, 8, 2**62
 # Element types (DT_* in simd.h).
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -175,6 +181,25 @@ class CpuOps:
             scratch.data_ptr(),
         )
         return y
+
+    def tune_bf16_dot(self) -> int | None:
+        """Set the rows up to which bfloat16 linears use bf16 dot products, from the choice
+        measured on this machine (`dpbf16_choice`); the rows set, None where this build has
+        none or AMX tiles take those rows."""
+        if not self.has_bf16_dot or self._lib.linear_has_amx():
+            return None
+        is_all_faster = dpbf16_choice(self).a_wins(("linear-dpbf16", DPBF16_TILE_ROWS))
+        rows = DPBF16_ALL_ROWS if is_all_faster else DPBF16_FEW_ROWS
+        self.set_dpbf16_max_rows(rows)
+        logger.info(
+            "bf16 linears: dot products for %s rows (measured here)",
+            "every count of" if is_all_faster else f"up to {DPBF16_FEW_ROWS}",
+        )
+        return rows
+
+    def set_dpbf16_max_rows(self, rows: int) -> None:
+        """Process-wide: bfloat16 linears of up to `rows` rows use bf16 dot products."""
+        self._lib.set_linear_dpbf16_max_rows(rows)
 
     # ---- attention ------------------------------------------------------------------------
     def paged_decode(
@@ -493,6 +518,30 @@ def _linear_struct(weight: PackedWeight, bias: torch.Tensor | None) -> _PackedLi
     )
 
 
+@functools.cache
+def dpbf16_choice(ops: CpuOps) -> MeasuredChoice:
+    """Whether bf16 dot products for every row count (A) beat them for one or two rows only
+    (B), timed on a bf16 linear of a full tile of rows and cached with the kernels."""
+    try:
+        directory = cache_dir()
+    except OSError:
+        directory = None
+
+    def prepare(case: tuple) -> tuple:
+        _, rows = case
+        generator = torch.Generator().manual_seed(0)
+        weight = ops.pack_dense(torch.randn(4096, 1024, generator=generator).bfloat16())
+        x = torch.randn(rows, 1024, generator=generator).bfloat16()
+
+        def run(max_rows: int) -> torch.Tensor:
+            ops.set_dpbf16_max_rows(max_rows)
+            return ops.linear(x, weight, None)
+
+        return functools.partial(run, DPBF16_ALL_ROWS), functools.partial(run, DPBF16_FEW_ROWS)
+
+    return MeasuredChoice(f"linear-dpbf16-{ops.isa}", ops.build_id, prepare, directory)
+
+
 def requested_isa() -> str | None:
     """The variant `PDSERVE_CPU_ISA` names (None: choose from the CPU's flags)."""
     name = os.environ.get(ISA_ENV, "").strip().lower()
@@ -519,7 +568,9 @@ def load_cpu_ops(isa: str | None = None) -> CpuOps | None:
         library = load_library(SOURCE, candidate)
         if library is not None:
             logger.debug("CPU kernels: %s", candidate.name)
-            return CpuOps(library, candidate.name)
+            ops = CpuOps(library, candidate.name)
+            ops.tune_bf16_dot()
+            return ops
     return None
 
 
