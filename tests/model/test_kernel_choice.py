@@ -22,6 +22,7 @@ from pdserve.model.attention import (
 from pdserve.model.kernels import cpu_ops
 from pdserve.model.kernels.choice import MeasuredChoice, interleaved_best_seconds, size_bucket
 from pdserve.model.kernels.cpu_ops import (
+    BF16_KERNEL_MAX_ROWS,
     DPBF16_ALL_ROWS,
     DPBF16_FEW_ROWS,
     DPBF16_TILE_ROWS,
@@ -213,6 +214,9 @@ def test_bf16_dot_products_serve_the_rows_they_measured_faster_on(isa, tmp_path,
         rows = ops.tune_bf16_dot()
         all_s, few_s = dpbf16_choice(ops).timing(("linear-dpbf16", DPBF16_TILE_ROWS))
         assert rows == (DPBF16_ALL_ROWS if all_s < few_s else DPBF16_FEW_ROWS)
+        # Batches the dot products serve stay in the kernels (and the one-call decode step).
+        kernel_rows = ops.dense_kernel_max_rows(torch.bfloat16)
+        assert kernel_rows == (BF16_KERNEL_MAX_ROWS if rows == DPBF16_ALL_ROWS else 8)
         assert list(tmp_path.glob(f"linear-dpbf16-{isa}-*.json"))
     finally:
         dpbf16_choice.cache_clear()

@@ -53,9 +53,10 @@ _SIGNATURES = {
     "decode_scratch_bytes": ([_P, _I], _I),
     "decode_forward": ([_P, _I, *[_P] * 4, _I, _I, *[_P] * 3, _I, _P], None),
 }
-# Rows up to which bfloat16 `linear` in AMX tiles beats oneDNN's (measured by
-# benchmarks/engine.py's decode batches on Sapphire Rapids).
-AMX_KERNEL_MAX_ROWS = 32
+# Rows up to which bfloat16 `linear` beats oneDNN's where its rows run in AMX tiles (measured
+# by benchmarks/engine.py's decode batches on Sapphire Rapids) or in bf16 dot products (Zen 4:
+# decode steps of 16 and 32 sequences 10% faster than with oneDNN past 8 rows).
+BF16_KERNEL_MAX_ROWS = 32
 # bf16 dot products (vdpbf16ps) serve one or two rows of x, or (where they measure faster at
 # a full tile of DPBF16_TILE_ROWS rows, MAX_ROW_TILE in cpu_ops.c) every row count.
 DPBF16_FEW_ROWS, DPBF16_TILE_ROWS, DPBF16_ALL_ROWS = 2, 8, 2**62
@@ -96,6 +97,7 @@ class CpuOps:
     def __init__(self, library: ctypes.CDLL, isa: str) -> None:
         self.isa = isa
         self._lib = library
+        self.dpbf16_max_rows = DPBF16_FEW_ROWS  # as cpu_ops.c starts; see tune_bf16_dot
         # The compiled file's name (variant + hash of source, flags and compiler).
         self.build_id = Path(library._name).name
         for name, (argtypes, restype) in _SIGNATURES.items():
@@ -128,12 +130,12 @@ class CpuOps:
         oneDNN's GEMMs win on compute-bound inputs: float32 ones, and bfloat16 where the CPU
         has bf16 matrix or dot-product instructions (AMX tiles: ~8x these kernels at 512
         rows); without them its bfloat16 path is slower than this one's at any size. With
-        AMX tiles of its own (`linear_has_amx`) `linear` streams the weights once for up to
-        AMX_KERNEL_MAX_ROWS rows, at memory speed."""
+        AMX tiles of its own (`linear_has_amx`), or bf16 dot products on every row count
+        (`tune_bf16_dot`), `linear` keeps up to BF16_KERNEL_MAX_ROWS rows."""
         if dtype == torch.float32:
             return 32
-        if self._lib.linear_has_amx():
-            return AMX_KERNEL_MAX_ROWS
+        if self._lib.linear_has_amx() or self.dpbf16_max_rows == DPBF16_ALL_ROWS:
+            return BF16_KERNEL_MAX_ROWS
         return 8 if read_cpu_flags() & BF16_MATMUL_CPU_FLAGS else None
 
     # ---- linear ---------------------------------------------------------------------------
@@ -200,6 +202,7 @@ class CpuOps:
     def set_dpbf16_max_rows(self, rows: int) -> None:
         """Process-wide: bfloat16 linears of up to `rows` rows use bf16 dot products."""
         self._lib.set_linear_dpbf16_max_rows(rows)
+        self.dpbf16_max_rows = rows
 
     # ---- attention ------------------------------------------------------------------------
     def paged_decode(
