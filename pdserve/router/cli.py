@@ -135,6 +135,15 @@ AUTOSCALE_FLAGS = (
         help="no further change this long after adding a worker or switching one",
     ),
     flag(
+        "--autoscale-max-step",
+        dest="max_step_workers",
+        type=int,
+        default=AutoscaleConfig.max_step_workers,
+        metavar="N",
+        help="the most workers one addition starts: a pool k times past its target asks for "
+        "ceil(k x its size) - its size (default: one at a time)",
+    ),
+    flag(
         "--no-role-switch",
         dest="allow_role_switch",
         action="store_false",

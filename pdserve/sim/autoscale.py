@@ -149,10 +149,11 @@ class SimAutoscaler:
     def _begin(self, decision: Decision) -> None:
         self._is_changing = True
         if decision.action is Action.ADD:
-            worker = self.sim.add_worker(decision.role)
-            self.lifetimes[worker.worker_id] = [self.sim.now, None]
+            workers = [self.sim.add_worker(decision.role) for _ in range(decision.num_workers)]
+            for worker in workers:
+                self.lifetimes[worker.worker_id] = [self.sim.now, None]
             self.sim.schedule(
-                self.sim.now + self.spec.startup_s, lambda _: self._finish_add(decision, worker)
+                self.sim.now + self.spec.startup_s, lambda _: self._finish_add(decision, workers)
             )
             return
         entry = self.sim.router.registry.drain(
@@ -161,9 +162,9 @@ class SimAutoscaler:
         self._drain = _Drain(decision, entry, self.sim.now)
         self._finish_drain_if_done()
 
-    def _finish_add(self, decision: Decision, worker: SimWorker) -> None:
-        entry = self.sim.router.add_worker(worker, decision.role)
-        self._done(decision, worker_id=entry.worker_id)
+    def _finish_add(self, decision: Decision, workers: list[SimWorker]) -> None:
+        entries = [self.sim.router.add_worker(worker, decision.role) for worker in workers]
+        self._done(decision, worker_ids=[entry.worker_id for entry in entries])
 
     def _finish_drain_if_done(self) -> None:
         drain = self._drain

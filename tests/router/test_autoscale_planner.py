@@ -160,6 +160,31 @@ def test_decode_pressure_from_itl_or_a_full_kv_cache_adds_a_decode_worker():
         )
 
 
+def test_an_addition_is_sized_to_how_far_past_its_target_the_pool_is():
+    """ceil(n * severity) - n workers at once, within --autoscale-max-step and the room."""
+    slow = {"p0": {"ttft": [0.7] * 10}, "d0": {"itl": SLOW_ITL}, "d1": {"itl": SLOW_ITL}}
+    mild = {"p0": {"ttft": [0.7] * 10}, "d0": {"itl": [0.15] * 50}, "d1": {"itl": [0.15] * 50}}
+
+    def first_addition(observed: dict, **changes) -> planner.Decision:
+        controller = AutoscaleController(config(**{"max_decode_workers": 64, **changes}))
+        fleet = Fleet(p0=PREFILL, d0=DECODE, d1=DECODE)
+        (decision,) = run(controller, fleet, [observed, observed]).values()
+        assert (decision.action, decision.role) == (Action.ADD, DECODE)
+        return decision
+
+    # The default: one worker per addition, however far past.
+    assert first_addition(slow).num_workers == 1
+    # ITL p90 about 1.9x its SLO on two workers: two more.
+    mild_step = first_addition(mild, max_step_workers=16)
+    assert mild_step.num_workers == 2 and mild_step.describe().startswith("add 2 decode workers")
+    # Far past: capped by the step, then by the pool's maximum and the fleet's room.
+    assert first_addition(slow, max_step_workers=3).num_workers == 3
+    assert first_addition(slow, max_step_workers=16, max_decode_workers=4).num_workers == 2
+    assert first_addition(slow, max_step_workers=16, max_workers=4).num_workers == 1
+    with pytest.raises(ValueError, match="max_step_workers"):
+        config(max_step_workers=0)
+
+
 def test_quiet_pools_shrink_to_their_minimum_one_worker_at_a_time():
     fleet = Fleet(p0=PREFILL, p1=PREFILL, d0=DECODE)
     quiet = {"p0": {"ttft": FAST_TTFT}, "p1": {}, "d0": {"itl": FAST_ITL}}

@@ -8,6 +8,7 @@ import json
 import math
 import random
 import threading
+from dataclasses import replace
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -233,3 +234,21 @@ def test_the_live_planner_decides_as_the_simulated_one_on_the_same_series():
     simulated = sim.result.autoscale["decisions"]
     assert {d["action"] for d in simulated} == {"add", "switch", "remove"}
     assert asyncio.run(replay(series)) == simulated
+
+
+def test_a_simulated_addition_starts_all_the_workers_it_was_sized_for():
+    """With --autoscale-max-step the long prompts' TTFT, far past its SLO, gets several
+    prefill workers in one addition; each counts from its start and serves once started."""
+    config = sim_config()
+    autoscale = replace(
+        AUTOSCALE, max_prefill_workers=4, max_workers=5, max_step_workers=4, interval_s=1.0
+    )
+    config = replace(config, autoscale=replace(config.autoscale, config=autoscale))
+    result = Simulation(config, shifting_traffic()).run()
+    first = next(d for d in result.autoscale["decisions"] if d["num_workers"] > 1)
+    assert (first["action"], first["role"], first["reason"]) == ("add", "prefill", "ttft")
+    (outcome,) = [o for o in result.autoscale["outcomes"] if o["decision"] == first]
+    assert len(outcome["worker_ids"]) == first["num_workers"]
+    started = [s for s in result.autoscale["workers"].values() if s["start_s"] > 0]
+    assert len(started) >= first["num_workers"]
+    assert not [r for r in result.records if r.error]

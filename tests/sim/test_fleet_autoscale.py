@@ -39,5 +39,28 @@ def test_the_table_compares_with_the_best_fixed_split():
         fleet.Row(16, "autoscaled from 8:8 (3 decisions)", 99.0, 320.0, 40.0, 100, 36.0),
     ]
     text = fleet.render(rows, args)
-    assert "| 16 | fixed 8:8 | 100 | 90.0 | 640 | 5.062 | best fixed |" in text
-    assert "x1.10, x0.50" in text
+    assert "| 16 | fixed 8:8 | 100 | 90.0 | 640 | 5.062 | best fixed |  |" in text
+    assert "x1.10, x0.50 | no fixed layout reaches it |" in text
+
+
+def test_the_best_fixed_layout_is_the_cheapest_of_those_tied_on_goodput():
+    args = fleet.parse_args(["--fleets", "16"])
+    rows = [
+        fleet.Row(16, "fixed 8:8", 90.0, 640.0, 40.0, 100, 36.0),
+        fleet.Row(16, "fixed 4:4", 89.5, 320.0, 40.0, 100, 36.0),
+        fleet.Row(16, "fixed 2:2", 60.0, 160.0, 40.0, 100, 36.0),
+        fleet.Row(16, "autoscaled from 2:2 (9 decisions)", 70.0, 200.0, 40.0, 100, 36.0),
+    ]
+    assert fleet.best_fixed(rows).layout == "fixed 4:4"
+    assert fleet.cheapest_fixed_at(rows, 70.0).layout == "fixed 4:4"
+    assert fleet.cheapest_fixed_at(rows, 95.0) is None
+    text = fleet.render(rows, args)
+    assert "| fixed 4:4 | 100 | 89.5 | 320 | 10.069 | best fixed |" in text
+    assert "x0.78, x0.62 | x0.62 (fixed 4:4) |" in text
+
+
+def test_fixed_layouts_cover_every_size_and_split_once():
+    args = fleet.parse_args(["--sizes", "0.5", "1", "--prefill-shares", "0.25", "0.5"])
+    assert fleet.fixed_layouts(args, 16) == [(2, 6), (4, 4), (4, 12), (8, 8)]
+    # Tiny fleets keep a worker in each pool and never repeat a layout.
+    assert fleet.fixed_layouts(args, 2) == [(1, 1)]

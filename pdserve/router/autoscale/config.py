@@ -58,6 +58,10 @@ class AutoscaleConfig:
     cooldown_s: float | None = None
     # No change within this long of adding a worker.
     grace_s: float = 30.0
+    # The most workers one addition starts. A pool `severity` times past its target gets
+    # ceil(n * severity) - n at once (Kubernetes' HPA sizes replicas the same way), so a
+    # fleet of 64 reaches its size in a few graces, not one worker per grace.
+    max_step_workers: int = 1
     allow_role_switch: bool = True
     # LOW needs the p90 under this fraction of its SLO.
     low_fraction: float = 0.5
@@ -108,7 +112,7 @@ class AutoscaleConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("scale_up_intervals", "scale_down_intervals"):
+        for name in ("scale_up_intervals", "scale_down_intervals", "max_step_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.grace_s < 0 or (self.cooldown_s is not None and self.cooldown_s < 0):
@@ -150,6 +154,7 @@ class AutoscaleConfig:
             "interval_s": self.interval_s,
             "cooldown_s": self.resolved_cooldown_s,
             "grace_s": self.grace_s,
+            "max_step_workers": self.max_step_workers,
             "scale_up_intervals": self.scale_up_intervals,
             "scale_down_intervals": self.scale_down_intervals,
             "allow_role_switch": self.allow_role_switch,

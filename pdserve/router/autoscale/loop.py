@@ -312,7 +312,15 @@ class Autoscaler:
         outcome: dict[str, Any] = {"decision": decision.to_dict()}
         try:
             if decision.action is Action.ADD:
-                outcome["worker_id"] = (await self.actions.add(decision.role)).worker_id
+                # Together; a worker that failed to start leaves the others in the pool.
+                added = await asyncio.gather(
+                    *(self.actions.add(decision.role) for _ in range(decision.num_workers)),
+                    return_exceptions=True,
+                )
+                outcome["worker_ids"] = [w.worker_id for w in added if isinstance(w, Worker)]
+                failed = [e for e in added if isinstance(e, Exception)]
+                if failed:
+                    raise failed[0]
             else:
                 worker = self.registry.get(decision.worker_id)
                 if worker is None:

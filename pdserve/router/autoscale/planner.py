@@ -86,7 +86,8 @@ class Assessment:
 @dataclass(frozen=True)
 class Decision:
     """One change. `role` is the pool that gains a worker (add, switch: it comes from the
-    other pool) or loses one (remove); `worker_id` is the worker removed or switched."""
+    other pool) or loses one (remove); `worker_id` is the worker removed or switched;
+    `num_workers` the workers an addition starts (1 for the others)."""
 
     time_s: float
     action: Action
@@ -94,13 +95,16 @@ class Decision:
     reason: str
     detail: str
     worker_id: str | None = None
+    num_workers: int = 1
 
     @property
     def direction(self) -> str:
         return _DIRECTION[self.action]
 
     def describe(self) -> str:
-        if self.action is Action.ADD:
+        if self.action is Action.ADD and self.num_workers > 1:
+            what = f"add {self.num_workers} {self.role.value} workers"
+        elif self.action is Action.ADD:
             what = f"add a {self.role.value} worker"
         elif self.action is Action.REMOVE:
             what = f"drain {self.role.value} worker {self.worker_id}"
@@ -117,6 +121,7 @@ class Decision:
             "reason": self.reason,
             "detail": self.detail,
             "worker_id": self.worker_id,
+            "num_workers": self.num_workers,
         }
 
 
@@ -409,6 +414,20 @@ class Planner:
                         return change
         return None
 
+    def num_to_add(
+        self, role: PoolRole, severity: float, signals: Mapping[PoolRole, PoolSignals]
+    ) -> int:
+        """An addition's size: the pool `severity` times past its target wants
+        ceil(n * severity) - n more, within `max_step_workers` and the room left."""
+        config = self.config
+        num = signals[role].num_workers
+        room = min(
+            config.bounds(role)[1] - num,
+            config.total_limit - sum(s.num_workers for s in signals.values()),
+        )
+        wanted = math.ceil(max(num, 1) * severity) - num
+        return max(1, min(wanted, room, config.max_step_workers))
+
     def is_idle(self, role: PoolRole) -> bool:
         """Whether `role`'s pool has been LOW long enough to give up a worker to the other."""
         return self._low[role] >= self.config.scale_up_intervals
@@ -468,11 +487,15 @@ class AutoscaleController:
         decision = None
         if change is not None:
             action, role, evidence = change
-            worker_id = None
-            if action is not Action.ADD:
+            worker_id, num_workers = None, 1
+            if action is Action.ADD:
+                num_workers = self.planner.num_to_add(role, evidence.severity, signals)
+            else:
                 source = role if action is Action.REMOVE else OTHER_ROLE[role]
                 worker_id = _least_loaded([s for s in samples if s.role is source])
-            decision = Decision(now, action, role, evidence.reason, evidence.detail, worker_id)
+            decision = Decision(
+                now, action, role, evidence.reason, evidence.detail, worker_id, num_workers
+            )
             self.decisions.append(decision)
         self.ticks.append(Tick(now, signals, decision))
         return decision
