@@ -70,7 +70,7 @@ class SimAutoscaler:
     def __init__(self, sim: SimFleet, spec: SimAutoscale) -> None:
         self.sim = sim
         self.spec = spec
-        self.controller = AutoscaleController(spec.config)
+        self.controller = AutoscaleController(spec.config, spec.replay)
         self._ttft: dict[str, HistogramRecorder] = {}
         self._itl: dict[str, HistogramRecorder] = {}
         self._is_changing = False

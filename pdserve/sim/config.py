@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from pdserve.core.config import CacheConfig, Mode, SchedulerConfig
 from pdserve.router.autoscale.config import AutoscaleConfig
+from pdserve.router.autoscale.planner import Decision
 from pdserve.router.config import RouterConfig
 from pdserve.sim.efficiency import Efficiency, default_efficiency
 from pdserve.sim.errors import SimConfigError
@@ -26,6 +27,9 @@ class SimAutoscale:
     config: AutoscaleConfig
     startup_s: float = DEFAULT_STARTUP_S
     switch_s: float = DEFAULT_SWITCH_S
+    # Decisions to make at their times instead of the planner's (`AutoscaleController`'s
+    # replay; --autoscale-decisions): the simulator judged on a live run's path.
+    replay: tuple[Decision, ...] = ()
 
     def __post_init__(self) -> None:
         if self.startup_s < 0 or self.switch_s < 0:

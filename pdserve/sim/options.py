@@ -7,13 +7,16 @@ turned into the benchmark's own workload objects.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, CacheConfig, Mode, SchedulerConfig
 from pdserve.engine.args import ENGINE_FLAGS
 from pdserve.flags import Flag, add_flags
+from pdserve.router.autoscale.planner import Decision
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTING_FLAGS, autoscale_config_from_args
 from pdserve.router.config import KVHandoff, RouterConfig
 from pdserve.sim.config import (
@@ -168,6 +171,14 @@ def add_deployment_args(parser: argparse.ArgumentParser, *, with_layout: bool) -
         default=DEFAULT_SWITCH_S,
         metavar="SECONDS",
         help="a drained worker's switch to the other pool (default: %(default)s)",
+    )
+    auto.add_argument(
+        "--autoscale-decisions",
+        type=Path,
+        metavar="FILE",
+        help="make these decisions at their times instead of the planner's (JSON: a list, or "
+        "a live router's GET /autoscale with the times on this run's clock): the simulator "
+        "judged on a live run's path",
     )
 
 
@@ -388,9 +399,24 @@ def sim_autoscale(args: argparse.Namespace) -> SimAutoscale | None:
         config = autoscale_config_from_args(args)
         if config is None:
             return None
-        return SimAutoscale(config, args.worker_startup, args.role_switch_time)
+        replay = load_decisions(args.autoscale_decisions) if args.autoscale_decisions else ()
+        return SimAutoscale(config, args.worker_startup, args.role_switch_time, replay)
     except ValueError as exc:
         raise SimConfigError(str(exc)) from None
+
+
+def load_decisions(path: Path) -> tuple[Decision, ...]:
+    """--autoscale-decisions: a list of `Decision.to_dict`s, or an object with "decisions"."""
+    try:
+        data = json.loads(path.read_text())
+        entries = data["decisions"] if isinstance(data, dict) else data
+        return tuple(Decision.from_dict(entry) for entry in entries)
+    except OSError as exc:
+        raise SimConfigError(f"--autoscale-decisions: cannot read {path}: {exc}") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SimConfigError(
+            f"--autoscale-decisions: {path} is not a list of decisions ({exc!r})"
+        ) from None
 
 
 def parse_modes(text: str) -> list[Mode]:

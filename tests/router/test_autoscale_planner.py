@@ -465,3 +465,22 @@ def test_slo_parsing_names_the_flag():
     for bad in ("tpot:50", "ttft", "ttft:fast", "ttft:-1"):
         with pytest.raises(ValueError, match="--slo"):
             SLO.parse(bad)
+
+
+def test_a_replayed_decision_waits_for_its_time_and_takes_a_worker_still_there():
+    decisions = [
+        planner.Decision(1.5, Action.REMOVE, DECODE, "idle", "quiet", worker_id="decode-9"),
+        planner.Decision(2.0, Action.ADD, PREFILL, "ttft", "slow", num_workers=2),
+    ]
+    replayed = [planner.Decision.from_dict(d.to_dict()) for d in decisions]
+    assert replayed == decisions
+    controller = AutoscaleController(config(), replay=replayed)
+    fleet = Fleet(p0=PREFILL, d0=DECODE, d1=DECODE)
+    # However slow the prefills, nothing happens before the first decision's time.
+    slow = {"p0": {"ttft": SLOW_TTFT}, "d0": {"itl": FAST_ITL}, "d1": {"running": 3}}
+    made = run(controller, fleet, [slow, slow, slow, slow])
+    assert list(made) == [2, 3]
+    # decode-9 is gone: the least loaded decode worker goes instead.
+    assert (made[2].action, made[2].worker_id, made[2].time_s) == (Action.REMOVE, "d0", 2.0)
+    assert (made[3].action, made[3].num_workers) == (Action.ADD, 2)
+    assert list(controller.decisions) == [made[2], made[3]]

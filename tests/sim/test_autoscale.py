@@ -10,6 +10,7 @@ import random
 import threading
 from dataclasses import replace
 
+import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -31,9 +32,11 @@ from pdserve.router.provision import WorkerHandle
 from pdserve.router.runtime import RouterRuntime
 from pdserve.sim.cli import run as run_cli
 from pdserve.sim.config import PoolConfig, SimAutoscale, SimConfig, scheduler_config_for
+from pdserve.sim.errors import SimConfigError
 from pdserve.sim.hardware import get_hardware
 from pdserve.sim.model_spec import MODELS
 from pdserve.sim.network import get_network
+from pdserve.sim.options import load_decisions
 from pdserve.sim.simulator import Simulation
 from pdserve.sim.workload import SimRequestSpec
 from tests.router.harness import AppThread
@@ -252,3 +255,20 @@ def test_a_simulated_addition_starts_all_the_workers_it_was_sized_for():
     started = [s for s in result.autoscale["workers"].values() if s["start_s"] > 0]
     assert len(started) >= first["num_workers"]
     assert not [r for r in result.records if r.error]
+
+
+def test_replaying_a_runs_decisions_retraces_its_path(tmp_path):
+    """--autoscale-decisions: the planner's own decisions, replayed from a file, give the
+    same fleet changes at the same ticks and the same requests' latencies."""
+    own = Simulation(sim_config(), shifting_traffic()).run()
+    path = tmp_path / "decisions.json"
+    path.write_text(json.dumps({"decisions": own.autoscale["decisions"]}))
+    config = sim_config()
+    replay = load_decisions(path)
+    config = replace(config, autoscale=replace(config.autoscale, replay=replay))
+    replayed = Simulation(config, shifting_traffic()).run()
+    assert replayed.autoscale["decisions"] == own.autoscale["decisions"]
+    assert [r.ttft for r in replayed.records] == [r.ttft for r in own.records]
+    (tmp_path / "bad.json").write_text('[{"time_s": 1}]')
+    with pytest.raises(SimConfigError, match=r"--autoscale-decisions: .*bad\.json"):
+        load_decisions(tmp_path / "bad.json")

@@ -112,6 +112,19 @@ class Decision:
             what = f"switch {self.worker_id} to {self.role.value}"
         return f"{what}: {self.detail}"
 
+    @classmethod
+    def from_dict(cls, data: Mapping) -> Decision:
+        """The inverse of `to_dict` (a live router's GET /autoscale, a saved result)."""
+        return cls(
+            time_s=float(data["time_s"]),
+            action=Action(data["action"]),
+            role=PoolRole(data["role"]),
+            reason=data.get("reason", ""),
+            detail=data.get("detail", ""),
+            worker_id=data.get("worker_id"),
+            num_workers=int(data.get("num_workers", 1)),
+        )
+
     def to_dict(self) -> dict:
         return {
             "time_s": round(self.time_s, 3),
@@ -463,15 +476,21 @@ class Tick:
 
 class AutoscaleController:
     """The whole decision side of one autoscaler: samples → signals → `Planner` → which
-    worker. Drivers call `tick` only while no change of theirs is still under way."""
+    worker. Drivers call `tick` only while no change of theirs is still under way.
 
-    def __init__(self, config: AutoscaleConfig) -> None:
+    With `replay`, the controller makes those decisions instead, each at the first tick at or
+    after its time (its worker, if gone, becomes the least loaded of the same pool): the
+    simulator judged on a live planner's path rather than its own."""
+
+    def __init__(self, config: AutoscaleConfig, replay: Sequence[Decision] = ()) -> None:
         self.config = config
         self.planner = Planner(config)
         self.ticks: deque[Tick] = deque(maxlen=MAX_TICKS)
         self.decisions: deque[Decision] = deque(maxlen=MAX_DECISIONS)
         self._previous: dict[str, WorkerSample] = {}
         self._previous_time = 0.0  # the drivers' clocks start at 0 with the controller
+        self.is_replaying = bool(replay)
+        self._replay = deque(sorted(replay, key=lambda d: d.time_s))
 
     def tick(
         self,
@@ -483,22 +502,50 @@ class AutoscaleController:
         signals = fleet_signals(self._previous, samples, now - self._previous_time)
         self._previous = {s.key: s for s in samples}
         self._previous_time = now
-        change = self.planner.decide(now, signals, can_start)
-        decision = None
-        if change is not None:
-            action, role, evidence = change
-            worker_id, num_workers = None, 1
-            if action is Action.ADD:
-                num_workers = self.planner.num_to_add(role, evidence.severity, signals)
-            else:
-                source = role if action is Action.REMOVE else OTHER_ROLE[role]
-                worker_id = _least_loaded([s for s in samples if s.role is source])
-            decision = Decision(
-                now, action, role, evidence.reason, evidence.detail, worker_id, num_workers
-            )
+        if self.is_replaying:
+            decision = self._replayed(now, samples)
+        else:
+            decision = self._decided(now, samples, signals, can_start)
+        if decision is not None:
             self.decisions.append(decision)
         self.ticks.append(Tick(now, signals, decision))
         return decision
+
+    def _decided(
+        self,
+        now: float,
+        samples: Sequence[WorkerSample],
+        signals: Mapping[PoolRole, PoolSignals],
+        can_start: Mapping[PoolRole, bool],
+    ) -> Decision | None:
+        change = self.planner.decide(now, signals, can_start)
+        if change is None:
+            return None
+        action, role, evidence = change
+        worker_id, num_workers = None, 1
+        if action is Action.ADD:
+            num_workers = self.planner.num_to_add(role, evidence.severity, signals)
+        else:
+            worker_id = _least_loaded([s for s in samples if s.role is _source(action, role)])
+        return Decision(now, action, role, evidence.reason, evidence.detail, worker_id, num_workers)
+
+    def _replayed(self, now: float, samples: Sequence[WorkerSample]) -> Decision | None:
+        if not self._replay or self._replay[0].time_s > now:
+            return None
+        decision = replace(self._replay.popleft(), time_s=now)
+        if decision.action is Action.ADD:
+            return decision
+        pool = [s for s in samples if s.role is _source(decision.action, decision.role)]
+        if decision.worker_id in {s.worker_id for s in pool}:
+            return decision
+        if not pool:
+            return None  # nothing left to remove or switch: the path has diverged
+        return replace(decision, worker_id=_least_loaded(pool))
+
+
+def _source(action: Action, role: PoolRole) -> PoolRole:
+    """The pool a removal or switch takes its worker from."""
+    return role if action is Action.REMOVE else OTHER_ROLE[role]
 
 
 def _least_loaded(samples: Sequence[WorkerSample]) -> str:
