@@ -700,8 +700,8 @@ def render(reports: list[ClaimReport]) -> str:
         f"{e.linear_share('bf16'):.0%} of peak FLOP/s in 16-bit GEMMs, "
         f"{e.linear_share('fp8'):.0%} in FP8 ones, {e.attention_compute:.0%} in attention, "
         f"{e.memory:.0%} of HBM bandwidth, {e.layer_overhead_s * 1e6:.0f} µs per layer and "
-        f"{e.step_overhead_s * 1e3:.1f} ms per step, {e.all_reduce_overhead_s * 1e6:.0f} µs "
-        "per all-reduce beyond NVLink's measured latency; docs/calibrations.md), and a "
+        f"{e.step_overhead_s * 1e3:.1f} ms per step, all-reduces at NVLink's measured "
+        "latency and bandwidth; docs/calibrations.md), and a "
         "verdict: holds, holds only if (the condition named), or does not hold.",
         "",
         "**Bands.** Each simulated figure carries the band of its kind, the 90th percentile "

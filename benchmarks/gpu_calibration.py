@@ -42,7 +42,7 @@ KERNEL_SOURCE = "vidur-linear"
 # give the roofline's sharpness, the weights' bandwidth share, the 16-bit GEMMs' share and
 # the linears' fixed cost per layer; TensorRT-LLM's tables on that GPU everything else at
 # that sharpness and share (the engine's GEMMs, attention and its KV reads, the fixed costs
-# per step, sequence, request, all-reduce and layer). H100: the engine is FP8, so its GEMM
+# per step, sequence, request and layer). H100: the engine is FP8, so its GEMM
 # share is the FP8 one; the check left out is NIM's served figures.
 SHIPPED = {
     "h100-sxm-trtllm": {
@@ -85,10 +85,11 @@ peak FLOP/s (16-bit and FP8 GEMMs, attention) and of bandwidth (weights), how ma
 the attention kernel reads the KV cache per step (`kv_read_amplification`: up to the query
 heads per KV head where grouped-query attention is not exploited), how sharply a kernel turns
 from memory- to compute-bound (`roofline_sharpness`: the p-norm of its two times), and the
-all-reduces at the link's measured speed (every TP > 1 pays two per layer). Those that do
-not: fixed costs per step (scheduler, sampling, launch), per layer in each step (kernel
-launches and the small kernels between GEMMs, the same at every TP), per sequence, per
-request (the front end) and per all-reduce (the stack's collective beyond the link).
+all-reduces at the link's measured speed (every TP > 1 pays two per layer; no free cost
+beyond the link: fitted on a table whose only TP > 1 is one degree, one soaked up whatever
+else differed there). Those that do not: fixed costs per step (scheduler, sampling, launch),
+per layer in each step (kernel launches and the small kernels between GEMMs, the same at
+every TP), per sequence and per request (the front end).
 Fixed costs that a fit cannot tell apart from sharded work get no TP factor, so a fit on
 one TP predicts another.
 
@@ -252,8 +253,7 @@ def describe_fit(calibration: Calibration) -> str:
         f"{_sharpness(e)}; {e.step_overhead_s * 1e3:.2f} ms per step, "
         f"{e.layer_overhead_s * 1e6:.1f} µs per layer, "
         f"{e.per_seq_overhead_s * 1e6:.1f} µs per sequence, "
-        f"{e.request_overhead_s * 1e3:.2f} ms per request, "
-        f"{e.all_reduce_overhead_s * 1e6:.1f} µs per all-reduce{_fp8(e)}.\n\n"
+        f"{e.request_overhead_s * 1e3:.2f} ms per request{_fp8(e)}.\n\n"
         f"Bands (90th percentile of |residual| over every point of the kind, set-aside ones "
         f"included): kernel ±{bands['kernel']:.1%}, engine ±{bands['engine']:.1%} (the "
         f"calibration's band: what `simulate` and `plan` print), served "

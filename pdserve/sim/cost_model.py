@@ -253,12 +253,6 @@ class CostModel:
         kv = self._kv_bytes_per_token_device
         return pairs * self._attn_flops_per_pair, (context + new) * kv, new * kv
 
-    def num_all_reduces(self, batch: Sequence[SeqWork]) -> int:
-        """Two all-reduces per layer (after attention's o_proj and the MLP's down_proj) in a
-        tensor-parallel step."""
-        has_tokens = any(seq.num_new_tokens for seq in batch)
-        return 2 * self.model.num_layers if self.tp > 1 and has_tokens else 0
-
     def _all_reduces_s(self, num_tokens: int) -> float:
         if self.tp == 1 or num_tokens == 0:
             return 0.0
@@ -269,7 +263,7 @@ class CostModel:
             link.achieved_bandwidth * self.efficiency.network,
             link.latency_s,
         )
-        return 2 * self.model.num_layers * (one + self.efficiency.all_reduce_overhead_s)
+        return 2 * self.model.num_layers * one
 
     def prefill_time(self, num_tokens: int, chunk_size: int | None = None) -> float:
         """Seconds to prefill a lone prompt, whole or in chunks of `chunk_size` tokens."""

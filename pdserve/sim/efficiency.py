@@ -23,7 +23,6 @@ OVERHEADS = (
     "step_overhead_s",
     "per_seq_overhead_s",
     "request_overhead_s",
-    "all_reduce_overhead_s",
     "layer_overhead_s",
 )
 # The fixed costs every step with tokens pays once whatever its batch: indistinguishable from
@@ -51,9 +50,6 @@ class Efficiency:
     # Paid once per request before its first step: the front end's HTTP handling and
     # tokenization (the simulator admits each request this long after it is sent).
     request_overhead_s: float = 0.0
-    # Paid by every tensor-parallel all-reduce beyond what the link's bandwidth and latency
-    # explain: the stack's collective implementation (launches, synchronisation).
-    all_reduce_overhead_s: float = 0.0
     # Paid by each decoder layer in every step with tokens, the same at every TP degree and
     # batch: the layer's kernel launches and the short kernels between its GEMMs (norms,
     # rotary, activation, residual), which no roofline sees. Sharded kernels get shorter with
