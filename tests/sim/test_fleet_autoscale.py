@@ -31,12 +31,17 @@ def test_traffic_scales_with_the_fleet():
     assert len(fleet.traffic(args, 16)) == pytest.approx(1.5 * len(small), rel=0.1)
 
 
+def row(layout: str, goodput: float, worker_seconds: float):
+    """A fleet of 16's row: 100 requests over 36 s, run for 40 s."""
+    return fleet.Row(16, layout, goodput, worker_seconds, 40.0, 100, 36.0)
+
+
 def test_the_table_compares_with_the_best_fixed_split():
     args = fleet.parse_args(["--fleets", "16"])
     rows = [
-        fleet.Row(16, "fixed 4:12", 80.0, 640.0, 40.0, 100, 36.0),
-        fleet.Row(16, "fixed 8:8", 90.0, 640.0, 40.0, 100, 36.0),
-        fleet.Row(16, "autoscaled from 8:8 (3 decisions)", 99.0, 320.0, 40.0, 100, 36.0),
+        row("fixed 4:12", 80.0, 640.0),
+        row("fixed 8:8", 90.0, 640.0),
+        row("autoscaled from 8:8 (3 decisions)", 99.0, 320.0),
     ]
     text = fleet.render(rows, args)
     assert "| 16 | fixed 8:8 | 100 | 90.0 | 640 | 5.062 | best fixed |  |" in text
@@ -46,10 +51,10 @@ def test_the_table_compares_with_the_best_fixed_split():
 def test_the_best_fixed_layout_is_the_cheapest_of_those_tied_on_goodput():
     args = fleet.parse_args(["--fleets", "16"])
     rows = [
-        fleet.Row(16, "fixed 8:8", 90.0, 640.0, 40.0, 100, 36.0),
-        fleet.Row(16, "fixed 4:4", 89.5, 320.0, 40.0, 100, 36.0),
-        fleet.Row(16, "fixed 2:2", 60.0, 160.0, 40.0, 100, 36.0),
-        fleet.Row(16, "autoscaled from 2:2 (9 decisions)", 70.0, 200.0, 40.0, 100, 36.0),
+        row("fixed 8:8", 90.0, 640.0),
+        row("fixed 4:4", 89.5, 320.0),
+        row("fixed 2:2", 60.0, 160.0),
+        row("autoscaled from 2:2 (9 decisions)", 70.0, 200.0),
     ]
     assert fleet.best_fixed(rows).layout == "fixed 4:4"
     assert fleet.cheapest_fixed_at(rows, 70.0).layout == "fixed 4:4"
