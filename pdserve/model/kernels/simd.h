@@ -35,6 +35,22 @@ ALWAYS_INLINE V16 v_max(V16 a, V16 b) { return _mm512_max_ps(a, b); }
 ALWAYS_INLINE V16 v_min(V16 a, V16 b) { return _mm512_min_ps(a, b); }
 ALWAYS_INLINE float v_sum(V16 v) { return _mm512_reduce_add_ps(v); }
 ALWAYS_INLINE float v_hmax(V16 v) { return _mm512_reduce_max_ps(v); }
+/* Horizontal sums of 16 vectors with the shuffles and adds shared: v_psum4 of vectors 0-3
+ * (4-7, ...), v_psum8 of two such, v_psum16 of two of those gives lane i = vector i's sum
+ * (the steps between hold partial sums in an ISA-specific layout). Here: folds of lane pairs
+ * and of pairs of pairs within 128 bits (v_psum4), then of 128-bit quarters. */
+ALWAYS_INLINE __m512 fold_pairs512(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+ALWAYS_INLINE V16 v_psum4(const V16* d) {
+    return fold_pairs512(fold_pairs512(d[0], d[1]), fold_pairs512(d[2], d[3]));
+}
+ALWAYS_INLINE V16 v_psum8(V16 a, V16 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+ALWAYS_INLINE V16 v_psum16(V16 a, V16 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
 ALWAYS_INLINE V16 v_abs(V16 v) { return _mm512_abs_ps(v); }
 ALWAYS_INLINE V16 v_round(V16 v) {
     return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -106,6 +122,21 @@ ALWAYS_INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 ALWAYS_INLINE float v_sum(V16 v) { return hsum8(_mm256_add_ps(v.lo, v.hi)); }
+/* The horizontal sums of 16 vectors (steps as in the AVX-512 section): each vector's halves
+ * added, hadd trees over 4 (v_psum4), the 128-bit halves of two of those added (v_psum8: 8
+ * sums in .lo), two of those side by side (v_psum16). */
+ALWAYS_INLINE V16 v_psum4(const V16* d) {
+    __m256 e[4];
+    for (int i = 0; i < 4; i++) e[i] = _mm256_add_ps(d[i].lo, d[i].hi);
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(e[0], e[1]), _mm256_hadd_ps(e[2], e[3]));
+    return (V16){s, _mm256_setzero_ps()};
+}
+ALWAYS_INLINE V16 v_psum8(V16 a, V16 b) {
+    const __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(a.lo, b.lo, 0x20),
+                                   _mm256_permute2f128_ps(a.lo, b.lo, 0x31));
+    return (V16){s, _mm256_setzero_ps()};
+}
+ALWAYS_INLINE V16 v_psum16(V16 a, V16 b) { return (V16){a.lo, b.lo}; }
 ALWAYS_INLINE float v_hmax(V16 v) {
     const __m256 m8 = _mm256_max_ps(v.lo, v.hi);
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
@@ -207,6 +238,21 @@ ALWAYS_INLINE float v_hmax(V16 v) {
     float m = v[0];
     for (int i = 1; i < 16; i++) m = v[i] > m ? v[i] : m;
     return m;
+}
+/* The horizontal sums of 16 vectors (steps as in the AVX-512 section): v_psum4 puts 4 sums
+ * in lanes 0-3, v_psum8 and v_psum16 concatenate the sums of two such. */
+ALWAYS_INLINE V16 v_psum4(const V16* d) {
+    V16 s = v_zero();
+    for (int i = 0; i < 4; i++) s[i] = v_sum(d[i]);
+    return s;
+}
+ALWAYS_INLINE V16 v_psum8(V16 a, V16 b) {
+    for (int i = 0; i < 4; i++) a[4 + i] = b[i];
+    return a;
+}
+ALWAYS_INLINE V16 v_psum16(V16 a, V16 b) {
+    for (int i = 0; i < 8; i++) a[8 + i] = b[i];
+    return a;
 }
 ALWAYS_INLINE V16 v_abs(V16 v) { return (V16)((VI16)v & 0x7fffffff); }
 /* Round to nearest even for |v| < 2^22 (all callers' inputs). */
