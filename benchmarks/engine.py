@@ -7,8 +7,8 @@ sequence holding a 512-token context). Next to each figure: transformers on the 
 in the same dtype (float32 for the quantized runs), llama.cpp on the same GGUF with one thread
 (when `--llama-cpp-python` names a Python with llama-cpp-python, see llama_cpp_venv.sh), and
 the floor: the bytes a decode step reads (weights in their stored format + the KV cache) over
-the read bandwidth measured here (one core streaming a 1 GiB buffer; the best of a measurement
-before every run and one after the last, as is the roof), and the roof: the activations'
+the read bandwidth measured here (the run's threads streaming a 1 GiB buffer; the best of a
+measurement before every run and one after the last, as is the roof), and the roof: the activations'
 dtype's best GEMM on these threads (a 2048^3 `torch.mm`, oneDNN/MKL: AMX tiles for bfloat16
 where the CPU has them; for quantized weights the better of the two), against which prefill's
 rate (the linears' and the causal attention's FLOPs per second) is reported. Quantized and bf16
@@ -33,6 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import pdserve  # noqa: F401  (before torch: it sets OpenMP's wait policy)
+
+# isort: split
 import torch
 
 from pdserve.core.sampling_params import SamplingParams
@@ -62,8 +65,9 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
 LLAMA_CPP_SCRIPT = Path(__file__).with_name("llama_cpp_bench.py")
 
 
-def measure_bandwidth(repeats: int = 5) -> float:
-    """Bytes/s one core reads streaming a buffer far larger than cache (best of `repeats`)."""
+def measure_bandwidth(num_threads: int, repeats: int = 5) -> float:
+    """Bytes/s `num_threads` threads read streaming a buffer far larger than cache, each its
+    share (best of `repeats`)."""
     ops = load_cpu_ops()
     values = torch.ones(2**28)  # 1 GiB
     if ops is None:
@@ -71,7 +75,7 @@ def measure_bandwidth(repeats: int = 5) -> float:
     else:
 
         def reader():
-            return ops.stream_sum(values)
+            return ops.stream_sum(values, num_threads)
 
     reader()
     best = float("inf")
@@ -208,7 +212,7 @@ class Limits:
         self.roofs = {torch.float32: 0.0, torch.bfloat16: 0.0}
 
     def measure(self) -> None:
-        self.bandwidth = max(self.bandwidth, measure_bandwidth())
+        self.bandwidth = max(self.bandwidth, measure_bandwidth(torch.get_num_threads()))
         for dtype in self.roofs:
             self.roofs[dtype] = max(self.roofs[dtype], measure_gemm_roof(dtype))
 
@@ -296,7 +300,7 @@ def _cell(value: float | None, width: int, digits: int) -> str:
 def print_table(result: dict) -> None:
     print(
         f"\nCPU flags: {' '.join(result['cpu_isa_flags']) or '-'}; read bandwidth "
-        f"{result['bandwidth_gb_s']:.1f} GB/s (one core); {result['threads']} thread(s); "
+        f"{result['bandwidth_gb_s']:.1f} GB/s on {result['threads']} thread(s); "
         "GEMM roof "
         + ", ".join(f"{dtype} {gflop:.0f} GFLOP/s" for dtype, gflop in result["roofs"].items())
         + f"; --dtype auto picks {result['auto_dtype']} here"
@@ -351,8 +355,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--quant-dtype", default="float32", help="activations of gguf/int8 runs")
-    # One thread by default: a disaggregated worker runs on one core, and the floor is set by
-    # one core's bandwidth.
+    # One thread by default: a disaggregated worker runs on one core. The floor and the roof
+    # are measured on the threads the run uses.
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--no-quality", action="store_true")

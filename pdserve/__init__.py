@@ -1,5 +1,14 @@
 """pdserve: prefill/decode-aware LLM serving."""
 
+import os
+
+# torch's OpenMP threads (libgomp) spin for a while after every parallel region, on the cores
+# the native kernels' own threads (decode step, prefill attention) then need: two threads ran
+# a decode step of 8 sequences slower than one. Passive threads sleep at once. libgomp reads
+# this when torch loads it, so it holds where pdserve is imported first (as `pdserve ...`
+# commands do); an explicit setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from pdserve.core.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]

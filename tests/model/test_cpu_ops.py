@@ -262,6 +262,32 @@ def test_dense_linear(ops, dtype, rows, has_bias, in_features):
     torch.testing.assert_close(got.float(), expected, atol=tolerance[0], rtol=tolerance[1])
 
 
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_a_large_linear_shares_its_outputs_between_threads(ops, fmt):
+    """Weights of several MiB run on several threads, each a share of the output groups:
+    the same values as on one thread, bit for bit (3 threads split 125 groups of 16 outputs
+    unevenly)."""
+    generator = torch.Generator().manual_seed(6)
+    weight = torch.randn(2000, 1536, generator=generator)
+    packed = (
+        quantize_int8(weight).pack()
+        if fmt == "int8"
+        else ops.pack_dense(weight.to(getattr(torch, fmt)))
+    )
+    dtype = torch.bfloat16 if fmt == "bfloat16" else torch.float32
+    x = torch.randn(5, 1536, generator=generator).to(dtype)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = ops.linear(x, packed, None)
+        torch.set_num_threads(3)
+        assert ops._lib.linear_threads(packed.format, 2000, 1536, 3) == 3
+        shared = ops.linear(x, packed, None)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(shared, alone, atol=0, rtol=0)
+
+
 def _quantized(qtype: QuantType, weight: torch.Tensor) -> QuantizedWeight:
     if qtype is QuantType.INT8:
         return quantize_int8(weight)
@@ -294,9 +320,10 @@ def test_quantized_linear_multiplies_the_blocks(ops, qtype, dtype, rows):
     torch.testing.assert_close(got.float(), expected, atol=tolerance[0], rtol=tolerance[1])
 
 
-def test_stream_sum(ops):
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_stream_sum(ops, num_threads):
     values = torch.arange(4096, dtype=torch.float32) / 64
-    assert ops.stream_sum(values) == pytest.approx(float(values.sum()), rel=1e-6)
+    assert ops.stream_sum(values, num_threads) == pytest.approx(float(values.sum()), rel=1e-6)
     with pytest.raises(ValueError, match="64k elements"):
         ops.stream_sum(values[:100])
 

@@ -171,6 +171,25 @@ def test_one_call_decode_step_equals_the_per_op_path(cpu_isa, dtype, quantizatio
         torch.testing.assert_close(logits[0][s], logits[1][s], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("cpu_isa", kernel_variants())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_decode_step_does_not_depend_on_the_thread_count(cpu_isa, dtype):
+    """Threads split the step's outputs, never a sum: 2, 3 and 5 threads (more than the 3
+    sequences, so some have no attention rows) compute exactly what one thread does."""
+    model = pdserve_from_hf(tiny_hf_model("qwen2", seed=7), dtype, cpu_isa=cpu_isa)
+    previous = torch.get_num_threads()
+    logits = {}
+    try:
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            logits[threads] = _prefill_then_batched_decode(model)
+    finally:
+        torch.set_num_threads(previous)
+    for threads in (2, 3, 5):
+        for s in logits[1]:
+            torch.testing.assert_close(logits[threads][s], logits[1][s], atol=0, rtol=0)
+
+
 def test_metadata_slots_follow_block_tables():
     meta = AttentionMetadata.build([([3, 1], 6, 4), ([2], 5, 1)], 8, "cpu")
     # Positions 6..9 of the first sequence: block 3 offsets 6,7 then block 1 offsets 0,1.

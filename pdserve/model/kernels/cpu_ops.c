@@ -27,6 +27,99 @@
 #define MAX_ROW_TILE 4 /* 16 vector registers (AVX2: two per V16) */
 #endif
 
+/* ---- teams: one call's work split over threads ---------------------------------------- */
+/*
+ * A call on num_threads threads runs its work function on the caller's thread (member 0) and
+ * num_threads - 1 pthreads started for the call; members meet at team_sync between phases.
+ * Every output element is computed by one member with the same arithmetic as on one thread,
+ * so results do not depend on the thread count.
+ */
+#include <pthread.h>
+#include <sched.h>
+
+#define MAX_TEAM 64
+/* Spins at a barrier before yielding the core (to a server's event loop, say). */
+#define SPINS_BEFORE_YIELD 4000
+
+typedef struct {
+    int64_t arrived, generation;
+} Barrier;
+
+typedef struct {
+    int64_t index, size;
+    Barrier* barrier;
+} Team;
+
+typedef void (*TeamWork)(void* arg, const Team* team);
+
+typedef struct {
+    TeamWork work;
+    void* arg;
+    Team team;
+    const int64_t* size; /* 0 until every member is started, then the team's size */
+} Member;
+
+ALWAYS_INLINE void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Every member waits until all have arrived; writes before it are seen by all after it. */
+static void team_sync(const Team* team) {
+    if (team->size == 1) return;
+    Barrier* b = team->barrier;
+    const int64_t generation = __atomic_load_n(&b->generation, __ATOMIC_ACQUIRE);
+    if (__atomic_add_fetch(&b->arrived, 1, __ATOMIC_ACQ_REL) == team->size) {
+        __atomic_store_n(&b->arrived, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->generation, generation + 1, __ATOMIC_RELEASE);
+        return;
+    }
+    for (int64_t spins = 0; __atomic_load_n(&b->generation, __ATOMIC_ACQUIRE) == generation;
+         spins++) {
+        if (spins < SPINS_BEFORE_YIELD)
+            cpu_relax();
+        else
+            sched_yield();
+    }
+}
+
+/* This member's share [*begin, *end) of n equal items. */
+ALWAYS_INLINE void team_share(const Team* team, int64_t n, int64_t* begin, int64_t* end) {
+    *begin = n * team->index / team->size;
+    *end = n * (team->index + 1) / team->size;
+}
+
+static void* member_main(void* p) {
+    Member* member = (Member*)p;
+    int64_t size;
+    while ((size = __atomic_load_n(member->size, __ATOMIC_ACQUIRE)) == 0) cpu_relax();
+    if (member->team.index < size) { /* always, unless an earlier start failed */
+        member->team.size = size;
+        member->work(member->arg, &member->team);
+    }
+    return NULL;
+}
+
+/* work(arg, team) on up to num_threads members; fewer if a thread cannot be started. */
+static void run_team(int64_t num_threads, TeamWork work, void* arg) {
+    num_threads = num_threads < 1 ? 1 : num_threads > MAX_TEAM ? MAX_TEAM : num_threads;
+    Barrier barrier = {0, 0};
+    int64_t size = 0;
+    pthread_t threads[MAX_TEAM];
+    Member members[MAX_TEAM];
+    int64_t started = 0;
+    for (int64_t i = 1; i < num_threads; i++) {
+        members[i] = (Member){work, arg, {i, 0, &barrier}, &size};
+        if (pthread_create(&threads[i], NULL, member_main, &members[i]) != 0) break;
+        started = i;
+    }
+    __atomic_store_n(&size, started + 1, __ATOMIC_RELEASE);
+    const Team team = {0, started + 1, &barrier};
+    work(arg, &team);
+    for (int64_t i = 1; i <= started; i++) pthread_join(threads[i], NULL);
+}
+
 /* Which build this is, for the Python side to check and report. */
 const char* pdserve_isa(void) {
 #if defined(PDSERVE_ISA_AVX512) && defined(__AMX_BF16__)
@@ -912,9 +1005,10 @@ static void amx_int8_group(const uint8_t* wg, int64_t in, uint16_t* group) {
 /* W_INT8 against bf16 x in AMX tiles: per group, the weights dequantized to bfloat16 once
  * (into `group`, in * 16 bf16), then every pass of rows multiplied against them. */
 static void amx_int8_linear(const uint8_t* w, const uint16_t* x, const void* bias, void* y,
-                            int ydt, int64_t rows, int64_t out, int64_t in, uint16_t* group) {
+                            int ydt, int64_t rows, int64_t out, int64_t in, uint16_t* group,
+                            int64_t group_begin, int64_t group_end) {
     int64_t configured = 0;
-    for (int64_t g = 0; g < (out + 15) / 16; g++) {
+    for (int64_t g = group_begin; g < group_end; g++) {
         amx_int8_group(w + g * group_bytes(W_INT8, in), in, group);
         for (int64_t first = 0; first < rows; first += AMX_LINEAR_ROWS) {
             const int64_t n = rows - first < AMX_LINEAR_ROWS ? rows - first : AMX_LINEAR_ROWS;
@@ -946,17 +1040,18 @@ int64_t linear_int8_amx_min_rows(void) {
 #endif
 }
 
+/* Groups [group_begin, group_end) of y = x W^T (+ bias): outputs 16 * group_begin onwards. */
 ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, const void* bias,
-                               void* y, int64_t rows, int64_t out, int64_t in, uint8_t* scratch) {
-    const int64_t num_groups = (out + 15) / 16;
+                               void* y, int64_t rows, int64_t out, int64_t in, uint8_t* scratch,
+                               int64_t group_begin, int64_t group_end) {
 #if defined(__AMX_BF16__)
     if (wfmt == W_BF16 && xdt == DT_BF16 && rows >= 3 && in % 32 == 0 && pf_amx_permitted()) {
         /* As below, a chunk of groups stays in L2 while every pass of rows crosses it. */
         int64_t chunk = CHUNK_BYTES / group_bytes(wfmt, in);
         chunk = chunk < 1 ? 1 : chunk;
         int64_t configured = 0;
-        for (int64_t g0 = 0; g0 < num_groups; g0 += chunk) {
-            const int64_t g1 = g0 + chunk < num_groups ? g0 + chunk : num_groups;
+        for (int64_t g0 = group_begin; g0 < group_end; g0 += chunk) {
+            const int64_t g1 = g0 + chunk < group_end ? g0 + chunk : group_end;
             for (int64_t first = 0; first < rows; first += AMX_LINEAR_ROWS) {
                 const int64_t n = rows - first < AMX_LINEAR_ROWS ? rows - first : AMX_LINEAR_ROWS;
                 amx_configure_rows(n, &configured);
@@ -978,7 +1073,8 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
             xb = (const uint16_t*)scratch;
         }
         uint16_t* group = (uint16_t*)(scratch + round_up_64(rows * in * 2));
-        amx_int8_linear((const uint8_t*)w, xb, bias, y, xdt, rows, out, in, group);
+        amx_int8_linear((const uint8_t*)w, xb, bias, y, xdt, rows, out, in, group, group_begin,
+                        group_end);
         return;
     }
 #endif
@@ -1011,8 +1107,8 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
      * come from memory once per call, however many rows. */
     int64_t chunk = CHUNK_BYTES / group_bytes(wfmt, in);
     chunk = chunk < 1 ? 1 : chunk;
-    for (int64_t g0 = 0; g0 < num_groups; g0 += chunk) {
-        const int64_t g1 = g0 + chunk < num_groups ? g0 + chunk : num_groups;
+    for (int64_t g0 = group_begin; g0 < group_end; g0 += chunk) {
+        const int64_t g1 = g0 + chunk < group_end ? g0 + chunk : group_end;
         for (int64_t first = 0; first < rows; first += MAX_ROW_TILE) {
             const int64_t n = rows - first < MAX_ROW_TILE ? rows - first : MAX_ROW_TILE;
 #define TILE(R)                                                                                 \
@@ -1032,16 +1128,18 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
     }
 }
 
-/* y [rows, out] (type xdt, like x and bias) = x [rows, in] W^T (+ bias); scratch holds
- * linear_scratch(wfmt, rows, in) bytes. */
-void linear(int wfmt, int xdt, const void* w, const void* x, const void* bias, void* y,
-            int64_t rows, int64_t out, int64_t in, uint8_t* scratch) {
+/* linear_impl for a format known at run time. */
+static void linear_groups(int wfmt, int xdt, const void* w, const void* x, const void* bias,
+                          void* y, int64_t rows, int64_t out, int64_t in, uint8_t* scratch,
+                          int64_t group_begin, int64_t group_end) {
 #define LINEAR_CASE(F)                                                                          \
     case F:                                                                                     \
         if (xdt == DT_BF16)                                                                     \
-            linear_impl(F, DT_BF16, w, x, bias, y, rows, out, in, scratch);                     \
+            linear_impl(F, DT_BF16, w, x, bias, y, rows, out, in, scratch, group_begin,         \
+                        group_end);                                                             \
         else                                                                                    \
-            linear_impl(F, DT_F32, w, x, bias, y, rows, out, in, scratch);                      \
+            linear_impl(F, DT_F32, w, x, bias, y, rows, out, in, scratch, group_begin,          \
+                        group_end);                                                             \
         break;
     switch (wfmt) {
         LINEAR_CASE(W_F32)
@@ -1054,18 +1152,80 @@ void linear(int wfmt, int xdt, const void* w, const void* x, const void* bias, v
 #undef LINEAR_CASE
 }
 
+/* One member's share of a linear: its groups, its slice of the scratch. */
+ALWAYS_INLINE void linear_share(const Team* team, int wfmt, int xdt, const void* w, const void* x,
+                                const void* bias, void* y, int64_t rows, int64_t out, int64_t in,
+                                uint8_t* scratch) {
+    int64_t begin, end;
+    team_share(team, (out + 15) / 16, &begin, &end);
+    uint8_t* own = scratch + team->index * round_up_64(linear_scratch(wfmt, rows, in));
+    linear_groups(wfmt, xdt, w, x, bias, y, rows, out, in, own, begin, end);
+}
+
+typedef struct {
+    int wfmt, xdt;
+    const void *w, *x, *bias;
+    void* y;
+    int64_t rows, out, in;
+    uint8_t* scratch;
+} LinearCall;
+
+static void linear_member(void* arg, const Team* team) {
+    const LinearCall* c = (const LinearCall*)arg;
+    linear_share(team, c->wfmt, c->xdt, c->w, c->x, c->bias, c->y, c->rows, c->out, c->in,
+                 c->scratch);
+}
+
+/* Weight bytes below which another thread costs more to start than it saves. */
+#define LINEAR_BYTES_PER_THREAD (1 << 20)
+
+/* Threads a standalone linear of these weights runs on, at most num_threads. */
+int64_t linear_threads(int wfmt, int64_t out, int64_t in, int64_t num_threads) {
+    const int64_t useful = ((out + 15) / 16) * group_bytes(wfmt, in) / LINEAR_BYTES_PER_THREAD;
+    const int64_t n = num_threads < useful ? num_threads : useful;
+    return n < 1 ? 1 : n > MAX_TEAM ? MAX_TEAM : n;
+}
+
+/* y [rows, out] (type xdt, like x and bias) = x [rows, in] W^T (+ bias) on
+ * linear_threads(wfmt, out, in, num_threads) threads, each a share of the output groups;
+ * scratch holds that many times round_up_64(linear_scratch(wfmt, rows, in)) bytes. */
+void linear(int wfmt, int xdt, const void* w, const void* x, const void* bias, void* y,
+            int64_t rows, int64_t out, int64_t in, uint8_t* scratch, int64_t num_threads) {
+    LinearCall call = {wfmt, xdt, w, x, bias, y, rows, out, in, scratch};
+    run_team(linear_threads(wfmt, out, in, num_threads), linear_member, &call);
+}
+
 /* ---- memory bandwidth probe ------------------------------------------------------------- */
 
-/* The sum of n floats (n % 64 == 0), read as one stream: what a GEMV's weight read costs. */
-float stream_sum(const float* p, int64_t n) {
-    V16 a = v_zero(), b = v_zero(), c = v_zero(), d = v_zero();
-    for (int64_t i = 0; i < n; i += 64) {
-        a = v_add(a, v_load(p + i));
-        b = v_add(b, v_load(p + i + 16));
-        c = v_add(c, v_load(p + i + 32));
-        d = v_add(d, v_load(p + i + 48));
+/* Streams of p, one per member, summed into that member's partial (the bandwidth probe). */
+typedef struct {
+    const float* p;
+    int64_t n;
+    float partial[MAX_TEAM];
+} StreamCall;
+
+static void stream_member(void* arg, const Team* team) {
+    StreamCall* c = (StreamCall*)arg;
+    int64_t begin, end;
+    team_share(team, c->n / 64, &begin, &end);
+    V16 a = v_zero(), b = v_zero(), d = v_zero(), e = v_zero();
+    for (int64_t i = 64 * begin; i < 64 * end; i += 64) {
+        a = v_add(a, v_load(c->p + i));
+        b = v_add(b, v_load(c->p + i + 16));
+        d = v_add(d, v_load(c->p + i + 32));
+        e = v_add(e, v_load(c->p + i + 48));
     }
-    return v_sum(v_add(v_add(a, b), v_add(c, d)));
+    c->partial[team->index] = v_sum(v_add(v_add(a, b), v_add(d, e)));
+}
+
+/* The sum of n floats (n % 64 == 0), read as one stream per thread on num_threads threads:
+ * what the weight reads of a GEMV split over those threads cost. */
+float stream_sum(const float* p, int64_t n, int64_t num_threads) {
+    StreamCall call = {p, n, {0}};
+    run_team(num_threads, stream_member, &call);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < MAX_TEAM; i++) sum += call.partial[i];
+    return sum;
 }
 
 /* ---- a whole decode step: every layer in one call --------------------------------------- */
@@ -1098,7 +1258,8 @@ typedef struct {
 
 ALWAYS_INLINE int64_t dt_size(int64_t dt) { return dt == DT_BF16 ? 2 : 4; }
 
-/* decode_forward's scratch: activations, then the attention kernel's, then the linears'. */
+/* decode_forward's scratch: activations, then each member's attention scratch and each
+ * member's linear scratch. */
 typedef struct {
     int64_t activations, attention, linears;
 } DecodeScratch;
@@ -1112,7 +1273,7 @@ ALWAYS_INLINE DecodeScratch decode_scratch(const DecoderModel* m, int64_t rows) 
                                                 &m->layers[l].gate_up, &m->layers[l].down};
         for (int i = 0; i < 4; i++) {
             const PackedLinear* w = layer_linears[i];
-            const int64_t n = linear_scratch((int)w->format, rows, w->in);
+            const int64_t n = round_up_64(linear_scratch((int)w->format, rows, w->in));
             linears = n > linears ? n : linears;
         }
     }
@@ -1120,10 +1281,15 @@ ALWAYS_INLINE DecodeScratch decode_scratch(const DecoderModel* m, int64_t rows) 
                            round_up_64(m->num_heads * (2 * m->head_dim + UNIT + 2) * 4), linears};
 }
 
-/* Scratch bytes decode_forward needs for `rows` rows. */
-int64_t decode_scratch_bytes(const DecoderModel* m, int64_t rows) {
+/* Threads decode_forward runs on, at most num_threads. */
+int64_t decode_threads(int64_t num_threads) {
+    return num_threads < 1 ? 1 : num_threads > MAX_TEAM ? MAX_TEAM : num_threads;
+}
+
+/* Scratch bytes decode_forward needs for `rows` rows on num_threads threads. */
+int64_t decode_scratch_bytes(const DecoderModel* m, int64_t rows, int64_t num_threads) {
     const DecodeScratch s = decode_scratch(m, rows);
-    return s.activations + s.attention + s.linears;
+    return s.activations + decode_threads(num_threads) * (s.attention + s.linears);
 }
 
 /* K or V of each row (dt) -> its cache slot (kv_dt), rounded once. */
@@ -1137,84 +1303,146 @@ ALWAYS_INLINE void write_kv(int dt, int kv_dt, const void* src, int64_t src_stri
         }
 }
 
-ALWAYS_INLINE void linear_of(const PackedLinear* w, int dt, const void* x, void* y, int64_t rows,
-                             uint8_t* scratch) {
-    linear((int)w->format, dt, w->data, x, w->bias, y, rows, w->out, w->in, scratch);
+/* Positions a sequence's attention costs beyond its length (per-sequence setup). */
+#define ATTENTION_ROW_COST 64
+
+/* This member's share [*begin, *end) of the sequences, split by attention cost. */
+ALWAYS_INLINE void attention_share(const Team* team, const int64_t* seq_lens, int64_t rows,
+                                   int64_t* begin, int64_t* end) {
+    int64_t total = 0;
+    for (int64_t r = 0; r < rows; r++) total += seq_lens[r] + ATTENTION_ROW_COST;
+    /* Row r goes to the member whose share of `total` holds the midpoint of r's cost. */
+    *begin = rows, *end = rows;
+    int64_t before = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t cost = seq_lens[r] + ATTENTION_ROW_COST;
+        const int64_t owner = (2 * before + cost) * team->size / (2 * total);
+        if (owner >= team->index && *begin == rows) *begin = r;
+        if (owner > team->index) {
+            *end = r;
+            break;
+        }
+        before += cost;
+    }
 }
 
+/* The arguments of decode_forward, shared by the members. */
+typedef struct {
+    const DecoderModel* m;
+    int64_t rows;
+    void* hidden;
+    const float *cos, *sin;
+    void* kv_cache;
+    int64_t num_blocks, block_size;
+    const int64_t *slot_mapping, *block_tables, *seq_lens;
+    int64_t max_blocks;
+    uint8_t* scratch;
+} DecodeCall;
+
 /*
+ * One member's part of the step: linears split by output groups, attention by sequences,
+ * the rest by rows, with a team_sync wherever a phase reads what others wrote.
  * hidden [rows, hidden] (dt): the token embeddings in, the final-normed states out.
  * cos/sin float [rows, head_dim / 2]; kv_cache [num_layers, 2, num_blocks, block_size,
  * num_kv_heads, head_dim] (kv_dt); slot_mapping [rows]; block_tables [rows, max_blocks],
  * seq_lens [rows] int64 (including the new token).
  */
-ALWAYS_INLINE void decode_forward_impl(int dt, int kv_dt, const DecoderModel* m, int64_t rows,
-                                       void* hidden, const float* cos, const float* sin,
-                                       void* kv_cache, int64_t num_blocks, int64_t block_size,
-                                       const int64_t* slot_mapping, const int64_t* block_tables,
-                                       const int64_t* seq_lens, int64_t max_blocks,
-                                       uint8_t* scratch) {
-    const int64_t H = m->hidden, I = m->intermediate, D = m->head_dim;
+ALWAYS_INLINE void decode_forward_impl(int dt, int kv_dt, const DecodeCall* c, const Team* team) {
+    const DecoderModel* m = c->m;
+    const int64_t rows = c->rows, H = m->hidden, I = m->intermediate, D = m->head_dim;
     const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size, es = dt_size(dt);
-    uint8_t* p = scratch;
-    void* residual = p;
-    void* x = p += rows * H * es;             /* normed input of a projection */
-    void* qkv = p += rows * H * es;           /* [rows, q | k | v] */
-    void* attn = p += rows * qkv_size * es;   /* [rows, q_size] */
-    void* gate_up = p += rows * q_size * es;  /* [rows, 2I] */
-    void* act = p += rows * 2 * I * es;       /* [rows, I] */
+    uint8_t* p = c->scratch;
+    uint8_t* residual = p;
+    uint8_t* x = p += rows * H * es;            /* normed input of a projection */
+    uint8_t* qkv = p += rows * H * es;          /* [rows, q | k | v], then attention's output */
+    uint8_t* queries = p += rows * qkv_size * es; /* [rows, q_size] */
+    uint8_t* gate_up = p += rows * q_size * es; /* [rows, 2I] */
+    uint8_t* act = p += rows * 2 * I * es;      /* [rows, I] */
+    uint8_t* hidden = (uint8_t*)c->hidden;
     const DecodeScratch sizes = decode_scratch(m, rows);
-    float* attention_scratch = (float*)(scratch + sizes.activations);
-    uint8_t* linear_scratch_area = scratch + sizes.activations + sizes.attention;
-    const int64_t layer_stride = 2 * num_blocks * block_size * kv_size * dt_size(kv_dt);
-    memcpy(residual, hidden, rows * H * es);
+    float* attention_scratch =
+        (float*)(c->scratch + sizes.activations + team->index * sizes.attention);
+    uint8_t* linear_scratch_area =
+        c->scratch + sizes.activations + team->size * sizes.attention;
+    const int64_t layer_stride = 2 * c->num_blocks * c->block_size * kv_size * dt_size(kv_dt);
+    int64_t r0, r1, s0, s1; /* this member's rows, and its sequences for attention */
+    team_share(team, rows, &r0, &r1);
+    attention_share(team, c->seq_lens, rows, &s0, &s1);
+    const int64_t n = r1 - r0;
+#define LINEAR(w, in_rows, out_rows)                                                            \
+    linear_share(team, (int)(w)->format, dt, (w)->data, in_rows, (w)->bias, out_rows, rows,    \
+                 (w)->out, (w)->in, linear_scratch_area)
+    memcpy(residual + r0 * H * es, hidden + r0 * H * es, n * H * es);
     for (int64_t l = 0; l < m->num_layers; l++) {
         const DecoderLayer* layer = &m->layers[l];
         /* Layer 0's stream starts at the embeddings; later ones add the MLP output. */
-        add_rms_norm_impl(dt, hidden, residual, layer->input_norm, x, rows, H, (float)m->eps,
-                          l > 0);
-        linear_of(&layer->qkv, dt, x, qkv, rows, linear_scratch_area);
-        rotary_impl(dt, qkv, rows, qkv_size, m->num_heads + m->num_kv_heads, D, cos, sin);
-        uint8_t* k_cache = (uint8_t*)kv_cache + l * layer_stride;
+        add_rms_norm_impl(dt, hidden + r0 * H * es, residual + r0 * H * es, layer->input_norm,
+                          x + r0 * H * es, n, H, (float)m->eps, l > 0);
+        team_sync(team);
+        LINEAR(&layer->qkv, x, qkv);
+        team_sync(team);
+        uint8_t* own_qkv = qkv + r0 * qkv_size * es;
+        rotary_impl(dt, own_qkv, n, qkv_size, m->num_heads + m->num_kv_heads, D,
+                    c->cos + r0 * D / 2, c->sin + r0 * D / 2);
+        uint8_t* k_cache = (uint8_t*)c->kv_cache + l * layer_stride;
         uint8_t* v_cache = k_cache + layer_stride / 2;
-        write_kv(dt, kv_dt, (uint8_t*)qkv + q_size * es, qkv_size, k_cache, slot_mapping, rows,
+        write_kv(dt, kv_dt, own_qkv + q_size * es, qkv_size, k_cache, c->slot_mapping + r0, n,
                  kv_size);
-        write_kv(dt, kv_dt, (uint8_t*)qkv + (q_size + kv_size) * es, qkv_size, v_cache,
-                 slot_mapping, rows, kv_size);
+        write_kv(dt, kv_dt, own_qkv + (q_size + kv_size) * es, qkv_size, v_cache,
+                 c->slot_mapping + r0, n, kv_size);
         /* The queries are rows of qkv: copy them out contiguous for the attention kernel. */
-        for (int64_t r = 0; r < rows; r++)
-            memcpy((uint8_t*)attn + r * q_size * es, (uint8_t*)qkv + r * qkv_size * es,
-                   q_size * es);
-        paged_decode(dt, kv_dt, attn, k_cache, v_cache, block_tables, seq_lens, qkv,
-                     attention_scratch, rows, m->num_heads, m->num_kv_heads, D, block_size,
-                     max_blocks, (float)m->scale);
-        linear_of(&layer->o, dt, qkv, hidden, rows, linear_scratch_area);
-        add_rms_norm_impl(dt, hidden, residual, layer->post_norm, x, rows, H, (float)m->eps, 1);
-        linear_of(&layer->gate_up, dt, x, gate_up, rows, linear_scratch_area);
-        silu_mul_impl(dt, gate_up, act, rows, I);
-        linear_of(&layer->down, dt, act, hidden, rows, linear_scratch_area);
+        for (int64_t r = r0; r < r1; r++)
+            memcpy(queries + r * q_size * es, qkv + r * qkv_size * es, q_size * es);
+        team_sync(team); /* every K/V written, every query copied: qkv is free */
+        if (s1 > s0)
+            paged_decode(dt, kv_dt, queries + s0 * q_size * es, k_cache, v_cache,
+                         c->block_tables + s0 * c->max_blocks, c->seq_lens + s0,
+                         qkv + s0 * q_size * es, attention_scratch, s1 - s0, m->num_heads,
+                         m->num_kv_heads, D, c->block_size, c->max_blocks, (float)m->scale);
+        team_sync(team);
+        LINEAR(&layer->o, qkv, hidden);
+        team_sync(team);
+        add_rms_norm_impl(dt, hidden + r0 * H * es, residual + r0 * H * es, layer->post_norm,
+                          x + r0 * H * es, n, H, (float)m->eps, 1);
+        team_sync(team);
+        LINEAR(&layer->gate_up, x, gate_up);
+        team_sync(team);
+        silu_mul_impl(dt, gate_up + r0 * 2 * I * es, act + r0 * I * es, n, I);
+        team_sync(team);
+        LINEAR(&layer->down, act, hidden);
+        team_sync(team);
     }
-    add_rms_norm_impl(dt, hidden, residual, m->final_norm, x, rows, H, (float)m->eps, 1);
-    memcpy(hidden, x, rows * H * es);
+#undef LINEAR
+    add_rms_norm_impl(dt, hidden + r0 * H * es, residual + r0 * H * es, m->final_norm,
+                      x + r0 * H * es, n, H, (float)m->eps, 1);
+    memcpy(hidden + r0 * H * es, x + r0 * H * es, n * H * es);
 }
 
+static void decode_member(void* arg, const Team* team) {
+    const DecodeCall* c = (const DecodeCall*)arg;
+    if (c->m->dt == DT_F32 && c->m->kv_dt == DT_F32)
+        decode_forward_impl(DT_F32, DT_F32, c, team);
+    else if (c->m->dt == DT_F32)
+        decode_forward_impl(DT_F32, DT_BF16, c, team);
+    else if (c->m->kv_dt == DT_BF16)
+        decode_forward_impl(DT_BF16, DT_BF16, c, team);
+    else
+        decode_forward_impl(DT_BF16, DT_F32, c, team);
+}
+
+/* One decode step of every layer for `rows` single-token sequences (see decode_forward_impl)
+ * on decode_threads(num_threads) threads; scratch holds decode_scratch_bytes(m, rows,
+ * num_threads) bytes. */
 void decode_forward(const DecoderModel* m, int64_t rows, void* hidden, const float* cos,
                     const float* sin, void* kv_cache, int64_t num_blocks, int64_t block_size,
                     const int64_t* slot_mapping, const int64_t* block_tables,
-                    const int64_t* seq_lens, int64_t max_blocks, uint8_t* scratch) {
-#define DECODE_ARGS                                                                             \
-    m, rows, hidden, cos, sin, kv_cache, num_blocks, block_size, slot_mapping, block_tables,   \
-        seq_lens, max_blocks, scratch
-    if (m->dt == DT_F32 && m->kv_dt == DT_F32)
-        decode_forward_impl(DT_F32, DT_F32, DECODE_ARGS);
-    else if (m->dt == DT_F32)
-        decode_forward_impl(DT_F32, DT_BF16, DECODE_ARGS);
-    else if (m->kv_dt == DT_BF16)
-        decode_forward_impl(DT_BF16, DT_BF16, DECODE_ARGS);
-    else
-        decode_forward_impl(DT_BF16, DT_F32, DECODE_ARGS);
-#undef DECODE_ARGS
+                    const int64_t* seq_lens, int64_t max_blocks, uint8_t* scratch,
+                    int64_t num_threads) {
+    DecodeCall call = {m,         rows,       hidden,       cos,          sin,
+                       kv_cache,  num_blocks, block_size,   slot_mapping, block_tables,
+                       seq_lens,  max_blocks, scratch};
+    run_team(decode_threads(num_threads), decode_member, &call);
 }
 
 /* sizeof each struct the ctypes mirror (cpu_ops.py, `_STRUCTS`) passes, in that order: it

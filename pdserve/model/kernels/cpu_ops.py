@@ -42,16 +42,17 @@ _SIGNATURES = {
     "paged_decode": ([_C, _C, *[_P] * 7, *[_I] * 6, _F], None),
     "paged_prefill": ([_C, _C, _P, _I, _P, _P, _P, _I, _I, _P, _P, *[_I] * 4, _F, _I], None),
     "prefill_scratch_bytes": ([_I] * 4, _I),
-    "linear": ([_C, _C, *[_P] * 4, _I, _I, _I, _P], None),
+    "linear": ([_C, _C, *[_P] * 4, _I, _I, _I, _P, _I], None),
     "linear_scratch": ([_C, _I, _I], _I),
+    "linear_threads": ([_C, _I, _I, _I], _I),
     "linear_has_amx": ([], _C),
     "linear_int8_amx_min_rows": ([], _I),
     "set_linear_dpbf16_max_rows": ([_I], _C),
-    "stream_sum": ([_P, _I], _F),
+    "stream_sum": ([_P, _I, _I], _F),
     "pdserve_isa": ([], ctypes.c_char_p),
     "pdserve_struct_sizes": ([_P], None),
-    "decode_scratch_bytes": ([_P, _I], _I),
-    "decode_forward": ([_P, _I, *[_P] * 4, _I, _I, *[_P] * 3, _I, _P], None),
+    "decode_scratch_bytes": ([_P, _I, _I], _I),
+    "decode_forward": ([_P, _I, *[_P] * 4, _I, _I, *[_P] * 3, _I, _P, _I], None),
 }
 # Rows up to which bfloat16 `linear` beats oneDNN's where its rows run in AMX tiles (measured
 # by benchmarks/engine.py's decode batches on Sapphire Rapids) or in bf16 dot products (Zen 4:
@@ -162,14 +163,17 @@ class CpuOps:
     def linear(
         self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """x [rows, in] W^T (+ bias) -> [rows, out] in x's dtype."""
+        """x [rows, in] W^T (+ bias) -> [rows, out] in x's dtype, on up to torch's thread
+        count (weights too small to share run on one)."""
         x = x.contiguous()
         rows = x.shape[0]
         y = x.new_empty(rows, weight.out_features)
         dtype = _DTYPE_CODES[x.dtype]
-        scratch = torch.empty(
-            self._lib.linear_scratch(weight.format, rows, weight.in_features), dtype=torch.uint8
+        num_threads = self._lib.linear_threads(
+            weight.format, weight.out_features, weight.in_features, torch.get_num_threads()
         )
+        per_thread = -(-self._lib.linear_scratch(weight.format, rows, weight.in_features) // 64)
+        scratch = torch.empty(num_threads * per_thread * 64, dtype=torch.uint8)
         self._lib.linear(
             weight.format,
             dtype,
@@ -181,6 +185,7 @@ class CpuOps:
             weight.out_features,
             weight.in_features,
             scratch.data_ptr(),
+            num_threads,
         )
         return y
 
@@ -359,12 +364,12 @@ class CpuOps:
         head_dim, eps, scale)."""
         return FusedDecoder(self._lib, layers, final_norm, **dims)
 
-    def stream_sum(self, values: torch.Tensor) -> float:
+    def stream_sum(self, values: torch.Tensor, num_threads: int = 1) -> float:
         """The sum of a contiguous float32 tensor of a multiple of 64 elements, read as one
-        stream (the memory-bandwidth probe)."""
+        stream per thread (the memory-bandwidth probe)."""
         if values.dtype != torch.float32 or values.numel() % 64 or not values.is_contiguous():
             raise ValueError("stream_sum needs a contiguous float32 tensor of 64k elements")
-        return self._lib.stream_sum(values.data_ptr(), values.numel())
+        return self._lib.stream_sum(values.data_ptr(), values.numel(), num_threads)
 
 
 class _PackedLinear(ctypes.Structure):
@@ -485,12 +490,13 @@ class FusedDecoder:
         """hidden [rows, hidden] (the embeddings; overwritten) -> final-normed states, row r
         being sequence r; cos/sin float32 [rows, head_dim / 2]; kv_cache [num_layers, 2,
         num_blocks, block_size, num_kv_heads, head_dim] (receives the new K/V at
-        slot_mapping [rows] int64); block_tables [rows, max_blocks], seq_lens [rows] int64."""
+        slot_mapping [rows] int64); block_tables [rows, max_blocks], seq_lens [rows] int64.
+        Runs on torch's thread count; the result does not depend on it."""
         if not (hidden.is_contiguous() and kv_cache.is_contiguous() and cos.is_contiguous()):
             raise ValueError("decode_forward needs contiguous hidden states, angles and cache")
-        rows = hidden.shape[0]
+        rows, num_threads = hidden.shape[0], torch.get_num_threads()
         self._model.kv_dt = _DTYPE_CODES[kv_cache.dtype]
-        needed = self._lib.decode_scratch_bytes(ctypes.byref(self._model), rows)
+        needed = self._lib.decode_scratch_bytes(ctypes.byref(self._model), rows, num_threads)
         if self._scratch.numel() < needed:
             self._scratch = torch.empty(needed, dtype=torch.uint8)
         self._lib.decode_forward(
@@ -507,6 +513,7 @@ class FusedDecoder:
             seq_lens.data_ptr(),
             block_tables.shape[1],
             self._scratch.data_ptr(),
+            num_threads,
         )
         return hidden
 
