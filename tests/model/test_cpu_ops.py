@@ -262,8 +262,9 @@ def test_dense_linear(ops, dtype, rows, has_bias, in_features):
     torch.testing.assert_close(got.float(), expected, atol=tolerance[0], rtol=tolerance[1])
 
 
+@pytest.mark.parametrize("rows", [5, 20])  # int8 from 16 rows: bf16 dot products or AMX
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
-def test_a_large_linear_shares_its_outputs_between_threads(ops, fmt):
+def test_a_large_linear_shares_its_outputs_between_threads(ops, fmt, rows):
     """Weights of several MiB run on several threads, each a share of the output groups:
     the same values as on one thread, bit for bit (3 threads split 125 groups of 16 outputs
     unevenly)."""
@@ -275,13 +276,13 @@ def test_a_large_linear_shares_its_outputs_between_threads(ops, fmt):
         else ops.pack_dense(weight.to(getattr(torch, fmt)))
     )
     dtype = torch.bfloat16 if fmt == "bfloat16" else torch.float32
-    x = torch.randn(5, 1536, generator=generator).to(dtype)
+    x = torch.randn(rows, 1536, generator=generator).to(dtype)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         alone = ops.linear(x, packed, None)
         torch.set_num_threads(3)
-        assert ops._lib.linear_threads(packed.format, 2000, 1536, 3) == 3
+        assert ops._lib.linear_threads(packed.format, rows, 2000, 1536, 3) == 3
         shared = ops.linear(x, packed, None)
     finally:
         torch.set_num_threads(previous)
@@ -310,8 +311,8 @@ def test_quantized_linear_multiplies_the_blocks(ops, qtype, dtype, rows):
     quantized = _quantized(qtype, weight)
     x_used = quantize_activations(x) if qtype.quantizes_activations else x.float()
     weight_used = quantized.dequantize()
-    if qtype is QuantType.INT8 and rows >= (ops.int8_amx_min_rows or rows + 1):
-        # In AMX tiles: x and the dequantized weights rounded to bfloat16.
+    if qtype is QuantType.INT8 and rows >= (ops.int8_bf16_min_rows or rows + 1):
+        # In AMX tiles or bf16 dot products: x and the dequantized weights rounded to bfloat16.
         x_used, weight_used = (t.to(torch.bfloat16).float() for t in (x_used, weight_used))
     expected = F.linear(x_used, weight_used, bias.float())
     got = ops.linear(x, quantized.pack(), bias)

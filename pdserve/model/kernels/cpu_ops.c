@@ -583,8 +583,9 @@ ALWAYS_INLINE int64_t block_bytes(int wfmt) {
 /* Bytes of scratch `linear` needs for `rows` rows of `in` inputs. */
 int64_t linear_scratch(int wfmt, int64_t rows, int64_t in) {
     if (is_quantized(wfmt)) return rows * (in + 2 * (in / 32) * (int64_t)sizeof(float));
-#if defined(__AMX_BF16__)
-    /* The AMX path's bf16 x, then one group dequantized to bf16 (amx_int8_linear). */
+#if HAS_DPBF16
+    /* The bf16 path's x, then one group dequantized to bf16 (int8_dpbf16_linear,
+     * amx_int8_linear); float x (bf16 in, below INT8_DPBF16_MIN_ROWS) fits in its place. */
     if (wfmt == W_INT8) return round_up_64(rows * in * 4) + in * 32;
 #endif
     return rows * in * (int64_t)sizeof(float);
@@ -923,6 +924,68 @@ ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int ydt, c
     }
 }
 
+#if HAS_DPBF16
+/* W_INT8 multiplies in vdpbf16ps from this many rows: each group dequantized to bfloat16 once
+ * (int8_group_to_bf16) serves every row, in half the instructions of float FMAs; x is rounded
+ * to bfloat16, as in AMX tiles. Below, float FMAs on exact x (decode batches). */
+#define INT8_DPBF16_MIN_ROWS 16
+
+/* One W_INT8 group dequantized into W_BF16's layout: each block's int8 weights times their
+ * scales (exact in float32), rounded to bfloat16 (to nearest even), input pairs interleaved
+ * per output. group: [in / 32 blocks][16 pair rows][16 outputs][2] bf16. */
+static void int8_group_to_bf16(const uint8_t* wg, int64_t in, uint16_t* group) {
+    /* Lanes 2o and 2o + 1 take output o's scale: outputs 0-7 (low half), 8-15 (high). */
+    const __m512i low_outputs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i high_outputs = _mm512_add_epi32(low_outputs, _mm512_set1_epi32(8));
+    for (int64_t b = 0; b < in / 32; b++) {
+        const uint8_t* block = wg + b * block_bytes(W_INT8);
+        const V16 scale = v_load_f16((const uint16_t*)block);
+        const V16 scale_low = _mm512_permutexvar_ps(low_outputs, scale);
+        const V16 scale_high = _mm512_permutexvar_ps(high_outputs, scale);
+        const __m128i* q = (const __m128i*)(block + 32); /* [32 inputs][16 outputs] int8 */
+        for (int64_t p = 0; p < 16; p++) {
+            const __m128i even = _mm_loadu_si128(q + 2 * p), odd = _mm_loadu_si128(q + 2 * p + 1);
+            const V16 low = v_mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                      _mm_unpacklo_epi8(even, odd))), scale_low);
+            const V16 high = v_mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                       _mm_unpackhi_epi8(even, odd))), scale_high);
+            _mm512_storeu_si512(group + 512 * b + 32 * p, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+        }
+    }
+}
+
+/* One dequantized group (W_BF16's layout) for rows [first, first + n), n <= R: as linear_tile. */
+ALWAYS_INLINE void bf16_group_rows(const int64_t R, const uint16_t* group, const uint16_t* x,
+                                   const void* bias, void* y, int ydt, int64_t first, int64_t n,
+                                   int64_t out, int64_t in, int64_t g) {
+    const void* rows_x[MAX_ROW_TILE];
+    for (int64_t r = 0; r < R; r++) rows_x[r] = x + (first + (r < n ? r : n - 1)) * in;
+    V16 acc[MAX_ROW_TILE];
+    group_float(R, W_BF16, 1, group, rows_x, in, acc);
+    const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;
+    const V16 b = bias ? load_dt_n(bias, 16 * g, width, ydt) : v_zero();
+    for (int64_t r = 0; r < n; r++)
+        store_dt_n(y, (first + r) * out + 16 * g, width, v_add(acc[r], b), ydt);
+}
+
+/* W_INT8 against bf16 x in bf16 dot products, groups [group_begin, group_end); `group` holds
+ * one dequantized group (in * 16 bf16). */
+static void int8_dpbf16_linear(const uint8_t* w, const uint16_t* x, const void* bias, void* y,
+                               int ydt, int64_t rows, int64_t out, int64_t in, uint16_t* group,
+                               int64_t group_begin, int64_t group_end) {
+    for (int64_t g = group_begin; g < group_end; g++) {
+        int8_group_to_bf16(w + g * group_bytes(W_INT8, in), in, group);
+        for (int64_t first = 0; first < rows; first += MAX_ROW_TILE) {
+            const int64_t n = rows - first < MAX_ROW_TILE ? rows - first : MAX_ROW_TILE;
+            if (n <= 4)
+                bf16_group_rows(4, group, x, bias, y, ydt, first, n, out, in, g);
+            else
+                bf16_group_rows(MAX_ROW_TILE, group, x, bias, y, ydt, first, n, out, in, g);
+        }
+    }
+}
+#endif
+
 #if defined(__AMX_BF16__)
 #define AMX_LINEAR_ROWS 32 /* rows of x per pass over a weight group: two 16-row tiles */
 /* W_INT8 runs in AMX tiles from this many rows (x rounded to bfloat16); below, in float FMAs
@@ -978,30 +1041,6 @@ ALWAYS_INLINE void amx_configure_rows(int64_t n, int64_t* configured) {
     *configured = n;
 }
 
-/* One W_INT8 group dequantized into W_BF16's layout: each block's int8 weights times their
- * scales (exact in float32), rounded to bfloat16 (to nearest even), input pairs interleaved
- * per output. group: [in / 32 blocks][16 pair rows][16 outputs][2] bf16. */
-static void amx_int8_group(const uint8_t* wg, int64_t in, uint16_t* group) {
-    /* Lanes 2o and 2o + 1 take output o's scale: outputs 0-7 (low half), 8-15 (high). */
-    const __m512i low_outputs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i high_outputs = _mm512_add_epi32(low_outputs, _mm512_set1_epi32(8));
-    for (int64_t b = 0; b < in / 32; b++) {
-        const uint8_t* block = wg + b * block_bytes(W_INT8);
-        const V16 scale = v_load_f16((const uint16_t*)block);
-        const V16 scale_low = _mm512_permutexvar_ps(low_outputs, scale);
-        const V16 scale_high = _mm512_permutexvar_ps(high_outputs, scale);
-        const __m128i* q = (const __m128i*)(block + 32); /* [32 inputs][16 outputs] int8 */
-        for (int64_t p = 0; p < 16; p++) {
-            const __m128i even = _mm_loadu_si128(q + 2 * p), odd = _mm_loadu_si128(q + 2 * p + 1);
-            const V16 low = v_mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                      _mm_unpacklo_epi8(even, odd))), scale_low);
-            const V16 high = v_mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                       _mm_unpackhi_epi8(even, odd))), scale_high);
-            _mm512_storeu_si512(group + 512 * b + 32 * p, (__m512i)_mm512_cvtne2ps_pbh(high, low));
-        }
-    }
-}
-
 /* W_INT8 against bf16 x in AMX tiles: per group, the weights dequantized to bfloat16 once
  * (into `group`, in * 16 bf16), then every pass of rows multiplied against them. */
 static void amx_int8_linear(const uint8_t* w, const uint16_t* x, const void* bias, void* y,
@@ -1009,7 +1048,7 @@ static void amx_int8_linear(const uint8_t* w, const uint16_t* x, const void* bia
                             int64_t group_begin, int64_t group_end) {
     int64_t configured = 0;
     for (int64_t g = group_begin; g < group_end; g++) {
-        amx_int8_group(w + g * group_bytes(W_INT8, in), in, group);
+        int8_group_to_bf16(w + g * group_bytes(W_INT8, in), in, group);
         for (int64_t first = 0; first < rows; first += AMX_LINEAR_ROWS) {
             const int64_t n = rows - first < AMX_LINEAR_ROWS ? rows - first : AMX_LINEAR_ROWS;
             amx_configure_rows(n, &configured);
@@ -1030,14 +1069,27 @@ int linear_has_amx(void) {
 #endif
 }
 
-/* Rows from which `linear` multiplies W_INT8 in AMX tiles here (x rounded to bfloat16, each
- * weight times its scale rounded to bfloat16), or 0: never. */
-int64_t linear_int8_amx_min_rows(void) {
+/* Rows from which `linear` multiplies W_INT8 in bfloat16 here, in AMX tiles or bf16 dot
+ * products (x rounded to bfloat16, each weight times its scale rounded to bfloat16), or 0:
+ * never. */
+int64_t linear_int8_bf16_min_rows(void) {
 #if defined(__AMX_BF16__)
-    return pf_amx_permitted() ? AMX_INT8_MIN_ROWS : 0;
+    if (pf_amx_permitted()) return AMX_INT8_MIN_ROWS;
+#endif
+#if HAS_DPBF16
+    return INT8_DPBF16_MIN_ROWS;
 #else
     return 0;
 #endif
+}
+
+/* x's n values as type dt: x itself when it is (xdt == dt), else converted into scratch
+ * (rounded to nearest even). */
+ALWAYS_INLINE const void* x_as(int xdt, int dt, const void* x, int64_t n, uint8_t* scratch) {
+    if (xdt == dt) return x;
+    for (int64_t i = 0; i < n; i += 16)
+        store_dt_n(scratch, i, n - i, load_dt_n(x, i, n - i, xdt), dt);
+    return scratch;
 }
 
 /* Groups [group_begin, group_end) of y = x W^T (+ bias): outputs 16 * group_begin onwards. */
@@ -1064,17 +1116,17 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
         return;
     }
     if (wfmt == W_INT8 && rows >= AMX_INT8_MIN_ROWS && pf_amx_permitted()) {
-        /* x rounded to bfloat16 (as torch rounds: to nearest even), then the group buffer. */
-        const uint16_t* xb = (const uint16_t*)x;
-        if (xdt == DT_F32) {
-            for (int64_t i = 0; i < rows * in; i += 16)
-                store_dt_n(scratch, i, rows * in - i, load_dt_n(x, i, rows * in - i, DT_F32),
-                           DT_BF16);
-            xb = (const uint16_t*)scratch;
-        }
         uint16_t* group = (uint16_t*)(scratch + round_up_64(rows * in * 2));
-        amx_int8_linear((const uint8_t*)w, xb, bias, y, xdt, rows, out, in, group, group_begin,
-                        group_end);
+        amx_int8_linear((const uint8_t*)w, x_as(xdt, DT_BF16, x, rows * in, scratch), bias, y,
+                        xdt, rows, out, in, group, group_begin, group_end);
+        return;
+    }
+#endif
+#if HAS_DPBF16
+    if (wfmt == W_INT8 && rows >= INT8_DPBF16_MIN_ROWS) {
+        uint16_t* group = (uint16_t*)(scratch + round_up_64(rows * in * 2));
+        int8_dpbf16_linear((const uint8_t*)w, x_as(xdt, DT_BF16, x, rows * in, scratch), bias,
+                           y, xdt, rows, out, in, group, group_begin, group_end);
         return;
     }
 #endif
@@ -1087,21 +1139,9 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
         xs = scratch;
     } else if (dpbf16) {
         x_row_bytes = in * 2;
-        if (xdt == DT_BF16) {
-            xs = (const uint8_t*)x;
-        } else {
-            for (int64_t i = 0; i < rows * in; i += 16) {
-                const int64_t n = rows * in - i;
-                store_dt_n(scratch, i, n, load_dt_n(x, i, n, DT_F32), DT_BF16);
-            }
-            xs = scratch;
-        }
-    } else if (xdt == DT_BF16) {
-        for (int64_t i = 0; i < rows * in; i += 16)
-            store_dt_n(scratch, i, rows * in - i, load_dt_n(x, i, rows * in - i, DT_BF16), DT_F32);
-        xs = scratch;
+        xs = x_as(xdt, DT_BF16, x, rows * in, scratch);
     } else {
-        xs = (const uint8_t*)x;
+        xs = x_as(xdt, DT_F32, x, rows * in, scratch);
     }
     /* A chunk of groups stays in L2 while every tile of rows passes over it: the weights
      * come from memory once per call, however many rows. */
@@ -1176,23 +1216,26 @@ static void linear_member(void* arg, const Team* team) {
                  c->scratch);
 }
 
-/* Weight bytes below which another thread costs more to start than it saves. */
-#define LINEAR_BYTES_PER_THREAD (1 << 20)
+/* Work per thread below which another thread costs more to start than it saves, in weight
+ * bytes times passes of row tiles (the work of a 1 MiB weight streamed for one tile). */
+#define LINEAR_WORK_PER_THREAD (1 << 20)
 
-/* Threads a standalone linear of these weights runs on, at most num_threads. */
-int64_t linear_threads(int wfmt, int64_t out, int64_t in, int64_t num_threads) {
-    const int64_t useful = ((out + 15) / 16) * group_bytes(wfmt, in) / LINEAR_BYTES_PER_THREAD;
+/* Threads a standalone linear of these weights and rows runs on, at most num_threads. */
+int64_t linear_threads(int wfmt, int64_t rows, int64_t out, int64_t in, int64_t num_threads) {
+    const int64_t tiles = (rows + MAX_ROW_TILE - 1) / MAX_ROW_TILE;
+    const int64_t useful =
+        ((out + 15) / 16) * group_bytes(wfmt, in) * tiles / LINEAR_WORK_PER_THREAD;
     const int64_t n = num_threads < useful ? num_threads : useful;
     return n < 1 ? 1 : n > MAX_TEAM ? MAX_TEAM : n;
 }
 
 /* y [rows, out] (type xdt, like x and bias) = x [rows, in] W^T (+ bias) on
- * linear_threads(wfmt, out, in, num_threads) threads, each a share of the output groups;
+ * linear_threads(wfmt, rows, out, in, num_threads) threads, each a share of the output groups;
  * scratch holds that many times round_up_64(linear_scratch(wfmt, rows, in)) bytes. */
 void linear(int wfmt, int xdt, const void* w, const void* x, const void* bias, void* y,
             int64_t rows, int64_t out, int64_t in, uint8_t* scratch, int64_t num_threads) {
     LinearCall call = {wfmt, xdt, w, x, bias, y, rows, out, in, scratch};
-    run_team(linear_threads(wfmt, out, in, num_threads), linear_member, &call);
+    run_team(linear_threads(wfmt, rows, out, in, num_threads), linear_member, &call);
 }
 
 /* ---- memory bandwidth probe ------------------------------------------------------------- */

@@ -44,9 +44,9 @@ _SIGNATURES = {
     "prefill_scratch_bytes": ([_I] * 4, _I),
     "linear": ([_C, _C, *[_P] * 4, _I, _I, _I, _P, _I], None),
     "linear_scratch": ([_C, _I, _I], _I),
-    "linear_threads": ([_C, _I, _I, _I], _I),
+    "linear_threads": ([_C, _I, _I, _I, _I], _I),
     "linear_has_amx": ([], _C),
-    "linear_int8_amx_min_rows": ([], _I),
+    "linear_int8_bf16_min_rows": ([], _I),
     "set_linear_dpbf16_max_rows": ([_I], _C),
     "stream_sum": ([_P, _I, _I], _F),
     "pdserve_isa": ([], ctypes.c_char_p),
@@ -117,10 +117,11 @@ class CpuOps:
         return self.isa in ("amx", "avx512_bf16")
 
     @property
-    def int8_amx_min_rows(self) -> int | None:
-        """Rows from which int8 weights are multiplied in AMX tiles (x and each dequantized
-        weight rounded to bfloat16 first, sums in float32), None: never."""
-        return self._lib.linear_int8_amx_min_rows() or None
+    def int8_bf16_min_rows(self) -> int | None:
+        """Rows from which int8 weights are multiplied in bfloat16, in AMX tiles or bf16 dot
+        products (x and each dequantized weight rounded to bfloat16 first, sums in float32),
+        None: never."""
+        return self._lib.linear_int8_bf16_min_rows() or None
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -164,13 +165,13 @@ class CpuOps:
         self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """x [rows, in] W^T (+ bias) -> [rows, out] in x's dtype, on up to torch's thread
-        count (weights too small to share run on one)."""
+        count (too little work to share runs on one)."""
         x = x.contiguous()
         rows = x.shape[0]
         y = x.new_empty(rows, weight.out_features)
         dtype = _DTYPE_CODES[x.dtype]
         num_threads = self._lib.linear_threads(
-            weight.format, weight.out_features, weight.in_features, torch.get_num_threads()
+            weight.format, rows, weight.out_features, weight.in_features, torch.get_num_threads()
         )
         per_thread = -(-self._lib.linear_scratch(weight.format, rows, weight.in_features) // 64)
         scratch = torch.empty(num_threads * per_thread * 64, dtype=torch.uint8)
