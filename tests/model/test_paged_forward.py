@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -39,12 +41,15 @@ def _run_paged(
     steps: list[dict[str, int]],
     block_tables: dict[str, list[int]],
     num_blocks: int,
+    before_step: Callable[[int], None] = lambda index: None,
 ) -> dict[str, torch.Tensor]:
-    """Logits of every token of every sequence, computed step by step in flat batches."""
+    """Logits of every token of every sequence, computed step by step in flat batches
+    (`before_step(i)` runs before step i)."""
     cache = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, model.dtype, "cpu")
     done = dict.fromkeys(tokens, 0)
     logits = {s: [] for s in tokens}
-    for step in steps:
+    for index, step in enumerate(steps):
+        before_step(index)
         ids, positions, seqs = [], [], []
         for s, n in step.items():
             ids.append(tokens[s][done[s] : done[s] + n])
@@ -126,8 +131,10 @@ def test_bfloat16_forward_tracks_float32():
     assert (logits[1] - logits[0]).abs().max() < 0.05 * logits[0].abs().max()
 
 
-def _prefill_then_batched_decode(model) -> dict[str, torch.Tensor]:
-    """Three sequences prefilled together, then three decode steps of all three."""
+def _prefill_then_batched_decode(
+    model, before_step: Callable[[int], None] = lambda index: None
+) -> dict[str, torch.Tensor]:
+    """Three sequences prefilled together (step 0), then three decode steps of all three."""
     generator = torch.Generator().manual_seed(5)
     tokens = {
         s: torch.randint(0, TINY_VOCAB_SIZE, (n,), generator=generator)
@@ -135,7 +142,7 @@ def _prefill_then_batched_decode(model) -> dict[str, torch.Tensor]:
     }
     block_tables = {"a": [1, 2], "b": [3, 4], "c": [5]}
     steps = [{"a": 27, "b": 18, "c": 6}] + [dict.fromkeys(tokens, 1)] * 3
-    return _run_paged(model, tokens, steps, block_tables, num_blocks=6)
+    return _run_paged(model, tokens, steps, block_tables, num_blocks=6, before_step=before_step)
 
 
 def test_cpu_kernels_track_torch_ops_in_bfloat16():
@@ -174,15 +181,17 @@ def test_one_call_decode_step_equals_the_per_op_path(cpu_isa, dtype, quantizatio
 @pytest.mark.parametrize("cpu_isa", kernel_variants())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_call_decode_step_does_not_depend_on_the_thread_count(cpu_isa, dtype):
-    """Threads split the step's outputs, never a sum: 2, 3 and 5 threads (more than the 3
-    sequences, so some have no attention rows) compute exactly what one thread does."""
+    """Threads split the step's outputs, never a sum: decoded on 2, 3 and 5 threads (more
+    than the 3 sequences, so some have no attention rows), the steps equal one thread's. The
+    prefill runs on one thread each time: oneDNN's GEMMs may sum in another order on more."""
     model = pdserve_from_hf(tiny_hf_model("qwen2", seed=7), dtype, cpu_isa=cpu_isa)
     previous = torch.get_num_threads()
     logits = {}
     try:
         for threads in (1, 2, 3, 5):
-            torch.set_num_threads(threads)
-            logits[threads] = _prefill_then_batched_decode(model)
+            logits[threads] = _prefill_then_batched_decode(
+                model, lambda index, n=threads: torch.set_num_threads(1 if index == 0 else n)
+            )
     finally:
         torch.set_num_threads(previous)
     for threads in (2, 3, 5):
