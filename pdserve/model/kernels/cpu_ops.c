@@ -580,15 +580,17 @@ ALWAYS_INLINE int64_t block_bytes(int wfmt) {
     }
 }
 
-/* Bytes of scratch `linear` needs for `rows` rows of `in` inputs. */
+/* Bytes of scratch one thread of `linear` needs for `rows` rows of `in` inputs (a multiple
+ * of 64, so that the threads' slices stay aligned). */
 int64_t linear_scratch(int wfmt, int64_t rows, int64_t in) {
-    if (is_quantized(wfmt)) return rows * (in + 2 * (in / 32) * (int64_t)sizeof(float));
+    if (is_quantized(wfmt))
+        return round_up_64(rows * (in + 2 * (in / 32) * (int64_t)sizeof(float)));
 #if HAS_DPBF16
     /* The bf16 path's x, then one group dequantized to bf16 (int8_dpbf16_linear,
      * amx_int8_linear); float x (bf16 in, below INT8_DPBF16_MIN_ROWS) fits in its place. */
-    if (wfmt == W_INT8) return round_up_64(rows * in * 4) + in * 32;
+    if (wfmt == W_INT8) return round_up_64(rows * in * 4) + round_up_64(in * 32);
 #endif
-    return rows * in * (int64_t)sizeof(float);
+    return round_up_64(rows * in * (int64_t)sizeof(float));
 }
 
 /* A quantized row: in int8 values, then per block its scale and the sum of its integers. */
@@ -1198,7 +1200,7 @@ ALWAYS_INLINE void linear_share(const Team* team, int wfmt, int xdt, const void*
                                 uint8_t* scratch) {
     int64_t begin, end;
     team_share(team, (out + 15) / 16, &begin, &end);
-    uint8_t* own = scratch + team->index * round_up_64(linear_scratch(wfmt, rows, in));
+    uint8_t* own = scratch + team->index * linear_scratch(wfmt, rows, in);
     linear_groups(wfmt, xdt, w, x, bias, y, rows, out, in, own, begin, end);
 }
 
@@ -1231,7 +1233,7 @@ int64_t linear_threads(int wfmt, int64_t rows, int64_t out, int64_t in, int64_t 
 
 /* y [rows, out] (type xdt, like x and bias) = x [rows, in] W^T (+ bias) on
  * linear_threads(wfmt, rows, out, in, num_threads) threads, each a share of the output groups;
- * scratch holds that many times round_up_64(linear_scratch(wfmt, rows, in)) bytes. */
+ * scratch holds that many times linear_scratch(wfmt, rows, in) bytes. */
 void linear(int wfmt, int xdt, const void* w, const void* x, const void* bias, void* y,
             int64_t rows, int64_t out, int64_t in, uint8_t* scratch, int64_t num_threads) {
     LinearCall call = {wfmt, xdt, w, x, bias, y, rows, out, in, scratch};
@@ -1316,7 +1318,7 @@ ALWAYS_INLINE DecodeScratch decode_scratch(const DecoderModel* m, int64_t rows) 
                                                 &m->layers[l].gate_up, &m->layers[l].down};
         for (int i = 0; i < 4; i++) {
             const PackedLinear* w = layer_linears[i];
-            const int64_t n = round_up_64(linear_scratch((int)w->format, rows, w->in));
+            const int64_t n = linear_scratch((int)w->format, rows, w->in);
             linears = n > linears ? n : linears;
         }
     }

@@ -173,8 +173,8 @@ class CpuOps:
         num_threads = self._lib.linear_threads(
             weight.format, rows, weight.out_features, weight.in_features, torch.get_num_threads()
         )
-        per_thread = -(-self._lib.linear_scratch(weight.format, rows, weight.in_features) // 64)
-        scratch = torch.empty(num_threads * per_thread * 64, dtype=torch.uint8)
+        per_thread = self._lib.linear_scratch(weight.format, rows, weight.in_features)
+        scratch = torch.empty(num_threads * per_thread, dtype=torch.uint8)
         self._lib.linear(
             weight.format,
             dtype,
