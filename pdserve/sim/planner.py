@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from pdserve.core.config import Mode
+from pdserve.core.config import DEFAULT_CHUNKED_BUDGET, Mode
 from pdserve.sim.cost_model import CostModel
 from pdserve.sim.errors import SimConfigError
 from pdserve.sim.layout import Layout
@@ -261,7 +261,7 @@ def search(inputs: PlanInputs, num_gpus: int, progress: Progress) -> list[Evalua
         )
     best = _best_disagg(evaluations, is_local=True)
     if best is not None:
-        budget = best.budget or inputs.deployment.default_budget
+        budget = best.budget or DEFAULT_CHUNKED_BUDGET
         _refine(
             inputs,
             num_gpus,

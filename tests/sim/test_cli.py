@@ -1,6 +1,7 @@
 import json
 
 from pdserve.cli import main
+from pdserve.core.config import DEFAULT_CHUNKED_BUDGET
 from pdserve.sim.calibration import StepSample, save_samples
 from pdserve.sim.cost_model import CostModel, SeqWork
 from pdserve.sim.efficiency import Efficiency
@@ -51,7 +52,8 @@ def test_simulate_writes_the_benchmarks_json(tmp_path, capsys):
     ):
         assert key in data
     assert data["completed"] == 12
-    assert data["pdserve"]["simulation"]["layout"] == "chunked 1×TP1 budget 512"
+    layout = f"chunked 1×TP1 budget {DEFAULT_CHUNKED_BUDGET}"
+    assert data["pdserve"]["simulation"]["layout"] == layout
     assert len(data["pdserve"]["records"]) == 12
     assert (tmp_path / "report" / "report.md").exists()
     assert "TTFT" in capsys.readouterr().out

@@ -133,6 +133,7 @@ def test_a_smaller_decode_budget_chunks_local_prefills():
     whole = make_config(
         Mode.DISAGG, router=RouterConfig((), (), local_prefill_threshold=1000), budget=1024
     )
+    whole = replace(whole, pool=with_scheduler(whole.pool, long_prefill_token_threshold=None))
     chunked = replace(whole, pool=with_scheduler(whole.pool, max_num_batched_tokens=128))
     assert chunked.describe().endswith("local<1000 decode budget 128")
 
