@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -31,6 +32,11 @@ logger = logging.getLogger(__name__)
 CFLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread")
 # Generous: on a loaded 2-vCPU VM one variant took 4 minutes of wall time (20 s of CPU).
 COMPILE_TIMEOUT_S = 600
+# Builds (and measured choices) kept per source and variant: each edit of the source makes a
+# new build, so without a bound the cache grows by one library per edit and variant. A few
+# are kept so that checkouts used side by side (worktrees, a release beside main) do not
+# rebuild each other's away.
+NUM_KEPT_BUILDS = 4
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c")
 _X86 = ("x86_64", "amd64")
 
@@ -127,8 +133,9 @@ def load_library(source: Path, isa: IsaVariant = VARIANTS[-1]) -> ctypes.CDLL | 
     except OSError as e:
         logger.warning("%s; using the slower torch path instead of %s", e, source.name)
         return None
-    if not library.is_file() and not _compile(compiler, source, isa, library):
+    if not (mark_used(library) or _compile(compiler, source, isa, library)):
         return None
+    prune_older(library)
     try:
         return ctypes.CDLL(str(library))
     except OSError as e:
@@ -158,6 +165,37 @@ def _compile(compiler: str, source: Path, isa: IsaVariant, library: Path) -> boo
         return False
     finally:
         Path(partial).unlink(missing_ok=True)
+
+
+def mark_used(path: Path) -> bool:
+    """Record a use of the cached `path` in its mtime (what `prune_older` keeps by); whether
+    it exists."""
+    try:
+        os.utime(path)
+        return True
+    except OSError:
+        return False
+
+
+def prune_older(path: Path, num_kept: int = NUM_KEPT_BUILDS) -> None:
+    """Remove the cached siblings of `path` (same name up to its 16-hex-digit key), all but
+    the `num_kept` used last, `path` among them. A process that loaded a removed library
+    keeps its mapping; one about to load it marks it used first, which makes it the newest."""
+    stem = path.name.rpartition("-")[0]
+    pattern = re.compile(rf"{re.escape(stem)}-[0-9a-f]{{16}}{re.escape(path.suffix)}")
+
+    def last_used(sibling: Path) -> float:
+        try:
+            return sibling.stat().st_mtime
+        except OSError:  # removed meanwhile by another process
+            return 0.0
+
+    try:
+        siblings = [p for p in path.parent.iterdir() if pattern.fullmatch(p.name) and p != path]
+    except OSError:
+        return
+    for sibling in sorted(siblings, key=last_used, reverse=True)[num_kept - 1 :]:
+        sibling.unlink(missing_ok=True)
 
 
 def cache_dir() -> Path:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from pdserve.model.cpu_runtime import read_cpu_flags
+from pdserve.model.kernels.build import mark_used, prune_older
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,7 @@ class MeasuredChoice:
             return {}
         try:
             data = json.loads(self._path.read_text())
+            mark_used(self._path)
             return {key: (float(a), float(b)) for key, (a, b) in data.items()}
         except (OSError, ValueError, TypeError):
             return {}
@@ -200,6 +202,7 @@ class MeasuredChoice:
             with os.fdopen(fd, "w") as f:
                 json.dump(merged, f)
             os.replace(partial, self._path)
+            prune_older(self._path)
         except OSError as e:
             logger.warning("cannot cache %s's timings in %s: %s", self.name, self._path, e)
 
