@@ -11,11 +11,17 @@
  *   paged_decode: q, out [num_seqs, num_heads, head_dim];
  *     k_cache / v_cache [num_blocks, block_size, num_kv_heads, head_dim] (one layer);
  *     block_tables [num_seqs, max_blocks] int64; seq_lens [num_seqs] int64 (>= 1);
- *     scratch float [num_heads * (2 * head_dim + UNIT + 2)].
+ *     scratch float [num_heads * (2 * head_dim + UNIT + 17)].
  *     Query head h reads KV head h / (num_heads / num_kv_heads); head_dim % 16 == 0, <= 256.
  *   linear: weights pre-packed in groups of 16 output rows (see the W_* formats below).
  */
 #include "simd.h"
+
+#if defined(PDSERVE_ISA_AVX512) && defined(__AVX512BF16__)
+#define HAS_DPBF16 1
+#else
+#define HAS_DPBF16 0
+#endif
 
 #define MAX_HEAD_DIM 256
 #define UNIT 16 /* positions scored together: one vector of scores per head */
@@ -285,29 +291,48 @@ ALWAYS_INLINE void prefetch_next_block(Prefetcher* p) {
 #define DECODE_MAX_TILE 4
 
 /* The unit's scores for G query heads q [G, head_dim] of one KV head: lane t of w [G, UNIT]
- * is q_g . K row t (rows token_stride apart from element k) for t < n, -1e30 from n on.
- * Each position's dot-product vectors are summed across lanes 4 positions at a time, the
- * shuffles shared (v_psum4, then v_psum8 and v_psum16). `lines` to prefetch per row. */
-ALWAYS_INLINE void score_tile(int kvdt, const int64_t NV, const int64_t G, const float* q,
-                              const void* k_cache, int64_t k, int64_t token_stride,
-                              const int64_t n, int64_t head_dim, float* w, Prefetcher* ahead,
-                              int64_t lines) {
+ * is scale * q_g . K row t (rows token_stride apart from element k) for t < n, -1e30 from n
+ * on. Each position's dot-product vectors are summed across lanes 4 positions at a time, the
+ * shuffles shared (v_psum4, then v_psum8 and v_psum16). `lines` to prefetch per row.
+ * QK (bfloat16 q and K, head_dim % 32 == 0, a bf16 build): q stays bf16 and each K row's
+ * pairs of dims meet it in vdpbf16ps, a third of the instructions of widening K to floats
+ * for FMAs; its products are exact in float32 as theirs are. Otherwise q is float. */
+ALWAYS_INLINE void score_tile(int kvdt, const int64_t NV, const int64_t G, const int QK,
+                              const void* q, const void* k_cache, int64_t k, int64_t token_stride,
+                              const int64_t n, int64_t head_dim, float scale, float* w,
+                              Prefetcher* ahead, int64_t lines) {
     V16 halves[DECODE_MAX_TILE][2];
     for (int64_t half = 0; half < 2; half++) {
         V16 quads[DECODE_MAX_TILE][2];
         for (int64_t quad = 0; quad < 2; quad++) {
             V16 dots[DECODE_MAX_TILE][4];
+#pragma GCC unroll 4
             for (int64_t i = 0; i < 4; i++) {
                 const int64_t t = 8 * half + 4 * quad + i;
                 if (t >= n) {
                     for (int64_t g = 0; g < G; g++) dots[g][i] = v_zero();
                     continue;
                 }
+#if HAS_DPBF16
+                if (QK) {
+                    const uint16_t* row = (const uint16_t*)k_cache + k + t * token_stride;
+                    prefetch_lines(ahead, lines);
+                    for (int64_t g = 0; g < G; g++) {
+                        const uint16_t* qg = (const uint16_t*)q + g * head_dim;
+                        V16 dot = v_zero();
+                        for (int64_t j = 0; j < NV / 2; j++)
+                            dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(row + 32 * j),
+                                                   (__m512bh)_mm512_loadu_si512(qg + 32 * j));
+                        dots[g][i] = dot;
+                    }
+                    continue;
+                }
+#endif
                 V16 row[MAX_HEAD_DIM / 16];
                 load_kv_row(kvdt, NV, k_cache, k + t * token_stride, row);
                 prefetch_lines(ahead, lines);
                 for (int64_t g = 0; g < G; g++) {
-                    const float* qg = q + g * head_dim;
+                    const float* qg = (const float*)q + g * head_dim;
                     V16 dot = v_mul(row[0], v_load(qg));
                     for (int64_t j = 1; j < NV; j++)
                         dot = v_fma(row[j], v_load(qg + 16 * j), dot);
@@ -319,27 +344,27 @@ ALWAYS_INLINE void score_tile(int kvdt, const int64_t NV, const int64_t G, const
         for (int64_t g = 0; g < G; g++) halves[g][half] = v_psum8(quads[g][0], quads[g][1]);
     }
     for (int64_t g = 0; g < G; g++) {
-        v_store(w + g * UNIT, v_psum16(halves[g][0], halves[g][1]));
+        const V16 scores = v_psum16(halves[g][0], halves[g][1]);
+        v_store(w + g * UNIT, QK ? v_mul(scores, v_set1(scale)) : scores);
         for (int64_t t = n; t < UNIT; t++) w[g * UNIT + t] = -1.0e30f;
     }
 }
 
 /* Online softmax step for one head: the unit's scores w [UNIT] (-1e30 past the unit) become
- * weights relative to the running max, added to the denominator. Only when a score exceeds
- * the max (rare once a sequence is under way) does the max move and what was accumulated get
- * rescaled; otherwise that factor would be exactly 1, so the max's reduction only decides a
- * well-predicted branch instead of lying on the path from scores to weights. */
+ * weights relative to the running max, added lane-wise to the denominator total [16]. Only
+ * when a score exceeds the max (rare once a sequence is under way) does the max move and
+ * what was accumulated get rescaled; otherwise that factor would be exactly 1. A lane-wise
+ * compare decides that branch, so no horizontal reduction lies on the common path. */
 ALWAYS_INLINE void softmax_step(float* w, int64_t n, float* peak, float* total, float* acc,
                                 int64_t NV) {
     const V16 scores = v_load(w);
-    const float unit_peak = v_hmax(scores);
-    if (unit_peak > *peak) {
-        const float alpha = expf(*peak - unit_peak);
-        *total *= alpha;
+    if (v_any_gt(scores, *peak)) {
+        const float unit_peak = v_hmax(scores);
+        const V16 alpha = v_set1(expf(*peak - unit_peak));
         *peak = unit_peak;
-        const V16 scale = v_set1(alpha);
+        v_store(total, v_mul(v_load(total), alpha));
         for (int64_t j = 0; j < NV; j++)
-            v_store(acc + 16 * j, v_mul(v_load(acc + 16 * j), scale));
+            v_store(acc + 16 * j, v_mul(v_load(acc + 16 * j), alpha));
     }
     V16 weights = v_exp(v_sub(scores, v_set1(*peak)));
     v_store(w, weights);
@@ -347,7 +372,7 @@ ALWAYS_INLINE void softmax_step(float* w, int64_t n, float* peak, float* total, 
         for (int64_t t = n; t < UNIT; t++) w[t] = 0.0f;
         weights = v_load(w);
     }
-    *total += v_sum(weights);
+    v_store(total, v_add(v_load(total), weights));
 }
 
 /* acc [G, head_dim] += the unit's V rows (from element v, token_stride apart) weighted by
@@ -382,25 +407,28 @@ ALWAYS_INLINE void add_values(int kvdt, const int64_t NV, const int64_t G, const
 
 /* One unit for a tile of G query heads (h.. of KV head whose rows start at element kv):
  * scoring (step 0) or adding V rows (step 1); G a compile-time constant below. */
-ALWAYS_INLINE void decode_tile(int kvdt, const int64_t NV, const int64_t G, int step,
-                               const float* qf, float* acc, float* w, int64_t h,
-                               const void* k_cache, const void* v_cache, int64_t kv,
+ALWAYS_INLINE void decode_tile(int kvdt, const int64_t NV, const int64_t G, const int QK,
+                               int step, const void* qs, float scale, float* acc, float* w,
+                               int64_t h, const void* k_cache, const void* v_cache, int64_t kv,
                                int64_t token_stride, int64_t n, int64_t head_dim,
                                Prefetcher* ahead, int64_t lines) {
+    const void* q = QK ? (const void*)((const uint16_t*)qs + h * head_dim)
+                       : (const void*)((const float*)qs + h * head_dim);
     if (step == 1)
         add_values(kvdt, NV, G, w + h * UNIT, acc + h * head_dim, v_cache, kv, token_stride, n,
                    head_dim, ahead, lines);
     else if (DECODE_WHOLE_UNITS && n == UNIT)
-        score_tile(kvdt, NV, G, qf + h * head_dim, k_cache, kv, token_stride, UNIT, head_dim,
+        score_tile(kvdt, NV, G, QK, q, k_cache, kv, token_stride, UNIT, head_dim, scale,
                    w + h * UNIT, ahead, lines);
     else
-        score_tile(kvdt, NV, G, qf + h * head_dim, k_cache, kv, token_stride, n, head_dim,
+        score_tile(kvdt, NV, G, QK, q, k_cache, kv, token_stride, n, head_dim, scale,
                    w + h * UNIT, ahead, lines);
 }
 
 /* Step 0 or 1 of one unit for every head, tile by tile. */
-ALWAYS_INLINE void decode_tiles(int kvdt, const int64_t NV, int step, const float* qf,
-                                float* acc, float* w, const void* k_cache, const void* v_cache,
+ALWAYS_INLINE void decode_tiles(int kvdt, const int64_t NV, const int QK, int step,
+                                const void* qs, float scale, float* acc, float* w,
+                                const void* k_cache, const void* v_cache,
                                 int64_t offset, int64_t num_kv_heads, int64_t group, int64_t n,
                                 int64_t head_dim, Prefetcher* ahead, int64_t lines) {
     const int64_t token_stride = num_kv_heads * head_dim;
@@ -410,16 +438,16 @@ ALWAYS_INLINE void decode_tiles(int kvdt, const int64_t NV, int step, const floa
             const int64_t tiles_left = (left + DECODE_MAX_TILE - 1) / DECODE_MAX_TILE;
             G = (left + tiles_left - 1) / tiles_left;
             if (G >= 4)
-                decode_tile(kvdt, NV, 4, step, qf, acc, w, h, k_cache, v_cache, kv,
+                decode_tile(kvdt, NV, 4, QK, step, qs, scale, acc, w, h, k_cache, v_cache, kv,
                             token_stride, n, head_dim, ahead, lines);
             else if (G == 3)
-                decode_tile(kvdt, NV, 3, step, qf, acc, w, h, k_cache, v_cache, kv,
+                decode_tile(kvdt, NV, 3, QK, step, qs, scale, acc, w, h, k_cache, v_cache, kv,
                             token_stride, n, head_dim, ahead, lines);
             else if (G == 2)
-                decode_tile(kvdt, NV, 2, step, qf, acc, w, h, k_cache, v_cache, kv,
+                decode_tile(kvdt, NV, 2, QK, step, qs, scale, acc, w, h, k_cache, v_cache, kv,
                             token_stride, n, head_dim, ahead, lines);
             else
-                decode_tile(kvdt, NV, 1, step, qf, acc, w, h, k_cache, v_cache, kv,
+                decode_tile(kvdt, NV, 1, QK, step, qs, scale, acc, w, h, k_cache, v_cache, kv,
                             token_stride, n, head_dim, ahead, lines);
         }
     }
@@ -431,7 +459,8 @@ ALWAYS_INLINE void decode_tiles(int kvdt, const int64_t NV, int step, const floa
  * heads), then the softmax steps, then its V rows are added (once per tile). NV =
  * head_dim / 16 is a compile-time constant in the specialised copies, so a tile's vectors
  * live in registers. */
-ALWAYS_INLINE void paged_decode_impl(int qdt, int kvdt, const int64_t NV, const void* q,
+ALWAYS_INLINE void paged_decode_impl(int qdt, int kvdt, const int64_t NV, const int QK,
+                                     const void* q,
                                      const void* k_cache, const void* v_cache,
                                      const int64_t* block_tables, const int64_t* seq_lens,
                                      void* out, float* scratch, int64_t num_seqs,
@@ -440,11 +469,11 @@ ALWAYS_INLINE void paged_decode_impl(int qdt, int kvdt, const int64_t NV, const 
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim, seq_stride = num_heads * head_dim;
     const int64_t token_bytes = token_stride * (kvdt == DT_BF16 ? 2 : 4);
-    float* qf = scratch;                /* queries [num_heads, head_dim], pre-scaled */
+    float* qf = scratch; /* float queries [num_heads, head_dim], pre-scaled (unless QK) */
     float* acc = qf + seq_stride;       /* weighted V sums [num_heads, head_dim] */
     float* w = acc + seq_stride;        /* one unit's scores, then weights [num_heads, UNIT] */
-    float* peak = w + num_heads * UNIT; /* running max per head */
-    float* total = peak + num_heads;    /* running softmax denominator per head */
+    float* total = w + num_heads * UNIT; /* running softmax denominator per head, by lane */
+    float* peak = total + num_heads * 16; /* running max per head */
     Prefetcher ahead = {.k_cache = k_cache,
                         .v_cache = v_cache,
                         .block_tables = block_tables,
@@ -463,12 +492,13 @@ ALWAYS_INLINE void paged_decode_impl(int qdt, int kvdt, const int64_t NV, const 
         const int64_t len = seq_lens[b];
         const int64_t* table = block_tables + b * max_blocks;
         for (int64_t i = 0; i < seq_stride; i += 16) {
-            v_store(qf + i, v_mul(load_dt(q, b * seq_stride + i, qdt), v_set1(scale)));
+            if (!QK) v_store(qf + i, v_mul(load_dt(q, b * seq_stride + i, qdt), v_set1(scale)));
             v_store(acc + i, v_zero());
         }
+        const void* qs = QK ? (const void*)((const uint16_t*)q + b * seq_stride) : qf;
         for (int64_t h = 0; h < num_heads; h++) {
             peak[h] = -1.0e30f;
-            total[h] = 0.0f;
+            v_store(total + 16 * h, v_zero());
         }
         for (int64_t start = 0; start < len;) {
             /* A unit: up to UNIT consecutive positions inside one block. */
@@ -477,16 +507,16 @@ ALWAYS_INLINE void paged_decode_impl(int qdt, int kvdt, const int64_t NV, const 
             n = len - start < n ? len - start : n;
             const int64_t offset = (table[blk] * block_size + in_block) * token_stride;
             if (in_block == 0) prefetch_next_block(&ahead);
-            decode_tiles(kvdt, NV, 0, qf, acc, w, k_cache, v_cache, offset, num_kv_heads, group,
-                         n, head_dim, &ahead, lines);
+            decode_tiles(kvdt, NV, QK, 0, qs, scale, acc, w, k_cache, v_cache, offset,
+                         num_kv_heads, group, n, head_dim, &ahead, lines);
             for (int64_t h = 0; h < num_heads; h++)
-                softmax_step(w + h * UNIT, n, peak + h, total + h, acc + h * head_dim, NV);
-            decode_tiles(kvdt, NV, 1, qf, acc, w, k_cache, v_cache, offset, num_kv_heads, group,
-                         n, head_dim, &ahead, lines);
+                softmax_step(w + h * UNIT, n, peak + h, total + 16 * h, acc + h * head_dim, NV);
+            decode_tiles(kvdt, NV, QK, 1, qs, scale, acc, w, k_cache, v_cache, offset,
+                         num_kv_heads, group, n, head_dim, &ahead, lines);
             start += n;
         }
         for (int64_t h = 0; h < num_heads; h++) {
-            const V16 inverse = v_set1(1.0f / total[h]);
+            const V16 inverse = v_set1(1.0f / v_sum(v_load(total + 16 * h)));
             for (int64_t j = 0; j < NV; j++)
                 store_dt(out, b * seq_stride + h * head_dim + 16 * j,
                          v_mul(v_load(acc + h * head_dim + 16 * j), inverse), qdt);
@@ -499,29 +529,33 @@ ALWAYS_INLINE void paged_decode_impl(int qdt, int kvdt, const int64_t NV, const 
         num_kv_heads, head_dim, block_size, max_blocks, scale
 
 /* head_dim 64 and 128 get copies with the vector count fixed; others use a loop bound. The
- * query's type only matters outside the loop over positions: it stays a run-time value. */
-ALWAYS_INLINE void paged_decode_types(int qdt, int kvdt, const void* q, const void* k_cache,
+ * query's type only matters outside the loop over positions (unless QK): it stays a run-time
+ * value. */
+ALWAYS_INLINE void paged_decode_types(int qdt, int kvdt, const int QK, const void* q,
+                                      const void* k_cache,
                                       const void* v_cache, const int64_t* block_tables,
                                       const int64_t* seq_lens, void* out, float* scratch,
                                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                                       int64_t head_dim, int64_t block_size, int64_t max_blocks,
                                       float scale) {
     if (head_dim == 64)
-        paged_decode_impl(qdt, kvdt, 4, PAGED_DECODE_ARGS);
+        paged_decode_impl(qdt, kvdt, 4, QK, PAGED_DECODE_ARGS);
     else if (head_dim == 128)
-        paged_decode_impl(qdt, kvdt, 8, PAGED_DECODE_ARGS);
-    else
-        paged_decode_impl(qdt, kvdt, head_dim / 16, PAGED_DECODE_ARGS);
+        paged_decode_impl(qdt, kvdt, 8, QK, PAGED_DECODE_ARGS);
+    else if (!QK)
+        paged_decode_impl(qdt, kvdt, head_dim / 16, 0, PAGED_DECODE_ARGS);
 }
 
 void paged_decode(int qdt, int kvdt, const void* q, const void* k_cache, const void* v_cache,
                   const int64_t* block_tables, const int64_t* seq_lens, void* out,
                   float* scratch, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                   int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
-    if (kvdt == DT_BF16)
-        paged_decode_types(qdt, DT_BF16, PAGED_DECODE_ARGS);
+    if (HAS_DPBF16 && kvdt == DT_BF16 && qdt == DT_BF16 && (head_dim == 64 || head_dim == 128))
+        paged_decode_types(DT_BF16, DT_BF16, 1, PAGED_DECODE_ARGS);
+    else if (kvdt == DT_BF16)
+        paged_decode_types(qdt, DT_BF16, 0, PAGED_DECODE_ARGS);
     else
-        paged_decode_types(qdt, DT_F32, PAGED_DECODE_ARGS);
+        paged_decode_types(qdt, DT_F32, 0, PAGED_DECODE_ARGS);
 }
 
 #include "prefill_attention.h"
@@ -552,11 +586,6 @@ enum { W_F32 = 0, W_BF16 = 1, W_Q8_0 = 2, W_Q4_0 = 3, W_Q4_1 = 4, W_INT8 = 5 };
 /* Formats multiplied by integer dot products (x quantized first). */
 ALWAYS_INLINE int is_quantized(int wfmt) { return wfmt >= W_Q8_0 && wfmt <= W_Q4_1; }
 
-#if defined(PDSERVE_ISA_AVX512) && defined(__AVX512BF16__)
-#define HAS_DPBF16 1
-#else
-#define HAS_DPBF16 0
-#endif
 
 /* Rows up to which bfloat16 weights meet bfloat16 x in vdpbf16ps; beyond, the weights are
  * widened to float32 for FMAs. Which wins at 3-8 rows depends on the core (vdpbf16ps' share
@@ -1347,7 +1376,7 @@ ALWAYS_INLINE DecodeScratch decode_scratch(const DecoderModel* m, int64_t rows) 
         }
     }
     return (DecodeScratch){round_up_64(values * dt_size(m->dt)),
-                           round_up_64(m->num_heads * (2 * m->head_dim + UNIT + 2) * 4), linears};
+                           round_up_64(m->num_heads * (2 * m->head_dim + UNIT + 17) * 4), linears};
 }
 
 /* Threads decode_forward runs on, at most num_threads. */

@@ -235,7 +235,7 @@ class CpuOps:
             raise ValueError(f"head_dim must be a multiple of 16 up to {MAX_HEAD_DIM}")
         q = q.contiguous()
         out = q.new_empty(num_seqs, num_heads * head_dim)
-        scratch = torch.empty(num_heads * (2 * head_dim + _UNIT + 2), dtype=torch.float32)
+        scratch = torch.empty(num_heads * (2 * head_dim + _UNIT + 17), dtype=torch.float32)
         self._lib.paged_decode(
             _DTYPE_CODES[q.dtype],
             _DTYPE_CODES[kv_layer.dtype],

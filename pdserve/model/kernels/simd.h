@@ -35,6 +35,10 @@ ALWAYS_INLINE V16 v_max(V16 a, V16 b) { return _mm512_max_ps(a, b); }
 ALWAYS_INLINE V16 v_min(V16 a, V16 b) { return _mm512_min_ps(a, b); }
 ALWAYS_INLINE float v_sum(V16 v) { return _mm512_reduce_add_ps(v); }
 ALWAYS_INLINE float v_hmax(V16 v) { return _mm512_reduce_max_ps(v); }
+/* Whether any lane of v exceeds x. */
+ALWAYS_INLINE int v_any_gt(V16 v, float x) {
+    return _mm512_cmp_ps_mask(v, _mm512_set1_ps(x), _CMP_GT_OQ) != 0;
+}
 /* Horizontal sums of 16 vectors with the shuffles and adds shared: v_psum4 of vectors 0-3
  * (4-7, ...), v_psum8 of two such, v_psum16 of two of those gives lane i = vector i's sum
  * (the steps between hold partial sums in an ISA-specific layout). Here: folds of lane pairs
@@ -122,6 +126,11 @@ ALWAYS_INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 ALWAYS_INLINE float v_sum(V16 v) { return hsum8(_mm256_add_ps(v.lo, v.hi)); }
+ALWAYS_INLINE int v_any_gt(V16 v, float x) {
+    const __m256 t = _mm256_set1_ps(x);
+    return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(v.lo, t, _CMP_GT_OQ),
+                                           _mm256_cmp_ps(v.hi, t, _CMP_GT_OQ))) != 0;
+}
 /* The horizontal sums of 16 vectors (steps as in the AVX-512 section): each vector's halves
  * added, hadd trees over 4 (v_psum4), the 128-bit halves of two of those added (v_psum8: 8
  * sums in .lo), two of those side by side (v_psum16). */
@@ -238,6 +247,11 @@ ALWAYS_INLINE float v_hmax(V16 v) {
     float m = v[0];
     for (int i = 1; i < 16; i++) m = v[i] > m ? v[i] : m;
     return m;
+}
+ALWAYS_INLINE int v_any_gt(V16 v, float x) {
+    int any = 0;
+    for (int i = 0; i < 16; i++) any |= v[i] > x;
+    return any;
 }
 /* The horizontal sums of 16 vectors (steps as in the AVX-512 section): v_psum4 puts 4 sums
  * in lanes 0-3, v_psum8 and v_psum16 concatenate the sums of two such. */
