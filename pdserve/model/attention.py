@@ -510,6 +510,7 @@ def prefill_kernel_choice(ops: CpuOps) -> MeasuredChoice:
         ops.build_id,
         functools.partial(prefill_paths, ops),
         directory,
+        num_size_fields=2,  # new tokens, cached context
     )
 
 

@@ -86,6 +86,27 @@ def test_serving_lookups_never_measure_and_leave_the_case_for_idle_time(tmp_path
     assert choice.a_wins_or(("a", 1), default=False) is True  # measured: A (no sleep) wins
 
 
+def test_an_unmeasured_case_answers_as_the_nearest_measured_size(tmp_path):
+    """Until idle time measures it, a case takes the answer of the measured case with its
+    other fields and the nearest sizes; another model's case (no such case) the default."""
+
+    def prepare(case):  # A wins on short prompts, B on long ones
+        is_long = case[1] >= 1024
+        return (lambda: time.sleep(0.001 * is_long)), (lambda: time.sleep(0.001 * (not is_long)))
+
+    choice = MeasuredChoice("demo", "build-1", prepare, tmp_path, num_size_fields=2)
+    choice.measure([("m", 16, 0), ("m", 4096, 4096)], budget_s=60.0)
+    assert choice.a_wins_or(("m", 16, 0), default=False) is True  # measured
+    assert choice.a_wins_or(("m", 4096, 4096), default=True) is False
+    assert choice.a_wins_or(("m", 32, 16), default=False) is True  # nearest: (16, 0)
+    assert choice.a_wins_or(("m", 2048, 8192), default=True) is False  # nearest: (4096, 4096)
+    assert choice.a_wins_or(("other", 16, 0), default=False) is False  # nothing to borrow
+    assert (choice.num_borrowed, choice.num_defaulted) == (2, 1)
+    assert set(choice.pending) == {'["m", 32, 16]', '["m", 2048, 8192]', '["other", 16, 0]'}
+    without_sizes = MeasuredChoice("demo", "build-1", prepare, tmp_path)  # reads the cache
+    assert without_sizes.a_wins_or(("m", 32, 16), default=False) is False  # no borrowing
+
+
 def test_measure_times_what_its_budget_allows_and_skips_the_rest(tmp_path):
     """What the budget left out takes the default and is never queued for idle time."""
     measured = []

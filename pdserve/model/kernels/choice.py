@@ -13,7 +13,10 @@ case met unmeasured takes the caller's default. Cases the budget left out stay a
 in that process (`skipped`): measured while idle, a multi-second case would delay the request
 that arrives meanwhile (a colocated engine's 8k-token prompts). The cache is on disk, so the
 next start goes on from where this one stopped. A case outside the startup grid waits in a
-queue and the engine measures it while it is idle (`measure_pending`).
+queue and the engine measures it while it is idle (`measure_pending`). Until then, where the
+choice says which of a case's fields are sizes, an unmeasured case takes the answer of the
+measured case nearest in size with the same other fields (a new build's first 3,000-token
+prompt: 2,048 tokens' answer), and the caller's default only where none is measured.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -69,7 +73,8 @@ class MeasuredChoice:
     """Whether candidate A beats candidate B per case, timed on this machine and cached.
 
     `prepare(case) -> (run_a, run_b)` makes both runnable on an input of the case's size
-    (a case is a tuple of JSON scalars, dtypes as names); they are timed interleaved."""
+    (a case is a tuple of JSON scalars, dtypes as names); they are timed interleaved. The last
+    `num_size_fields` fields of a case are sizes (non-negative integers): see `a_wins_or`."""
 
     def __init__(
         self,
@@ -77,8 +82,10 @@ class MeasuredChoice:
         build_id: str,
         prepare: Callable[[tuple], tuple[Callable[[], object], Callable[[], object]]],
         cache_dir: Path | None,
+        num_size_fields: int = 0,
     ) -> None:
         self.name = name
+        self.num_size_fields = num_size_fields
         self._prepare = prepare
         self._lock = threading.Lock()
         self._path = (
@@ -87,9 +94,12 @@ class MeasuredChoice:
         self.timings: dict[str, tuple[float, float]] = self._read()
         # Cases met unmeasured by `a_wins_or`, by key, in arrival order.
         self.pending: dict[str, tuple] = {}
-        # Keys `measure` had no budget left for: the default, never measured while serving.
+        # Keys `measure` had no budget left for: answered as unmeasured, never measured while
+        # serving.
         self.skipped: set[str] = set()
         self.num_defaulted = 0  # how often `a_wins_or` answered with its default
+        self.num_borrowed = 0  # how often it answered with the nearest measured case's
+        self._nearest: dict[str, str | None] = {}  # `nearest_measured` by key, until a measure
 
     def a_wins(self, case: tuple[Hashable, ...]) -> bool:
         """Whether A is faster on `case`, measured now if it never was (blocks for it)."""
@@ -98,16 +108,43 @@ class MeasuredChoice:
 
     def a_wins_or(self, case: tuple[Hashable, ...], default: bool) -> bool:
         """Whether A is faster on `case` as measured; never measures nor waits for a
-        measurement: a case not measured yet answers `default` and, unless `measure` skipped
-        it, is queued for `measure_pending`."""
+        measurement: a case not measured yet answers as the nearest measured case
+        (`nearest_measured`), else `default`, and unless `measure` skipped it, is queued for
+        `measure_pending`."""
         key = json.dumps(case)
         timing = self.timings.get(key)
         if timing is not None:
             return timing[0] < timing[1]
         if key not in self.skipped:
             self.pending.setdefault(key, case)  # one dict operation: thread-safe
-        self.num_defaulted += 1
-        return default
+        try:  # a chunk asks once per layer: search once per case
+            nearest = self._nearest[key]
+        except KeyError:
+            nearest = self._nearest[key] = self.nearest_measured(case)
+        if nearest is None:
+            self.num_defaulted += 1
+            return default
+        self.num_borrowed += 1
+        a_seconds, b_seconds = self.timings[nearest]
+        return a_seconds < b_seconds
+
+    def nearest_measured(self, case: tuple[Hashable, ...]) -> str | None:
+        """The key of the measured case with `case`'s fields but its sizes, nearest in sizes
+        (the sum of their log2 ratios); None without size fields or such a case."""
+        if not self.num_size_fields:
+            return None
+        split = len(case) - self.num_size_fields
+        fields, sizes = list(case[:split]), case[split:]
+        best, best_distance = None, math.inf
+        for key in list(self.timings):  # a copy: another thread may add a measurement
+            other = json.loads(key)
+            if len(other) != len(case) or other[:split] != fields:
+                continue
+            pairs = zip(sizes, other[split:], strict=True)
+            distance = sum(abs(math.log2((1 + a) / (1 + b))) for a, b in pairs)
+            if distance < best_distance:
+                best, best_distance = key, distance
+        return best
 
     def timing(self, case: tuple[Hashable, ...]) -> tuple[float, float]:
         """(A's, B's) best seconds on `case`: from the cache, else measured now."""
@@ -169,6 +206,7 @@ class MeasuredChoice:
         """Time `case` now and keep it (the caller holds the lock and writes the cache)."""
         timing = interleaved_best_seconds(*self._prepare(case))
         self.timings[key] = timing
+        self._nearest = {}  # a nearer case may be measured now
         self.pending.pop(key, None)
         self.skipped.discard(key)
         logger.debug(
