@@ -11,20 +11,21 @@
  * vector, so the softmax needs no horizontal operations:
  *   scores  s[t][lane] = sum_d qt[d][lane] * K[t][d]   (qt: the tile's queries transposed)
  *   values  o[lane][:] = o[lane][:] * alpha[lane] + sum_t p[t][lane] * V[t][:]
- * Arithmetic is float32 (bfloat16 K/V are widened once per unit and block).
+ * Arithmetic is float32 (bfloat16 K/V are widened once per unit and block), except where
+ * q and K/V are all bfloat16 on a core with vdpbf16ps (BF below): q and K meet as pairs of
+ * dims, the weights (rounded to bfloat16, as the AMX path's) and V as pairs of positions,
+ * with half the multiply instructions and nothing widened; sums stay float32.
  *
  * With AMX (the amx variant) a bfloat16 model with a bfloat16 cache runs pf_amx_tile instead:
  * the same walk in units of 32 positions, scores and values multiplied in tiles, the softmax
  * in AVX-512 (see there).
  *
- * Blocks are independent; a call runs blocks [0, prefill_num_blocks(...)) on num_threads
- * threads (the caller's and num_threads - 1 pthreads) that take blocks from a shared counter.
+ * Blocks are independent; a call runs blocks [0, prefill_num_blocks(...)) on a team of
+ * num_threads members (run_team) that take blocks from a shared counter.
  */
-#include <pthread.h>
 
 #define PF_TILE 16 /* query rows per tile: one per lane */
 #define PF_TILES 4 /* tiles per block: a unit's widened K/V serves them all */
-#define PF_MAX_THREADS 64
 #define PF_MASKED (-1.0e30f)
 
 #if defined(PDSERVE_ISA_AVX512)
@@ -120,9 +121,87 @@ ALWAYS_INLINE void pf_values(const int64_t NV, float* o, const float* alpha, con
         }
 }
 
-/* One block: rows [row0, row0 + PF_TILES * PF_TILE) of KV head kv_head. */
-ALWAYS_INLINE void pf_block(int qdt, int kvdt, const int64_t NV, const PrefillArgs* a,
-                            int64_t kv_head, int64_t row0, float* scratch) {
+#if HAS_DPBF16
+/* Interleaves [a x16 | b x16] (bf16) into 16 (a, b) pairs. */
+#define PF_PAIRS                                                                              \
+    _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, \
+                     6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
+
+/* s[t] = scale * qt . K[t] for positions t < PF_SCORE_T: qt [D / 2][16] pairs of dims (one
+ * row per lane), K rows bf16 in the cache (k[t]), a pair of dims broadcast per instruction. */
+ALWAYS_INLINE void pf_scores_bf16(const int64_t D, const uint32_t* qt,
+                                  const uint16_t* const* k, float scale, V16* s) {
+    V16 acc[PF_SCORE_T];
+    for (int64_t t = 0; t < PF_SCORE_T; t++) acc[t] = v_zero();
+    for (int64_t i = 0; i < D / 2; i++) {
+        const __m512bh qd = (__m512bh)_mm512_loadu_si512(qt + 16 * i);
+        for (int64_t t = 0; t < PF_SCORE_T; t++)
+            acc[t] = _mm512_dpbf16_ps(acc[t], qd,
+                                      (__m512bh)_mm512_set1_epi32(((const int32_t*)k[t])[i]));
+    }
+    for (int64_t t = 0; t < PF_SCORE_T; t++) s[t] = v_mul(acc[t], v_set1(scale));
+}
+
+/* A unit's n V rows (bf16, v_stride apart) as pairs of positions: vp [(n + 1) / 2][D]
+ * (uint32: V[2i][d], V[2i + 1][d]), a missing odd row zero. */
+ALWAYS_INLINE void pf_pack_values(const int64_t NV, const uint16_t* v, int64_t v_stride,
+                                  int64_t n, uint32_t* vp) {
+    const __m512i pairs = PF_PAIRS;
+    for (int64_t t = 0; t < n; t += 2)
+        for (int64_t j = 0; j < NV; j++) {
+            const __m256i even = _mm256_loadu_si256((const __m256i*)(v + t * v_stride + 16 * j));
+            const __m256i odd = t + 1 < n
+                                    ? _mm256_loadu_si256(
+                                          (const __m256i*)(v + (t + 1) * v_stride + 16 * j))
+                                    : _mm256_setzero_si256();
+            const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(even), odd, 1);
+            _mm512_storeu_si512(vp + t / 2 * 16 * NV + 16 * j,
+                                _mm512_permutexvar_epi16(pairs, both));
+        }
+}
+
+/* o[r][:] = o[r][:] * alpha[r] + sum_{t < n} p[t][r] * V[t][:] for the tile's 16 rows, with
+ * p (float [UNIT][16], zero past n) rounded to bf16 pairs of positions in pt [UNIT / 2][16]
+ * and V as pf_pack_values left it. */
+ALWAYS_INLINE void pf_values_bf16(const int64_t NV, float* o, const float* alpha,
+                                  const float* p, uint32_t* pt, const uint32_t* vp, int64_t n) {
+    const int64_t D = 16 * NV, num_pairs = (n + 1) / 2;
+    const __m512i pairs = PF_PAIRS;
+    for (int64_t i = 0; i < num_pairs; i++) {
+        const __m512i bf = (__m512i)_mm512_cvtne2ps_pbh(v_load(p + 16 * (2 * i + 1)),
+                                                        v_load(p + 16 * (2 * i)));
+        _mm512_storeu_si512(pt + 16 * i, _mm512_permutexvar_epi16(pairs, bf));
+    }
+    for (int64_t r0 = 0; r0 < PF_TILE; r0 += PF_PV_ROWS)
+        for (int64_t j0 = 0; j0 < NV; j0 += PF_PV_VECS) {
+            const int64_t jn = NV - j0 < PF_PV_VECS ? NV - j0 : PF_PV_VECS;
+            V16 acc[PF_PV_ROWS][PF_PV_VECS];
+            for (int64_t r = 0; r < PF_PV_ROWS; r++) {
+                const V16 scale = v_set1(alpha[r0 + r]);
+                for (int64_t j = 0; j < jn; j++)
+                    acc[r][j] = v_mul(v_load(o + (r0 + r) * D + 16 * (j0 + j)), scale);
+            }
+            for (int64_t i = 0; i < num_pairs; i++) {
+                __m512bh vv[PF_PV_VECS];
+                for (int64_t j = 0; j < jn; j++)
+                    vv[j] = (__m512bh)_mm512_loadu_si512(vp + i * D + 16 * (j0 + j));
+                for (int64_t r = 0; r < PF_PV_ROWS; r++) {
+                    const __m512bh pr = (__m512bh)_mm512_set1_epi32((int32_t)pt[16 * i + r0 + r]);
+                    for (int64_t j = 0; j < jn; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], vv[j], pr);
+                }
+            }
+            for (int64_t r = 0; r < PF_PV_ROWS; r++)
+                for (int64_t j = 0; j < jn; j++) v_store(o + (r0 + r) * D + 16 * (j0 + j), acc[r][j]);
+        }
+}
+#endif
+
+/* One block: rows [row0, row0 + PF_TILES * PF_TILE) of KV head kv_head; BF (a compile-time
+ * constant, bf16 q and K/V on a vdpbf16ps core) keeps the block's queries as bf16 pairs of
+ * dims in qt, V as pairs of positions in vbuf and the weights' pairs in kbuf. */
+ALWAYS_INLINE void pf_block(int qdt, int kvdt, const int64_t NV, const int BF,
+                            const PrefillArgs* a, int64_t kv_head, int64_t row0,
+                            float* scratch) {
     const int64_t D = 16 * NV, group = a->num_heads / a->num_kv_heads, rows = pf_rows(a);
     const int64_t token_stride = a->num_kv_heads * D, bs = a->block_size;
     const int64_t num_rows = rows - row0 < PF_TILES * PF_TILE ? rows - row0 : PF_TILES * PF_TILE;
@@ -140,8 +219,14 @@ ALWAYS_INLINE void pf_block(int qdt, int kvdt, const int64_t NV, const PrefillAr
         /* Lanes past the last row repeat it: computed, never written out. */
         const int64_t r = row0 + (lane < num_rows ? lane : num_rows - 1);
         const int64_t token = r / group, head = kv_head * group + r % group;
+        if (BF) { /* [tiles][D / 2][16] pairs of dims, unscaled */
+            uint32_t* pairs = (uint32_t*)qt + (lane / PF_TILE) * PF_TILE * D / 2 + lane % PF_TILE;
+            const uint32_t* q_pairs =
+                (const uint32_t*)((const uint16_t*)a->q + token * a->q_stride + head * D);
+            for (int64_t i = 0; i < D / 2; i++) pairs[16 * i] = q_pairs[i];
+        }
         float* q_lanes = qt + (lane / PF_TILE) * PF_TILE * D + lane % PF_TILE;
-        for (int64_t j = 0; j < NV; j++) {
+        for (int64_t j = 0; !BF && j < NV; j++) {
             float values[16];
             v_store(values, load_dt(a->q, token * a->q_stride + head * D + 16 * j, qdt));
             for (int64_t k = 0; k < 16; k++) q_lanes[16 * (16 * j + k)] = values[k] * a->scale;
@@ -159,7 +244,14 @@ ALWAYS_INLINE void pf_block(int qdt, int kvdt, const int64_t NV, const PrefillAr
         const int64_t offset = (a->block_table[blk] * bs + in_block) * token_stride + kv_head * D;
         const float *k, *v;
         int64_t kv_stride;
-        if (kvdt == DT_F32) {
+        if (BF) {
+#if HAS_DPBF16
+            pf_pack_values(NV, (const uint16_t*)a->v_cache + offset, token_stride, n,
+                           (uint32_t*)vbuf);
+#endif
+            k = v = NULL;
+            kv_stride = token_stride;
+        } else if (kvdt == DT_F32) {
             k = (const float*)a->k_cache + offset;
             v = (const float*)a->v_cache + offset;
             kv_stride = token_stride;
@@ -179,6 +271,17 @@ ALWAYS_INLINE void pf_block(int qdt, int kvdt, const int64_t NV, const PrefillAr
             if ((float)start > tile_pos[PF_TILE - 1]) continue; /* all masked: a past tile */
             V16 s[UNIT];
             for (int64_t t0 = 0; t0 < n; t0 += PF_SCORE_T) {
+                if (BF) {
+#if HAS_DPBF16
+                    const uint16_t* rows_k[PF_SCORE_T];
+                    for (int64_t t = 0; t < PF_SCORE_T; t++)
+                        rows_k[t] = (const uint16_t*)a->k_cache + offset +
+                                    (t0 + t < n ? t0 + t : n - 1) * kv_stride;
+                    pf_scores_bf16(D, (const uint32_t*)qt + tile * PF_TILE * D / 2, rows_k,
+                                   a->scale, s + t0);
+#endif
+                    continue;
+                }
                 const float* rows_k[PF_SCORE_T];
                 for (int64_t t = 0; t < PF_SCORE_T; t++)
                     rows_k[t] = k + (t0 + t < n ? t0 + t : n - 1) * kv_stride;
@@ -205,7 +308,15 @@ ALWAYS_INLINE void pf_block(int qdt, int kvdt, const int64_t NV, const PrefillAr
             v_store(tile_total, v_fma(v_load(tile_total), scale, sum));
             v_store(tile_peak, new_peak);
             v_store(alpha, scale);
-            pf_values(NV, o + tile * PF_TILE * D, alpha, p, v, kv_stride, n);
+            if (BF) {
+#if HAS_DPBF16
+                if (n % 2) v_store(p + 16 * n, v_zero()); /* pairs V's zero row */
+                pf_values_bf16(NV, o + tile * PF_TILE * D, alpha, p, (uint32_t*)kbuf,
+                               (const uint32_t*)vbuf, n);
+#endif
+            } else {
+                pf_values(NV, o + tile * PF_TILE * D, alpha, p, v, kv_stride, n);
+            }
         }
         start += n;
     }
@@ -219,14 +330,14 @@ ALWAYS_INLINE void pf_block(int qdt, int kvdt, const int64_t NV, const PrefillAr
     }
 }
 
-ALWAYS_INLINE void pf_block_types(int qdt, int kvdt, const PrefillArgs* a, int64_t kv_head,
-                                  int64_t row0, float* scratch) {
+ALWAYS_INLINE void pf_block_types(int qdt, int kvdt, const int BF, const PrefillArgs* a,
+                                  int64_t kv_head, int64_t row0, float* scratch) {
     if (a->head_dim == 64)
-        pf_block(qdt, kvdt, 4, a, kv_head, row0, scratch);
+        pf_block(qdt, kvdt, 4, BF, a, kv_head, row0, scratch);
     else if (a->head_dim == 128)
-        pf_block(qdt, kvdt, 8, a, kv_head, row0, scratch);
+        pf_block(qdt, kvdt, 8, BF, a, kv_head, row0, scratch);
     else
-        pf_block(qdt, kvdt, a->head_dim / 16, a, kv_head, row0, scratch);
+        pf_block(qdt, kvdt, a->head_dim / 16, BF, a, kv_head, row0, scratch);
 }
 
 #if defined(__AMX_BF16__)
@@ -446,13 +557,13 @@ static void pf_run_block(const PrefillArgs* a, int64_t index, float* scratch) {
     }
 #endif
     if (a->qdt == DT_F32 && a->kvdt == DT_F32)
-        pf_block_types(DT_F32, DT_F32, a, kv_head, row0, scratch);
+        pf_block_types(DT_F32, DT_F32, 0, a, kv_head, row0, scratch);
     else if (a->qdt == DT_F32)
-        pf_block_types(DT_F32, DT_BF16, a, kv_head, row0, scratch);
+        pf_block_types(DT_F32, DT_BF16, 0, a, kv_head, row0, scratch);
     else if (a->kvdt == DT_BF16)
-        pf_block_types(DT_BF16, DT_BF16, a, kv_head, row0, scratch);
+        pf_block_types(DT_BF16, DT_BF16, HAS_DPBF16, a, kv_head, row0, scratch);
     else
-        pf_block_types(DT_BF16, DT_F32, a, kv_head, row0, scratch);
+        pf_block_types(DT_BF16, DT_F32, 0, a, kv_head, row0, scratch);
 }
 
 typedef struct {
@@ -463,20 +574,14 @@ typedef struct {
     int64_t scratch_stride;
 } PrefillWork;
 
-typedef struct {
-    PrefillWork* work;
-    int64_t thread;
-} PrefillWorker;
-
-static void* pf_worker(void* arg) {
-    const PrefillWorker* self = (const PrefillWorker*)arg;
-    PrefillWork* work = self->work;
-    float* scratch = (float*)(work->scratch + self->thread * work->scratch_stride);
+static void pf_member(void* arg, const Team* team) {
+    PrefillWork* work = (PrefillWork*)arg;
+    float* scratch = (float*)(work->scratch + team->index * work->scratch_stride);
 #if defined(__AMX_BF16__)
     if (work->args->use_amx) pf_amx_configure(); /* tile state is per thread */
 #endif
     /* Blocks in decreasing order of cost (later query rows see more context) balance the
-     * threads' shares. */
+     * members' shares. */
     for (;;) {
         const int64_t taken = __atomic_fetch_add(&work->next, 1, __ATOMIC_RELAXED);
         if (taken >= work->num_blocks) break;
@@ -485,7 +590,6 @@ static void* pf_worker(void* arg) {
 #if defined(__AMX_BF16__)
     if (work->args->use_amx) _tile_release();
 #endif
-    return NULL;
 }
 
 /*
@@ -499,7 +603,7 @@ void paged_prefill(int qdt, int kvdt, const void* q, int64_t q_stride, const voi
                    int64_t num_computed, void* out, uint8_t* scratch, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                    int64_t num_threads) {
-    num_threads = num_threads < 1 ? 1 : num_threads > PF_MAX_THREADS ? PF_MAX_THREADS : num_threads;
+    num_threads = num_threads < 1 ? 1 : num_threads > MAX_TEAM ? MAX_TEAM : num_threads;
     const int64_t seq_len = num_computed + num_new;
     PrefillArgs args = {qdt,       kvdt,         q,        q_stride,   k_cache,
                         v_cache,   block_table,  num_new,  num_computed, out,
@@ -517,14 +621,5 @@ void paged_prefill(int qdt, int kvdt, const void* q, int64_t q_stride, const voi
     const int64_t num_blocks = prefill_num_blocks(num_new, num_heads, num_kv_heads);
     num_threads = num_threads > num_blocks ? num_blocks : num_threads;
     PrefillWork work = {&args, num_blocks, 0, scratch, pf_thread_bytes(head_dim)};
-    PrefillWorker workers[PF_MAX_THREADS];
-    pthread_t threads[PF_MAX_THREADS];
-    int64_t started = 0; /* threads 1..started run (a failed create leaves fewer) */
-    for (int64_t i = 1; i < num_threads; i++, started++) {
-        workers[i] = (PrefillWorker){&work, i};
-        if (pthread_create(&threads[i], NULL, pf_worker, &workers[i]) != 0) break;
-    }
-    workers[0] = (PrefillWorker){&work, 0};
-    pf_worker(&workers[0]);
-    for (int64_t i = 1; i <= started; i++) pthread_join(threads[i], NULL);
+    run_team(num_threads, pf_member, &work);
 }
