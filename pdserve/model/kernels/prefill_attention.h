@@ -186,12 +186,15 @@ ALWAYS_INLINE void pf_values_bf16(const int64_t NV, float* o, const float* alpha
                 for (int64_t j = 0; j < jn; j++)
                     vv[j] = (__m512bh)_mm512_loadu_si512(vp + i * D + 16 * (j0 + j));
                 for (int64_t r = 0; r < PF_PV_ROWS; r++) {
-                    const __m512bh pr = (__m512bh)_mm512_set1_epi32((int32_t)pt[16 * i + r0 + r]);
-                    for (int64_t j = 0; j < jn; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], vv[j], pr);
+                    const __m512bh pr =
+                        (__m512bh)_mm512_set1_epi32((int32_t)pt[16 * i + r0 + r]);
+                    for (int64_t j = 0; j < jn; j++)
+                        acc[r][j] = _mm512_dpbf16_ps(acc[r][j], vv[j], pr);
                 }
             }
             for (int64_t r = 0; r < PF_PV_ROWS; r++)
-                for (int64_t j = 0; j < jn; j++) v_store(o + (r0 + r) * D + 16 * (j0 + j), acc[r][j]);
+                for (int64_t j = 0; j < jn; j++)
+                    v_store(o + (r0 + r) * D + 16 * (j0 + j), acc[r][j]);
         }
 }
 #endif
