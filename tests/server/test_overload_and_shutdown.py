@@ -70,3 +70,30 @@ def test_overload_then_graceful_shutdown(tmp_path):
     log = server.log()
     assert "Traceback" not in log
     assert "status=ok finish=abort" in log
+
+
+def test_the_server_freezes_its_start_up_heap_before_it_serves(monkeypatch):
+    """A full collection during serving scans only what serving allocated: run_server freezes
+    what start-up left alive (the engine, model, tokenizer) before uvicorn takes requests."""
+    import gc
+    from types import SimpleNamespace
+
+    from pdserve.cli import build_parser
+    from pdserve.engine import llm_engine
+    from pdserve.server import app, cli
+
+    frozen_at_run = []
+    monkeypatch.setattr(llm_engine, "LLMEngine", lambda config: SimpleNamespace(model_name="m"))
+    monkeypatch.setattr(app, "create_app", lambda engine, settings: SimpleNamespace())
+
+    def run(server):
+        frozen_at_run.append(gc.get_freeze_count())
+        server.started = True
+
+    monkeypatch.setattr(cli.GracefulServer, "run", run)
+    gc.unfreeze()
+    try:
+        assert cli.run_server(build_parser().parse_args(["serve", "--mode", "chunked"])) == 0
+    finally:
+        gc.unfreeze()
+    assert frozen_at_run and frozen_at_run[0] > 0
