@@ -1,6 +1,6 @@
 """The HTTP plumbing both apps share: guards that run before any body parsing (API key 401, or
 on a fleet's worker its request signature 401, body size 413), the client-disconnect watcher,
-and the streaming response that always cleans up.
+the streaming response that always cleans up, and the start-up heap frozen before serving.
 
 The guards are pure ASGI (not Starlette's BaseHTTPMiddleware) so they add no task or buffering
 per request and never interfere with streaming responses.
@@ -9,6 +9,7 @@ per request and never interfere with streaming responses.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import json
 import time
@@ -29,6 +30,17 @@ T = TypeVar("T")
 DONE_EVENT = "data: [DONE]\n\n"
 # What a client that left before its response started is "answered" (nginx's code).
 CLIENT_CLOSED_STATUS = 499
+
+
+def freeze_startup_heap() -> None:
+    """Puts every object alive once a server is up (the libraries', the model's, the
+    tokenizer's: millions) beyond the garbage collector's reach, so that a full collection
+    scans only what serving allocates: it holds the GIL, so every stream's step or relay
+    waits for it. Left in reach, one took 100-190 ms in `pdserve serve` on Zen 4, and one in
+    a 32-stream burst put its ITL p99 at ~115 ms (~40 ms without). The start-up objects live
+    as long as the process, so freezing them leaks nothing."""
+    gc.collect()
+    gc.freeze()
 
 
 def install_front_door(

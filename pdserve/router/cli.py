@@ -245,10 +245,13 @@ def serve_router(
     `discover` as `router.runtime.RouterRuntime` takes them)."""
     import uvicorn
 
+    from pdserve.api.asgi import freeze_startup_heap
     from pdserve.router.app import build_app
 
+    app = build_app(config, tokenizer, provisioner, autoscale, discover)
+    freeze_startup_heap()
     uvicorn.run(
-        build_app(config, tokenizer, provisioner, autoscale, discover),
+        app,
         host=config.host,
         port=config.port,
         log_level="warning",
