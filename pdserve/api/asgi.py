@@ -38,9 +38,11 @@ def freeze_startup_heap() -> None:
     scans only what serving allocates: it holds the GIL, so every stream's step or relay
     waits for it. Left in reach, one took 100-190 ms in `pdserve serve` on Zen 4, and one in
     a 32-stream burst put its ITL p99 at ~115 ms (~40 ms without). The start-up objects live
-    as long as the process, so freezing them leaks nothing."""
+    as long as the process, so freezing them leaks nothing. Turns the collector on (start-up
+    may run with it off)."""
     gc.collect()
     gc.freeze()
+    gc.enable()
 
 
 def install_front_door(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 from collections.abc import Callable
@@ -68,6 +69,10 @@ SERVER_FLAGS = (
 
 def run_server(args: argparse.Namespace) -> int:
     """Serve one engine (`--mode colocated` or `chunked`) until SIGINT/SIGTERM."""
+    # Start-up keeps hundreds of thousands of objects (the GGUF reader alone ~400k), and every
+    # full collection rescanned them: 8 took 0.87 s of a 6.2 s start (Zen 4). One collection
+    # runs when the heap is frozen (freeze_startup_heap), which turns the collector back on.
+    gc.disable()
     from pdserve.api.asgi import freeze_startup_heap
     from pdserve.engine.args import engine_config_from_args
     from pdserve.engine.llm_engine import LLMEngine

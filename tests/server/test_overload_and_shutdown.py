@@ -74,7 +74,8 @@ def test_overload_then_graceful_shutdown(tmp_path):
 
 def test_the_server_freezes_its_start_up_heap_before_it_serves(monkeypatch):
     """A full collection during serving scans only what serving allocated: run_server freezes
-    what start-up left alive (the engine, model, tokenizer) before uvicorn takes requests."""
+    what start-up left alive (the engine, model, tokenizer) before uvicorn takes requests, and
+    the collector, off while it starts, is on again."""
     import gc
     from types import SimpleNamespace
 
@@ -87,7 +88,7 @@ def test_the_server_freezes_its_start_up_heap_before_it_serves(monkeypatch):
     monkeypatch.setattr(app, "create_app", lambda engine, settings: SimpleNamespace())
 
     def run(server):
-        frozen_at_run.append(gc.get_freeze_count())
+        frozen_at_run.append((gc.get_freeze_count(), gc.isenabled()))
         server.started = True
 
     monkeypatch.setattr(cli.GracefulServer, "run", run)
@@ -96,4 +97,5 @@ def test_the_server_freezes_its_start_up_heap_before_it_serves(monkeypatch):
         assert cli.run_server(build_parser().parse_args(["serve", "--mode", "chunked"])) == 0
     finally:
         gc.unfreeze()
-    assert frozen_at_run and frozen_at_run[0] > 0
+    [(num_frozen, is_collecting)] = frozen_at_run
+    assert num_frozen > 0 and is_collecting
