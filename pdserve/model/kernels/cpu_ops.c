@@ -970,6 +970,53 @@ ALWAYS_INLINE void group_int8(const int64_t R, const uint8_t* w, const void* con
     }
 }
 
+#if HAS_DPBF16
+/* Rows from which W_INT8 meets bfloat16 x in group_int8_bf16x. Measured on Zen 4 (30 layers'
+ * MLP and QKV weights, one thread, against group_int8): x1.16 at 2 rows, x0.87 at 4, x0.64
+ * at 8, x0.73 at 12; 3 rows run the 4-row tile. */
+#define INT8_BF16X_MIN_ROWS 3
+
+/* W_INT8 against bfloat16 x (a bf16 model's rows, as they are): each pair of inputs' int8
+ * weights, exact in bfloat16, meets x's pair in vdpbf16ps; the block sums are scaled in float
+ * as group_int8's. Products exact, sums float: the arithmetic of group_int8 on the same x,
+ * in fewer instructions (x needs no widening, two inputs a dot product). */
+ALWAYS_INLINE void group_int8_bf16x(const int64_t R, const uint8_t* w, const void* const* x,
+                                    int64_t in, V16* acc) {
+    const int64_t P = R == 1 ? 4 : R == 2 ? 2 : 1;
+    for (int64_t r = 0; r < R; r++) acc[r] = v_zero();
+    for (int64_t b = 0; b < in / 32; b++) {
+        const uint8_t* block = w + b * block_bytes(W_INT8);
+        prefetch_weights(R, block, block_bytes(W_INT8));
+        const __m128i* q = (const __m128i*)(block + 32); /* [32 inputs][16 outputs] int8 */
+        V16 part[MAX_ROW_TILE][4];
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t p = 0; p < P; p++) part[r][p] = v_zero();
+        for (int64_t i = 0; i < 16; i += P)
+            for (int64_t p = 0; p < P; p++) {
+                const __m128i even = _mm_loadu_si128(q + 2 * (i + p));
+                const __m128i odd = _mm_loadu_si128(q + 2 * (i + p) + 1);
+                /* (input 2i, 2i + 1) pairs for outputs 0-7, then 8-15 */
+                const V16 low =
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(even, odd)));
+                const V16 high =
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(even, odd)));
+                const __m512bh wv = _mm512_cvtne2ps_pbh(high, low);
+                for (int64_t r = 0; r < R; r++)
+                    part[r][p] = _mm512_dpbf16_ps(
+                        part[r][p], wv,
+                        (__m512bh)_mm512_set1_epi32(
+                            (int)((const uint32_t*)x[r])[16 * b + i + p]));
+            }
+        const V16 d = v_load_f16((const uint16_t*)block);
+        for (int64_t r = 0; r < R; r++) {
+            V16 sum = part[r][0];
+            for (int64_t p = 1; p < P; p++) sum = v_add(sum, part[r][p]);
+            acc[r] = v_fma(sum, d, acc[r]);
+        }
+    }
+}
+#endif
+
 ALWAYS_INLINE int64_t group_bytes(int wfmt, int64_t in) {
     switch (wfmt) {
         case W_F32: return 64 * in;
@@ -997,7 +1044,11 @@ ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int ydt, c
         V16 acc[MAX_ROW_TILE];
         if (is_quantized(wfmt))
             group_quantized(R, wfmt, wg, xq, in, acc);
-        else if (wfmt == W_INT8)
+        else if (wfmt == W_INT8 && HAS_DPBF16 && dpbf16) {
+#if HAS_DPBF16
+            group_int8_bf16x(R, wg, xf, in, acc);
+#endif
+        } else if (wfmt == W_INT8)
             group_int8(R, wg, xf, in, acc);
         else
             group_float(R, wfmt, dpbf16, wg, xf, in, acc);
@@ -1214,7 +1265,9 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
         return;
     }
 #endif
-    const int dpbf16 = HAS_DPBF16 && wfmt == W_BF16 && rows <= dpbf16_max_rows;
+    const int dpbf16 =
+        HAS_DPBF16 && ((wfmt == W_BF16 && rows <= dpbf16_max_rows) ||
+                       (wfmt == W_INT8 && xdt == DT_BF16 && rows >= INT8_BF16X_MIN_ROWS));
     /* x as the format's kernel reads it: bfloat16 pairs (vdpbf16ps), int8 blocks or float. */
     const uint8_t* xs;
     int64_t x_row_bytes = in * (int64_t)sizeof(float);
