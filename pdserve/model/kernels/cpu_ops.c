@@ -651,11 +651,14 @@ int64_t linear_scratch(int wfmt, int64_t rows, int64_t in) {
     return round_up_64(rows * in * (int64_t)sizeof(float));
 }
 
-/* A quantized row: in int8 values, then per block its scale and the sum of its integers. */
+/* A quantized row: in int8 values, then per block its scale and the term the weights' format
+ * adds for it (quantize_rows): the zero point times the sum of its integers (Q8_0, Q4_0), or
+ * the scale times that sum (Q4_1, whose mins multiply it). Precomputed, each is one
+ * broadcast operand per row and block. */
 typedef struct {
     const int8_t* q;
     const float* scale;
-    const float* qsum;
+    const float* offset;
 } QuantRow;
 
 ALWAYS_INLINE QuantRow quant_row(const uint8_t* scratch, int64_t r, int64_t in) {
@@ -663,33 +666,6 @@ ALWAYS_INLINE QuantRow quant_row(const uint8_t* scratch, int64_t r, int64_t in) 
     const uint8_t* base = scratch + r * (in + 2 * nb * (int64_t)sizeof(float));
     const float* scales = (const float*)(base + in);
     return (QuantRow){(const int8_t*)base, scales, scales + nb};
-}
-
-/* Quantize rows of x per block of 32: q = round(x * 127 / amax), scale = amax / 127. */
-ALWAYS_INLINE void quantize_rows(int xdt, const void* x, uint8_t* scratch, int64_t rows,
-                                 int64_t in) {
-    const int64_t nb = in / 32;
-    for (int64_t r = 0; r < rows; r++) {
-        QuantRow row = quant_row(scratch, r, in);
-        for (int64_t b = 0; b < nb; b++) {
-            const V16 lo = load_dt(x, r * in + 32 * b, xdt);
-            const V16 hi = load_dt(x, r * in + 32 * b + 16, xdt);
-            const float amax = v_hmax(v_max(v_abs(lo), v_abs(hi)));
-            const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-            float values[32];
-            v_store(values, lo);
-            v_store(values + 16, hi);
-            int32_t sum = 0;
-            for (int64_t i = 0; i < 32; i++) {
-                /* Round to nearest even: |value * inverse| <= 127. */
-                const float q = (values[i] * inverse + 12582912.0f) - 12582912.0f;
-                ((int8_t*)row.q)[32 * b + i] = (int8_t)q;
-                sum += (int32_t)q;
-            }
-            ((float*)row.scale)[b] = amax / 127.0f;
-            ((float*)row.qsum)[b] = (float)sum;
-        }
-    }
 }
 
 /* The dot products of one block (8 quads) for R rows: isum[r] (16 int32 lanes, one per output
@@ -908,11 +884,43 @@ ALWAYS_INLINE void group_float(const int64_t R, int wfmt, int dpbf16, const void
     }
 }
 
+/* Stored integers minus zero point = the true ones: Q8_0's carry Q8_BIAS, Q4_0's 8. */
+ALWAYS_INLINE float zero_point_of(int wfmt) {
+    return wfmt == W_Q8_0 ? (float)Q8_BIAS : wfmt == W_Q4_0 ? 8.0f : 0.0f;
+}
+
+/* Quantize rows of x per block of 32 for weights in wfmt: q = round(x * 127 / amax), scale =
+ * amax / 127, and the block's offset (QuantRow). */
+ALWAYS_INLINE void quantize_rows(int wfmt, int xdt, const void* x, uint8_t* scratch,
+                                 int64_t rows, int64_t in) {
+    const int64_t nb = in / 32;
+    for (int64_t r = 0; r < rows; r++) {
+        QuantRow row = quant_row(scratch, r, in);
+        for (int64_t b = 0; b < nb; b++) {
+            const V16 lo = load_dt(x, r * in + 32 * b, xdt);
+            const V16 hi = load_dt(x, r * in + 32 * b + 16, xdt);
+            const float amax = v_hmax(v_max(v_abs(lo), v_abs(hi)));
+            const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+            float values[32];
+            v_store(values, lo);
+            v_store(values + 16, hi);
+            int32_t sum = 0;
+            for (int64_t i = 0; i < 32; i++) {
+                /* Round to nearest even: |value * inverse| <= 127. */
+                const float q = (values[i] * inverse + 12582912.0f) - 12582912.0f;
+                ((int8_t*)row.q)[32 * b + i] = (int8_t)q;
+                sum += (int32_t)q;
+            }
+            const float scale = amax / 127.0f;
+            ((float*)row.scale)[b] = scale;
+            ((float*)row.offset)[b] = (wfmt == W_Q4_1 ? scale : zero_point_of(wfmt)) * (float)sum;
+        }
+    }
+}
+
 ALWAYS_INLINE void group_quantized(const int64_t R, int wfmt, const uint8_t* w,
                                    const QuantRow* x, int64_t in, V16* acc) {
     const int64_t nb = in / 32;
-    /* Stored integers minus zero point = the true ones: Q8_0's carry Q8_BIAS, Q4_0's 8. */
-    const float zero_point = wfmt == W_Q8_0 ? (float)Q8_BIAS : wfmt == W_Q4_0 ? 8.0f : 0.0f;
     const uint8_t* block = w;
     for (int64_t r = 0; r < R; r++) acc[r] = v_zero();
     for (int64_t b = 0; b < nb; b++, block += block_bytes(wfmt)) {
@@ -929,13 +937,13 @@ ALWAYS_INLINE void group_quantized(const int64_t R, int wfmt, const uint8_t* w,
             dot_block_4bit(R, block + (wfmt == W_Q4_1 ? 64 : 32), xq, isum);
         const V16 d = v_load_f16((const uint16_t*)block);
         for (int64_t r = 0; r < R; r++) {
-            const V16 dot = v_sub(v_cvt_i32(isum[r]), v_set1(zero_point * x[r].qsum[b]));
+            V16 dot = v_cvt_i32(isum[r]);
+            if (zero_point_of(wfmt) != 0.0f) dot = v_sub(dot, v_set1(x[r].offset[b]));
             acc[r] = v_fma(dot, v_mul(d, v_set1(x[r].scale[b])), acc[r]);
         }
         if (wfmt == W_Q4_1) {
             const V16 m = v_load_f16((const uint16_t*)block + 16);
-            for (int64_t r = 0; r < R; r++)
-                acc[r] = v_fma(m, v_set1(x[r].scale[b] * x[r].qsum[b]), acc[r]);
+            for (int64_t r = 0; r < R; r++) acc[r] = v_fma(m, v_set1(x[r].offset[b]), acc[r]);
         }
     }
 }
@@ -1272,7 +1280,7 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
     const uint8_t* xs;
     int64_t x_row_bytes = in * (int64_t)sizeof(float);
     if (is_quantized(wfmt)) {
-        quantize_rows(xdt, x, scratch, rows, in);
+        quantize_rows(wfmt, xdt, x, scratch, rows, in);
         xs = scratch;
     } else if (dpbf16) {
         x_row_bytes = in * 2;
