@@ -18,6 +18,7 @@ from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model import attention
 from pdserve.model.attention import prefill_kernel_choice
+from tests.model.helpers import require_kernels
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +32,7 @@ IDLE_S = 2.0  # idle turns enough to measure a case, had one been queued
 @pytest.fixture
 def cold_choice(loaded_fp32, tmp_path, monkeypatch):
     """The kernels' choice as on a machine that never measured it (an empty cache dir)."""
-    ops = loaded_fp32.model.cpu_ops
-    if ops is None:
-        pytest.skip("the CPU kernels did not compile (no C compiler?)")
+    ops = require_kernels(loaded_fp32.model.cpu_ops)
     monkeypatch.setattr(attention, "cache_dir", lambda: tmp_path)
     prefill_kernel_choice.cache_clear()
     yield lambda: prefill_kernel_choice(ops)

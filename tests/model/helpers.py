@@ -13,7 +13,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from pdserve.model.attention import AttentionMetadata, allocate_kv_cache
 from pdserve.model.config import ModelConfig, Quantization
 from pdserve.model.cpu_runtime import read_cpu_flags
-from pdserve.model.kernels.build import VARIANTS, can_run
+from pdserve.model.kernels.build import VARIANTS, can_run, find_compiler
 from pdserve.model.llama import LlamaForCausalLM
 
 TINY_VOCAB_SIZE = 260  # 256 byte tokens + 4 specials
@@ -160,3 +160,13 @@ def write_tiny_tokenizer(folder: Path) -> None:
             {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": template}
         )
     )
+
+
+def require_kernels(ops, isa: str = "CPU"):
+    """`ops` (the loaded kernels, or None where they did not build): a skip only where this
+    machine has no C compiler; a build that fails beside one is a failure of the kernels."""
+    if ops is not None:
+        return ops
+    if find_compiler() is None:
+        pytest.skip(f"no C compiler to build the {isa} kernels")
+    pytest.fail(f"the {isa} kernels did not compile (the build's error is in the log above)")

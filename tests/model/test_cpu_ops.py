@@ -23,7 +23,7 @@ from pdserve.model.kernels import cpu_ops
 from pdserve.model.kernels.build import VARIANTS, can_run
 from pdserve.model.kernels.cpu_ops import CpuOps, load_cpu_ops
 from pdserve.model.quant import QuantizedWeight, QuantType, quantize_activations, quantize_int8
-from tests.model.helpers import kernel_variants
+from tests.model.helpers import kernel_variants, require_kernels
 
 HEADS = [(9, 3, 64), (4, 4, 128), (8, 1, 32)]  # (query heads, KV heads, head_dim)
 DTYPES = [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)]
@@ -31,9 +31,7 @@ DTYPES = [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)]
 
 @pytest.fixture(scope="module", params=kernel_variants())
 def ops(request) -> CpuOps:
-    ops = load_cpu_ops(request.param)
-    if ops is None:
-        pytest.skip(f"the {request.param} kernels did not compile (no C compiler?)")
+    ops = require_kernels(load_cpu_ops(request.param), request.param)
     assert ops.isa == request.param
     return ops
 

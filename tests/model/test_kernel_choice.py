@@ -29,7 +29,7 @@ from pdserve.model.kernels.cpu_ops import (
     dpbf16_choice,
     load_cpu_ops,
 )
-from tests.model.helpers import kernel_variants
+from tests.model.helpers import kernel_variants, require_kernels
 
 # A margin past which the test's own timing must agree with the choice (shared CPUs are noisy).
 CLEAR_MARGIN = 1.5
@@ -166,9 +166,7 @@ def _own_timing(ops, dtype, num_new, num_computed) -> tuple[float, float]:
 def test_prefill_choice_follows_the_measurement(
     isa, dtype, num_new, num_computed, tmp_path, monkeypatch
 ):
-    ops = load_cpu_ops(isa)
-    if ops is None:
-        pytest.skip(f"the {isa} kernels did not compile (no C compiler?)")
+    ops = require_kernels(load_cpu_ops(isa), isa)
     monkeypatch.setattr(attention, "cache_dir", lambda: tmp_path)
     case = prefill_case(dtype, dtype, 9, 3, 64, num_new, num_computed)
     # Other processes share these cores: a burst of load can skew one measurement, so the
@@ -214,9 +212,7 @@ def test_auto_dtype_is_the_measured_faster_one(tmp_path, monkeypatch, caplog):
 def test_bf16_dot_products_serve_the_rows_they_measured_faster_on(isa, tmp_path, monkeypatch):
     """Where the kernels have vdpbf16ps (and no AMX tiles take those rows), a full tile of
     rows uses it exactly when it timed faster here, and both ways compute the same linear."""
-    ops = load_cpu_ops(isa)
-    if ops is None:
-        pytest.skip(f"the {isa} kernels did not compile (no C compiler?)")
+    ops = require_kernels(load_cpu_ops(isa), isa)
     before = ops.tune_bf16_dot()  # from the machine's cache: restored at the end
     if before is None:
         assert not ops.has_bf16_dot or ops._lib.linear_has_amx()

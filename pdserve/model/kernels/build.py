@@ -108,10 +108,15 @@ def runnable_variants(cpu_flags: frozenset[str] | None = None) -> tuple[IsaVaria
     return tuple(v for v in VARIANTS if can_run(v, cpu_flags))
 
 
+def find_compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else cc or gcc on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def load_library(source: Path, isa: IsaVariant = VARIANTS[-1]) -> ctypes.CDLL | None:
     """`source` compiled for `isa`, built if needed; None (with a warning) if it cannot be.
     Headers next to the source are part of the cache key."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         logger.warning(
             "no C compiler found; using the slower torch path instead of %s", source.name

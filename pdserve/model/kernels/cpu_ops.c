@@ -24,6 +24,13 @@
 #define HAS_DPBF16 0
 #endif
 
+#if HAS_DPBF16
+/* Interleaves [a x16 | b x16] (bf16) into 16 (a, b) pairs: vdpbf16ps's operand layout. */
+#define BF16_PAIRS                                                                            \
+    _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, \
+                     6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
+#endif
+
 #define MAX_HEAD_DIM 256
 #define UNIT 16 /* positions scored together: one vector of scores per head */
 #define CHUNK_BYTES (256 * 1024) /* weights one pass of row tiles keeps in L2 */
@@ -978,12 +985,12 @@ ALWAYS_INLINE void group_int8(const int64_t R, const uint8_t* w, const void* con
     }
 }
 
-#if HAS_DPBF16
-/* Rows from which W_INT8 meets bfloat16 x in group_int8_bf16x. Measured on Zen 4 (30 layers'
- * MLP and QKV weights, one thread, against group_int8): x1.16 at 2 rows, x0.87 at 4, x0.64
- * at 8, x0.73 at 12; 3 rows run the 4-row tile. */
+/* Rows from which W_INT8 meets bfloat16 x in group_int8_bf16x (a bf16 build). Measured on
+ * Zen 4 (30 layers' MLP and QKV weights, one thread, against group_int8): x1.16 at 2 rows,
+ * x0.87 at 4, x0.64 at 8, x0.73 at 12; 3 rows run the 4-row tile. */
 #define INT8_BF16X_MIN_ROWS 3
 
+#if HAS_DPBF16
 /* W_INT8 against bfloat16 x (a bf16 model's rows, as they are): each pair of inputs' int8
  * weights, exact in bfloat16, meets x's pair in vdpbf16ps; the block sums are scaled in float
  * as group_int8's. Products exact, sums float: the arithmetic of group_int8 on the same x,

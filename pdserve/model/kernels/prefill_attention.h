@@ -122,11 +122,6 @@ ALWAYS_INLINE void pf_values(const int64_t NV, float* o, const float* alpha, con
 }
 
 #if HAS_DPBF16
-/* Interleaves [a x16 | b x16] (bf16) into 16 (a, b) pairs. */
-#define PF_PAIRS                                                                              \
-    _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, \
-                     6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
-
 /* s[t] = scale * qt . K[t] for positions t < PF_SCORE_T: qt [D / 2][16] pairs of dims (one
  * row per lane), K rows bf16 in the cache (k[t]), a pair of dims broadcast per instruction. */
 ALWAYS_INLINE void pf_scores_bf16(const int64_t D, const uint32_t* qt,
@@ -146,7 +141,7 @@ ALWAYS_INLINE void pf_scores_bf16(const int64_t D, const uint32_t* qt,
  * (uint32: V[2i][d], V[2i + 1][d]), a missing odd row zero. */
 ALWAYS_INLINE void pf_pack_values(const int64_t NV, const uint16_t* v, int64_t v_stride,
                                   int64_t n, uint32_t* vp) {
-    const __m512i pairs = PF_PAIRS;
+    const __m512i pairs = BF16_PAIRS;
     for (int64_t t = 0; t < n; t += 2)
         for (int64_t j = 0; j < NV; j++) {
             const __m256i even = _mm256_loadu_si256((const __m256i*)(v + t * v_stride + 16 * j));
@@ -166,7 +161,7 @@ ALWAYS_INLINE void pf_pack_values(const int64_t NV, const uint16_t* v, int64_t v
 ALWAYS_INLINE void pf_values_bf16(const int64_t NV, float* o, const float* alpha,
                                   const float* p, uint32_t* pt, const uint32_t* vp, int64_t n) {
     const int64_t D = 16 * NV, num_pairs = (n + 1) / 2;
-    const __m512i pairs = PF_PAIRS;
+    const __m512i pairs = BF16_PAIRS;
     for (int64_t i = 0; i < num_pairs; i++) {
         const __m512i bf = (__m512i)_mm512_cvtne2ps_pbh(v_load(p + 16 * (2 * i + 1)),
                                                         v_load(p + 16 * (2 * i)));
@@ -465,9 +460,7 @@ static void pf_amx_tile(const PrefillArgs* a, int64_t kv_head, int64_t row0, int
     const __m512i pos = _mm512_loadu_si512(qpos);
     const __m512 log2_scale = _mm512_set1_ps(a->scale * 1.44269504f);
     /* Interleaves [p_even x16 | p_odd x16] into (even, odd) pairs per row. */
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
-                                           9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
-                                           17, 1, 16, 0);
+    const __m512i pairs = BF16_PAIRS;
     __m512 peak = _mm512_setzero_ps(), total = _mm512_setzero_ps();
 #define PF_ZERO_O(j, tile) if (D > 16 * (j)) _tile_zero(tile);
     PF_AMX_O_TILES(PF_ZERO_O)
