@@ -360,7 +360,11 @@ def print_table(result: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
-    parser.add_argument("--quant-dtype", default="float32", help="activations of gguf/int8 runs")
+    parser.add_argument(
+        "--quant-dtype",
+        default="auto",
+        help="activations of gguf/int8 runs (auto: as `pdserve serve --quantization` runs them)",
+    )
     # One thread by default: a disaggregated worker runs on one core. The floor and the roof
     # are measured on the threads the run uses.
     parser.add_argument("--threads", type=int, default=1)
