@@ -955,72 +955,56 @@ ALWAYS_INLINE void group_quantized(const int64_t R, int wfmt, const uint8_t* w,
     }
 }
 
-/* W_INT8, weight-only: each block's int8 weights are converted to float in registers and
- * multiplied with float x; the block sums are scaled once. R == 1 runs 4 chains. */
-ALWAYS_INLINE void group_int8(const int64_t R, const uint8_t* w, const void* const* x,
-                              int64_t in, V16* acc) {
-    const int64_t P = R == 1 ? 4 : R == 2 ? 2 : 1;
-    for (int64_t r = 0; r < R; r++) acc[r] = v_zero();
-    for (int64_t b = 0; b < in / 32; b++) {
-        const uint8_t* block = w + b * block_bytes(W_INT8);
-        prefetch_weights(R, block, block_bytes(W_INT8));
-        const int8_t* q = (const int8_t*)(block + 32);
-        V16 part[MAX_ROW_TILE][4];
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t p = 0; p < P; p++) part[r][p] = v_zero();
-        for (int64_t i = 0; i < 32; i += P)
-            for (int64_t p = 0; p < P; p++) {
-                const V16 wv = v_load_i8(q + 16 * (i + p));
-                for (int64_t r = 0; r < R; r++) {
-                    const float xi = ((const float*)x[r])[32 * b + i + p];
-                    part[r][p] = v_fma(wv, v_set1(xi), part[r][p]);
-                }
-            }
-        const V16 d = v_load_f16((const uint16_t*)block);
-        for (int64_t r = 0; r < R; r++) {
-            V16 sum = part[r][0];
-            for (int64_t p = 1; p < P; p++) sum = v_add(sum, part[r][p]);
-            acc[r] = v_fma(sum, d, acc[r]);
-        }
-    }
-}
-
-/* Rows from which W_INT8 meets bfloat16 x in group_int8_bf16x (a bf16 build). Measured on
- * Zen 4 (30 layers' MLP and QKV weights, one thread, against group_int8): x1.16 at 2 rows,
- * x0.87 at 4, x0.64 at 8, x0.73 at 12; 3 rows run the 4-row tile. */
+/* Rows from which W_INT8 meets bfloat16 x in bf16 dot products (group_int8's BF, a bf16
+ * build). Measured on Zen 4 (30 layers' MLP and QKV weights, one thread, against float x):
+ * x1.16 at 2 rows, x0.87 at 4, x0.64 at 8, x0.73 at 12; 3 rows run the 4-row tile. */
 #define INT8_BF16X_MIN_ROWS 3
 
 #if HAS_DPBF16
-/* W_INT8 against bfloat16 x (a bf16 model's rows, as they are): each pair of inputs' int8
- * weights, exact in bfloat16, meets x's pair in vdpbf16ps; the block sums are scaled in float
- * as group_int8's. Products exact, sums float: the arithmetic of group_int8 on the same x,
- * in fewer instructions (x needs no widening, two inputs a dot product). */
-ALWAYS_INLINE void group_int8_bf16x(const int64_t R, const uint8_t* w, const void* const* x,
-                                    int64_t in, V16* acc) {
+/* A pair of inputs' int8 weights (rows of 16 outputs, q and q + 16) as the 16 outputs'
+ * bfloat16 pairs (exact: |w| <= 127), outputs 0-7 then 8-15. */
+ALWAYS_INLINE __m512bh int8_pair_as_bf16(const int8_t* q) {
+    const __m128i even = _mm_loadu_si128((const __m128i*)q);
+    const __m128i odd = _mm_loadu_si128((const __m128i*)(q + 16));
+    const V16 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(even, odd)));
+    const V16 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(even, odd)));
+    return _mm512_cvtne2ps_pbh(high, low);
+}
+#endif
+
+/* W_INT8, weight-only: each block's int8 weights are converted in registers and multiplied
+ * with x, the block sums scaled once. x float (BF 0): a weight vector per input, an FMA per
+ * row. x bfloat16 pairs (BF 1, a bf16 model's rows as they are, a bf16 build): the int8 of
+ * a pair of inputs, exact in bfloat16, meets x's pair in vdpbf16ps; products exact and sums
+ * float as with FMAs, in fewer instructions. R == 1 runs 4 chains. */
+ALWAYS_INLINE void group_int8(const int64_t R, const int BF, const uint8_t* w,
+                              const void* const* x, int64_t in, V16* acc) {
     const int64_t P = R == 1 ? 4 : R == 2 ? 2 : 1;
+    const int64_t steps = BF ? 16 : 32; /* pairs of inputs or inputs per block */
     for (int64_t r = 0; r < R; r++) acc[r] = v_zero();
     for (int64_t b = 0; b < in / 32; b++) {
         const uint8_t* block = w + b * block_bytes(W_INT8);
         prefetch_weights(R, block, block_bytes(W_INT8));
-        const __m128i* q = (const __m128i*)(block + 32); /* [32 inputs][16 outputs] int8 */
+        const int8_t* q = (const int8_t*)(block + 32); /* [32 inputs][16 outputs] */
         V16 part[MAX_ROW_TILE][4];
         for (int64_t r = 0; r < R; r++)
             for (int64_t p = 0; p < P; p++) part[r][p] = v_zero();
-        for (int64_t i = 0; i < 16; i += P)
+        for (int64_t i = 0; i < steps; i += P)
             for (int64_t p = 0; p < P; p++) {
-                const __m128i even = _mm_loadu_si128(q + 2 * (i + p));
-                const __m128i odd = _mm_loadu_si128(q + 2 * (i + p) + 1);
-                /* (input 2i, 2i + 1) pairs for outputs 0-7, then 8-15 */
-                const V16 low =
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(even, odd)));
-                const V16 high =
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(even, odd)));
-                const __m512bh wv = _mm512_cvtne2ps_pbh(high, low);
+                const int64_t k = steps * b + i + p; /* x's input (or pair) */
+#if HAS_DPBF16
+                if (BF) {
+                    const __m512bh wv = int8_pair_as_bf16(q + 32 * (i + p));
+                    for (int64_t r = 0; r < R; r++)
+                        part[r][p] = _mm512_dpbf16_ps(
+                            part[r][p], wv,
+                            (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)x[r])[k]));
+                    continue;
+                }
+#endif
+                const V16 wv = v_load_i8(q + 16 * (i + p));
                 for (int64_t r = 0; r < R; r++)
-                    part[r][p] = _mm512_dpbf16_ps(
-                        part[r][p], wv,
-                        (__m512bh)_mm512_set1_epi32(
-                            (int)((const uint32_t*)x[r])[16 * b + i + p]));
+                    part[r][p] = v_fma(wv, v_set1(((const float*)x[r])[k]), part[r][p]);
             }
         const V16 d = v_load_f16((const uint16_t*)block);
         for (int64_t r = 0; r < R; r++) {
@@ -1030,7 +1014,6 @@ ALWAYS_INLINE void group_int8_bf16x(const int64_t R, const uint8_t* w, const voi
         }
     }
 }
-#endif
 
 ALWAYS_INLINE int64_t group_bytes(int wfmt, int64_t in) {
     switch (wfmt) {
@@ -1059,12 +1042,10 @@ ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int ydt, c
         V16 acc[MAX_ROW_TILE];
         if (is_quantized(wfmt))
             group_quantized(R, wfmt, wg, xq, in, acc);
-        else if (wfmt == W_INT8 && HAS_DPBF16 && dpbf16) {
-#if HAS_DPBF16
-            group_int8_bf16x(R, wg, xf, in, acc);
-#endif
-        } else if (wfmt == W_INT8)
-            group_int8(R, wg, xf, in, acc);
+        else if (wfmt == W_INT8 && dpbf16)
+            group_int8(R, HAS_DPBF16, wg, xf, in, acc);
+        else if (wfmt == W_INT8)
+            group_int8(R, 0, wg, xf, in, acc);
         else
             group_float(R, wfmt, dpbf16, wg, xf, in, acc);
         const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;

@@ -95,32 +95,6 @@ ALWAYS_INLINE void pf_scores(const int64_t D, const float* qt, const float* cons
     for (int64_t t = 0; t < PF_SCORE_T; t++) s[t] = acc[t];
 }
 
-/* o[r][:] = o[r][:] * alpha[r] + sum_{t < n} p[t][r] * V[t][:] for the tile's 16 rows. */
-ALWAYS_INLINE void pf_values(const int64_t NV, float* o, const float* alpha, const float* p,
-                             const float* v, int64_t v_stride, int64_t n) {
-    const int64_t D = 16 * NV;
-    for (int64_t r0 = 0; r0 < PF_TILE; r0 += PF_PV_ROWS)
-        for (int64_t j0 = 0; j0 < NV; j0 += PF_PV_VECS) {
-            const int64_t jn = NV - j0 < PF_PV_VECS ? NV - j0 : PF_PV_VECS;
-            V16 acc[PF_PV_ROWS][PF_PV_VECS];
-            for (int64_t r = 0; r < PF_PV_ROWS; r++) {
-                const V16 scale = v_set1(alpha[r0 + r]);
-                for (int64_t j = 0; j < jn; j++)
-                    acc[r][j] = v_mul(v_load(o + (r0 + r) * D + 16 * (j0 + j)), scale);
-            }
-            for (int64_t t = 0; t < n; t++) {
-                V16 vv[PF_PV_VECS];
-                for (int64_t j = 0; j < jn; j++) vv[j] = v_load(v + t * v_stride + 16 * (j0 + j));
-                for (int64_t r = 0; r < PF_PV_ROWS; r++) {
-                    const V16 pr = v_set1(p[16 * t + r0 + r]);
-                    for (int64_t j = 0; j < jn; j++) acc[r][j] = v_fma(pr, vv[j], acc[r][j]);
-                }
-            }
-            for (int64_t r = 0; r < PF_PV_ROWS; r++)
-                for (int64_t j = 0; j < jn; j++) v_store(o + (r0 + r) * D + 16 * (j0 + j), acc[r][j]);
-        }
-}
-
 #if HAS_DPBF16
 /* s[t] = scale * qt . K[t] for positions t < PF_SCORE_T: qt [D / 2][16] pairs of dims (one
  * row per lane), K rows bf16 in the cache (k[t]), a pair of dims broadcast per instruction. */
@@ -155,18 +129,23 @@ ALWAYS_INLINE void pf_pack_values(const int64_t NV, const uint16_t* v, int64_t v
         }
 }
 
-/* o[r][:] = o[r][:] * alpha[r] + sum_{t < n} p[t][r] * V[t][:] for the tile's 16 rows, with
- * p (float [UNIT][16], zero past n) rounded to bf16 pairs of positions in pt [UNIT / 2][16]
- * and V as pf_pack_values left it. */
-ALWAYS_INLINE void pf_values_bf16(const int64_t NV, float* o, const float* alpha,
-                                  const float* p, uint32_t* pt, const uint32_t* vp, int64_t n) {
-    const int64_t D = 16 * NV, num_pairs = (n + 1) / 2;
-    const __m512i pairs = BF16_PAIRS;
-    for (int64_t i = 0; i < num_pairs; i++) {
+#endif
+
+/* o[r][:] = o[r][:] * alpha[r] + sum_{t < n} p[t][r] * V[t][:] for the tile's 16 rows.
+ * Float (BF 0): v [n][v_stride] float. BF 1: p (float [UNIT][16], zero past n) rounded to
+ * bf16 pairs of positions in pt [UNIT / 2][16], v as pf_pack_values left it (pairs
+ * [(n + 1) / 2][D]). */
+ALWAYS_INLINE void pf_values(const int64_t NV, const int BF, float* o, const float* alpha,
+                             const float* p, const void* v, int64_t v_stride, int64_t n,
+                             uint32_t* pt) {
+    const int64_t D = 16 * NV, steps = BF ? (n + 1) / 2 : n;
+#if HAS_DPBF16
+    for (int64_t i = 0; BF && i < steps; i++) {
         const __m512i bf = (__m512i)_mm512_cvtne2ps_pbh(v_load(p + 16 * (2 * i + 1)),
                                                         v_load(p + 16 * (2 * i)));
-        _mm512_storeu_si512(pt + 16 * i, _mm512_permutexvar_epi16(pairs, bf));
+        _mm512_storeu_si512(pt + 16 * i, _mm512_permutexvar_epi16(BF16_PAIRS, bf));
     }
+#endif
     for (int64_t r0 = 0; r0 < PF_TILE; r0 += PF_PV_ROWS)
         for (int64_t j0 = 0; j0 < NV; j0 += PF_PV_VECS) {
             const int64_t jn = NV - j0 < PF_PV_VECS ? NV - j0 : PF_PV_VECS;
@@ -176,15 +155,28 @@ ALWAYS_INLINE void pf_values_bf16(const int64_t NV, float* o, const float* alpha
                 for (int64_t j = 0; j < jn; j++)
                     acc[r][j] = v_mul(v_load(o + (r0 + r) * D + 16 * (j0 + j)), scale);
             }
-            for (int64_t i = 0; i < num_pairs; i++) {
-                __m512bh vv[PF_PV_VECS];
-                for (int64_t j = 0; j < jn; j++)
-                    vv[j] = (__m512bh)_mm512_loadu_si512(vp + i * D + 16 * (j0 + j));
-                for (int64_t r = 0; r < PF_PV_ROWS; r++) {
-                    const __m512bh pr =
-                        (__m512bh)_mm512_set1_epi32((int32_t)pt[16 * i + r0 + r]);
+            for (int64_t t = 0; t < steps; t++) {
+#if HAS_DPBF16
+                if (BF) {
+                    __m512bh vv[PF_PV_VECS];
                     for (int64_t j = 0; j < jn; j++)
-                        acc[r][j] = _mm512_dpbf16_ps(acc[r][j], vv[j], pr);
+                        vv[j] = (__m512bh)_mm512_loadu_si512((const uint32_t*)v + t * D +
+                                                             16 * (j0 + j));
+                    for (int64_t r = 0; r < PF_PV_ROWS; r++) {
+                        const __m512bh pr =
+                            (__m512bh)_mm512_set1_epi32((int32_t)pt[16 * t + r0 + r]);
+                        for (int64_t j = 0; j < jn; j++)
+                            acc[r][j] = _mm512_dpbf16_ps(acc[r][j], vv[j], pr);
+                    }
+                    continue;
+                }
+#endif
+                V16 vv[PF_PV_VECS];
+                for (int64_t j = 0; j < jn; j++)
+                    vv[j] = v_load((const float*)v + t * v_stride + 16 * (j0 + j));
+                for (int64_t r = 0; r < PF_PV_ROWS; r++) {
+                    const V16 pr = v_set1(p[16 * t + r0 + r]);
+                    for (int64_t j = 0; j < jn; j++) acc[r][j] = v_fma(pr, vv[j], acc[r][j]);
                 }
             }
             for (int64_t r = 0; r < PF_PV_ROWS; r++)
@@ -192,7 +184,6 @@ ALWAYS_INLINE void pf_values_bf16(const int64_t NV, float* o, const float* alpha
                     v_store(o + (r0 + r) * D + 16 * (j0 + j), acc[r][j]);
         }
 }
-#endif
 
 /* One block: rows [row0, row0 + PF_TILES * PF_TILE) of KV head kv_head; BF (a compile-time
  * constant, bf16 q and K/V on a vdpbf16ps core) keeps the block's queries as bf16 pairs of
@@ -306,15 +297,9 @@ ALWAYS_INLINE void pf_block(int qdt, int kvdt, const int64_t NV, const int BF,
             v_store(tile_total, v_fma(v_load(tile_total), scale, sum));
             v_store(tile_peak, new_peak);
             v_store(alpha, scale);
-            if (BF) {
-#if HAS_DPBF16
-                if (n % 2) v_store(p + 16 * n, v_zero()); /* pairs V's zero row */
-                pf_values_bf16(NV, o + tile * PF_TILE * D, alpha, p, (uint32_t*)kbuf,
-                               (const uint32_t*)vbuf, n);
-#endif
-            } else {
-                pf_values(NV, o + tile * PF_TILE * D, alpha, p, v, kv_stride, n);
-            }
+            if (BF && n % 2) v_store(p + 16 * n, v_zero()); /* pairs V's zero row */
+            pf_values(NV, BF, o + tile * PF_TILE * D, alpha, p, BF ? (const void*)vbuf : v,
+                      kv_stride, n, (uint32_t*)kbuf);
         }
         start += n;
     }
