@@ -6,7 +6,9 @@ loopback): one stream's inter-token latency (ITL), 8 and 32 concurrent streams' 
 tokens/s, ITL p50/p99/max and TTFT p50 (the streams arrive together: a server that prefills
 the whole burst before decoding trades their TTFT for ITL), and a 3,000-token prompt's time to
 first token (TTFT). Every request asks for exactly its max_tokens (ignore_eos where the server
-takes it).
+takes it). Each server runs every row `--repeats` times in turn, on prompts no other repeat
+sent; the table gives each figure's median and range over them (the JSON every repeat's): a
+burst's ITL p99 moves with a single stalled step.
 
 Peers live in their own venvs, installed on first use (`--install`):
 - llama.cpp: llama-cpp-python[server] built for this CPU (benchmarks/llama_cpp_venv.sh) on the
@@ -23,7 +25,7 @@ server's output goes to a log in --log-dir.
 
     .venv/bin/python benchmarks/served.py [--peers pdserve pdserve-gguf pdserve-512 llama.cpp
         vllm] [--install]
-        [--cpus 0-1] [--threads 2] [--json F] [--log-dir DIR]
+        [--cpus 0-1] [--threads 2] [--repeats 3] [--json F] [--log-dir DIR]
 """
 
 from __future__ import annotations
@@ -226,36 +228,61 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def measure(url: str, model: str) -> dict:
-    async with httpx.AsyncClient(timeout=600) as client:
-        await stream(client, url, model, prompt_text(32, 0), 8)  # warm up
-        one = await stream(client, url, model, prompt_text(64, 1), SINGLE_TOKENS)
-        result = {"one_stream_itl_ms": statistics.median(itls(one)) * 1e3}
-        for n in CONCURRENCY:
-            start = time.perf_counter()
-            runs = await asyncio.gather(
-                *(
-                    stream(client, url, model, prompt_text(64, 100 + i), CONCURRENT_TOKENS)
-                    for i in range(n)
-                )
+async def measure_once(client: httpx.AsyncClient, url: str, model: str, seed: int) -> dict:
+    """Every row once; `seed` picks prompts no earlier repeat sent (no prefix-cache hits
+    across repeats, on any server)."""
+    one = await stream(client, url, model, prompt_text(64, seed + 1), SINGLE_TOKENS)
+    result = {"one_stream_itl_ms": statistics.median(itls(one)) * 1e3}
+    for n in CONCURRENCY:
+        start = time.perf_counter()
+        runs = await asyncio.gather(
+            *(
+                stream(client, url, model, prompt_text(64, seed + 100 + i), CONCURRENT_TOKENS)
+                for i in range(n)
             )
-            wall = time.perf_counter() - start
-            gaps = [gap for times in runs for gap in itls(times)]
-            result[f"streams_{n}"] = {
-                "output_tokens_per_s": sum(len(t) - 1 for t in runs) / wall,
-                "itl_p50_ms": percentile(gaps, 0.5) * 1e3,
-                "itl_p99_ms": percentile(gaps, 0.99) * 1e3,
-                "itl_max_ms": max(gaps) * 1e3,
-                "ttft_p50_s": statistics.median(t[1] - t[0] for t in runs if len(t) > 1),
-            }
-        long = await stream(client, url, model, prompt_text(LONG_PROMPT_TOKENS, 7), 1)
-        result["ttft_3000_s"] = long[1] - long[0] if len(long) > 1 else None
+        )
+        wall = time.perf_counter() - start
+        gaps = [gap for times in runs for gap in itls(times)]
+        result[f"streams_{n}"] = {
+            "output_tokens_per_s": sum(len(t) - 1 for t in runs) / wall,
+            "itl_p50_ms": percentile(gaps, 0.5) * 1e3,
+            "itl_p99_ms": percentile(gaps, 0.99) * 1e3,
+            "itl_max_ms": max(gaps) * 1e3,
+            "ttft_p50_s": statistics.median(t[1] - t[0] for t in runs if len(t) > 1),
+        }
+    long = await stream(client, url, model, prompt_text(LONG_PROMPT_TOKENS, seed + 7), 1)
+    result["ttft_3000_s"] = long[1] - long[0] if len(long) > 1 else None
     return result
 
 
+def median_of(repeats: list[dict]) -> dict:
+    """Each figure's median over the repeats (same keys, nested as one repeat's)."""
+    first = repeats[0]
+    if isinstance(first, dict):
+        return {key: median_of([r[key] for r in repeats]) for key in first}
+    values = [v for v in repeats if v is not None]
+    return statistics.median(values) if values else None
+
+
+async def measure(url: str, model: str, repeats: int) -> dict:
+    """The rows `repeats` times in turn: each figure's median, and every repeat's figures."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        await stream(client, url, model, prompt_text(32, 0), 8)  # warm up
+        runs = [await measure_once(client, url, model, 10_000 * r) for r in range(repeats)]
+    return {**median_of(runs), "repeats": runs}
+
+
+def short(value: float) -> str:
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
 def print_table(results: dict, cpus: str, threads: int) -> None:
+    """One row per figure, one column per server: the median over the repeats, and their
+    range where there were several (a p99 over one burst moves with a single stalled step)."""
     peers = list(results)
-    print(f"every server pinned to CPUs {cpus} with {threads} threads, one at a time")
+    repeats = max((len(r.get("repeats", ())) for r in results.values()), default=1)
+    print(f"every server pinned to CPUs {cpus} with {threads} threads, one at a time", end="")
+    print(f"; median of {repeats} repeats (min-max)" if repeats > 1 else "")
     rows = [("1 stream ITL ms", lambda r: r["one_stream_itl_ms"])]
     for n in CONCURRENCY:
         rows += [
@@ -266,12 +293,19 @@ def print_table(results: dict, cpus: str, threads: int) -> None:
             (f"{n} streams TTFT p50 s", lambda r, n=n: r[f"streams_{n}"]["ttft_p50_s"]),
         ]
     rows.append((f"TTFT {LONG_PROMPT_TOKENS} tokens s", lambda r: r["ttft_3000_s"]))
-    print(f"{'':>24}" + "".join(f"{p:>14}" for p in peers))
+    print(f"{'':>24}" + "".join(f"{p:>22}" for p in peers))
     for label, get in rows:
         cells = []
         for p in peers:
             r = results[p]
-            cells.append(f"{'-' if 'error' in r else f'{get(r):.2f}':>14}")
+            if "error" in r:
+                cells.append(f"{'-':>22}")
+                continue
+            spread = [get(run) for run in r["repeats"]]
+            cell = f"{get(r):.2f}"
+            if len(spread) > 1:
+                cell += f" ({short(min(spread))}-{short(max(spread))})"
+            cells.append(f"{cell:>22}")
         print(f"{label:>24}" + "".join(cells))
     for p in peers:
         if "error" in results[p]:
@@ -284,6 +318,9 @@ def main() -> int:
     parser.add_argument("--install", action="store_true", help="install missing peers' venvs")
     parser.add_argument("--cpus", default="0-1", help="taskset CPU list every server gets")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="times each server runs every row (medians)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--log-dir", type=Path, default=None, help="servers' logs (default: temp)")
     args = parser.parse_args()
@@ -306,7 +343,7 @@ def main() -> int:
                 server = server_for(peer, port, args, hf_folder, dtype)
                 process, url = start(server, args.cpus, port, logs / f"{peer}.log")
                 try:
-                    results[peer] = asyncio.run(measure(url, server.model))
+                    results[peer] = asyncio.run(measure(url, server.model, args.repeats))
                 finally:
                     stop(process)
             except (OSError, RuntimeError, httpx.HTTPError, subprocess.SubprocessError) as e:
