@@ -11,6 +11,7 @@ from pdserve.kv_transfer.shm import SharedKVCache
 from pdserve.model.attention import (
     AttentionMetadata,
     allocate_kv_cache,
+    int64_tensor,
     kernel_attends,
     measure_prefill_choices,
     prefill_kernel_choice,
@@ -90,6 +91,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         seqs = []
+        sampling_rows = []  # the flat batch's row of each sampling request's last new token
         for scheduled in output.scheduled:
             request = scheduled.request
             start = request.num_computed_tokens
@@ -97,19 +99,21 @@ class ModelRunner:
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             seqs.append((request.block_table, start, scheduled.num_new_tokens))
+            if scheduled.is_sampling:
+                # The last new token of a request that catches up is the one that predicts.
+                sampling_rows.append(len(positions) - 1)
         metadata = AttentionMetadata.build(seqs, self.block_size, self.device)
         hidden = self.model(
-            torch.tensor(input_ids, device=self.device),
-            torch.tensor(positions, device=self.device),
+            int64_tensor(input_ids, self.device),
+            int64_tensor(positions, self.device),
             self.kv_cache,
             metadata,
         )
-        # The last new token of each request that catches up is the one that predicts.
-        ends = torch.cumsum(torch.tensor([s.num_new_tokens for s in output.scheduled]), 0) - 1
-        rows = [i for i, s in enumerate(output.scheduled) if s.is_sampling]
-        if not rows:
+        if not sampling_rows:
             return {}
-        logits = self.model.compute_logits(hidden[ends[rows].to(self.device)])
-        requests = [output.scheduled[i].request for i in rows]
+        if len(sampling_rows) < len(positions):  # else every row samples (all decodes)
+            hidden = hidden[int64_tensor(sampling_rows, self.device)]
+        logits = self.model.compute_logits(hidden)
+        requests = [s.request for s in output.scheduled if s.is_sampling]
         sampled = self.sampler(logits, requests)
         return {r.request_id: s for r, s in zip(requests, sampled, strict=True)}

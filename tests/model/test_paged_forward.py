@@ -203,12 +203,28 @@ def test_metadata_slots_follow_block_tables():
     meta = AttentionMetadata.build([([3, 1], 6, 4), ([2], 5, 1)], 8, "cpu")
     # Positions 6..9 of the first sequence: block 3 offsets 6,7 then block 1 offsets 0,1.
     assert meta.slot_mapping.tolist() == [30, 31, 8, 9, 21]
-    assert meta.query_start_loc.tolist() == [0, 4, 5]
-    assert meta.seq_lens.tolist() == [10, 6]
-    assert meta.block_tables.tolist() == [[3, 1], [2, 0]]
     assert meta.slot_mapping.dtype == torch.int64
-    assert (meta.num_tokens, meta.max_query_len, meta.max_seq_len) == (5, 4, 10)
+    assert (meta.num_tokens, meta.max_block_id) == (5, 3)
     assert not meta.is_all_decode
+    (chunk,) = meta.prefills
+    assert (chunk.rows, chunk.num_computed_tokens, chunk.seq_len) == (slice(0, 4), 6, 10)
+    assert chunk.block_table.tolist() == [3, 1]
+    assert meta.decode.token_index == slice(4, 5)
+    assert meta.decode.block_tables.tolist() == [[2]]
+    assert meta.decode.seq_lens.tolist() == [6]
+
+
+def test_decode_batches_pad_their_tables_and_index_scattered_rows():
+    meta = AttentionMetadata.build(
+        [([4], 2, 1), ([7, 8, 9], 3, 3), ([5, 6, 2], 16, 1), ([1], 0, 1)], 8, "cpu"
+    )
+    # The decodes sit at rows 0, 4 and 5 (the prefill chunk holds rows 1..3).
+    assert meta.slot_mapping.tolist() == [34, 59, 60, 61, 16, 8]
+    assert meta.decode.token_index.tolist() == [0, 4, 5]
+    assert meta.decode.block_tables.tolist() == [[4, 0, 0], [5, 6, 2], [1, 0, 0]]
+    assert meta.decode.seq_lens.tolist() == [3, 17, 1]
+    assert meta.decode.max_len == 17
+    assert meta.max_block_id == 7
 
 
 def test_block_ids_outside_the_cache_are_rejected():
