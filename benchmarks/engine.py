@@ -11,7 +11,10 @@ the read bandwidth measured here (the run's threads streaming a 1 GiB buffer; th
 measurement before every run and one after the last, as is the roof), and the roof: the activations'
 dtype's best GEMM on these threads (a 2048^3 `torch.mm`, oneDNN/MKL: AMX tiles for bfloat16
 where the CPU has them; for quantized weights the better of the two), against which prefill's
-rate (the linears' and the causal attention's FLOPs per second) is reported. Quantized and bf16
+rate (the linears' and the causal attention's FLOPs per second) is reported. Each decode step
+also gets its compute time (its FLOPs over the highest roof its kernels could reach, int8's
+`torch._int_mm` included for quantized weights) and its roofline bound, the larger of floor
+and compute: at batch 32 the float formats are compute-bound. Quantized and bf16
 runs also report teacher-forced quality against float32 (`pdserve.model.quality`). The CPU's
 ISA flags and the kernel variant that ran are printed and saved, with what `--dtype auto` picks
 here; `--isa` runs another variant this CPU runs (as PDSERVE_CPU_ISA does).
@@ -87,28 +90,52 @@ def measure_bandwidth(num_threads: int, repeats: int = 5) -> float:
 
 
 def measure_gemm_roof(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of the best square `torch.mm` in `dtype` here (best of `repeats`)."""
+    """FLOP/s (int8: multiply-add ops/s) of the best square matmul in `dtype` here (best of
+    `repeats`): `torch.mm`, or `torch._int_mm` (int8 in, int32 out) for int8."""
     generator = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
-    torch.mm(a, b)
+    if dtype == torch.int8:
+        a, b = (
+            torch.randint(-127, 128, (size, size), generator=generator, dtype=dtype)
+            for _ in range(2)
+        )
+        matmul = torch._int_mm
+    else:
+        a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
+        matmul = torch.mm
+    matmul(a, b)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.mm(a, b)
+        matmul(a, b)
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
+
+
+def linear_macs(config: ModelConfig) -> int:
+    """Multiply-adds of every decoder layer's linears for one token (the LM head not counted)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    per_layer = hidden * (config.q_size + 2 * config.kv_size) + config.q_size * hidden
+    return (per_layer + 3 * hidden * inter) * config.num_hidden_layers
+
+
+def attention_flop(config: ModelConfig, pairs: float) -> float:
+    """FLOPs of QK^T and PV over `pairs` (query, position) pairs in every layer and head."""
+    heads = config.num_attention_heads * config.num_hidden_layers
+    return 4 * config.head_dim * heads * pairs
 
 
 def prefill_flop(config: ModelConfig, length: int) -> float:
     """Multiply-add FLOPs of one `length`-token prefill: every layer's linears on every token,
     the LM head on the last, and causal attention (QK^T and PV over the visible pairs)."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    per_layer = hidden * (config.q_size + 2 * config.kv_size) + config.q_size * hidden
-    per_layer += 3 * hidden * inter
-    linear = 2 * length * per_layer * config.num_hidden_layers + 2 * hidden * config.vocab_size
-    pairs = length * (length + 1) / 2
-    attention = 4 * config.head_dim * config.num_attention_heads * pairs
-    return linear + attention * config.num_hidden_layers
+    linear = 2 * length * linear_macs(config) + 2 * config.hidden_size * config.vocab_size
+    return linear + attention_flop(config, length * (length + 1) / 2)
+
+
+def decode_flop(config: ModelConfig, batch: int, context: int) -> float:
+    """FLOPs of one decode step: `batch` tokens through the linears and the LM head, each
+    attending to `context` positions."""
+    macs = linear_macs(config) + config.hidden_size * config.vocab_size
+    return batch * (2 * macs + attention_flop(config, context))
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:
@@ -209,7 +236,7 @@ class Limits:
 
     def __init__(self) -> None:
         self.bandwidth = 0.0
-        self.roofs = {torch.float32: 0.0, torch.bfloat16: 0.0}
+        self.roofs = {torch.float32: 0.0, torch.bfloat16: 0.0, torch.int8: 0.0}
 
     def measure(self) -> None:
         self.bandwidth = max(self.bandwidth, measure_bandwidth(torch.get_num_threads()))
@@ -217,19 +244,30 @@ class Limits:
             self.roofs[dtype] = max(self.roofs[dtype], measure_gemm_roof(dtype))
 
     def apply(self, row: dict) -> None:
-        """Fill in `row`'s fractions of the roof and multiples of the floor. Quantized weights
-        are judged against the machine's best roof: their kernels may compute in either dtype
-        (gguf's prefill takes bf16 dot products where the CPU has them)."""
+        """Fill in `row`'s fractions of the roof and its decode steps' bounds.
+
+        Prefill is judged against the activations' dtype's roof; quantized weights against
+        the better float roof (gguf's prefill takes bf16 dot products where the CPU has them).
+        A decode step's bound is the roofline's: the larger of its floor (bytes read over the
+        bandwidth) and its compute (FLOPs over the highest roof its kernels could reach: the
+        dtype's, or for quantized weights any, int8 dot products included). No step can beat
+        it, so a goal set in multiples of the floor below the bound cannot be met here."""
+        floats = (torch.float32, torch.bfloat16)
         if row["quantization"] == "none":
-            roof = self.roofs[getattr(torch, row["dtype"])]
+            roof = decode_roof = self.roofs[getattr(torch, row["dtype"])]
         else:
-            roof = max(self.roofs.values())
+            roof = max(self.roofs[d] for d in floats)
+            decode_roof = max(self.roofs.values())
         row["roof_gflop_s"] = roof / 1e9
+        row["decode_roof_gflop_s"] = decode_roof / 1e9
         for p in row["prefill"].values():
             p["of_roof"] = p["gflop_s"] * 1e9 / roof
         for d in row["decode"].values():
             d["floor_ms"] = d["floor_bytes"] / self.bandwidth * 1e3
             d["x_floor"] = d["pdserve_step_ms"] / d["floor_ms"]
+            d["compute_ms"] = d["flop"] / decode_roof * 1e3
+            d["bound_ms"] = max(d["floor_ms"], d["compute_ms"])
+            d["x_bound"] = d["pdserve_step_ms"] / d["bound_ms"]
 
 
 def bench_run(name: str, args, hf_folder: Path | None, reference) -> dict:
@@ -283,6 +321,7 @@ def bench_run(name: str, args, hf_folder: Path | None, reference) -> dict:
             "pdserve_step_ms": step * 1e3,
             "transformers_step_ms": hf_decode(hf, batch) * 1e3 if hf else None,
             "floor_bytes": weights + batch * DECODE_CONTEXT * kv_per_token,
+            "flop": decode_flop(loaded.config, batch, DECODE_CONTEXT),
         }
     if reference is not None and name != "float32":
         ids, float32 = reference
@@ -316,7 +355,8 @@ def print_table(result: dict) -> None:
         print(
             f"\n{r['run']}: {r['dtype']} activations, weights {r['quantization']} "
             f"({r['weight_bytes'] / 1e6:.0f} MB), KV {r['kv_cache_dtype']}, "
-            f"kernels {r['kernel_variant']}, roof {r['roof_gflop_s']:.0f} GFLOP/s"
+            f"kernels {r['kernel_variant']}, roof {r['roof_gflop_s']:.0f} GFLOP/s "
+            f"(decode {r['decode_roof_gflop_s']:.0f})"
         )
         print(
             f"{'prefill':>14} {'pdserve tok/s':>14} {'GFLOP/s':>8} {'of roof':>8} "
@@ -338,14 +378,15 @@ def print_table(result: dict) -> None:
         )
         print(
             f"{'decode batch':>14} {'pdserve ms':>14} {'transformers':>13} {'floor ms':>9} "
-            f"{'x floor':>8} {'llama.cpp':>10}"
+            f"{'x floor':>8} {'compute ms':>11} {'x bound':>8} {'llama.cpp':>10}"
         )
         for batch, d in r["decode"].items():
             peer = lc.get("decode_step_ms") if int(batch) == 1 else None
             print(
                 f"{batch:>14} {d['pdserve_step_ms']:>14.1f} "
                 f"{_cell(d['transformers_step_ms'], 13, 1)} {d['floor_ms']:>9.1f} "
-                f"{d['x_floor']:>7.2f}x {_cell(peer, 10, 1)}"
+                f"{d['x_floor']:>7.2f}x {d['compute_ms']:>11.1f} {d['x_bound']:>7.2f}x "
+                f"{_cell(peer, 10, 1)}"
             )
         if "quality" in r:
             q = r["quality"]
