@@ -3,21 +3,22 @@
 For each run (a dtype, or a weight format: gguf = the GGUF's own blocks, int8): prefill
 tokens/s for 512- and 3,000-token prompts, the 3,000-token prompt in 256-token chunks (the
 chunked server's steps) against one-shot, and decode step time at batch 1, 8 and 32 (each
-sequence holding a 512-token context). Next to each figure: transformers on the same weights
-in the same dtype (float32 for the quantized runs), llama.cpp on the same GGUF with one thread
-(when `--llama-cpp-python` names a Python with llama-cpp-python, see llama_cpp_venv.sh), and
-the floor: the bytes a decode step reads (weights in their stored format + the KV cache) over
-the read bandwidth measured here (the run's threads streaming a 1 GiB buffer; the best of a
-measurement before every run and one after the last, as is the roof), and the roof: the activations'
-dtype's best GEMM on these threads (a 2048^3 `torch.mm`, oneDNN/MKL: AMX tiles for bfloat16
-where the CPU has them; for quantized weights the better of the two), against which prefill's
-rate (the linears' and the causal attention's FLOPs per second) is reported. Each decode step
-also gets its compute time (its FLOPs over the highest roof its kernels could reach, int8's
-`torch._int_mm` included for quantized weights) and its roofline bound, the larger of floor
-and compute: at batch 32 the float formats are compute-bound. Quantized and bf16
-runs also report teacher-forced quality against float32 (`pdserve.model.quality`). The CPU's
-ISA flags and the kernel variant that ran are printed and saved, with what `--dtype auto` picks
-here; `--isa` runs another variant this CPU runs (as PDSERVE_CPU_ISA does).
+sequence holding a 512-token prompt; the median of 32 steps). Next to each figure: transformers
+on the same weights in the same dtype (float32 for the quantized runs), llama.cpp on the same
+GGUF with one thread (when `--llama-cpp-python` names a Python with llama-cpp-python, see
+llama_cpp_venv.sh), and the floor: the bytes a decode step reads (weights in their stored
+format + the KV cache) over the read bandwidth measured here (the run's threads streaming a
+1 GiB buffer; the best of a measurement before every run and one after the last, as is the
+roof), and the roof: the activations' dtype's best GEMM on these threads (a 2048^3 `torch.mm`,
+oneDNN/MKL: AMX tiles for bfloat16 where the CPU has them; for quantized weights the better of
+the two), against which prefill's rate (the linears' and the causal attention's FLOPs per
+second) is reported. Each decode step also gets its compute time (its FLOPs over the highest
+roof its kernels could reach, int8's `torch._int_mm` included for quantized weights) and its
+roofline bound, the larger of floor and compute: at batch 32 the float formats are
+compute-bound. Quantized and bf16 runs also report teacher-forced quality against float32
+(`pdserve.model.quality`). The CPU's ISA flags and the kernel variant that ran are printed and
+saved, with what `--dtype auto` picks here; `--isa` runs another variant this CPU runs (as
+PDSERVE_CPU_ISA does).
 
     .venv/bin/python benchmarks/engine.py [--runs float32 bfloat16 gguf int8] [--json F]
         [--isa amx|avx512_bf16|avx512|avx2|portable] [--no-transformers] [--no-quality]
@@ -56,7 +57,10 @@ PREFILL_LENGTHS = (512, 3000)
 CHUNKED_LENGTH, CHUNK = 3000, 256
 DECODE_BATCHES = (1, 8, 32)
 DECODE_CONTEXT = 512
-DECODE_STEPS = 12
+DECODE_STEPS = 32
+# The mean context a timed decode step attends to: the prompt, the untimed first step's token,
+# and the tokens of the timed steps up to its own. The floor and the compute count it.
+DECODE_MEAN_CONTEXT = DECODE_CONTEXT + 1 + (DECODE_STEPS + 1) / 2
 # name -> (dtype, quantization); quantized runs keep the activations in `--quant-dtype`.
 RUNS = {
     "float32": ("float32", "none"),
@@ -131,7 +135,7 @@ def prefill_flop(config: ModelConfig, length: int) -> float:
     return linear + attention_flop(config, length * (length + 1) / 2)
 
 
-def decode_flop(config: ModelConfig, batch: int, context: int) -> float:
+def decode_flop(config: ModelConfig, batch: int, context: float) -> float:
     """FLOPs of one decode step: `batch` tokens through the linears and the LM head, each
     attending to `context` positions."""
     macs = linear_macs(config) + config.hidden_size * config.vocab_size
@@ -320,8 +324,8 @@ def bench_run(name: str, args, hf_folder: Path | None, reference) -> dict:
         row["decode"][batch] = {
             "pdserve_step_ms": step * 1e3,
             "transformers_step_ms": hf_decode(hf, batch) * 1e3 if hf else None,
-            "floor_bytes": weights + batch * DECODE_CONTEXT * kv_per_token,
-            "flop": decode_flop(loaded.config, batch, DECODE_CONTEXT),
+            "floor_bytes": weights + batch * DECODE_MEAN_CONTEXT * kv_per_token,
+            "flop": decode_flop(loaded.config, batch, DECODE_MEAN_CONTEXT),
         }
     if reference is not None and name != "float32":
         ids, float32 = reference
