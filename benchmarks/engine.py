@@ -12,13 +12,13 @@ format + the KV cache) over the read bandwidth measured here (the run's threads 
 roof), and the roof: the activations' dtype's best GEMM on these threads (a 2048^3 `torch.mm`,
 oneDNN/MKL: AMX tiles for bfloat16 where the CPU has them; for quantized weights the better of
 the two), against which prefill's rate (the linears' and the causal attention's FLOPs per
-second) is reported. Each decode step also gets its compute time (its FLOPs over the highest
-roof its kernels could reach, int8's `torch._int_mm` included for quantized weights) and its
-roofline bound, the larger of floor and compute: at batch 32 the float formats are
-compute-bound. Quantized and bf16 runs also report teacher-forced quality against float32
-(`pdserve.model.quality`). The CPU's ISA flags and the kernel variant that ran are printed and
-saved, with what `--dtype auto` picks here; `--isa` runs another variant this CPU runs (as
-PDSERVE_CPU_ISA does).
+second) is reported. Each decode step also gets its compute time (its FLOPs over the roof of
+the products its kernels take: int8's `torch._int_mm` for gguf, else the activations') and its
+roofline bound, the larger of floor and compute (at batch 32 on one Zen 4 core, every format
+but gguf is compute-bound). Quantized and bf16 runs also report teacher-forced quality against
+float32 (`pdserve.model.quality`). The CPU's ISA flags and the kernel variant that ran are
+printed and saved, with what `--dtype auto` picks here; `--isa` runs another variant this CPU
+runs (as PDSERVE_CPU_ISA does).
 
     .venv/bin/python benchmarks/engine.py [--runs float32 bfloat16 gguf int8] [--json F]
         [--isa amx|avx512_bf16|avx512|avx2|portable] [--no-transformers] [--no-quality]
@@ -253,15 +253,14 @@ class Limits:
         Prefill is judged against the activations' dtype's roof; quantized weights against
         the better float roof (gguf's prefill takes bf16 dot products where the CPU has them).
         A decode step's bound is the roofline's: the larger of its floor (bytes read over the
-        bandwidth) and its compute (FLOPs over the highest roof its kernels could reach: the
-        dtype's, or for quantized weights any, int8 dot products included). No step can beat
-        it, so a goal set in multiples of the floor below the bound cannot be met here."""
+        bandwidth) and its compute (FLOPs over the roof of the products its kernels take: int8
+        for gguf, which quantizes x per block; the activations' dtype for the rest, int8
+        weight-only included, which keeps x exact). No step can beat it, so a goal set in
+        multiples of the floor below the bound cannot be met here."""
         floats = (torch.float32, torch.bfloat16)
-        if row["quantization"] == "none":
-            roof = decode_roof = self.roofs[getattr(torch, row["dtype"])]
-        else:
-            roof = max(self.roofs[d] for d in floats)
-            decode_roof = max(self.roofs.values())
+        activations = self.roofs[getattr(torch, row["dtype"])]
+        roof = activations if row["quantization"] == "none" else max(self.roofs[d] for d in floats)
+        decode_roof = self.roofs[torch.int8] if row["quantization"] == "gguf" else activations
         row["roof_gflop_s"] = roof / 1e9
         row["decode_roof_gflop_s"] = decode_roof / 1e9
         for p in row["prefill"].values():
