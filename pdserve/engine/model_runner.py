@@ -92,6 +92,7 @@ class ModelRunner:
         positions: list[int] = []
         seqs = []
         sampling_rows = []  # the flat batch's row of each sampling request's last new token
+        requests = []  # the sampling requests, in that order
         for scheduled in output.scheduled:
             request = scheduled.request
             start = request.num_computed_tokens
@@ -102,6 +103,7 @@ class ModelRunner:
             if scheduled.is_sampling:
                 # The last new token of a request that catches up is the one that predicts.
                 sampling_rows.append(len(positions) - 1)
+                requests.append(request)
         metadata = AttentionMetadata.build(seqs, self.block_size, self.device)
         hidden = self.model(
             int64_tensor(input_ids, self.device),
@@ -114,6 +116,5 @@ class ModelRunner:
         if len(sampling_rows) < len(positions):  # else every row samples (all decodes)
             hidden = hidden[int64_tensor(sampling_rows, self.device)]
         logits = self.model.compute_logits(hidden)
-        requests = [s.request for s in output.scheduled if s.is_sampling]
         sampled = self.sampler(logits, requests)
         return {r.request_id: s for r, s in zip(requests, sampled, strict=True)}
