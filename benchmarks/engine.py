@@ -13,12 +13,13 @@ roof), and the roof: the activations' dtype's best GEMM on these threads (a 2048
 oneDNN/MKL: AMX tiles for bfloat16 where the CPU has them; for quantized weights the better of
 the two), against which prefill's rate (the linears' and the causal attention's FLOPs per
 second) is reported. Each decode step also gets its compute time (its FLOPs over the roof of
-the products its kernels take: int8's `torch._int_mm` for gguf, else the activations') and its
-roofline bound, the larger of floor and compute (at batch 32 on one Zen 4 core, every format
-but gguf is compute-bound). Quantized and bf16 runs also report teacher-forced quality against
-float32 (`pdserve.model.quality`). The CPU's ISA flags and the kernel variant that ran are
-printed and saved, with what `--dtype auto` picks here; `--isa` runs another variant this CPU
-runs (as PDSERVE_CPU_ISA does).
+the products its kernels take, see `Limits.apply`) and its roofline bound: a step runs its
+linears (reading the weights) and its attention (reading the KV cache) one after the other, so
+the bound is the sum of each phase's larger of bytes over bandwidth and FLOPs over roof.
+Quantized and bf16 runs also report teacher-forced quality against float32
+(`pdserve.model.quality`). The CPU's ISA flags and the kernel variant that ran are printed and
+saved, with what `--dtype auto` picks here; `--isa` runs another variant this CPU runs (as
+PDSERVE_CPU_ISA does).
 
     .venv/bin/python benchmarks/engine.py [--runs float32 bfloat16 gguf int8] [--json F]
         [--isa amx|avx512_bf16|avx512|avx2|portable] [--no-transformers] [--no-quality]
@@ -135,11 +136,20 @@ def prefill_flop(config: ModelConfig, length: int) -> float:
     return linear + attention_flop(config, length * (length + 1) / 2)
 
 
-def decode_flop(config: ModelConfig, batch: int, context: float) -> float:
-    """FLOPs of one decode step: `batch` tokens through the linears and the LM head, each
-    attending to `context` positions."""
+def decode_phases(
+    config: ModelConfig, weight_bytes: int, kv_bytes_per_token: int, batch: int, context: float
+) -> dict:
+    """The bytes and FLOPs of one decode step's two phases, which run one after the other:
+    `batch` tokens through the linears and the LM head (reading every weight), then each
+    attending to `context` positions (reading their KV)."""
     macs = linear_macs(config) + config.hidden_size * config.vocab_size
-    return batch * (2 * macs + attention_flop(config, context))
+    return {
+        "linears": {"bytes": weight_bytes, "flop": 2 * batch * macs},
+        "attention": {
+            "bytes": batch * context * kv_bytes_per_token,
+            "flop": batch * attention_flop(config, context),
+        },
+    }
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:
@@ -252,24 +262,39 @@ class Limits:
 
         Prefill is judged against the activations' dtype's roof; quantized weights against
         the better float roof (gguf's prefill takes bf16 dot products where the CPU has them).
-        A decode step's bound is the roofline's: the larger of its floor (bytes read over the
-        bandwidth) and its compute (FLOPs over the roof of the products its kernels take: int8
-        for gguf, which quantizes x per block; the activations' dtype for the rest, int8
-        weight-only included, which keeps x exact). No step can beat it, so a goal set in
-        multiples of the floor below the bound cannot be met here."""
-        floats = (torch.float32, torch.bfloat16)
-        activations = self.roofs[getattr(torch, row["dtype"])]
-        roof = activations if row["quantization"] == "none" else max(self.roofs[d] for d in floats)
-        decode_roof = self.roofs[torch.int8] if row["quantization"] == "gguf" else activations
+        A decode step's floor is its bytes over the bandwidth. Its bound is the sum over its
+        phases (decode_phases), which run one after the other, of the larger of each one's
+        bytes over the bandwidth and its FLOPs over the roof of the products its kernels take:
+        - the linears': int8 for gguf, which quantizes x per block; float32 for float32
+          activations; for bfloat16 ones (int8 weight-only included, which keeps x exact) the
+          better float roof (bf16 dot products, or widening to float32 FMAs where those win);
+        - the attention's: half its FLOPs (QK) at the linears' float roof where q and K are
+          both bfloat16, else float32's; the other half (PV, float32 FMAs) at float32's.
+        No step can beat it, so a goal set in multiples of the floor below the bound cannot
+        be met here."""
+        f32 = self.roofs[torch.float32]
+        floats = max(f32, self.roofs[torch.bfloat16])
+        is_bf16 = row["dtype"] == "bfloat16"
+        activations = floats if is_bf16 else f32
+        roof = activations if row["quantization"] == "none" else floats
+        linear_roof = self.roofs[torch.int8] if row["quantization"] == "gguf" else activations
+        qk_roof = activations if is_bf16 and row["kv_cache_dtype"] == "bfloat16" else f32
         row["roof_gflop_s"] = roof / 1e9
-        row["decode_roof_gflop_s"] = decode_roof / 1e9
+        row["decode_roof_gflop_s"] = linear_roof / 1e9
         for p in row["prefill"].values():
             p["of_roof"] = p["gflop_s"] * 1e9 / roof
         for d in row["decode"].values():
-            d["floor_ms"] = d["floor_bytes"] / self.bandwidth * 1e3
+            linears, attention = d["phases"]["linears"], d["phases"]["attention"]
+            linears["compute_ms"] = linears["flop"] / linear_roof * 1e3
+            attention["compute_ms"] = (
+                attention["flop"] / 2 / qk_roof + attention["flop"] / 2 / f32
+            ) * 1e3
+            for phase in d["phases"].values():
+                phase["floor_ms"] = phase["bytes"] / self.bandwidth * 1e3
+            d["floor_ms"] = sum(p["floor_ms"] for p in d["phases"].values())
+            d["compute_ms"] = sum(p["compute_ms"] for p in d["phases"].values())
+            d["bound_ms"] = sum(max(p["floor_ms"], p["compute_ms"]) for p in d["phases"].values())
             d["x_floor"] = d["pdserve_step_ms"] / d["floor_ms"]
-            d["compute_ms"] = d["flop"] / decode_roof * 1e3
-            d["bound_ms"] = max(d["floor_ms"], d["compute_ms"])
             d["x_bound"] = d["pdserve_step_ms"] / d["bound_ms"]
 
 
@@ -323,8 +348,9 @@ def bench_run(name: str, args, hf_folder: Path | None, reference) -> dict:
         row["decode"][batch] = {
             "pdserve_step_ms": step * 1e3,
             "transformers_step_ms": hf_decode(hf, batch) * 1e3 if hf else None,
-            "floor_bytes": weights + batch * DECODE_MEAN_CONTEXT * kv_per_token,
-            "flop": decode_flop(loaded.config, batch, DECODE_MEAN_CONTEXT),
+            "phases": decode_phases(
+                loaded.config, weights, kv_per_token, batch, DECODE_MEAN_CONTEXT
+            ),
         }
     if reference is not None and name != "float32":
         ids, float32 = reference
