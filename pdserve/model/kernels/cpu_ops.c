@@ -801,16 +801,20 @@ ALWAYS_INLINE void dot_block_8bit(const int64_t R, const uint8_t* qs, const int8
 /* A full tile of rows spends as long on a weight line's dot products as memory takes to bring
  * it, and the hardware prefetcher alone did not overlap the two: each pass asks for the line
  * WEIGHT_PREFETCH_BYTES ahead into L1 (past a group's end it is the next group's, which comes
- * next), and dense weights also for the line 4x further ahead into L2. Measured at 8 rows on
- * Zen 4 (AVX2: 4 rows), weights streamed from memory: bf16 -22% with L1 alone, -32% more with
- * L2 too (now within 10% of the same weights in cache); float32 -14%, then -26%; int8 -8%,
- * and the L2 request made int8 and Q4_1 slower (their loops are bound by instructions); at
- * fewer rows it gains nothing (b1 is memory-bound). */
+ * next), and dense and Q8_0 weights also for the line 4x further ahead into L2. Measured at 8
+ * rows on Zen 4 (AVX2: 4 rows), weights streamed from memory: bf16 -22% with L1 alone, -32%
+ * more with L2 too (now within 10% of the same weights in cache); float32 -14%, then -26%;
+ * int8 -8%, and the L2 request made int8 (+10%) and Q4_1 slower (their loops are bound by
+ * instructions); the Q8_0 LM head -35% with L2 (gguf, 49k x 576: 2.2 -> 1.4 ms, and 1.9 ->
+ * 1.4 ms in L3); at fewer rows it gains nothing (b1 is memory-bound). */
 #define WEIGHT_PREFETCH_BYTES 2048
-ALWAYS_INLINE void prefetch_weights(const int64_t R, const void* p, int64_t bytes) {
+ALWAYS_INLINE void prefetch_weights(const int64_t R, int wfmt, const void* p, int64_t bytes) {
     if (R < MAX_ROW_TILE) return;
-    for (int64_t offset = 0; offset < bytes; offset += 64)
+    for (int64_t offset = 0; offset < bytes; offset += 64) {
         __builtin_prefetch((const char*)p + WEIGHT_PREFETCH_BYTES + offset, 0, 3);
+        if (wfmt == W_Q8_0)
+            __builtin_prefetch((const char*)p + 4 * WEIGHT_PREFETCH_BYTES + offset, 0, 2);
+    }
 }
 ALWAYS_INLINE void prefetch_dense_line(const int64_t R, const void* p) {
     if (R < MAX_ROW_TILE) return;
@@ -931,7 +935,7 @@ ALWAYS_INLINE void group_quantized(const int64_t R, int wfmt, const uint8_t* w,
     const uint8_t* block = w;
     for (int64_t r = 0; r < R; r++) acc[r] = v_zero();
     for (int64_t b = 0; b < nb; b++, block += block_bytes(wfmt)) {
-        prefetch_weights(R, block, block_bytes(wfmt));
+        prefetch_weights(R, wfmt, block, block_bytes(wfmt));
         const int8_t* xq[MAX_ROW_TILE];
         VI16 isum[MAX_ROW_TILE];
         for (int64_t r = 0; r < R; r++) {
@@ -984,7 +988,7 @@ ALWAYS_INLINE void group_int8(const int64_t R, const int BF, const uint8_t* w,
     for (int64_t r = 0; r < R; r++) acc[r] = v_zero();
     for (int64_t b = 0; b < in / 32; b++) {
         const uint8_t* block = w + b * block_bytes(W_INT8);
-        prefetch_weights(R, block, block_bytes(W_INT8));
+        prefetch_weights(R, W_INT8, block, block_bytes(W_INT8));
         const int8_t* q = (const int8_t*)(block + 32); /* [32 inputs][16 outputs] */
         V16 part[MAX_ROW_TILE][4];
         for (int64_t r = 0; r < R; r++)
