@@ -10,12 +10,13 @@ llama_cpp_venv.sh), and the floor: the bytes a decode step reads (weights in the
 format + the KV cache) over the read bandwidth measured here (the run's threads streaming a
 1 GiB buffer; the best of a measurement before every run and one after the last, as is the
 roof), and the roof: the activations' dtype's best GEMM on these threads (a 2048^3 `torch.mm`,
-oneDNN/MKL: AMX tiles for bfloat16 where the CPU has them; for quantized weights the better of
-the two), against which prefill's rate (the linears' and the causal attention's FLOPs per
-second) is reported. Each decode step also gets its compute time (its FLOPs over the roof of
-the products its kernels take, see `Limits.apply`) and its roofline bound: a step runs its
-linears (reading the weights) and its attention (reading the KV cache) one after the other, so
-the bound is the sum of each phase's larger of bytes over bandwidth and FLOPs over roof.
+oneDNN/MKL: AMX tiles for bfloat16 where the CPU has them; for bfloat16 activations and for
+quantized weights the better of float32's and bfloat16's), against which prefill's rate (the
+linears' and the causal attention's FLOPs per second) is reported. Each decode step also gets
+its compute time (its FLOPs over the roof of the products its kernels take, see
+`Limits.apply`) and its roofline bound: a step runs its linears (reading the weights) and its
+attention (reading the KV cache) one after the other, so the bound is the sum of each phase's
+larger of bytes over bandwidth and FLOPs over roof.
 Quantized and bf16 runs also report teacher-forced quality against float32
 (`pdserve.model.quality`). The CPU's ISA flags and the kernel variant that ran are printed and
 saved, with what `--dtype auto` picks here; `--isa` runs another variant this CPU runs (as
@@ -260,8 +261,9 @@ class Limits:
     def apply(self, row: dict) -> None:
         """Fill in `row`'s fractions of the roof and its decode steps' bounds.
 
-        Prefill is judged against the activations' dtype's roof; quantized weights against
-        the better float roof (gguf's prefill takes bf16 dot products where the CPU has them).
+        Prefill is judged against the activations' dtype's roof, bfloat16's and quantized
+        weights' against the better float roof (without bf16 dot products the kernels widen
+        bfloat16 to float32; gguf's prefill takes bf16 dot products where the CPU has them).
         A decode step's floor is its bytes over the bandwidth. Its bound is the sum over its
         phases (decode_phases), which run one after the other, of the larger of each one's
         bytes over the bandwidth and its FLOPs over the roof of the products its kernels take:
