@@ -309,11 +309,12 @@ def test_quantized_linear_multiplies_the_blocks(ops, qtype, dtype, rows):
     quantized = _quantized(qtype, weight)
     x_used = quantize_activations(x) if qtype.quantizes_activations else x.float()
     weight_used = quantized.dequantize()
-    if qtype is QuantType.INT8 and rows >= (ops.int8_bf16_min_rows or rows + 1):
+    packed = quantized.pack()
+    if rows >= (ops.bf16_min_rows(packed.format) or rows + 1):
         # In AMX tiles or bf16 dot products: x and the dequantized weights rounded to bfloat16.
-        x_used, weight_used = (t.to(torch.bfloat16).float() for t in (x_used, weight_used))
+        x_used, weight_used = (t.to(torch.bfloat16).float() for t in (x.float(), weight_used))
     expected = F.linear(x_used, weight_used, bias.float())
-    got = ops.linear(x, quantized.pack(), bias)
+    got = ops.linear(x, packed, bias)
     assert got.dtype == dtype and got.shape == (rows, 40)
     tolerance = (2e-4, 1e-5) if dtype == torch.float32 else (0.1, 0.01)
     torch.testing.assert_close(got.float(), expected, atol=tolerance[0], rtol=tolerance[1])

@@ -46,7 +46,7 @@ _SIGNATURES = {
     "linear_scratch": ([_C, _I, _I], _I),
     "linear_threads": ([_C, _I, _I, _I, _I], _I),
     "linear_has_amx": ([], _C),
-    "linear_int8_bf16_min_rows": ([], _I),
+    "linear_bf16_min_rows": ([_C], _I),
     "set_linear_dpbf16_max_rows": ([_I], _C),
     "stream_sum": ([_P, _I, _I], _F),
     "pdserve_isa": ([], ctypes.c_char_p),
@@ -116,12 +116,11 @@ class CpuOps:
         converted to float32 in registers)."""
         return self.isa in ("amx", "avx512_bf16")
 
-    @property
-    def int8_bf16_min_rows(self) -> int | None:
-        """Rows from which int8 weights are multiplied in bfloat16, in AMX tiles or bf16 dot
-        products (x and each dequantized weight rounded to bfloat16 first, sums in float32),
-        None: never."""
-        return self._lib.linear_int8_bf16_min_rows() or None
+    def bf16_min_rows(self, weight_format: int) -> int | None:
+        """Rows from which weights of this packed format (int8 or GGUF) are dequantized and
+        multiplied in bfloat16, in AMX tiles or bf16 dot products (x and each dequantized
+        weight rounded to bfloat16 first, sums in float32), None: never."""
+        return self._lib.linear_bf16_min_rows(weight_format) or None
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
