@@ -818,20 +818,28 @@ ALWAYS_INLINE void dot_block_8bit(const int64_t R, const uint8_t* qs, const int8
  * more with L2 too (now within 10% of the same weights in cache); float32 -14%, then -26%;
  * int8 -8%, and the L2 request made int8 (+10%) and Q4_1 slower (their loops are bound by
  * instructions); the Q8_0 LM head -35% with L2 (gguf, 49k x 576: 2.2 -> 1.4 ms, and 1.9 ->
- * 1.4 ms in L3); at fewer rows it gains nothing (b1 is memory-bound). */
+ * 1.4 ms in L3). Fewer rows ask for the L1 line on Sapphire Rapids (the amx build), where one
+ * core's demand misses alone leave memory idle: 30 layers' weights at one row, Q4_1 -14%,
+ * int8 -14 to -33%, bf16 -6%; Q4_1 at 2-4 rows -28%. On Zen 4 they gain nothing, and int8
+ * at one row lost 13%. */
 #define WEIGHT_PREFETCH_BYTES 2048
+#if defined(__AMX_BF16__)
+#define PREFETCH_MIN_ROWS 1
+#else
+#define PREFETCH_MIN_ROWS MAX_ROW_TILE
+#endif
 ALWAYS_INLINE void prefetch_weights(const int64_t R, int wfmt, const void* p, int64_t bytes) {
-    if (R < MAX_ROW_TILE) return;
+    if (R < PREFETCH_MIN_ROWS) return;
     for (int64_t offset = 0; offset < bytes; offset += 64) {
         __builtin_prefetch((const char*)p + WEIGHT_PREFETCH_BYTES + offset, 0, 3);
-        if (wfmt == W_Q8_0)
+        if (wfmt == W_Q8_0 && R >= MAX_ROW_TILE)
             __builtin_prefetch((const char*)p + 4 * WEIGHT_PREFETCH_BYTES + offset, 0, 2);
     }
 }
 ALWAYS_INLINE void prefetch_dense_line(const int64_t R, const void* p) {
-    if (R < MAX_ROW_TILE) return;
+    if (R < PREFETCH_MIN_ROWS) return;
     __builtin_prefetch((const char*)p + WEIGHT_PREFETCH_BYTES, 0, 3);
-    __builtin_prefetch((const char*)p + 4 * WEIGHT_PREFETCH_BYTES, 0, 2);
+    if (R >= MAX_ROW_TILE) __builtin_prefetch((const char*)p + 4 * WEIGHT_PREFETCH_BYTES, 0, 2);
 }
 /* One group (16 outputs) for R rows: acc[r] = that group's slice of x_r W^T. */
 ALWAYS_INLINE void group_float(const int64_t R, int wfmt, int dpbf16, const void* w,
