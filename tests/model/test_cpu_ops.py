@@ -294,12 +294,23 @@ def _quantized(qtype: QuantType, weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(qtype, blocks, tuple(weight.shape))
 
 
-@pytest.mark.parametrize("rows", [*ROWS, 32, 70])  # AMX (int8): 32 rows per pass
+def _expected_quantized(ops, quantized: QuantizedWeight, x: torch.Tensor, bias) -> torch.Tensor:
+    """Float math on the dequantized weights and, for the integer dot products, the
+    activations quantized per block of 32 (what the kernels do to x); from the rows where
+    the kernels dequantize to bfloat16 (AMX tiles, bf16 dot products), x and the dequantized
+    weights rounded to bfloat16."""
+    x_used = quantize_activations(x) if quantized.qtype.quantizes_activations else x.float()
+    weight_used = quantized.dequantize()
+    if len(x) >= (ops.bf16_min_rows(quantized.qtype.kernel_format) or len(x) + 1):
+        x_used, weight_used = (t.to(torch.bfloat16).float() for t in (x.float(), weight_used))
+    return F.linear(x_used, weight_used, None if bias is None else bias.float())
+
+
+@pytest.mark.parametrize("rows", [*ROWS, 32, 70])  # AMX: 32 rows per pass
 @pytest.mark.parametrize("qtype", list(QuantType))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_linear_multiplies_the_blocks(ops, qtype, dtype, rows):
-    """The kernels equal float math on the dequantized weights and, for the integer dot
-    products, the activations quantized per block of 32 (what the kernels do to x)."""
+    """The kernels equal float math on the weights and x as they use them."""
     generator = torch.Generator().manual_seed(5)
     weight = torch.randn(40, 96, generator=generator)
     weight[3] = 0.0  # an all-zero row and block: zero scales
@@ -307,17 +318,24 @@ def test_quantized_linear_multiplies_the_blocks(ops, qtype, dtype, rows):
     x[0, :32] = 0.0
     bias = torch.randn(40, generator=generator).to(dtype)
     quantized = _quantized(qtype, weight)
-    x_used = quantize_activations(x) if qtype.quantizes_activations else x.float()
-    weight_used = quantized.dequantize()
-    packed = quantized.pack()
-    if rows >= (ops.bf16_min_rows(packed.format) or rows + 1):
-        # In AMX tiles or bf16 dot products: x and the dequantized weights rounded to bfloat16.
-        x_used, weight_used = (t.to(torch.bfloat16).float() for t in (x.float(), weight_used))
-    expected = F.linear(x_used, weight_used, bias.float())
-    got = ops.linear(x, packed, bias)
+    expected = _expected_quantized(ops, quantized, x, bias)
+    got = ops.linear(x, quantized.pack(), bias)
     assert got.dtype == dtype and got.shape == (rows, 40)
     tolerance = (2e-4, 1e-5) if dtype == torch.float32 else (0.1, 0.01)
     torch.testing.assert_close(got.float(), expected, atol=tolerance[0], rtol=tolerance[1])
+
+
+@pytest.mark.parametrize("qtype", [QuantType.Q8_0, QuantType.Q4_1, QuantType.INT8])
+def test_quantized_linear_of_many_rows_crosses_chunks_of_groups(ops, qtype):
+    """A prompt's rows against weights of several L2 chunks (AMX dequantizes one chunk of
+    groups at a time, and every pass of rows crosses it): the same float math."""
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(600, 1536, generator=generator)  # 38 groups, 5 per chunk in AMX
+    x = torch.randn(70, 1536, generator=generator)
+    quantized = _quantized(qtype, weight)
+    expected = _expected_quantized(ops, quantized, x, None)
+    got = ops.linear(x, quantized.pack(), None)
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("num_threads", [1, 3])
