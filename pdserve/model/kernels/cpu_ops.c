@@ -652,6 +652,11 @@ ALWAYS_INLINE int64_t dequantized_groups(int64_t in) {
     return groups < 1 ? 1 : groups;
 }
 
+/* Where a thread's scratch holds dequantized groups: after x, whose float copy fits before. */
+ALWAYS_INLINE uint16_t* dequantized_area(uint8_t* scratch, int64_t rows, int64_t in) {
+    return (uint16_t*)(scratch + round_up_64(rows * in * (int64_t)sizeof(float)));
+}
+
 /* Bytes of scratch one thread of `linear` needs for `rows` rows of `in` inputs (a multiple
  * of 64, so that the threads' slices stay aligned). */
 int64_t linear_scratch(int wfmt, int64_t rows, int64_t in) {
@@ -1196,6 +1201,10 @@ static void int8_dpbf16_linear(const uint8_t* w, const uint16_t* x, const void* 
  * at 24, x0.85 at 32, x0.57 at 64, x0.37 at 256 (the Q8_0 LM head: x1.23, -, x0.88, x0.66,
  * x0.44). */
 #define AMX_GGUF_MIN_ROWS 32
+/* Rows from which amx_dequantized_linear takes weights of format wfmt; 0: never. */
+ALWAYS_INLINE int64_t amx_dequantized_min_rows(int wfmt) {
+    return wfmt == W_INT8 ? AMX_INT8_MIN_ROWS : is_quantized(wfmt) ? AMX_GGUF_MIN_ROWS : 0;
+}
 /* Tiles 0, 1: y of rows [0, m0) and [m0, m0 + m1) (float); 2, 3: their x (32 bf16 inputs);
  * 4: one group's 32 inputs, which W_BF16 stores as AMX wants B (pairs of inputs per row). */
 static void amx_linear_configure(int64_t m0, int64_t m1) {
@@ -1249,7 +1258,7 @@ ALWAYS_INLINE void amx_configure_rows(int64_t n, int64_t* configured) {
 /* W_INT8 or GGUF weights against bf16 x in AMX tiles: a chunk of groups dequantized to
  * bfloat16 (into `groups`, dequantized_groups(in) x in x 16 bf16), then every pass of rows
  * multiplied against it; one group at a time when one pass takes every row. */
-ALWAYS_INLINE void amx_dequantized_linear(int wfmt, const uint8_t* w, const uint16_t* x,
+static void amx_dequantized_linear(int wfmt, const uint8_t* w, const uint16_t* x,
                                    const void* bias, void* y, int ydt, int64_t rows, int64_t out,
                                    int64_t in, uint16_t* groups, int64_t group_begin,
                                    int64_t group_end) {
@@ -1285,7 +1294,7 @@ int linear_has_amx(void) {
  * and rounded to bfloat16), or 0: never. */
 int64_t linear_bf16_min_rows(int wfmt) {
 #if defined(__AMX_BF16__)
-    if (pf_amx_permitted()) return wfmt == W_INT8 ? AMX_INT8_MIN_ROWS : AMX_GGUF_MIN_ROWS;
+    if (pf_amx_permitted()) return amx_dequantized_min_rows(wfmt);
 #endif
 #if HAS_DPBF16
     return wfmt == W_INT8 ? INT8_DPBF16_MIN_ROWS : 0;
@@ -1326,19 +1335,19 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
         _tile_release();
         return;
     }
-    if (rows >= (wfmt == W_INT8 ? AMX_INT8_MIN_ROWS : AMX_GGUF_MIN_ROWS) &&
-        (wfmt == W_INT8 || is_quantized(wfmt)) && pf_amx_permitted()) {
-        uint16_t* groups = (uint16_t*)(scratch + round_up_64(rows * in * 4));
+    if (amx_dequantized_min_rows(wfmt) && rows >= amx_dequantized_min_rows(wfmt) &&
+        pf_amx_permitted()) {
         amx_dequantized_linear(wfmt, (const uint8_t*)w, x_as(xdt, DT_BF16, x, rows * in, scratch),
-                               bias, y, xdt, rows, out, in, groups, group_begin, group_end);
+                               bias, y, xdt, rows, out, in, dequantized_area(scratch, rows, in),
+                               group_begin, group_end);
         return;
     }
 #endif
 #if HAS_DPBF16
     if (wfmt == W_INT8 && rows >= INT8_DPBF16_MIN_ROWS) {
-        uint16_t* group = (uint16_t*)(scratch + round_up_64(rows * in * 4));
         int8_dpbf16_linear((const uint8_t*)w, x_as(xdt, DT_BF16, x, rows * in, scratch), bias,
-                           y, xdt, rows, out, in, group, group_begin, group_end);
+                           y, xdt, rows, out, in, dequantized_area(scratch, rows, in), group_begin,
+                           group_end);
         return;
     }
 #endif
