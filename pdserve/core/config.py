@@ -13,9 +13,10 @@ from dataclasses import dataclass
 # goes in one or two steps (stalling few of the running streams' token gaps; at 512, 32
 # prompts arriving together stalled them over ~6 steps and the burst's ITL p99 was 9x its p50).
 DEFAULT_CHUNKED_BUDGET = 2048
-# One prompt's chunk in a step when none is given: a long prompt stalls the running streams
-# for at most this many tokens per step (`max_num_partial_prefills` bounds how many long
-# prompts are part-way at once); short prompts fill the rest of the budget whole.
+# One prompt's chunk in a step when none is given, while other requests share the engine: a
+# long prompt stalls the running streams for at most this many tokens per step
+# (`max_num_partial_prefills` bounds how many long prompts are part-way at once); short
+# prompts fill the rest of the budget whole. A prompt alone takes the whole budget.
 DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD = 512
 
 
@@ -54,7 +55,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64
     max_model_len: int | None = None
-    # Cap on one request's chunk in a step (None: no cap beyond the budget).
+    # Cap on one request's chunk in a step while others run or wait (None: no cap beyond the
+    # budget).
     long_prefill_token_threshold: int | None = DEFAULT_LONG_PREFILL_TOKEN_THRESHOLD
     # How many requests may be part-way through their prefill at once.
     max_num_partial_prefills: int = 1
@@ -78,13 +80,11 @@ class SchedulerConfig:
     @property
     def max_chunk_tokens(self) -> int | None:
         """The most new tokens one prefill chunk can have (with `max_model_len` set): a
-        whole prompt when colocated, else the budget capped by the long-prefill threshold."""
+        whole prompt when colocated, else the budget (a prompt alone is not capped by the
+        long-prefill threshold)."""
         if self.scheduling is SchedulingPolicy.COLOCATED:
             return self.max_model_len
-        return min(
-            self.max_num_batched_tokens,
-            self.long_prefill_token_threshold or self.max_num_batched_tokens,
-        )
+        return self.max_num_batched_tokens
 
 
 @dataclass(frozen=True)

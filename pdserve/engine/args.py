@@ -52,8 +52,9 @@ ENGINE_FLAGS = (
         "--long-prefill-token-threshold",
         type=int,
         default=SchedulerConfig.long_prefill_token_threshold,
-        help="most tokens of one prompt in a chunked step: a long prompt stalls running "
-        "streams for at most this many (default %(default)s; the budget for no cap)",
+        help="most tokens of one prompt in a chunked step while other requests run or wait: "
+        "a long prompt stalls running streams for at most this many (default %(default)s; "
+        "the budget for no cap)",
     ),
     flag("--max-num-partial-prefills", type=int, default=SchedulerConfig.max_num_partial_prefills),
     flag("--block-size", type=int, default=CacheConfig.block_size),

@@ -59,6 +59,16 @@ def test_long_prefill_threshold_caps_one_chunk():
     assert _plan(output) == [("a", 5), ("b", 5)]
 
 
+def test_prompt_alone_takes_the_whole_budget_until_another_request_arrives():
+    scheduler = make_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=5)
+    scheduler.add_request(make_request("a", 40))
+    output, _ = step(scheduler)
+    assert _plan(output) == [("a", 16)]  # nobody to stall: not capped at 5
+    scheduler.add_request(make_request("b", 3, first_token=300))
+    output, _ = step(scheduler)
+    assert _plan(output) == [("a", 5), ("b", 3)]
+
+
 def test_max_num_partial_prefills_limits_concurrent_chunking():
     scheduler = make_scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=8)
     scheduler.add_request(make_request("a", 20))
