@@ -231,12 +231,22 @@ def test_rotary_in_place(ops, dtype, atol, head_dim):
 
 
 @pytest.mark.parametrize(("dtype", "atol"), DTYPES)
-def test_silu_mul(ops, dtype, atol):
-    gate_up = (torch.randn(3, 2 * 200, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+@pytest.mark.parametrize("rows", [3, 1000])  # 1000: rows shared by a team
+def test_silu_mul(ops, dtype, atol, rows):
+    generator = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(rows, 2 * 200, generator=generator) * 4).to(dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)
-    torch.testing.assert_close(
-        ops.silu_mul(gate_up).float(), F.silu(gate) * up, atol=atol, rtol=atol
-    )
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = ops.silu_mul(gate_up)
+        torch.set_num_threads(3)
+        shared = ops.silu_mul(gate_up)
+    finally:
+        torch.set_num_threads(previous)
+    assert ops._lib.silu_mul_threads(rows, 3) == (1 if rows < 768 else 2)
+    torch.testing.assert_close(alone.float(), F.silu(gate) * up, atol=atol, rtol=atol)
+    torch.testing.assert_close(shared, alone, atol=0, rtol=0)
 
 
 ROWS = [1, 2, 3, 5, 8, 13, 40]  # every row tile, with partial tiles

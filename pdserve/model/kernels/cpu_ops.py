@@ -38,7 +38,8 @@ _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "add_rms_norm": ([_C, *[_P] * 4, _I, _I, _F, _I], None),
     "rotary": ([_C, _P, _I, _I, _I, _I, _P, _P], None),
-    "silu_mul": ([_C, _P, _P, _I, _I], None),
+    "silu_mul": ([_C, _P, _P, _I, _I, _I], None),
+    "silu_mul_threads": ([_I, _I], _I),
     "paged_decode": ([_C, _C, *[_P] * 7, *[_I] * 6, _F], None),
     "paged_prefill": ([_C, _C, _P, _I, _P, _P, _P, _I, _I, _P, _P, *[_I] * 4, _F, _I], None),
     "prefill_scratch_bytes": ([_I] * 4, _I),
@@ -350,12 +351,18 @@ class CpuOps:
         )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up for gate_up [rows, 2 * width] = [gate | up] -> [rows, width]."""
+        """silu(gate) * up for gate_up [rows, 2 * width] = [gate | up] -> [rows, width], rows
+        shared by torch's threads from a few hundred (`silu_mul_threads`)."""
         gate_up = gate_up.contiguous()
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         out = gate_up.new_empty(rows, width)
         self._lib.silu_mul(
-            _DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), rows, width
+            _DTYPE_CODES[gate_up.dtype],
+            gate_up.data_ptr(),
+            out.data_ptr(),
+            rows,
+            width,
+            torch.get_num_threads(),
         )
         return out
 
