@@ -282,7 +282,13 @@ class TorchAttentionBackend(AttentionBackend):
         for chunk in meta.prefills:
             rows = chunk.rows
             prefill_kernel = self._prefill_kernel(kernel, q, kv_layer, chunk)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_layer, chunk, prefill_kernel)
+            # The kernel writes its rows in place: a copy would wake torch's sleeping OpenMP
+            # threads (~75 us a chunk on a 2-vCPU VM), more than a short chunk's attention.
+            chunk_out = self._prefill(
+                q[rows], k[rows], v[rows], kv_layer, chunk, prefill_kernel, out=out[rows]
+            )
+            if prefill_kernel is None:
+                out[rows] = chunk_out
         return out
 
     @staticmethod
@@ -334,7 +340,10 @@ class TorchAttentionBackend(AttentionBackend):
         kv_layer: torch.Tensor,
         chunk: PrefillChunk,
         kernel: CpuOps | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The chunk's attention output [num_new, num_heads * head_dim]; the kernel writes it
+        into `out` where given, SDPA returns a new tensor."""
         if kernel is not None:  # K/V of the whole context read in place from the cache
             return kernel.paged_prefill(
                 q,
@@ -343,6 +352,7 @@ class TorchAttentionBackend(AttentionBackend):
                 chunk.num_computed_tokens,
                 self.scale,
                 torch.get_num_threads(),
+                out,
             )
         mask = None
         if chunk.num_computed_tokens:  # attend to the cached context too: gather it by blocks

@@ -106,7 +106,8 @@ def _prefill_reference(q, cache, table, num_computed, scale):
         (16, 0, 1, 1),
         (16, 0, 77, 1),  # one-shot: causal within the chunk, partial tiles and units
         (16, 500, 256, 1),  # a chunk over a long cached context
-        (8, 41, 30, 3),  # units cut by small blocks; more threads than some heads' blocks
+        (8, 41, 30, 3),  # units cut by small blocks
+        (8, 3000, 30, 3),  # a team (enough scores), more members than some heads' blocks
         (32, 2000, 64, 2),
         (5, 13, 19, 2),  # a block size that is no multiple of the unit
     ],
@@ -138,6 +139,32 @@ def test_paged_prefill_matches_reference(
     assert got.dtype == dtype and got.shape == (num_new, num_heads * head_dim)
     expected = _prefill_reference(q, cache, table, num_computed, scale)
     torch.testing.assert_close(got.double(), expected, atol=atol, rtol=0)
+
+
+def test_paged_prefill_starts_members_only_for_work_that_repays_them(ops):
+    assert ops._lib.prefill_threads(64, 0, 9, 3, 2) == 1  # one short prompt of a burst
+    assert ops._lib.prefill_threads(2048, 0, 9, 3, 2) == 2
+    assert ops._lib.prefill_threads(30, 3000, 9, 3, 3) == 3
+    assert ops._lib.prefill_threads(30, 100_000, 9, 3, 64) == 6  # a member per block at most
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_writes_into_out_the_same_on_any_thread_count(ops, dtype):
+    generator = torch.Generator().manual_seed(8)
+    num_computed, num_new, block_size = 1500, 200, 16
+    num_blocks = -(-(num_computed + num_new) // block_size)
+    cache = torch.randn(2, num_blocks, block_size, 3, 64, generator=generator).to(dtype)
+    table = torch.randperm(num_blocks, generator=generator)
+    q = torch.randn(num_new, 9, 64, generator=generator).to(dtype)
+    alone = ops.paged_prefill(q, cache, table, num_computed, 0.125, 1)
+    batch = torch.full((num_new + 10, 9 * 64), float("nan"), dtype=dtype)
+    assert ops._lib.prefill_threads(num_new, num_computed, 9, 3, 2) == 2
+    shared = ops.paged_prefill(q, cache, table, num_computed, 0.125, 2, out=batch[5:-5])
+    assert shared.data_ptr() == batch[5].data_ptr()
+    torch.testing.assert_close(batch[5:-5], alone, atol=0, rtol=0)
+    assert batch[:5].isnan().all() and batch[-5:].isnan().all()
+    with pytest.raises(ValueError, match="out must be"):
+        ops.paged_prefill(q, cache, table, num_computed, 0.125, 1, out=batch[:num_new, :64])
 
 
 # float32: scores up to ~50 carry ~1e-5 of rounding into the weights.

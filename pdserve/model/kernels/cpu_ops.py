@@ -43,6 +43,7 @@ _SIGNATURES = {
     "paged_decode": ([_C, _C, *[_P] * 7, *[_I] * 6, _F], None),
     "paged_prefill": ([_C, _C, _P, _I, _P, _P, _P, _I, _I, _P, _P, *[_I] * 4, _F, _I], None),
     "prefill_scratch_bytes": ([_I] * 4, _I),
+    "prefill_threads": ([_I] * 5, _I),
     "linear": ([_C, _C, *[_P] * 4, _I, _I, _I, _P, _I], None),
     "linear_scratch": ([_C, _I, _I], _I),
     "linear_threads": ([_C, _I, _I, _I, _I], _I),
@@ -264,12 +265,15 @@ class CpuOps:
         num_computed_tokens: int,
         scale: float,
         num_threads: int = 1,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of one sequence's new tokens over its paged context, whose K/V
         (the new tokens' included) are already in the cache. q [num_new, num_heads, head_dim]
         (rows may be strided, each row's heads contiguous), kv_layer [2, num_blocks,
         block_size, num_kv_heads, head_dim], block_table [context blocks] int64 ->
-        [num_new, num_heads * head_dim] in q's dtype, on `num_threads` threads."""
+        [num_new, num_heads * head_dim] in q's dtype (written into `out`, contiguous, where
+        given), on up to `num_threads` threads (`prefill_threads`: as many as its work
+        repays)."""
         num_new, num_heads, head_dim = q.shape
         _, _, block_size, num_kv_heads, _ = kv_layer.shape
         if not (
@@ -282,7 +286,16 @@ class CpuOps:
             raise ValueError("head_dim must be a multiple of 16 and heads a multiple of kv heads")
         if q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.contiguous()
-        out = q.new_empty(num_new, num_heads * head_dim)
+        if out is None:
+            out = q.new_empty(num_new, num_heads * head_dim)
+        elif not (
+            out.is_contiguous()
+            and out.dtype == q.dtype
+            and out.shape == (num_new, num_heads * head_dim)
+        ):
+            raise ValueError(
+                "out must be a contiguous [num_new, num_heads * head_dim] of q's dtype"
+            )
         scratch = torch.empty(
             self._lib.prefill_scratch_bytes(
                 head_dim, num_threads, num_kv_heads, num_computed_tokens + num_new
