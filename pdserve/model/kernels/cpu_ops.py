@@ -56,10 +56,15 @@ _SIGNATURES = {
     "decode_scratch_bytes": ([_P, _I, _I], _I),
     "decode_forward": ([_P, _I, *[_P] * 4, _I, _I, *[_P] * 3, _I, _P, _I], None),
 }
-# Rows up to which bfloat16 `linear` beats oneDNN's where its rows run in AMX tiles (measured
-# by benchmarks/engine.py's decode batches on Sapphire Rapids) or in bf16 dot products (Zen 4:
-# decode steps of 16 and 32 sequences 10% faster than with oneDNN past 8 rows).
-BF16_KERNEL_MAX_ROWS = 32
+# Rows up to which dense `linear` serves a step rather than oneDNN: bfloat16 where its rows
+# run in AMX tiles or in bf16 dot products (Zen 4: decode steps of 16 and 32 sequences 10%
+# faster than with oneDNN past 8 rows), and float32. Up to these rows, too, a decode step is
+# one native call (`LlamaForCausalLM`'s fused decoder), which past them runs op by op: on
+# Sapphire Rapids, 2 threads, decode steps of 48 and 64 sequences took 94 and 118 ms op by op
+# against 47 and 58 in one call (bfloat16; float32 181 and 226 against 108 and 138). Also,
+# oneDNN builds a primitive per new row count (3-5 ms per weight shape there), which
+# prefill steps of a few short prompts each are. 64 is `max_num_seqs`' default.
+BF16_KERNEL_MAX_ROWS = F32_KERNEL_MAX_ROWS = 64
 # bf16 dot products (vdpbf16ps) serve one or two rows of x, or (where they measure faster at
 # a full tile of DPBF16_TILE_ROWS rows, MAX_ROW_TILE in cpu_ops.c) every row count.
 DPBF16_FEW_ROWS, DPBF16_TILE_ROWS, DPBF16_ALL_ROWS = 2, 8, 2**62
@@ -136,7 +141,7 @@ class CpuOps:
         AMX tiles of its own (`linear_has_amx`), or bf16 dot products on every row count
         (`tune_bf16_dot`), `linear` keeps up to BF16_KERNEL_MAX_ROWS rows."""
         if dtype == torch.float32:
-            return 32
+            return F32_KERNEL_MAX_ROWS
         if self._lib.linear_has_amx() or self.dpbf16_max_rows == DPBF16_ALL_ROWS:
             return BF16_KERNEL_MAX_ROWS
         return 8 if read_cpu_flags() & BF16_MATMUL_CPU_FLAGS else None
