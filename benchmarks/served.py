@@ -18,7 +18,8 @@ Peers live in their own venvs, installed on first use (`--install`):
   `auto` measures fastest on this CPU (measured: bfloat16 storage can win even without bf16
   dot products).
 pdserve runs `serve --mode chunked` with its defaults (`--dtype auto`; a 2,048-token step
-budget, vLLM-CPU's too, with at most 512 tokens of one prompt a step) and, as two more columns:
+budget, vLLM-CPU's too, with at most 512 tokens of one prompt a step while other requests
+share the engine) and, as two more columns:
 `pdserve-gguf` keeps the GGUF's Q4_1 blocks (what llama.cpp reads); `pdserve-512` bounds every
 step at 512 tokens, so the burst's prompts stall the running streams over more steps. Each
 server's output goes to a log in --log-dir.
