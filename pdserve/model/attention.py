@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from pdserve.model.config import KV_CACHE_DTYPES, ModelConfig
 from pdserve.model.kernels.build import cache_dir
 from pdserve.model.kernels.choice import MeasuredChoice, size_bucket
-from pdserve.model.kernels.cpu_ops import CpuOps
+from pdserve.model.kernels.cpu_ops import CpuOps, empty_rows
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ class TorchAttentionBackend(AttentionBackend):
             return self._prefill(
                 q, k, v, kv_layer, chunk, self._prefill_kernel(kernel, q, kv_layer, chunk)
             )
-        out = q.new_empty(num_tokens, num_heads * head_dim)
+        out = empty_rows(num_tokens, num_heads * head_dim, q.dtype)
         if decode is not None:
             out[decode.token_index] = self._decode(q[decode.token_index], kv_layer, decode, kernel)
         for chunk in meta.prefills:

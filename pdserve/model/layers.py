@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.config import ModelConfig, Quantization, RopeScaling
-from pdserve.model.kernels.cpu_ops import CpuOps, PackedWeight
+from pdserve.model.kernels.cpu_ops import CpuOps, PackedWeight, onednn_rows
 from pdserve.model.quant import QuantizedWeight, quantize_int8
 
 logger = logging.getLogger(__name__)
@@ -124,10 +124,21 @@ class Linear(nn.Module):
         ):
             return self.ops.linear(x, self.kernel_weight, self.bias)
         if self.onednn_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(
-                x, self.onednn_weight, self.bias, "none", [], ""
-            )
+            rows, padded = x.shape[0], onednn_rows(x.shape[0])
+            if padded != rows and _has_room(x, padded):  # from `empty_rows`
+                x = x.as_strided((padded, x.shape[1]), (x.shape[1], 1))
+            y = torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
+            return y[:rows]
         return F.linear(x, self.weight, self.bias)
+
+
+def _has_room(x: torch.Tensor, rows: int) -> bool:
+    """Whether x [n, cols] is the start of a contiguous buffer of at least `rows` rows."""
+    return (
+        x.is_contiguous()
+        and x.storage_offset() == 0
+        and x.untyped_storage().nbytes() >= rows * x.shape[1] * x.element_size()
+    )
 
 
 class RMSNorm(nn.Module):

@@ -19,9 +19,11 @@ from pdserve.model.attention import (
     prefill_case,
     prefill_kernel_choice,
 )
+from pdserve.model.cpu_runtime import ONEDNN_CACHE_CAPACITY
 from pdserve.model.kernels import cpu_ops
 from pdserve.model.kernels.build import VARIANTS, can_run
-from pdserve.model.kernels.cpu_ops import CpuOps, load_cpu_ops
+from pdserve.model.kernels.cpu_ops import CpuOps, empty_rows, load_cpu_ops, onednn_rows
+from pdserve.model.layers import Linear
 from pdserve.model.quant import QuantizedWeight, QuantType, quantize_activations, quantize_int8
 from tests.model.helpers import kernel_variants, require_kernels
 
@@ -434,3 +436,30 @@ def test_the_ctypes_structs_match_the_c_ones(ops, monkeypatch):
     monkeypatch.setattr(cpu_ops, "_STRUCTS", (Shorter, *cpu_ops._STRUCTS[1:]))
     with pytest.raises(RuntimeError, match="Shorter is 32 bytes, the C struct 40"):
         CpuOps(ops._lib, ops.isa)
+
+
+def test_onednn_rows_pad_at_most_an_eighth_and_fit_the_primitive_cache():
+    sizes = {onednn_rows(rows) for rows in range(33, 2049)}
+    assert len(sizes) * 4 <= ONEDNN_CACHE_CAPACITY  # a decoder layer's 4 weight shapes
+    for rows in range(1, 5000):
+        padded = onednn_rows(rows)
+        assert rows <= padded and (padded - rows) * 8 <= max(rows, 256)
+
+
+def test_bfloat16_linear_computes_the_padding_rows_an_activation_has_room_for():
+    """An activation from `empty_rows` lets oneDNN run a bucketed row count; whatever the
+    padding holds (NaN here) stays out of the real rows."""
+    generator = torch.Generator().manual_seed(11)
+    layer = Linear(576, 960, False, torch.bfloat16, torch.device("cpu"))
+    layer.load(torch.randn(960, 576, generator=generator))
+    layer.pack()
+    assert layer.onednn_weight is not None, "no oneDNN in this torch"
+    x = empty_rows(100, 576, torch.bfloat16)
+    x.copy_(torch.randn(100, 576, generator=generator))
+    padded = x.as_strided((onednn_rows(100), 576), (576, 1))
+    padded[100:] = float("nan")
+    with torch.inference_mode():
+        got, alone = layer(x), layer(x.clone())  # the clone has no room: 100 rows
+    assert got.shape == (100, 960) and not got.isnan().any()
+    torch.testing.assert_close(got.float(), alone.float(), atol=2e-2, rtol=1e-2)
+    assert empty_rows(100, 576, torch.float32).untyped_storage().nbytes() == 100 * 576 * 4
