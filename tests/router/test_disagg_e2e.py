@@ -409,7 +409,9 @@ def test_client_leaving_mid_prefill_leaves_no_blocks(cluster):
     disagg = cluster.shm
     prefill_url = disagg.worker_url("prefill-0")
     aborted_before = _num_aborted(prefill_url)
-    body = json.dumps(greedy({"prompt": text_of(1500, 3)}, stream=True)).encode()
+    # 2,500 tokens: more than one step's budget (2,048), so the prompt, alone on the worker,
+    # is prefilled in two steps and the abort lands between them.
+    body = json.dumps(greedy({"prompt": text_of(2500, 3)}, stream=True)).encode()
     host, port = disagg.url.removeprefix("http://").split(":")
     # A raw connection, closed as soon as the prompt is on the prefill worker (not after a
     # fixed time, which a fast CPU would need to finish the whole prefill in).
