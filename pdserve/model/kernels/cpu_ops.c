@@ -174,6 +174,9 @@ const char* pdserve_isa(void) {
 #endif
 }
 
+/* Bytes of one element of type dt. */
+ALWAYS_INLINE int64_t dt_size(int64_t dt) { return dt == DT_BF16 ? 2 : 4; }
+
 /* ---- add + RMSNorm, rotary, SiLU x mul ------------------------------------------------ */
 
 /* residual <- residual + x (rounded to dt) unless add_residual is 0, then
@@ -271,7 +274,7 @@ typedef struct {
 
 static void silu_mul_member(void* arg, const Team* team) {
     const SiluMulCall* c = (const SiluMulCall*)arg;
-    const int64_t es = c->dt == DT_BF16 ? 2 : 4;
+    const int64_t es = dt_size(c->dt);
     int64_t r0, r1;
     team_share(team, c->rows, &r0, &r1);
     const uint8_t* gate_up = c->gate_up + r0 * 2 * c->width * es;
@@ -1553,8 +1556,6 @@ typedef struct {
     const DecoderLayer* layers;
     const void* final_norm;
 } DecoderModel;
-
-ALWAYS_INLINE int64_t dt_size(int64_t dt) { return dt == DT_BF16 ? 2 : 4; }
 
 /* decode_forward's scratch: activations, then each member's attention scratch and each
  * member's linear scratch. */
