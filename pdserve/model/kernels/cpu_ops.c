@@ -34,6 +34,11 @@
 #define MAX_HEAD_DIM 256
 #define UNIT 16 /* positions scored together: one vector of scores per head */
 #define CHUNK_BYTES (256 * 1024) /* weights one pass of row tiles keeps in L2 */
+/* bfloat16 weights AMX passes of rows keep in L2 (2 MiB a core on Sapphire Rapids): every
+ * chunk reads all of x again, from L3 once a prompt's rows outgrow L2, so a chunk larger than
+ * CHUNK_BYTES pays (Q4_1 linears of one layer at 3,012 rows, one thread: 256 KiB 27.3 ms,
+ * 512 KiB 24.4, 1 MiB 23.7, 1.5 MiB 24.4). */
+#define AMX_CHUNK_BYTES (1024 * 1024)
 
 #if defined(PDSERVE_ISA_AVX512)
 #define MAX_ROW_TILE 8 /* rows of x per pass over a weight group: 32 vector registers */
@@ -680,10 +685,10 @@ ALWAYS_INLINE int64_t block_bytes(int wfmt) {
     }
 }
 
-/* Groups of weights dequantized to bfloat16 at a time (32 * in bytes each): a chunk that stays
- * in L2 while passes of rows cross it. */
-ALWAYS_INLINE int64_t dequantized_groups(int64_t in) {
-    const int64_t groups = CHUNK_BYTES / (32 * in);
+/* Groups of bfloat16 weights (32 * in bytes each, dequantized or W_BF16) an AMX chunk holds:
+ * it stays in L2 while passes of rows cross it. */
+ALWAYS_INLINE int64_t amx_chunk_groups(int64_t in) {
+    const int64_t groups = AMX_CHUNK_BYTES / (32 * in);
     return groups < 1 ? 1 : groups;
 }
 
@@ -699,7 +704,7 @@ int64_t linear_scratch(int wfmt, int64_t rows, int64_t in) {
 #if HAS_DPBF16
     /* The bf16 paths' x, then groups dequantized to bf16 (int8_dpbf16_linear,
      * amx_dequantized_linear); float x fits in x's place. */
-    const int64_t dequantized = floats + dequantized_groups(in) * in * 32;
+    const int64_t dequantized = floats + amx_chunk_groups(in) * in * 32;
 #else
     const int64_t dequantized = floats;
 #endif
@@ -1240,47 +1245,76 @@ static void int8_dpbf16_linear(const uint8_t* w, const uint16_t* x, const void* 
 ALWAYS_INLINE int64_t amx_dequantized_min_rows(int wfmt) {
     return wfmt == W_INT8 ? AMX_INT8_MIN_ROWS : is_quantized(wfmt) ? AMX_GGUF_MIN_ROWS : 0;
 }
-/* Tiles 0, 1: y of rows [0, m0) and [m0, m0 + m1) (float); 2, 3: their x (32 bf16 inputs);
- * 4: one group's 32 inputs, which W_BF16 stores as AMX wants B (pairs of inputs per row). */
+/* Tiles 0-3: y (float) of rows [0, m0) and [m0, m0 + m1) for a group, then for the next;
+ * 4, 5: those rows' x (32 bf16 inputs); 6, 7: the two groups' 32 inputs, which W_BF16 stores
+ * as AMX wants B (pairs of inputs per row). */
 static void amx_linear_configure(int64_t m0, int64_t m1) {
     TileConfig config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
-    const int64_t tile_rows[5] = {m0, m1, m0, m1, 16};
-    for (int i = 0; i < 5; i++) {
+    const int64_t tile_rows[8] = {m0, m1, m0, m1, m0, m1, 16, 16};
+    for (int i = 0; i < 8; i++) {
         config.rows[i] = (uint8_t)tile_rows[i];
         config.colsb[i] = tile_rows[i] ? 64 : 0;
     }
     _tile_loadconfig(&config);
 }
 
-/* Rows [first, first + n), n <= AMX_LINEAR_ROWS (as configured), of y's outputs of group g:
- * bf16 x [rows][in] times the group's weights wg in W_BF16's layout (AMX's B operand), in
- * tiles (fp32 sums of exact bf16 products), in % 32 == 0. */
-static void amx_group_pass(const uint16_t* wg, const uint16_t* x, const void* bias, void* y,
-                           int ydt, int64_t first, int64_t n, int64_t out, int64_t in,
-                           int64_t g) {
+/* Rows [first, first + n), n <= AMX_LINEAR_ROWS (as configured), of y's outputs of groups
+ * [g, g + num_groups), num_groups 1 or 2: bf16 x [rows][in] times the groups' weights wg
+ * (16 * in bf16 each, in W_BF16's layout: AMX's B operand), in tiles (fp32 sums of exact bf16
+ * products), in % 32 == 0. Two groups make 2 x 2 tiles: each x and weight tile loaded feeds
+ * two products, where one group's pass loads three tiles for two. */
+ALWAYS_INLINE void amx_groups_pass(int num_groups, const uint16_t* wg, const uint16_t* x,
+                                   const void* bias, void* y, int ydt, int64_t first, int64_t n,
+                                   int64_t out, int64_t in, int64_t g) {
     const int64_t m1 = n > 16 ? n - 16 : 0, stride = in * 2;
     const uint16_t* x0 = x + first * in;
     const uint16_t* x1 = x0 + 16 * in;
-    float c[AMX_LINEAR_ROWS][16];
+    const uint16_t* w1 = wg + 16 * in;
+    float c[2][AMX_LINEAR_ROWS][16];
     _tile_zero(0);
     if (m1) _tile_zero(1);
+    if (num_groups == 2) {
+        _tile_zero(2);
+        if (m1) _tile_zero(3);
+    }
     for (int64_t k = 0; k < in; k += 32) {
-        _tile_loadd(4, wg + 16 * k, 64);
-        _tile_loadd(2, x0 + k, stride);
-        _tile_dpbf16ps(0, 2, 4);
+        _tile_loadd(6, wg + 16 * k, 64);
+        _tile_loadd(4, x0 + k, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        if (num_groups == 2) {
+            _tile_loadd(7, w1 + 16 * k, 64);
+            _tile_dpbf16ps(2, 4, 7);
+        }
         if (m1) {
-            _tile_loadd(3, x1 + k, stride);
-            _tile_dpbf16ps(1, 3, 4);
+            _tile_loadd(5, x1 + k, stride);
+            _tile_dpbf16ps(1, 5, 6);
+            if (num_groups == 2) _tile_dpbf16ps(3, 5, 7);
         }
     }
-    _tile_stored(0, c[0], 64);
-    if (m1) _tile_stored(1, c[16], 64);
-    const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;
-    const V16 b = bias ? load_dt_n(bias, 16 * g, width, ydt) : v_zero();
-    for (int64_t r = 0; r < n; r++)
-        store_dt_n(y, (first + r) * out + 16 * g, width, v_add(v_load(c[r]), b), ydt);
+    _tile_stored(0, c[0][0], 64);
+    if (m1) _tile_stored(1, c[0][16], 64);
+    if (num_groups == 2) {
+        _tile_stored(2, c[1][0], 64);
+        if (m1) _tile_stored(3, c[1][16], 64);
+    }
+    for (int64_t i = 0; i < num_groups; i++) {
+        const int64_t col = 16 * (g + i), width = out - col < 16 ? out - col : 16;
+        const V16 b = bias ? load_dt_n(bias, col, width, ydt) : v_zero();
+        for (int64_t r = 0; r < n; r++)
+            store_dt_n(y, (first + r) * out + col, width, v_add(v_load(c[i][r]), b), ydt);
+    }
+}
+
+/* amx_groups_pass over groups [g0, g1), two at a time; wg: group g0's weights. */
+ALWAYS_INLINE void amx_groups_passes(const uint16_t* wg, const uint16_t* x, const void* bias,
+                                     void* y, int ydt, int64_t first, int64_t n, int64_t out,
+                                     int64_t in, int64_t g0, int64_t g1) {
+    int64_t g = g0;
+    for (; g + 2 <= g1; g += 2)
+        amx_groups_pass(2, wg + (g - g0) * 16 * in, x, bias, y, ydt, first, n, out, in, g);
+    if (g < g1) amx_groups_pass(1, wg + (g - g0) * 16 * in, x, bias, y, ydt, first, n, out, in, g);
 }
 
 /* Configure the tiles for passes of n rows, unless they are (*configured: the current n). */
@@ -1291,13 +1325,13 @@ ALWAYS_INLINE void amx_configure_rows(int64_t n, int64_t* configured) {
 }
 
 /* W_INT8 or GGUF weights against bf16 x in AMX tiles: a chunk of groups dequantized to
- * bfloat16 (into `groups`, dequantized_groups(in) x in x 16 bf16), then every pass of rows
+ * bfloat16 (into `groups`, amx_chunk_groups(in) x in x 16 bf16), then every pass of rows
  * multiplied against it; one group at a time when one pass takes every row. */
 static void amx_dequantized_linear(int wfmt, const uint8_t* w, const uint16_t* x,
                                    const void* bias, void* y, int ydt, int64_t rows, int64_t out,
                                    int64_t in, uint16_t* groups, int64_t group_begin,
                                    int64_t group_end) {
-    const int64_t chunk = rows > AMX_LINEAR_ROWS ? dequantized_groups(in) : 1;
+    const int64_t chunk = rows > AMX_LINEAR_ROWS ? amx_chunk_groups(in) : 1;
     int64_t configured = 0;
     for (int64_t g0 = group_begin; g0 < group_end; g0 += chunk) {
         const int64_t g1 = g0 + chunk < group_end ? g0 + chunk : group_end;
@@ -1306,8 +1340,7 @@ static void amx_dequantized_linear(int wfmt, const uint8_t* w, const uint16_t* x
         for (int64_t first = 0; first < rows; first += AMX_LINEAR_ROWS) {
             const int64_t n = rows - first < AMX_LINEAR_ROWS ? rows - first : AMX_LINEAR_ROWS;
             amx_configure_rows(n, &configured);
-            for (int64_t g = g0; g < g1; g++)
-                amx_group_pass(groups + (g - g0) * 16 * in, x, bias, y, ydt, first, n, out, in, g);
+            amx_groups_passes(groups, x, bias, y, ydt, first, n, out, in, g0, g1);
         }
     }
     _tile_release();
@@ -1354,17 +1387,15 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
 #if defined(__AMX_BF16__)
     if (wfmt == W_BF16 && xdt == DT_BF16 && rows >= 3 && in % 32 == 0 && pf_amx_permitted()) {
         /* As below, a chunk of groups stays in L2 while every pass of rows crosses it. */
-        int64_t chunk = CHUNK_BYTES / group_bytes(wfmt, in);
-        chunk = chunk < 1 ? 1 : chunk;
+        const int64_t chunk = amx_chunk_groups(in);
         int64_t configured = 0;
         for (int64_t g0 = group_begin; g0 < group_end; g0 += chunk) {
             const int64_t g1 = g0 + chunk < group_end ? g0 + chunk : group_end;
             for (int64_t first = 0; first < rows; first += AMX_LINEAR_ROWS) {
                 const int64_t n = rows - first < AMX_LINEAR_ROWS ? rows - first : AMX_LINEAR_ROWS;
                 amx_configure_rows(n, &configured);
-                for (int64_t g = g0; g < g1; g++)
-                    amx_group_pass((const uint16_t*)w + g * 16 * in, (const uint16_t*)x, bias, y,
-                                   xdt, first, n, out, in, g);
+                amx_groups_passes((const uint16_t*)w + g0 * 16 * in, (const uint16_t*)x, bias,
+                                  y, xdt, first, n, out, in, g0, g1);
             }
         }
         _tile_release();
