@@ -249,6 +249,11 @@ void rotary(int dt, void* x, int64_t rows, int64_t row_stride, int64_t num_heads
         rotary_impl(DT_F32, x, rows, row_stride, num_heads, head_dim, cos, sin);
 }
 
+/* silu(g) = g * sigmoid(g). */
+ALWAYS_INLINE V16 v_silu(V16 g) {
+    return v_mul(g, v_div(v_set1(1.0f), v_add(v_set1(1.0f), v_exp(v_sub(v_zero(), g)))));
+}
+
 /* out [rows, width] <- silu(gate) * up, gate_up [rows, 2 * width] = [gate | up]. */
 ALWAYS_INLINE void silu_mul_impl(int dt, const void* gate_up, void* out, int64_t rows,
                                  int64_t width) {
@@ -257,9 +262,8 @@ ALWAYS_INLINE void silu_mul_impl(int dt, const void* gate_up, void* out, int64_t
         for (int64_t j = 0; j < width; j += 16) {
             const int64_t n = width - j;
             const V16 g = load_dt_n(gate_up, gate + j, n, dt);
-            const V16 sig = v_div(v_set1(1.0f), v_add(v_set1(1.0f), v_exp(v_sub(v_zero(), g))));
             const V16 up = load_dt_n(gate_up, gate + width + j, n, dt);
-            store_dt_n(out, r * width + j, n, v_mul(v_mul(g, sig), up), dt);
+            store_dt_n(out, r * width + j, n, v_mul(v_silu(g), up), dt);
         }
     }
 }
@@ -1260,19 +1264,17 @@ static void amx_linear_configure(int64_t m0, int64_t m1) {
     _tile_loadconfig(&config);
 }
 
-/* Rows [first, first + n), n <= AMX_LINEAR_ROWS (as configured), of y's outputs of groups
- * [g, g + num_groups), num_groups 1 or 2: bf16 x [rows][in] times the groups' weights wg
- * (16 * in bf16 each, in W_BF16's layout: AMX's B operand), in tiles (fp32 sums of exact bf16
- * products), in % 32 == 0. Two groups make 2 x 2 tiles: each x and weight tile loaded feeds
- * two products, where one group's pass loads three tiles for two. */
-ALWAYS_INLINE void amx_groups_pass(int num_groups, const uint16_t* wg, const uint16_t* x,
-                                   const void* bias, void* y, int ydt, int64_t first, int64_t n,
-                                   int64_t out, int64_t in, int64_t g) {
+/* c[i][r] <- row first + r (r < n <= AMX_LINEAR_ROWS, as configured) of bf16 x [rows][in]
+ * times group i's weights w[i] (16 * in bf16, in W_BF16's layout: AMX's B operand), i <
+ * num_groups (1 or 2), in tiles (fp32 sums of exact bf16 products), in % 32 == 0. Two groups
+ * make 2 x 2 tiles: each x and weight tile loaded feeds two products, where one group's pass
+ * loads three tiles for two. */
+ALWAYS_INLINE void amx_tiles(int num_groups, const uint16_t* w0, const uint16_t* w1,
+                             const uint16_t* x, int64_t first, int64_t n, int64_t in,
+                             float c[2][AMX_LINEAR_ROWS][16]) {
     const int64_t m1 = n > 16 ? n - 16 : 0, stride = in * 2;
     const uint16_t* x0 = x + first * in;
     const uint16_t* x1 = x0 + 16 * in;
-    const uint16_t* w1 = wg + 16 * in;
-    float c[2][AMX_LINEAR_ROWS][16];
     _tile_zero(0);
     if (m1) _tile_zero(1);
     if (num_groups == 2) {
@@ -1280,7 +1282,7 @@ ALWAYS_INLINE void amx_groups_pass(int num_groups, const uint16_t* wg, const uin
         if (m1) _tile_zero(3);
     }
     for (int64_t k = 0; k < in; k += 32) {
-        _tile_loadd(6, wg + 16 * k, 64);
+        _tile_loadd(6, w0 + 16 * k, 64);
         _tile_loadd(4, x0 + k, stride);
         _tile_dpbf16ps(0, 4, 6);
         if (num_groups == 2) {
@@ -1299,6 +1301,15 @@ ALWAYS_INLINE void amx_groups_pass(int num_groups, const uint16_t* wg, const uin
         _tile_stored(2, c[1][0], 64);
         if (m1) _tile_stored(3, c[1][16], 64);
     }
+}
+
+/* Rows [first, first + n) of y's outputs of groups [g, g + num_groups) (amx_tiles, + bias);
+ * wg: group g's weights, the next group's after them. */
+ALWAYS_INLINE void amx_groups_pass(int num_groups, const uint16_t* wg, const uint16_t* x,
+                                   const void* bias, void* y, int ydt, int64_t first, int64_t n,
+                                   int64_t out, int64_t in, int64_t g) {
+    float c[2][AMX_LINEAR_ROWS][16];
+    amx_tiles(num_groups, wg, wg + 16 * in, x, first, n, in, c);
     for (int64_t i = 0; i < num_groups; i++) {
         const int64_t col = 16 * (g + i), width = out - col < 16 ? out - col : 16;
         const V16 b = bias ? load_dt_n(bias, col, width, ydt) : v_zero();
@@ -1341,6 +1352,49 @@ static void amx_dequantized_linear(int wfmt, const uint8_t* w, const uint16_t* x
             const int64_t n = rows - first < AMX_LINEAR_ROWS ? rows - first : AMX_LINEAR_ROWS;
             amx_configure_rows(n, &configured);
             amx_groups_passes(groups, x, bias, y, ydt, first, n, out, in, g0, g1);
+        }
+    }
+    _tile_release();
+}
+
+/* silu(gate) * up of rows [first, first + n), outputs 16 * g onwards (y [rows, width]), from
+ * the gate and up groups' weights: their products stay in tiles and registers, rounded to
+ * ydt as `linear` stores them, so the result is what linear then silu_mul give, bit for bit
+ * (the one-call decode step computes the latter). */
+ALWAYS_INLINE void amx_silu_mul_pass(const uint16_t* gate, const uint16_t* up, const uint16_t* x,
+                                     void* y, int ydt, int64_t first, int64_t n, int64_t width,
+                                     int64_t in, int64_t g) {
+    float c[2][AMX_LINEAR_ROWS][16];
+    amx_tiles(2, gate, up, x, first, n, in, c);
+    for (int64_t r = 0; r < n; r++)
+        store_dt(y, (first + r) * width + 16 * g,
+                 v_mul(v_silu(round_dt(v_load(c[0][r]), ydt)), round_dt(v_load(c[1][r]), ydt)),
+                 ydt);
+}
+
+/* silu_mul_impl of x [gate; up]^T for gate groups [group_begin, group_end) of W_INT8 or GGUF
+ * weights [2 * width, in] (width % 16 == 0: gate group g pairs with up group g + width / 16),
+ * dequantized a chunk at a time into `groups` (half gate, half up) as amx_dequantized_linear
+ * does: the [rows, 2 * width] product never reaches memory. */
+static void amx_dequantized_silu_mul(int wfmt, const uint8_t* w, const uint16_t* x, void* y,
+                                     int ydt, int64_t rows, int64_t width, int64_t in,
+                                     uint16_t* groups, int64_t group_begin, int64_t group_end) {
+    const int64_t half = amx_chunk_groups(in) / 2 > 1 ? amx_chunk_groups(in) / 2 : 1;
+    const int64_t up_groups = width / 16, bytes = group_bytes(wfmt, in);
+    uint16_t* up = groups + half * 16 * in;
+    int64_t configured = 0;
+    for (int64_t g0 = group_begin; g0 < group_end; g0 += half) {
+        const int64_t g1 = g0 + half < group_end ? g0 + half : group_end;
+        for (int64_t g = g0; g < g1; g++) {
+            group_to_bf16(wfmt, w + g * bytes, in, groups + (g - g0) * 16 * in);
+            group_to_bf16(wfmt, w + (g + up_groups) * bytes, in, up + (g - g0) * 16 * in);
+        }
+        for (int64_t first = 0; first < rows; first += AMX_LINEAR_ROWS) {
+            const int64_t n = rows - first < AMX_LINEAR_ROWS ? rows - first : AMX_LINEAR_ROWS;
+            amx_configure_rows(n, &configured);
+            for (int64_t g = g0; g < g1; g++)
+                amx_silu_mul_pass(groups + (g - g0) * 16 * in, up + (g - g0) * 16 * in, x, y,
+                                  ydt, first, n, width, in, g);
         }
     }
     _tile_release();
@@ -1525,6 +1579,49 @@ void linear(int wfmt, int xdt, const void* w, const void* x, const void* bias, v
             int64_t rows, int64_t out, int64_t in, uint8_t* scratch, int64_t num_threads) {
     LinearCall call = {wfmt, xdt, w, x, bias, y, rows, out, in, scratch};
     run_team(linear_threads(wfmt, rows, out, in, num_threads), linear_member, &call);
+}
+
+/* Rows from which linear_silu_mul runs W_INT8 or GGUF weights of format wfmt here, or 0:
+ * never (it needs their AMX path). */
+int64_t linear_silu_mul_min_rows(int wfmt) {
+#if defined(__AMX_BF16__)
+    if (pf_amx_permitted()) return amx_dequantized_min_rows(wfmt);
+#endif
+    (void)wfmt;
+    return 0;
+}
+
+typedef struct {
+    int wfmt, xdt;
+    const void *w, *x;
+    void* y;
+    int64_t rows, width, in;
+    uint8_t* scratch;
+} SiluMulLinearCall;
+
+static void linear_silu_mul_member(void* arg, const Team* team) {
+#if defined(__AMX_BF16__)
+    const SiluMulLinearCall* c = (const SiluMulLinearCall*)arg;
+    int64_t begin, end;
+    team_share(team, c->width / 16, &begin, &end);
+    uint8_t* own = c->scratch + team->index * linear_scratch(c->wfmt, c->rows, c->in);
+    amx_dequantized_silu_mul(c->wfmt, (const uint8_t*)c->w,
+                             x_as(c->xdt, DT_BF16, c->x, c->rows * c->in, own), c->y, c->xdt,
+                             c->rows, c->width, c->in, dequantized_area(own, c->rows, c->in),
+                             begin, end);
+#else
+    (void)arg, (void)team;
+#endif
+}
+
+/* y [rows, width] (type xdt, like x) = silu(x G^T) * (x U^T) for W = [G; U] [2 * width, in]
+ * of format wfmt: linear and silu_mul in one pass, on the threads and scratch linear takes for
+ * W. Requires rows >= linear_silu_mul_min_rows(wfmt) > 0 and width % 16 == 0. */
+void linear_silu_mul(int wfmt, int xdt, const void* w, const void* x, void* y, int64_t rows,
+                     int64_t width, int64_t in, uint8_t* scratch, int64_t num_threads) {
+    SiluMulLinearCall call = {wfmt, xdt, w, x, y, rows, width, in, scratch};
+    run_team(linear_threads(wfmt, rows, 2 * width, in, num_threads), linear_silu_mul_member,
+             &call);
 }
 
 /* ---- memory bandwidth probe ------------------------------------------------------------- */

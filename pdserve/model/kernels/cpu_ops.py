@@ -49,6 +49,8 @@ _SIGNATURES = {
     "linear_threads": ([_C, _I, _I, _I, _I], _I),
     "linear_has_amx": ([], _C),
     "linear_bf16_min_rows": ([_C], _I),
+    "linear_silu_mul": ([_C, _C, *[_P] * 3, _I, _I, _I, _P, _I], None),
+    "linear_silu_mul_min_rows": ([_C], _I),
     "set_linear_dpbf16_max_rows": ([_I], _C),
     "stream_sum": ([_P, _I, _I], _F),
     "pdserve_isa": ([], ctypes.c_char_p),
@@ -198,28 +200,59 @@ class CpuOps:
         """x [rows, in] W^T (+ bias) -> [rows, out] in x's dtype, on up to torch's thread
         count (too little work to share runs on one)."""
         x = x.contiguous()
-        rows = x.shape[0]
-        y = x.new_empty(rows, weight.out_features)
-        dtype = _DTYPE_CODES[x.dtype]
-        num_threads = self._lib.linear_threads(
-            weight.format, rows, weight.out_features, weight.in_features, torch.get_num_threads()
-        )
-        per_thread = self._lib.linear_scratch(weight.format, rows, weight.in_features)
-        scratch = torch.empty(num_threads * per_thread, dtype=torch.uint8)
+        y = x.new_empty(x.shape[0], weight.out_features)
+        num_threads, scratch = self._linear_team(x, weight)
         self._lib.linear(
             weight.format,
-            dtype,
+            _DTYPE_CODES[x.dtype],
             weight.data.data_ptr(),
             x.data_ptr(),
             0 if bias is None else bias.data_ptr(),
             y.data_ptr(),
-            rows,
+            x.shape[0],
             weight.out_features,
             weight.in_features,
             scratch.data_ptr(),
             num_threads,
         )
         return y
+
+    def fuses_silu_mul(self, weight: PackedWeight, rows: int) -> bool:
+        """Whether `linear_silu_mul` takes these [gate; up] weights at this many rows: W_INT8
+        or GGUF weights where they run in AMX tiles, gate and up a whole number of groups."""
+        min_rows = self._lib.linear_silu_mul_min_rows(weight.format)
+        return 0 < min_rows <= rows and weight.out_features % 32 == 0
+
+    def linear_silu_mul(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+        """silu(x G^T) * (x U^T) for W = [G; U] (`weight`, [2 * width, in]) -> [rows, width]
+        in x's dtype: `silu_mul(linear(x, weight, None))` without the [rows, 2 * width]
+        product in memory. Only where `fuses_silu_mul`."""
+        x = x.contiguous()
+        width = weight.out_features // 2
+        y = x.new_empty(x.shape[0], width)
+        num_threads, scratch = self._linear_team(x, weight)
+        self._lib.linear_silu_mul(
+            weight.format,
+            _DTYPE_CODES[x.dtype],
+            weight.data.data_ptr(),
+            x.data_ptr(),
+            y.data_ptr(),
+            x.shape[0],
+            width,
+            weight.in_features,
+            scratch.data_ptr(),
+            num_threads,
+        )
+        return y
+
+    def _linear_team(self, x: torch.Tensor, weight: PackedWeight) -> tuple[int, torch.Tensor]:
+        """The threads a linear of x by `weight` runs on, and their scratch."""
+        rows = x.shape[0]
+        num_threads = self._lib.linear_threads(
+            weight.format, rows, weight.out_features, weight.in_features, torch.get_num_threads()
+        )
+        per_thread = self._lib.linear_scratch(weight.format, rows, weight.in_features)
+        return num_threads, torch.empty(num_threads * per_thread, dtype=torch.uint8)
 
     def tune_bf16_dot(self) -> int | None:
         """Set the rows up to which bfloat16 linears use bf16 dot products, from the choice
