@@ -82,9 +82,7 @@ class LlamaDecoderLayer(nn.Module):
         format has one (`CpuOps.fuses_silu_mul`): the [T, 2 * intermediate] product then never
         reaches memory."""
         proj = self.gate_up_proj
-        if proj.kernel_weight is not None and proj.ops.fuses_silu_mul(
-            proj.kernel_weight, x.shape[0]
-        ):
+        if proj.kernel_weight is not None and proj.ops.fuses_silu_mul(proj.kernel_weight, x):
             return proj.ops.linear_silu_mul(x, proj.kernel_weight)
         return self.act(proj(x))
 

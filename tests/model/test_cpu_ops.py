@@ -377,23 +377,33 @@ def test_quantized_linear_of_many_rows_crosses_chunks_of_groups(ops, qtype):
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [5, 70])  # INT8 in AMX tiles from 3 rows, GGUF from 32
+@pytest.mark.parametrize("rows", [5, 70])  # AMX tiles: INT8 and bf16 from 3 rows, GGUF 32
 @pytest.mark.parametrize("num_threads", [1, 3])
-@pytest.mark.parametrize("qtype", [QuantType.INT8, QuantType.Q4_1])
+@pytest.mark.parametrize("weights", ["bfloat16", "int8", "q4_1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gate_up_linear_and_silu_fuse_where_amx_tiles_take_the_weights(
-    ops, dtype, qtype, num_threads, rows
+    ops, dtype, weights, num_threads, rows
 ):
-    """Where quantized weights run in AMX tiles, silu(gate) * up comes from one pass over
-    [gate; up] (gate group g beside up group g + width / 16, 3 threads sharing 50 gate
-    groups): what `linear` then `silu_mul` give, bit for bit (the one-call decode step runs
-    those). Elsewhere the model runs them."""
+    """Where the weights run in AMX tiles, silu(gate) * up comes from one pass over [gate; up]
+    (gate group g beside up group g + width / 16, 3 threads sharing 50 gate groups): what
+    `linear` then `silu_mul` give, bit for bit (the one-call decode step runs those).
+    Elsewhere, and for bfloat16 weights with float32 x, the model runs them."""
     generator = torch.Generator().manual_seed(12)
     width = 800
-    packed = _quantized(qtype, torch.randn(2 * width, 1536, generator=generator)).pack()
+    weight = torch.randn(2 * width, 1536, generator=generator)
+    packed = (
+        ops.pack_dense(weight.bfloat16())
+        if weights == "bfloat16"
+        else _quantized(QuantType[weights.upper()], weight).pack()
+    )
     x = torch.randn(rows, 1536, generator=generator).to(dtype)
-    is_fused = bool(ops._lib.linear_has_amx()) and rows >= ops.bf16_min_rows(packed.format)
-    assert ops.fuses_silu_mul(packed, rows) == is_fused
+    min_rows = 3 if weights == "bfloat16" else ops.bf16_min_rows(packed.format)
+    is_fused = (
+        bool(ops._lib.linear_has_amx())
+        and rows >= min_rows
+        and (weights != "bfloat16" or dtype == torch.bfloat16)
+    )
+    assert ops.fuses_silu_mul(packed, x) == is_fused
     if not is_fused:
         return
     previous = torch.get_num_threads()

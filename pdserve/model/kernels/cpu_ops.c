@@ -1372,29 +1372,36 @@ ALWAYS_INLINE void amx_silu_mul_pass(const uint16_t* gate, const uint16_t* up, c
                  ydt);
 }
 
-/* silu_mul_impl of x [gate; up]^T for gate groups [group_begin, group_end) of W_INT8 or GGUF
- * weights [2 * width, in] (width % 16 == 0: gate group g pairs with up group g + width / 16),
- * dequantized a chunk at a time into `groups` (half gate, half up) as amx_dequantized_linear
- * does: the [rows, 2 * width] product never reaches memory. */
-static void amx_dequantized_silu_mul(int wfmt, const uint8_t* w, const uint16_t* x, void* y,
-                                     int ydt, int64_t rows, int64_t width, int64_t in,
-                                     uint16_t* groups, int64_t group_begin, int64_t group_end) {
+/* silu_mul_impl of x [gate; up]^T for gate groups [group_begin, group_end) of W_BF16, W_INT8
+ * or GGUF weights [2 * width, in] (width % 16 == 0: gate group g pairs with up group
+ * g + width / 16), a chunk at a time as amx_dequantized_linear takes them (quantized ones
+ * dequantized into `groups`, half gate, half up): the [rows, 2 * width] product never reaches
+ * memory. */
+static void amx_silu_mul(int wfmt, const uint8_t* w, const uint16_t* x, void* y, int ydt,
+                         int64_t rows, int64_t width, int64_t in, uint16_t* groups,
+                         int64_t group_begin, int64_t group_end) {
     const int64_t half = amx_chunk_groups(in) / 2 > 1 ? amx_chunk_groups(in) / 2 : 1;
     const int64_t up_groups = width / 16, bytes = group_bytes(wfmt, in);
-    uint16_t* up = groups + half * 16 * in;
     int64_t configured = 0;
     for (int64_t g0 = group_begin; g0 < group_end; g0 += half) {
         const int64_t g1 = g0 + half < group_end ? g0 + half : group_end;
-        for (int64_t g = g0; g < g1; g++) {
-            group_to_bf16(wfmt, w + g * bytes, in, groups + (g - g0) * 16 * in);
-            group_to_bf16(wfmt, w + (g + up_groups) * bytes, in, up + (g - g0) * 16 * in);
+        const uint16_t *gate = (const uint16_t*)(w + g0 * bytes),
+                       *up = (const uint16_t*)(w + (g0 + up_groups) * bytes);
+        if (wfmt != W_BF16) {
+            for (int64_t g = g0; g < g1; g++) {
+                group_to_bf16(wfmt, w + g * bytes, in, groups + (g - g0) * 16 * in);
+                group_to_bf16(wfmt, w + (g + up_groups) * bytes, in,
+                              groups + (half + g - g0) * 16 * in);
+            }
+            gate = groups;
+            up = groups + half * 16 * in;
         }
         for (int64_t first = 0; first < rows; first += AMX_LINEAR_ROWS) {
             const int64_t n = rows - first < AMX_LINEAR_ROWS ? rows - first : AMX_LINEAR_ROWS;
             amx_configure_rows(n, &configured);
             for (int64_t g = g0; g < g1; g++)
-                amx_silu_mul_pass(groups + (g - g0) * 16 * in, up + (g - g0) * 16 * in, x, y,
-                                  ydt, first, n, width, in, g);
+                amx_silu_mul_pass(gate + (g - g0) * 16 * in, up + (g - g0) * 16 * in, x, y, ydt,
+                                  first, n, width, in, g);
         }
     }
     _tile_release();
@@ -1581,11 +1588,11 @@ void linear(int wfmt, int xdt, const void* w, const void* x, const void* bias, v
     run_team(linear_threads(wfmt, rows, out, in, num_threads), linear_member, &call);
 }
 
-/* Rows from which linear_silu_mul runs W_INT8 or GGUF weights of format wfmt here, or 0:
- * never (it needs their AMX path). */
+/* Rows from which linear_silu_mul runs weights of format wfmt here, or 0: never (it needs
+ * their AMX path, which W_BF16 takes from 3 rows of bfloat16 x). */
 int64_t linear_silu_mul_min_rows(int wfmt) {
 #if defined(__AMX_BF16__)
-    if (pf_amx_permitted()) return amx_dequantized_min_rows(wfmt);
+    if (pf_amx_permitted()) return wfmt == W_BF16 ? 3 : amx_dequantized_min_rows(wfmt);
 #endif
     (void)wfmt;
     return 0;
@@ -1605,10 +1612,9 @@ static void linear_silu_mul_member(void* arg, const Team* team) {
     int64_t begin, end;
     team_share(team, c->width / 16, &begin, &end);
     uint8_t* own = c->scratch + team->index * linear_scratch(c->wfmt, c->rows, c->in);
-    amx_dequantized_silu_mul(c->wfmt, (const uint8_t*)c->w,
-                             x_as(c->xdt, DT_BF16, c->x, c->rows * c->in, own), c->y, c->xdt,
-                             c->rows, c->width, c->in, dequantized_area(own, c->rows, c->in),
-                             begin, end);
+    amx_silu_mul(c->wfmt, (const uint8_t*)c->w, x_as(c->xdt, DT_BF16, c->x, c->rows * c->in, own),
+                 c->y, c->xdt, c->rows, c->width, c->in, dequantized_area(own, c->rows, c->in),
+                 begin, end);
 #else
     (void)arg, (void)team;
 #endif

@@ -217,11 +217,16 @@ class CpuOps:
         )
         return y
 
-    def fuses_silu_mul(self, weight: PackedWeight, rows: int) -> bool:
-        """Whether `linear_silu_mul` takes these [gate; up] weights at this many rows: W_INT8
-        or GGUF weights where they run in AMX tiles, gate and up a whole number of groups."""
+    def fuses_silu_mul(self, weight: PackedWeight, x: torch.Tensor) -> bool:
+        """Whether `linear_silu_mul` takes these [gate; up] weights and x: weights that run in
+        AMX tiles at x's row count (bfloat16 ones with bfloat16 x), gate and up each a whole
+        number of groups of 16 outputs."""
         min_rows = self._lib.linear_silu_mul_min_rows(weight.format)
-        return 0 < min_rows <= rows and weight.out_features % 32 == 0
+        if weight.format == WeightFormat.BF16 and (
+            x.dtype != torch.bfloat16 or weight.in_features % 32
+        ):
+            return False
+        return 0 < min_rows <= x.shape[0] and weight.out_features % 32 == 0
 
     def linear_silu_mul(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
         """silu(x G^T) * (x U^T) for W = [G; U] (`weight`, [2 * width, in]) -> [rows, width]
