@@ -82,7 +82,9 @@ class LlamaDecoderLayer(nn.Module):
         format has one (`CpuOps.fuses_silu_mul`): the [T, 2 * intermediate] product then never
         reaches memory."""
         proj = self.gate_up_proj
-        if proj.kernel_weight is not None and proj.ops.fuses_silu_mul(proj.kernel_weight, x):
+        if proj.kernel_weight is not None and proj.ops.fuses_silu_mul(
+            proj.kernel_weight, x.shape[0], x.dtype
+        ):
             return proj.ops.linear_silu_mul(x, proj.kernel_weight)
         return self.act(proj(x))
 
@@ -194,6 +196,13 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(self.quantization)
+        for layer in self.layers:
+            proj = layer.gate_up_proj
+            if proj.kernel_weight is not None and proj.ops.fuses_silu_mul(
+                proj.kernel_weight, proj.kernel_max_rows or 1, self.dtype
+            ):
+                # linear_silu_mul takes every row count the oneDNN copy would: drop it.
+                proj.kernel_max_rows = proj.onednn_weight = None
         self.fused_decoder, self.fused_decoder_max_rows = self._build_fused_decoder()
 
     def _build_fused_decoder(self) -> tuple[FusedDecoder | None, int]:

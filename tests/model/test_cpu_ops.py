@@ -403,7 +403,7 @@ def test_gate_up_linear_and_silu_fuse_where_amx_tiles_take_the_weights(
         and rows >= min_rows
         and (weights != "bfloat16" or dtype == torch.bfloat16)
     )
-    assert ops.fuses_silu_mul(packed, x) == is_fused
+    assert ops.fuses_silu_mul(packed, rows, dtype) == is_fused
     if not is_fused:
         return
     previous = torch.get_num_threads()

@@ -180,6 +180,26 @@ def test_one_call_decode_step_equals_the_per_op_path(cpu_isa, dtype, quantizatio
 
 
 @pytest.mark.parametrize("cpu_isa", kernel_variants())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gate_up_drops_its_onednn_copy_where_the_fused_silu_pass_takes_every_row_count(
+    cpu_isa, dtype
+):
+    """Where AMX tiles run bfloat16 [gate; up] with SiLU at every row count past the kernels'
+    own (`linear_silu_mul`), the oneDNN copy of those weights, as large as they are, is
+    dropped; elsewhere it packs as the layer's other dense linears do."""
+    model = pdserve_from_hf(tiny_hf_model("qwen2", seed=7), dtype, cpu_isa=cpu_isa)
+    is_fused = dtype == torch.bfloat16 and bool(model.cpu_ops._lib.linear_has_amx())
+    for layer in model.layers:
+        gate_up, o_proj = layer.gate_up_proj, layer.o_proj
+        if is_fused:
+            assert gate_up.onednn_weight is None and gate_up.kernel_max_rows is None
+            assert o_proj.onednn_weight is not None
+        else:
+            assert (gate_up.onednn_weight is None) == (o_proj.onednn_weight is None)
+            assert gate_up.kernel_max_rows == o_proj.kernel_max_rows
+
+
+@pytest.mark.parametrize("cpu_isa", kernel_variants())
 def test_one_call_decode_step_covers_the_default_max_num_seqs(cpu_isa):
     """Decode batches up to `max_num_seqs` (64 by default) run in one call, not op by op
     (2x slower at 48-64 sequences on Sapphire Rapids)."""

@@ -217,16 +217,16 @@ class CpuOps:
         )
         return y
 
-    def fuses_silu_mul(self, weight: PackedWeight, x: torch.Tensor) -> bool:
-        """Whether `linear_silu_mul` takes these [gate; up] weights and x: weights that run in
-        AMX tiles at x's row count (bfloat16 ones with bfloat16 x), gate and up each a whole
-        number of groups of 16 outputs."""
+    def fuses_silu_mul(self, weight: PackedWeight, rows: int, dtype: torch.dtype) -> bool:
+        """Whether `linear_silu_mul` takes these [gate; up] weights and `rows` rows of x of
+        `dtype`: weights that run in AMX tiles at that row count (bfloat16 ones with bfloat16
+        x), gate and up each a whole number of groups of 16 outputs."""
         min_rows = self._lib.linear_silu_mul_min_rows(weight.format)
         if weight.format == WeightFormat.BF16 and (
-            x.dtype != torch.bfloat16 or weight.in_features % 32
+            dtype != torch.bfloat16 or weight.in_features % 32
         ):
             return False
-        return 0 < min_rows <= x.shape[0] and weight.out_features % 32 == 0
+        return 0 < min_rows <= rows and weight.out_features % 32 == 0
 
     def linear_silu_mul(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
         """silu(x G^T) * (x U^T) for W = [G; U] (`weight`, [2 * width, in]) -> [rows, width]
