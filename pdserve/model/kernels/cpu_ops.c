@@ -690,10 +690,10 @@ ALWAYS_INLINE int64_t block_bytes(int wfmt) {
 }
 
 /* Groups of bfloat16 weights (32 * in bytes each, dequantized or W_BF16) an AMX chunk holds:
- * it stays in L2 while passes of rows cross it. */
+ * it stays in L2 while passes of rows cross it. At least 2: amx_silu_mul pairs them. */
 ALWAYS_INLINE int64_t amx_chunk_groups(int64_t in) {
     const int64_t groups = AMX_CHUNK_BYTES / (32 * in);
-    return groups < 1 ? 1 : groups;
+    return groups < 2 ? 2 : groups;
 }
 
 /* Where a thread's scratch holds dequantized groups: after x, whose float copy fits before. */
@@ -1380,7 +1380,7 @@ ALWAYS_INLINE void amx_silu_mul_pass(const uint16_t* gate, const uint16_t* up, c
 static void amx_silu_mul(int wfmt, const uint8_t* w, const uint16_t* x, void* y, int ydt,
                          int64_t rows, int64_t width, int64_t in, uint16_t* groups,
                          int64_t group_begin, int64_t group_end) {
-    const int64_t half = amx_chunk_groups(in) / 2 > 1 ? amx_chunk_groups(in) / 2 : 1;
+    const int64_t half = amx_chunk_groups(in) / 2;
     const int64_t up_groups = width / 16, bytes = group_bytes(wfmt, in);
     int64_t configured = 0;
     for (int64_t g0 = group_begin; g0 < group_end; g0 += half) {
