@@ -16,6 +16,7 @@ from pdserve.model.attention import (
     measure_prefill_choices,
     prefill_kernel_choice,
 )
+from pdserve.model.layers import bf16_linear_choice, measure_linear_choices
 from pdserve.model.loader import LoadedModel
 
 
@@ -60,6 +61,7 @@ class ModelRunner:
         """Measure, before serving, the kernel choices that chunks of up to `max_num_new` new
         tokens in sequences of up to `max_model_len` meet (a first long prompt would wait for
         them otherwise)."""
+        measure_linear_choices(self.model.decoder_linears(), max_num_new, budget_s)
         ops = self.model.cpu_ops
         if ops is None or not kernel_attends(
             ops, self.device, self.model.dtype, self.kv_cache.dtype, self.config.head_dim
@@ -78,7 +80,10 @@ class ModelRunner:
     def measure_when_idle(self) -> bool:
         """Measure one kernel-choice case that serving met unmeasured; whether there was one."""
         ops = self.model.cpu_ops
-        return ops is not None and prefill_kernel_choice(ops).measure_pending()
+        return ops is not None and (
+            prefill_kernel_choice(ops).measure_pending()
+            or bf16_linear_choice(ops).measure_pending()
+        )
 
     def close(self) -> None:
         """Unlink the shared segment (mappings stay valid while referenced)."""

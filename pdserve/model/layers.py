@@ -6,15 +6,25 @@ GEMV/GEMM against the rows of W, which streams weights at memory speed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.config import ModelConfig, Quantization, RopeScaling
-from pdserve.model.kernels.cpu_ops import CpuOps, PackedWeight, onednn_rows
+from pdserve.model.kernels.build import cache_dir
+from pdserve.model.kernels.choice import MeasuredChoice, size_bucket
+from pdserve.model.kernels.cpu_ops import (
+    CpuOps,
+    PackedWeight,
+    WeightFormat,
+    empty_rows,
+    onednn_rows,
+)
 from pdserve.model.quant import QuantizedWeight, quantize_int8
 
 logger = logging.getLogger(__name__)
@@ -120,16 +130,124 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_weight is not None and (
-            self.kernel_max_rows is None or x.shape[0] <= self.kernel_max_rows
+            self.kernel_max_rows is None
+            or x.shape[0] <= self.kernel_max_rows
+            or self._kernel_wins(x.shape[0])
         ):
             return self.ops.linear(x, self.kernel_weight, self.bias)
         if self.onednn_weight is not None:
-            rows, padded = x.shape[0], onednn_rows(x.shape[0])
-            if padded != rows and _has_room(x, padded):  # from `empty_rows`
-                x = x.as_strided((padded, x.shape[1]), (x.shape[1], 1))
-            y = torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, "none", [], "")
-            return y[:rows]
+            return onednn_linear(x, self.onednn_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def _kernel_wins(self, rows: int) -> bool:
+        """Whether the kernels beat oneDNN on `rows` rows of bfloat16 weights kept in both
+        layouts, as measured here (`bf16_linear_choice`; oneDNN until measured)."""
+        return (
+            self.kernel_weight.format == WeightFormat.BF16
+            and self.onednn_weight is not None
+            and bf16_linear_choice(self.ops).a_wins_or(
+                bf16_linear_case(self.out_features, self.in_features, rows), default=False
+            )
+        )
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] W^T (+ bias) by oneDNN on its blocked `weight`; an x from `empty_rows`
+    runs its padded row count (one primitive per bucket, not per row count)."""
+    rows, padded = x.shape[0], onednn_rows(x.shape[0])
+    if padded != rows and _has_room(x, padded):
+        x = x.as_strided((padded, x.shape[1]), (x.shape[1], 1))
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:rows]
+
+
+def bf16_linear_case(out_features: int, in_features: int, rows: int) -> tuple:
+    """The case `bf16_linear_choice` measures a linear as: its shape, torch's threads and its
+    rows rounded up to a power of two."""
+    return (out_features, in_features, torch.get_num_threads(), size_bucket(rows))
+
+
+@functools.cache
+def bf16_linear_choice(ops: CpuOps) -> MeasuredChoice:
+    """Whether `CpuOps.linear` (A) beats oneDNN (B) on bfloat16 weights past the kernels' own
+    rows, per `bf16_linear_case`, measured on this machine (`measure_linear_choices`) and
+    cached next to the compiled kernels. On 2 Sapphire Rapids vCPUs the AMX kernel split
+    ~500-row steps better over 2 threads (a 512-token prefill 183 / 197 -> 166 / 167 ms, all
+    linears), while oneDNN kept one thread and 2,048 rows."""
+    try:
+        directory = cache_dir()
+    except OSError:
+        directory = None
+    return MeasuredChoice(
+        f"linear-bf16-{ops.isa}",
+        ops.build_id,
+        functools.partial(_bf16_linear_paths, ops),
+        directory,
+        num_size_fields=1,  # rows
+    )
+
+
+def _bf16_linear_paths(ops: CpuOps, case: tuple) -> tuple[Callable[[], object], ...]:
+    """(kernels, oneDNN) runs of a bfloat16 linear of `case`'s shape on its threads, x from
+    `empty_rows` as the model's activations are, of a row count within the case's bucket
+    that oneDNN pads (as a step's total mostly is), not the bucket's own."""
+    out_features, in_features, threads, bucket = case
+    rows = bucket * 3 // 4 + 1
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    packed = ops.pack_dense(weight)
+    blocked = torch.ops.mkldnn._reorder_linear_weight(weight, Linear.PACK_BATCH_HINT)
+    x = empty_rows(rows, in_features, torch.bfloat16)
+    x.copy_(torch.randn(rows, in_features, generator=generator))
+
+    def on_threads(run: Callable[[], object]) -> Callable[[], object]:
+        def timed() -> object:
+            previous = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                return run()
+            finally:
+                torch.set_num_threads(previous)
+
+        return timed
+
+    return (
+        on_threads(lambda: ops.linear(x, packed, None)),
+        on_threads(lambda: onednn_linear(x, blocked, None)),
+    )
+
+
+def measure_linear_choices(linears: list[Linear], max_num_new: int, budget_s: float) -> None:
+    """Measure (within `budget_s`) `bf16_linear_choice` for those of `linears` that keep
+    bfloat16 weights in both layouts, at every power of two of rows past the kernels' own up
+    to `max_num_new`, on torch's threads; log what was chosen."""
+    linears = [
+        linear
+        for linear in linears
+        if linear.kernel_weight is not None
+        and linear.kernel_weight.format == WeightFormat.BF16
+        and linear.onednn_weight is not None
+        and linear.kernel_max_rows is not None
+    ]
+    if not linears:
+        return
+    ops = linears[0].ops
+    shapes = sorted({(linear.out_features, linear.in_features) for linear in linears})
+    first = size_bucket(linears[0].kernel_max_rows + 1)
+    last = size_bucket(max(max_num_new, first))
+    buckets = [rows for rows in (first * 2**i for i in range(16)) if rows <= last]
+    cases = [bf16_linear_case(out, inp, rows) for rows in buckets for out, inp in shapes]
+    choice = bf16_linear_choice(ops)
+    choice.measure(cases, budget_s)
+    wins = [case for case in cases if choice.a_wins_or(case, default=False)]
+    logger.info(
+        "bf16 linears past %d rows, %d thread(s): the kernels on %s, oneDNN on the other %d "
+        "of %d cases (out x in @ rows, measured here)",
+        linears[0].kernel_max_rows,
+        torch.get_num_threads(),
+        " ".join(f"{c[0]}x{c[1]}@{c[3]}" for c in wins) or "none",
+        len(cases) - len(wins),
+        len(cases),
+    )
 
 
 def _has_room(x: torch.Tensor, rows: int) -> bool:

@@ -205,15 +205,19 @@ class LlamaForCausalLM(nn.Module):
                 proj.kernel_max_rows = proj.onednn_weight = None
         self.fused_decoder, self.fused_decoder_max_rows = self._build_fused_decoder()
 
-    def _build_fused_decoder(self) -> tuple[FusedDecoder | None, int]:
-        """The native decode step and the batch size up to which it runs (that of the
-        linears' kernels), or (None, 0) where some piece has no kernel."""
-        config, ops = self.config, self.cpu_ops
-        linears = [
+    def decoder_linears(self) -> list[Linear]:
+        """Every decoder layer's linears (what prefill steps run; not the LM head)."""
+        return [
             linear
             for layer in self.layers
             for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         ]
+
+    def _build_fused_decoder(self) -> tuple[FusedDecoder | None, int]:
+        """The native decode step and the batch size up to which it runs (that of the
+        linears' kernels), or (None, 0) where some piece has no kernel."""
+        config, ops = self.config, self.cpu_ops
+        linears = self.decoder_linears()
         if (
             ops is None
             or type(self.attention) is not TorchAttentionBackend

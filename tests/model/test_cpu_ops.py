@@ -23,7 +23,12 @@ from pdserve.model.cpu_runtime import ONEDNN_CACHE_CAPACITY
 from pdserve.model.kernels import cpu_ops
 from pdserve.model.kernels.build import VARIANTS, can_run
 from pdserve.model.kernels.cpu_ops import CpuOps, empty_rows, load_cpu_ops, onednn_rows
-from pdserve.model.layers import Linear
+from pdserve.model.layers import (
+    Linear,
+    bf16_linear_case,
+    bf16_linear_choice,
+    measure_linear_choices,
+)
 from pdserve.model.quant import QuantizedWeight, QuantType, quantize_activations, quantize_int8
 from tests.model.helpers import kernel_variants, require_kernels
 
@@ -503,3 +508,40 @@ def test_bfloat16_linear_computes_the_padding_rows_an_activation_has_room_for():
     assert got.shape == (100, 960) and not got.isnan().any()
     torch.testing.assert_close(got.float(), alone.float(), atol=2e-2, rtol=1e-2)
     assert empty_rows(100, 576, torch.float32).untyped_storage().nbytes() == 100 * 576 * 4
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_bfloat16_linear_past_the_kernels_rows_takes_the_path_measured_faster(
+    ops, monkeypatch, num_threads
+):
+    """Past `kernel_max_rows`, bfloat16 weights kept in both layouts run where this machine
+    measured them faster (`bf16_linear_choice`, per threads and rows): the startup measure
+    times every bucket of rows up to the step budget, and the layer then takes the faster."""
+    generator = torch.Generator().manual_seed(13)
+    weight = torch.randn(96, 64, generator=generator).bfloat16()
+    layer = Linear(64, 96, False, torch.bfloat16, torch.device("cpu"), ops)
+    layer.load(weight)
+    layer.pack()
+    if layer.kernel_max_rows is None:  # the kernels take every row count: nothing to choose
+        assert layer.onednn_weight is None
+        return
+    rows = layer.kernel_max_rows + 1
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        measure_linear_choices([layer], max_num_new=2 * rows, budget_s=30.0)
+        choice = bf16_linear_choice(ops)
+        cases = [bf16_linear_case(96, 64, n) for n in (rows, 2 * rows)]
+        assert all(json.dumps(case) in choice.timings for case in cases)
+        kernel_s, onednn_s = choice.timing(cases[0])
+        calls = []
+        linear = ops.linear
+        monkeypatch.setattr(ops, "linear", lambda *a: calls.append(a) or linear(*a))
+        x = torch.randn(rows, 64, generator=generator).bfloat16()
+        with torch.inference_mode():
+            got = layer(x)
+    finally:
+        torch.set_num_threads(previous)
+    assert bool(calls) == (kernel_s < onednn_s)
+    expected = F.linear(x.float(), weight.float())
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
