@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import json
+import os
+import signal
+import time
 
 import gguf
 import numpy as np
@@ -420,6 +424,48 @@ def test_gate_up_linear_and_silu_fuse_where_amx_tiles_take_the_weights(
         torch.set_num_threads(previous)
     assert got.dtype == dtype and got.shape == (rows, width)
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_a_linear_called_from_several_threads_at_once_gives_each_its_result(ops):
+    """The team's workers serve one call at a time: a call made while another thread's team
+    runs computes on its caller alone, with the same values, bit for bit."""
+    generator = torch.Generator().manual_seed(7)
+    packed = ops.pack_dense(torch.randn(2000, 1536, generator=generator))
+    inputs = [torch.randn(20, 1536, generator=generator) for _ in range(4)]
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = [ops.linear(x, packed, None) for x in inputs]
+        torch.set_num_threads(3)
+        with concurrent.futures.ThreadPoolExecutor(len(inputs)) as pool:
+            results = list(
+                pool.map(lambda x: [ops.linear(x, packed, None) for _ in range(20)], inputs)
+            )
+    finally:
+        torch.set_num_threads(previous)
+    for got, want in zip(results, expected, strict=True):
+        for one in got:
+            torch.testing.assert_close(one, want, atol=0, rtol=0)
+
+
+def test_a_forked_child_starts_its_own_team_workers(ops):
+    """The team's workers outlive a call; a child forked after a team ran has none of them
+    (fork copies only the calling thread) and starts its own instead of waiting on them."""
+    values = torch.arange(4096, dtype=torch.float32) / 64
+    expected = float(values.sum())
+    assert ops.stream_sum(values, 2) == pytest.approx(expected, rel=1e-6)  # workers started
+    pid = os.fork()
+    if pid == 0:
+        is_right = ops.stream_sum(values, 2) == pytest.approx(expected, rel=1e-6)
+        os._exit(0 if is_right else 1)
+    deadline = time.monotonic() + 60
+    while (waited := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's team never finished")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(waited[1]) == 0
 
 
 @pytest.mark.parametrize("num_threads", [1, 3])

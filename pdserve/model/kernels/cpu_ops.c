@@ -15,7 +15,7 @@
  *     Query head h reads KV head h / (num_heads / num_kv_heads); head_dim % 16 == 0, <= 256.
  *   linear: weights pre-packed in groups of 16 output rows (see the W_* formats below).
  */
-#define _GNU_SOURCE /* sched_getcpu, pthread_attr_setaffinity_np */
+#define _GNU_SOURCE /* sched_getcpu, pthread_setaffinity_np */
 #include "simd.h"
 
 #if defined(PDSERVE_ISA_AVX512) && defined(__AVX512BF16__)
@@ -49,12 +49,17 @@
 /* ---- teams: one call's work split over threads ---------------------------------------- */
 /*
  * A call on num_threads threads runs its work function on the caller's thread (member 0) and
- * num_threads - 1 pthreads started for the call; members meet at team_sync between phases.
- * Every output element is computed by one member with the same arithmetic as on one thread,
- * so results do not depend on the thread count.
+ * on num_threads - 1 workers of a pool that lives as long as the process; members meet at
+ * team_sync between phases. Every output element is computed by one member with the same
+ * arithmetic as on one thread, so results do not depend on the thread count.
  */
+#include <limits.h>
+#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #define MAX_TEAM 64
 /* Spins at a barrier before yielding the core (to a server's event loop, say). */
@@ -70,13 +75,6 @@ typedef struct {
 } Team;
 
 typedef void (*TeamWork)(void* arg, const Team* team);
-
-typedef struct {
-    TeamWork work;
-    void* arg;
-    Team team;
-    const int64_t* size; /* 0 until every member is started, then the team's size */
-} Member;
 
 ALWAYS_INLINE void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -109,59 +107,154 @@ ALWAYS_INLINE void team_share(const Team* team, int64_t n, int64_t* begin, int64
     *end = n * (team->index + 1) / team->size;
 }
 
-static void* member_main(void* p) {
-    Member* member = (Member*)p;
+/*
+ * The pool's workers: member i of every team is worker i. Starting a thread per call cost
+ * ~75 us a call on a 2-vCPU VM (~150 us for an AMX kernel, whose new thread also faults in its
+ * tile state), against kernels of tens of us in a short prompt's step (Sapphire Rapids). After
+ * a job a worker spins for POOL_SPIN_NS, yielding its core to any other runnable thread (the
+ * OpenMP threads of torch's next op, say), then sleeps on a futex until the next job.
+ * One caller at a time (pool.lock): a call that finds the pool taken (another thread's, or a
+ * team member's own call) runs on its caller alone.
+ */
+#define POOL_SPIN_NS 200000
+
+typedef struct {
+    pthread_mutex_t lock; /* held by the call whose team runs on the pool */
+    int64_t num_workers;  /* started: members 1..num_workers */
+    pthread_t threads[MAX_TEAM];
+    int cpus[MAX_TEAM]; /* the CPU each worker is pinned to, -1 unpinned */
+    /* The job, published by bumping generation (the futex word). */
+    TeamWork work;
+    void* arg;
     int64_t size;
-    while ((size = __atomic_load_n(member->size, __ATOMIC_ACQUIRE)) == 0) cpu_relax();
-    if (member->team.index < size) { /* always, unless an earlier start failed */
-        member->team.size = size;
-        member->work(member->arg, &member->team);
+    Barrier barrier;
+    uint32_t generation;
+    int64_t acknowledged; /* workers that finished (or, past size, skipped) this job */
+    int64_t sleeping;     /* workers in futex_wait */
+} Pool;
+
+static Pool pool = {PTHREAD_MUTEX_INITIALIZER};
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Waits until pool.generation differs from seen; returns it. */
+static uint32_t pool_wait(uint32_t seen) {
+    const int64_t deadline = now_ns() + POOL_SPIN_NS;
+    uint32_t generation;
+    while ((generation = __atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE)) == seen) {
+        if (now_ns() < deadline) {
+            for (int i = 0; i < 16; i++) cpu_relax();
+            sched_yield();
+            continue;
+        }
+        /* The caller bumps generation, then reads sleeping: one of the two sees the other. */
+        __atomic_add_fetch(&pool.sleeping, 1, __ATOMIC_SEQ_CST);
+        syscall(SYS_futex, &pool.generation, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+        __atomic_sub_fetch(&pool.sleeping, 1, __ATOMIC_SEQ_CST);
+    }
+    return generation;
+}
+
+/* p: the worker's index in the high 32 bits, the generation it was started at in the low
+ * ones (its first job is the next). */
+static void* pool_worker(void* p) {
+    const int64_t index = (int64_t)((uintptr_t)p >> 32);
+    uint32_t seen = (uint32_t)(uintptr_t)p;
+    for (;;) {
+        seen = pool_wait(seen);
+        if (index < pool.size) {
+            const Team team = {index, pool.size, &pool.barrier};
+            pool.work(pool.arg, &team);
+        }
+        __atomic_add_fetch(&pool.acknowledged, 1, __ATOMIC_RELEASE);
     }
     return NULL;
 }
 
-/* work(arg, team) on up to num_threads members; fewer if a thread cannot be started. */
+/* The i-th CPU (i >= 1) of the caller's mask other than `here`, -1 where there is none.
+ * Left to the scheduler, a member could share the caller's core for seconds while the other
+ * idled: a gguf server started after a bf16 one decoded at 20-24 ms a token for its first
+ * 10 s, against 4.2-5.5 ms pinned (Zen 4, 2 vCPUs; perf: 45% idle, 36% in team_sync). */
+static int member_cpu(int64_t i, int here) {
+    cpu_set_t allowed;
+    if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return -1;
+    int64_t k = 0;
+    for (int cpu = 0; cpu < CPU_SETSIZE; cpu++)
+        if (CPU_ISSET(cpu, &allowed) && cpu != here && ++k == i) return cpu;
+    return -1;
+}
+
+static void pin_worker(int64_t i, int cpu) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    if (cpu >= 0) CPU_SET(cpu, &one);
+    else
+        sched_getaffinity(0, sizeof one, &one);
+    pthread_setaffinity_np(pool.threads[i], sizeof one, &one);
+    pool.cpus[i] = cpu;
+}
+
+/* A forked child has none of the parent's workers. */
+static void pool_forget(void) {
+    pthread_mutex_init(&pool.lock, NULL);
+    pool.num_workers = 0;
+    pool.sleeping = 0;
+}
+
+static void pool_register_fork(void) { pthread_atfork(NULL, NULL, pool_forget); }
+
+/* Workers 1..num_threads - 1 started (as many as could be) and none on the caller's CPU;
+ * returns the team's size. Holds pool.lock. */
+static int64_t pool_ready(int64_t num_threads) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, pool_register_fork);
+    const int here = sched_getcpu();
+    for (int64_t i = 1; i <= pool.num_workers && i < num_threads; i++)
+        if (pool.cpus[i] == here && here >= 0) pin_worker(i, member_cpu(i, here));
+    while (pool.num_workers + 1 < num_threads) {
+        const int64_t i = pool.num_workers + 1;
+        if (pthread_create(&pool.threads[i], NULL, pool_worker,
+                           (void*)(((uintptr_t)i << 32) | pool.generation)))
+            break;
+        pthread_detach(pool.threads[i]);
+        pin_worker(i, member_cpu(i, here));
+        pool.num_workers = i;
+    }
+    return pool.num_workers + 1 < num_threads ? pool.num_workers + 1 : num_threads;
+}
+
+/* work(arg, team) on up to num_threads members (fewer if workers cannot be started). */
 static void run_team(int64_t num_threads, TeamWork work, void* arg) {
     num_threads = num_threads < 1 ? 1 : num_threads > MAX_TEAM ? MAX_TEAM : num_threads;
-    Barrier barrier = {0, 0};
-    int64_t size = 0;
-    pthread_t threads[MAX_TEAM];
-    Member members[MAX_TEAM];
-    int64_t started = 0;
-    for (int64_t i = 1; i < num_threads; i++) {
-        members[i] = (Member){work, arg, {i, 0, &barrier}, &size};
-        /* Member i starts pinned to the i-th CPU of the caller's mask other than the one the
-         * caller runs on (unpinned where there is none). Left to the scheduler, a member
-         * started every call could share the caller's core for seconds while the other
-         * idled: a gguf server started after a bf16 one decoded at 20-24 ms a token for its
-         * first 10 s, against 4.2-5.5 ms pinned (Zen 4, 2 vCPUs; perf: 45% idle, 36% in
-         * team_sync). */
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        cpu_set_t allowed;
-        if (sched_getaffinity(0, sizeof allowed, &allowed) == 0) {
-            const int here = sched_getcpu();
-            int64_t k = 0;
-            for (int cpu = 0; cpu < CPU_SETSIZE; cpu++) {
-                if (!CPU_ISSET(cpu, &allowed) || cpu == here) continue;
-                if (++k == i) {
-                    cpu_set_t one;
-                    CPU_ZERO(&one);
-                    CPU_SET(cpu, &one);
-                    pthread_attr_setaffinity_np(&attr, sizeof one, &one);
-                    break;
-                }
-            }
-        }
-        const int failed = pthread_create(&threads[i], &attr, member_main, &members[i]);
-        pthread_attr_destroy(&attr);
-        if (failed) break;
-        started = i;
+    if (num_threads == 1 || pthread_mutex_trylock(&pool.lock) != 0) {
+        const Team alone = {0, 1, NULL};
+        work(arg, &alone);
+        return;
     }
-    __atomic_store_n(&size, started + 1, __ATOMIC_RELEASE);
-    const Team team = {0, started + 1, &barrier};
+    const int64_t size = pool_ready(num_threads);
+    pool.work = work;
+    pool.arg = arg;
+    pool.size = size;
+    pool.barrier = (Barrier){0, 0};
+    pool.acknowledged = 0;
+    __atomic_add_fetch(&pool.generation, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&pool.sleeping, __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, &pool.generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    const Team team = {0, size, &pool.barrier};
     work(arg, &team);
-    for (int64_t i = 1; i <= started; i++) pthread_join(threads[i], NULL);
+    /* Every worker, in the team or not, is done reading this job before the next is set. */
+    for (int64_t spins = 0;
+         __atomic_load_n(&pool.acknowledged, __ATOMIC_ACQUIRE) < pool.num_workers; spins++) {
+        if (spins < SPINS_BEFORE_YIELD)
+            cpu_relax();
+        else
+            sched_yield();
+    }
+    pthread_mutex_unlock(&pool.lock);
 }
 
 /* Which build this is, for the Python side to check and report. */
@@ -268,10 +361,11 @@ ALWAYS_INLINE void silu_mul_impl(int dt, const void* gate_up, void* out, int64_t
     }
 }
 
-/* A team shares silu_mul's rows from SILU_MUL_MIN_ROWS rows a member: starting a member costs
- * ~70 us on a 2-vCPU VM (Sapphire Rapids), a row of the default model's MLP (1,536 wide)
- * ~0.66 us (bf16: 768 rows 522 -> 403 us on 2 threads, 512 rows no faster). Add + RMSNorm and
- * rotary rows cost a third of that and gained nothing from a second member at 2,048 rows. */
+/* A team shares silu_mul's rows from SILU_MUL_MIN_ROWS rows a member. Measured when a member
+ * was a thread started per call (~70 us on a 2-vCPU VM, Sapphire Rapids), where a row of the
+ * default model's MLP (1,536 wide) costs ~0.66 us: bf16 768 rows 522 -> 403 us on 2 threads,
+ * 512 rows no faster. Add + RMSNorm and rotary rows cost a third of that and gained nothing
+ * from a second member at 2,048 rows. */
 #define SILU_MUL_MIN_ROWS 384
 
 typedef struct {

@@ -573,9 +573,10 @@ static void pf_member(void* arg, const Team* team) {
 #endif
 }
 
-/* A member must score this many (query head, position) pairs to repay its start (~70 us on a
- * 2-vCPU VM, Sapphire Rapids, where a pair costs ~0.5 ns): a burst of short prompts runs
- * each one's attention on the calling thread alone. */
+/* A member must score this many (query head, position) pairs to repay joining the team (~50
+ * us where its worker sleeps, on a 2-vCPU VM, Sapphire Rapids, where a pair costs ~0.5 ns): a
+ * burst of short prompts runs each one's attention on the calling thread alone (2^13 was no
+ * faster for bursts of 7 prompts of ~66 tokens, with workers that spin between calls). */
 #define PREFILL_MIN_SCORES_PER_MEMBER (1 << 18)
 
 /* Members for a chunk of num_new tokens after num_computed cached ones, on up to num_threads:
