@@ -33,8 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.config import KV_CACHE_DTYPES, ModelConfig
-from pdserve.model.kernels.build import cache_dir
-from pdserve.model.kernels.choice import MeasuredChoice, size_bucket
+from pdserve.model.kernels.choice import MeasuredChoice, kernels_cache_dir, size_bucket
 from pdserve.model.kernels.cpu_ops import CpuOps, empty_rows
 
 logger = logging.getLogger(__name__)
@@ -495,15 +494,11 @@ def kernel_attends(
 def prefill_kernel_choice(ops: CpuOps) -> MeasuredChoice:
     """Whether `ops.paged_prefill` (A) beats SDPA (B) per `prefill_case`, measured on this
     machine (`measure_prefill_choices`) and cached next to the compiled kernels."""
-    try:
-        directory = cache_dir()
-    except OSError:
-        directory = None
     return MeasuredChoice(
         f"prefill-attention-{ops.isa}",
         ops.build_id,
         functools.partial(prefill_paths, ops),
-        directory,
+        kernels_cache_dir(),
         num_size_fields=2,  # new tokens, cached context
     )
 

@@ -15,8 +15,7 @@ import logging
 
 import torch
 
-from pdserve.model.kernels.build import cache_dir
-from pdserve.model.kernels.choice import MeasuredChoice
+from pdserve.model.kernels.choice import MeasuredChoice, kernels_cache_dir
 from pdserve.model.kernels.cpu_ops import load_cpu_ops
 from pdserve.model.layers import Linear
 
@@ -52,15 +51,11 @@ def _probe(dtype: torch.dtype):
 def dtype_choice() -> MeasuredChoice:
     """Whether bfloat16 (A) beats float32 (B) on the probe, measured here once."""
     ops = load_cpu_ops()
-    try:
-        directory = cache_dir()
-    except OSError:
-        directory = None
     return MeasuredChoice(
         "auto-dtype",
         "torch" if ops is None else ops.build_id,
         lambda case: (_probe(torch.bfloat16), _probe(torch.float32)),
-        directory,
+        kernels_cache_dir(),
     )
 
 

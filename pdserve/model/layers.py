@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.model.config import ModelConfig, Quantization, RopeScaling
-from pdserve.model.kernels.build import cache_dir
-from pdserve.model.kernels.choice import MeasuredChoice, size_bucket
+from pdserve.model.kernels.choice import MeasuredChoice, kernels_cache_dir, size_bucket
 from pdserve.model.kernels.cpu_ops import (
     CpuOps,
     PackedWeight,
@@ -173,15 +172,11 @@ def bf16_linear_choice(ops: CpuOps) -> MeasuredChoice:
     cached next to the compiled kernels. On 2 Sapphire Rapids vCPUs the AMX kernels won 37
     of 42 cases (1 and 2 threads, 128 to 8,192 rows; oneDNN: q/k/v's 960x576 at 4,096 rows
     and more): they split ~500-row steps better over 2 threads and run a step's exact rows."""
-    try:
-        directory = cache_dir()
-    except OSError:
-        directory = None
     return MeasuredChoice(
         f"linear-bf16-{ops.isa}",
         ops.build_id,
         functools.partial(_bf16_linear_paths, ops),
-        directory,
+        kernels_cache_dir(),
         num_size_fields=1,  # rows
     )
 

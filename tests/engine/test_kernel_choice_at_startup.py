@@ -16,8 +16,8 @@ from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.model import attention
 from pdserve.model.attention import prefill_kernel_choice
+from pdserve.model.kernels import choice as kernel_choice
 from tests.model.helpers import require_kernels
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ IDLE_S = 2.0  # idle turns enough to measure a case, had one been queued
 def cold_choice(loaded_fp32, tmp_path, monkeypatch):
     """The kernels' choice as on a machine that never measured it (an empty cache dir)."""
     ops = require_kernels(loaded_fp32.model.cpu_ops)
-    monkeypatch.setattr(attention, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(kernel_choice, "cache_dir", lambda: tmp_path)
     prefill_kernel_choice.cache_clear()
     yield lambda: prefill_kernel_choice(ops)
     prefill_kernel_choice.cache_clear()

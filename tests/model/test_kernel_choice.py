@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from pdserve.model import attention, auto_dtype
+from pdserve.model import auto_dtype
 from pdserve.model.attention import (
     AttentionMetadata,
     TorchAttentionBackend,
@@ -19,7 +19,7 @@ from pdserve.model.attention import (
     prefill_cases,
     prefill_kernel_choice,
 )
-from pdserve.model.kernels import cpu_ops
+from pdserve.model.kernels import choice as kernel_choice
 from pdserve.model.kernels.choice import MeasuredChoice, interleaved_best_seconds, size_bucket
 from pdserve.model.kernels.cpu_ops import (
     BF16_KERNEL_MAX_ROWS,
@@ -167,7 +167,7 @@ def test_prefill_choice_follows_the_measurement(
     isa, dtype, num_new, num_computed, tmp_path, monkeypatch
 ):
     ops = require_kernels(load_cpu_ops(isa), isa)
-    monkeypatch.setattr(attention, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(kernel_choice, "cache_dir", lambda: tmp_path)
     case = prefill_case(dtype, dtype, 9, 3, 64, num_new, num_computed)
     # Other processes share these cores: a burst of load can skew one measurement, so the
     # choice is measured anew (bounded) until it and the test's timing are taken in quiet
@@ -195,7 +195,7 @@ def test_prefill_choice_follows_the_measurement(
 
 
 def test_auto_dtype_is_the_measured_faster_one(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(auto_dtype, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(kernel_choice, "cache_dir", lambda: tmp_path)
     auto_dtype.dtype_choice.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger="pdserve.model.auto_dtype"):
@@ -217,7 +217,7 @@ def test_bf16_dot_products_serve_the_rows_they_measured_faster_on(isa, tmp_path,
     if before is None:
         assert not ops.has_bf16_dot or ops._lib.linear_has_amx()
         return
-    monkeypatch.setattr(cpu_ops, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(kernel_choice, "cache_dir", lambda: tmp_path)
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(64, 256, generator=generator).bfloat16()
     x = torch.randn(DPBF16_TILE_ROWS, 256, generator=generator).bfloat16()

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from pdserve.model.cpu_runtime import read_cpu_flags
-from pdserve.model.kernels.build import mark_used, prune_older
+from pdserve.model.kernels.build import cache_dir, mark_used, prune_older
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,15 @@ def interleaved_best_seconds(
             run()
             best[i] = min(best[i], time.perf_counter() - start)
     return best[0], best[1]
+
+
+def kernels_cache_dir() -> Path | None:
+    """Where choices are cached: beside the compiled kernels (a new build measures anew);
+    None where that directory cannot be made (a choice is then measured in every process)."""
+    try:
+        return cache_dir()
+    except OSError:
+        return None
 
 
 class MeasuredChoice:

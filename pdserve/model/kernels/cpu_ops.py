@@ -20,13 +20,12 @@ import torch
 from pdserve.model.cpu_runtime import BF16_MATMUL_CPU_FLAGS, read_cpu_flags
 from pdserve.model.kernels.build import (
     VARIANT_NAMES,
-    cache_dir,
     can_run,
     load_library,
     runnable_variants,
     variant,
 )
-from pdserve.model.kernels.choice import MeasuredChoice
+from pdserve.model.kernels.choice import MeasuredChoice, kernels_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -620,10 +619,6 @@ def _linear_struct(weight: PackedWeight, bias: torch.Tensor | None) -> _PackedLi
 def dpbf16_choice(ops: CpuOps) -> MeasuredChoice:
     """Whether bf16 dot products for every row count (A) beat them for one or two rows only
     (B), timed on a bf16 linear of a full tile of rows and cached with the kernels."""
-    try:
-        directory = cache_dir()
-    except OSError:
-        directory = None
 
     def prepare(case: tuple) -> tuple:
         _, rows = case
@@ -637,7 +632,7 @@ def dpbf16_choice(ops: CpuOps) -> MeasuredChoice:
 
         return functools.partial(run, DPBF16_ALL_ROWS), functools.partial(run, DPBF16_FEW_ROWS)
 
-    return MeasuredChoice(f"linear-dpbf16-{ops.isa}", ops.build_id, prepare, directory)
+    return MeasuredChoice(f"linear-dpbf16-{ops.isa}", ops.build_id, prepare, kernels_cache_dir())
 
 
 def requested_isa() -> str | None:
