@@ -268,6 +268,30 @@ def test_rotary_in_place(ops, dtype, atol, head_dim):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_rotary_rows_shared_by_a_team_match_one_thread(ops, dtype):
+    """1,000 rows split over 3 threads (rotary's strided, its cos/sin offset per share): the
+    values one thread computes, bit for bit."""
+    generator = torch.Generator().manual_seed(4)
+    x, residual = (torch.randn(1000, 576, generator=generator).to(dtype) for _ in range(2))
+    weight = torch.rand(576, generator=generator).to(dtype) + 0.5
+    qkv = torch.randn(1000, 15 * 64, generator=generator).to(dtype)
+    angles = torch.rand(1000, 32, generator=generator) * 10
+    results = {}
+    previous = torch.get_num_threads()
+    try:
+        for num_threads in (1, 3):
+            torch.set_num_threads(num_threads)
+            stream = residual.clone()
+            rotated = qkv.clone()
+            ops.rotary_(rotated, 12, 64, angles.cos(), angles.sin())
+            results[num_threads] = (*ops.add_rms_norm(x, stream, weight, 1e-5), rotated)
+    finally:
+        torch.set_num_threads(previous)
+    for shared, alone in zip(results[3], results[1], strict=True):
+        torch.testing.assert_close(shared, alone, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize(("dtype", "atol"), DTYPES)
 @pytest.mark.parametrize("rows", [3, 1000])  # 1000: rows shared by a team
 def test_silu_mul(ops, dtype, atol, rows):

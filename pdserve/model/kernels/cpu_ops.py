@@ -35,8 +35,8 @@ MAX_HEAD_DIM = 256
 _UNIT = 16  # UNIT in the C source
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
-    "add_rms_norm": ([_C, *[_P] * 4, _I, _I, _F, _I], None),
-    "rotary": ([_C, _P, _I, _I, _I, _I, _P, _P], None),
+    "add_rms_norm": ([_C, *[_P] * 4, _I, _I, _F, _I, _I], None),
+    "rotary": ([_C, _P, _I, _I, _I, _I, _P, _P, _I], None),
     "silu_mul": ([_C, _P, _P, _I, _I, _I], None),
     "silu_mul_threads": ([_I, _I], _I),
     "paged_decode": ([_C, _C, *[_P] * 7, *[_I] * 6, _F], None),
@@ -395,7 +395,8 @@ class CpuOps:
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x + residual) * weight, x + residual), x [rows, hidden]; `residual` is
-        updated in place. With residual None: (rms_norm(x) * weight, x)."""
+        updated in place. With residual None: (rms_norm(x) * weight, x). Rows shared by
+        torch's threads from a few dozen (`row_threads`)."""
         x = x.contiguous()
         rows, hidden = x.shape
         out = empty_rows(rows, hidden, x.dtype)
@@ -409,6 +410,7 @@ class CpuOps:
             hidden,
             eps,
             residual is not None,
+            torch.get_num_threads(),
         )
         return out, x if residual is None else residual
 
@@ -416,7 +418,8 @@ class CpuOps:
         self, x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor
     ) -> None:
         """Rotate heads [0, num_heads) of every row of x [rows, >= num_heads * head_dim] (rows
-        may be strided, each row contiguous) in place; cos/sin float32 [rows, head_dim/2]."""
+        may be strided, each row contiguous) in place; cos/sin float32 [rows, head_dim/2].
+        Rows shared by torch's threads from a few dozen (`row_threads`)."""
         if x.stride(1) != 1 or not (cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError("rotary_ needs contiguous rows and contiguous cos/sin")
         self._lib.rotary(
@@ -428,6 +431,7 @@ class CpuOps:
             head_dim,
             cos.data_ptr(),
             sin.data_ptr(),
+            torch.get_num_threads(),
         )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
