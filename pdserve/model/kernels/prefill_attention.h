@@ -18,7 +18,7 @@
  *
  * With AMX (the amx variant) a bfloat16 model with a bfloat16 cache runs pf_amx_tile instead:
  * the same walk in units of 32 positions, scores and values multiplied in tiles, the softmax
- * in AVX-512 (see there).
+ * in AVX-512 while the tiles multiply the next unit's scores (see there).
  *
  * Blocks are independent; a call runs blocks [0, prefill_num_blocks(...)) on a team of
  * num_threads members (run_team) that take blocks from a shared counter.
@@ -416,6 +416,23 @@ static void pf_amx_pack(const PrefillArgs* a, int64_t kv_head, int64_t seq_len, 
     }
 }
 
+/* scores [32 positions][16 rows] of positions u.. against the tile's queries (qt: Q^T as
+ * bf16 pairs of dims), through tiles 0 and 1. */
+ALWAYS_INLINE void pf_amx_scores(int64_t D, const uint32_t* qt, const uint16_t* k_packed,
+                                 int64_t u, float* scores) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t h = 0; h < D / 32; h++) {
+        _tile_loadd(3, qt + h * 16 * 16, 64);
+        _tile_loadd(2, k_packed + u * D + 32 * h, D * 2);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_loadd(2, k_packed + (u + 16) * D + 32 * h, D * 2);
+        _tile_dpbf16ps(1, 2, 3);
+    }
+    _tile_stored(0, scores, 64);
+    _tile_stored(1, scores + 16 * 16, 64);
+}
+
 /* (j, tile) of O^T's tiles; tile numbers must be literals in the instructions. */
 #define PF_AMX_O_TILES(X) X(0, 4) X(1, 5) X(2, 6) X(3, 7)
 
@@ -430,8 +447,8 @@ static void pf_amx_tile(const PrefillArgs* a, int64_t kv_head, int64_t row0, int
                         float* scratch) {
     const int64_t D = a->head_dim, group = a->num_heads / a->num_kv_heads;
     uint32_t* qt = (uint32_t*)scratch;                /* [D / 2][16] pairs of dims */
-    float* scores = (float*)(qt + D / 2 * 16);         /* [32][16] */
-    uint32_t* pt = (uint32_t*)(scores + PF_AMX_UNIT * 16); /* [16][16] pairs of positions */
+    float* score_units = (float*)(qt + D / 2 * 16);    /* 2 x [32][16]: this unit's, the next's */
+    uint32_t* pt = (uint32_t*)(score_units + 2 * PF_AMX_UNIT * 16); /* [16][16] position pairs */
     float* o = (float*)(pt + 16 * 16);                 /* [D][16] */
     int32_t qpos[16];
     for (int64_t lane = 0; lane < 16; lane++) {
@@ -449,18 +466,16 @@ static void pf_amx_tile(const PrefillArgs* a, int64_t kv_head, int64_t row0, int
     __m512 peak = _mm512_setzero_ps(), total = _mm512_setzero_ps();
 #define PF_ZERO_O(j, tile) if (D > 16 * (j)) _tile_zero(tile);
     PF_AMX_O_TILES(PF_ZERO_O)
+    pf_amx_scores(D, qt, k_packed, 0, score_units);
     for (int64_t u = 0; u <= qpos[15]; u += PF_AMX_UNIT) {
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int64_t h = 0; h < D / 32; h++) {
-            _tile_loadd(3, qt + h * 16 * 16, 64);
-            _tile_loadd(2, k_packed + u * D + 32 * h, D * 2);
-            _tile_dpbf16ps(0, 2, 3);
-            _tile_loadd(2, k_packed + (u + 16) * D + 32 * h, D * 2);
-            _tile_dpbf16ps(1, 2, 3);
-        }
-        _tile_stored(0, scores, 64);
-        _tile_stored(1, scores + 16 * 16, 64);
+        const float* scores = score_units + (u / PF_AMX_UNIT % 2) * PF_AMX_UNIT * 16;
+        /* The next unit's scores go to the tiles now: they multiply while this unit's
+         * softmax runs in AVX-512 (its products wait on no result of this unit's). One
+         * thread, 9/3 heads of 64: the kernel alone on 3,000 tokens 16.1-17.2 -> 14.4-14.7
+         * ms, on 512 0.76-0.79 -> 0.71-0.72 ms (Sapphire Rapids). */
+        if (u + PF_AMX_UNIT <= qpos[15])
+            pf_amx_scores(D, qt, k_packed, u + PF_AMX_UNIT,
+                          score_units + ((u / PF_AMX_UNIT + 1) % 2) * PF_AMX_UNIT * 16);
         const int is_diagonal = u + PF_AMX_UNIT - 1 > qpos[0];
         if (u == 0) { /* the first peak: position 0 is visible to every row */
             __m512 unit_peak = _mm512_set1_ps(PF_MASKED);
