@@ -16,8 +16,8 @@ from pdserve.bench.processes import child_pids
 from pdserve.core.block_manager import extend_block_hashes
 from pdserve.kv_store import KVStoreConfig
 from tests.kv_store.conftest import REDIS_SERVER, RedisServer
-from tests.router.harness import wait_until
-from tests.server.conftest import NUM_KV_BLOCKS, ServerProcess, free_port, start_server
+from tests.router.harness import free_port_block, wait_until
+from tests.server.conftest import NUM_KV_BLOCKS, ServerProcess, start_server
 
 pytestmark = pytest.mark.slow
 DASHBOARD = Path(__file__).parents[2] / "grafana" / "pdserve-dashboard.json"
@@ -237,7 +237,7 @@ def test_disaggregated_prefill_writes_and_the_decode_worker_reads(
     password = "store-password-never-in-argv"
     redis_server = RedisServer(tmp_path, "--requirepass", password)
     (tmp_path / "redis-password").write_text(password + "\n")
-    base = free_port()  # prefill worker on base, decode worker on base + 1
+    base = free_port_block(2)  # prefill worker on base, decode worker on base + 1
     deployment = start_server(
         tmp_path, "--mode", "disagg", "--kv-store", redis_server.url,
         "--kv-store-password-file", str(tmp_path / "redis-password"),

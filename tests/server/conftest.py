@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.gguf_file import GGUFModelFile
 from pdserve.model.llama import hf_weight_shapes
 from pdserve.model.loader import default_model_path
+from tests.router.harness import free_port
 
 API_KEY = "test-key"
 STARTUP_TIMEOUT_S = 180.0
@@ -78,12 +78,6 @@ class ServerProcess:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout_s)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(log_dir: Path, *args: str, api_key: str | None = None) -> ServerProcess:
