@@ -29,6 +29,7 @@ Ray is imported only here, and only when a cluster is asked for.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import json
 import logging
@@ -56,13 +57,14 @@ from pdserve.launch.deployment import (
     worker_command,
     worker_process,
 )
-from pdserve.launch.worker_group import WorkerSpec, WorkerStartupError
+from pdserve.launch.worker_group import PortTakenError, WorkerSpec, WorkerStartupError
 from pdserve.router.provision import WorkerHandle
 
 logger = logging.getLogger("pdserve.launch")
 
 ROLES = ("prefill", "decode")
 DEFAULT_RESOURCES = {"CPU": 1.0}
+PORT_ATTEMPTS = 5  # free ports a worker's host tries, each taken first by another process
 PLACEMENT_STRATEGIES = {
     "pack": "PACK",
     "spread": "SPREAD",
@@ -184,11 +186,22 @@ class WorkerHost:
         import ray
 
         self.node_id = ray.get_runtime_context().get_node_id()
-        host = ray.util.get_node_ip_address()
+        self._exited = threading.Event()
+        self._exit_code: int | None = None
+        # Another worker's host on this node can choose the same free port at the same moment
+        # (Ray nodes sharing a machine); the one that binds it second chooses again.
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                return self._start(name, role, plan, tls, ray.util.get_node_ip_address())
+            except PortTakenError:
+                if attempt == PORT_ATTEMPTS - 1:
+                    raise
+
+    def _start(self, name: str, role: str, plan: RayPlan, tls: FleetTLS | None, host: str) -> None:
+        """Start the worker on a free port of `host` (`PortTakenError`: another took it)."""
         log_dir = Path(plan.log_dir or Path(tempfile.gettempdir()) / "pdserve-ray")
         log_dir.mkdir(parents=True, exist_ok=True)
-        port = free_port(host)
-        threads = num_threads(plan.resources[role])
+        port, threads = free_port(host), num_threads(plan.resources[role])
         command = worker_command(
             name,
             plan.role_argv[role],
@@ -210,11 +223,9 @@ class WorkerHost:
             death_signal=signal.SIGKILL,
             tls=tls.client_context() if tls is not None else None,
         )
-        self._exited = threading.Event()
-        self._exit_code: int | None = None
-        started = threading.Event()
+        started: concurrent.futures.Future = concurrent.futures.Future()
         threading.Thread(target=self._run, args=(started,), name=name, daemon=True).start()
-        started.wait()
+        started.result()
 
     def _kv_flags(self, plan: RayPlan, host: str) -> tuple[str, ...]:
         if plan.kv_transport is None:  # replicas move no KV
@@ -224,11 +235,13 @@ class WorkerHost:
             *("--kv-node-id", self.node_id),
         )
 
-    def _run(self, started: threading.Event) -> None:
+    def _run(self, started: concurrent.futures.Future) -> None:
         try:
             self._group.start()
-        finally:
-            started.set()
+        except BaseException as error:
+            started.set_exception(error)
+            return
+        started.set_result(None)
         self._exit_code = self._group.wait(self.spec.name)
         self._exited.set()
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import time
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from pdserve.server.cli import LISTEN_FD_ENV
 
 _PR_SET_PDEATHSIG = 1
 # Loaded before any fork: the child must not dlopen between fork and exec.
@@ -45,6 +49,10 @@ class WorkerSpec:
 
 class WorkerStartupError(RuntimeError):
     """A worker exited or stayed unhealthy during startup; the message ends with its log."""
+
+
+class PortTakenError(WorkerStartupError):
+    """A worker's port was bound by another process before the worker started."""
 
 
 class WorkerGroup:
@@ -76,13 +84,15 @@ class WorkerGroup:
                 "PYTHONUNBUFFERED": "1",
                 **self._env,
             }
-            with open(spec.log_path, "ab") as log:
+            # The worker inherits its port bound (`LISTEN_FD_ENV`); this copy closes at once.
+            with _listen(spec) as listener, open(spec.log_path, "ab") as log:
                 self._processes[spec.name] = subprocess.Popen(
                     spec.command,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env=env,
+                    env={**env, LISTEN_FD_ENV: str(listener.fileno())},
+                    pass_fds=(listener.fileno(),),
                     start_new_session=True,
                     preexec_fn=_child_setup(spec.cores, self._death_signal),
                 )
@@ -138,6 +148,22 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _listen(spec: WorkerSpec) -> socket.socket:
+    """A socket listening on the worker's address, as uvicorn would open it."""
+    listener = socket.socket(socket.AF_INET6 if ":" in spec.host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((spec.host, spec.port))
+    except OSError as error:
+        listener.close()
+        taken = error.errno == errno.EADDRINUSE
+        raise (PortTakenError if taken else WorkerStartupError)(
+            f"{spec.name}: cannot bind {spec.host}:{spec.port}: {error}"
+        ) from None
+    listener.listen(2048)  # uvicorn's backlog
+    return listener
 
 
 def _child_setup(cores: tuple[int, ...], death_signal: signal.Signals):

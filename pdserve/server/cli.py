@@ -12,6 +12,7 @@ import asyncio
 import gc
 import logging
 import os
+import socket
 from collections.abc import Callable
 
 import uvicorn
@@ -67,6 +68,19 @@ SERVER_FLAGS = (
 )
 
 
+# A launcher binds its worker's port and hands the listening socket over (this variable holds
+# its descriptor): the port is the worker's from before it starts, so no other process (a
+# worker placed on this host at the same moment) can take it while the model loads.
+LISTEN_FD_ENV = "PDSERVE_LISTEN_FD"
+
+
+def inherited_sockets() -> list[socket.socket] | None:
+    """The listening socket a launcher handed this process (`uvicorn.Server.run`'s
+    `sockets`), taken from the environment; None: bind --host/--port here."""
+    fd = os.environ.pop(LISTEN_FD_ENV, None)
+    return None if fd is None else [socket.socket(fileno=int(fd))]
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Serve one engine (`--mode colocated` or `chunked`) until SIGINT/SIGTERM."""
     # Start-up keeps hundreds of thousands of objects (the GGUF reader alone ~400k), and every
@@ -117,8 +131,9 @@ def run_server(args: argparse.Namespace) -> int:
         args.host,
         args.port,
     )
+    sockets = inherited_sockets()
     freeze_startup_heap()
-    server.run()
+    server.run(sockets)
     return 0 if server.started else 1
 
 

@@ -15,6 +15,8 @@ import pytest
 from pdserve.bench.processes import child_pids
 from pdserve.core.block_manager import extend_block_hashes
 from pdserve.kv_store import KVStoreConfig
+from pdserve.kv_store.codec import value_nbytes
+from pdserve.model.loader import default_model_path, open_checkpoint
 from tests.kv_store.conftest import REDIS_SERVER, RedisServer
 from tests.router.harness import free_port_block, wait_until
 from tests.server.conftest import NUM_KV_BLOCKS, ServerProcess, start_server
@@ -73,6 +75,23 @@ def _metric(server, name: str, **labels) -> float:
         "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else ""
     )
     return server.metrics().get(key, 0.0)
+
+
+def _wait_until_stored(writer, num_tokens: int) -> None:
+    """Wait until `writer` (float32, start_server's dtype) has stored the blocks of a prompt's
+    first `num_tokens` tokens. Its writes are behind its answers; a reader that comes sooner
+    waits for blocks in flight only up to a bound, which a loaded machine can outlast."""
+    config = open_checkpoint(default_model_path()).config
+    values = config.num_hidden_layers * 2 * BLOCK_SIZE * config.num_key_value_heads
+    block_nbytes = value_nbytes(BLOCK_SIZE, values * config.head_dim * 4)  # float32
+    wait_until(
+        lambda: (
+            _metric(writer, "pdserve:kv_store_written_bytes_total")
+            >= num_tokens // BLOCK_SIZE * block_nbytes
+        ),
+        timeout=60,
+        what=f"{num_tokens // BLOCK_SIZE} blocks stored",
+    )
 
 
 def _assert_no_leaks(*servers) -> None:
@@ -214,7 +233,7 @@ def test_local_store_is_shared_by_two_processes(tmp_path, tokenizer, prefix, ref
     try:
         _complete(first, _question(tokenizer, prefix, "Do you deliver?"))
         prompt = _question(tokenizer, prefix, "Can I return a saddle?")
-        wait_until(lambda: _metric(first, "pdserve:kv_store_written_bytes_total") > 0, timeout=30)
+        _wait_until_stored(first, len(prefix))
         answer = _complete(second, prompt)
         assert (
             answer["pdserve_timing"]["kv_store_hit_tokens"]
@@ -252,7 +271,7 @@ def test_disaggregated_prefill_writes_and_the_decode_worker_reads(
         decode = ServerProcess(None, f"http://127.0.0.1:{base + 1}", tmp_path, None)
         # The prefill worker computes a prompt and writes its blocks...
         _complete(prefill, _question(tokenizer, prefix, "Do you rent bikes?"))
-        wait_until(lambda: _metric(prefill, "pdserve:kv_store_written_bytes_total") > 0)
+        _wait_until_stored(prefill, len(prefix))
         # ...which the decode worker, prefilling a short-suffixed prompt itself, reads.
         prompt = _question(tokenizer, prefix, "What does a service cost?")
         answer = _complete(decode, prompt)

@@ -4,9 +4,12 @@ startup failure."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -19,7 +22,12 @@ from pdserve.kv_store.config import KV_STORE_NAMESPACE_SECRET_ENV, KV_STORE_PASS
 from pdserve.launch.cli import deployment_config_from_args
 from pdserve.launch.deployment import kv_store_secrets, worker_secrets
 from pdserve.launch.local import assign_cores, plan_workers
-from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
+from pdserve.launch.worker_group import (
+    PortTakenError,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerStartupError,
+)
 from tests.router.harness import REPO_ROOT, free_port, wait_until
 
 
@@ -213,6 +221,32 @@ def test_worker_group_pins_waits_for_health_and_stops(tmp_path, monkeypatch):
     for spec in specs:
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{spec.url}/health", trust_env=False)
+
+
+def test_a_worker_holds_its_port_from_its_start_and_a_taken_port_fails_at_once(tmp_path):
+    # A worker that never binds anything itself (a model still loading): its port is already
+    # its own, so nothing else on the host can take it meanwhile.
+    sleeper = WorkerSpec(
+        "decode-0",
+        "decode",
+        free_port(),
+        (),
+        (sys.executable, "-c", "import time; time.sleep(60)"),
+        tmp_path / "decode-0.log",
+    )
+    group = WorkerGroup([sleeper])
+    group.start()
+    try:
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", sleeper.port))
+        assert taken.value.errno == errno.EADDRINUSE
+        # A second worker given the same port fails in start(), naming it; none is started.
+        twin = dataclasses.replace(sleeper, name="decode-1", log_path=tmp_path / "decode-1.log")
+        with pytest.raises(PortTakenError, match=f"decode-1: cannot bind 127.0.0.1:{sleeper.port}"):
+            WorkerGroup([twin]).start()
+        assert not twin.log_path.exists()
+    finally:
+        group.stop(grace_s=5)
 
 
 def test_a_worker_dying_at_startup_is_reported_with_its_log_tail(tmp_path):

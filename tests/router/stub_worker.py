@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from pdserve.core.block_manager import extend_block_hashes
 from pdserve.core.kv_events import KVEventLog
+from pdserve.server.cli import inherited_sockets
 from pdserve.server.kv_events import KVEventStreams, add_kv_event_routes
 
 KV_BYTES_PER_TOKEN = 64
@@ -263,13 +264,14 @@ def main() -> None:
     parser.add_argument("--fail-status", type=int, default=None)
     args = parser.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    uvicorn.run(
+    config = uvicorn.Config(
         build_stub(args.role, args.port, args.fail_status, args.host),
         host=args.host,
         port=args.port,
         log_level="warning",
         access_log=False,
     )
+    uvicorn.Server(config).run(inherited_sockets())  # a WorkerGroup's worker: the port it holds
 
 
 if __name__ == "__main__":
