@@ -104,7 +104,7 @@ def plan_workers(deployment: DeploymentConfig) -> list[WorkerSpec]:
     for slot, role in enumerate(roles):
         name = f"{role}-{counts[role]}"
         counts[role] += 1
-        port = _worker_port(deployment.worker_base_port, slot)
+        port = _worker_port(deployment.worker_base_port, slot, {s.port for s in specs})
         specs.append(worker_spec(deployment, role, name, port, slots[slot], log_dir))
     return specs
 
@@ -193,7 +193,8 @@ class LocalProvisioner:
                 raise WorkerStartupError(f"no free cores for another {role} worker")
             name = f"{role}-{self._counts[role]}"
             self._counts[role] += 1
-            port = _worker_port(self._deployment.worker_base_port, slot)
+            taken = {c.spec.port for c in self._children.values()}
+            port = _worker_port(self._deployment.worker_base_port, slot, taken)
             spec = worker_spec(self._deployment, role, name, port, self._slots[slot], self._log_dir)
             child = self._children[name] = _Child(spec, self._group(spec), slot)
         try:
@@ -264,8 +265,15 @@ def assign_cores(cores: Sequence[int], num_workers: int) -> list[tuple[int, ...]
     return shares
 
 
-def _worker_port(base_port: int | None, slot: int) -> int:
-    return base_port + slot if base_port is not None else free_port()
+def _worker_port(base_port: int | None, slot: int, taken: set[int]) -> int:
+    """base + slot, or a free port outside `taken` (ports given to workers not listening yet:
+    a port is free again once its check closes, so two draws can return it twice)."""
+    if base_port is not None:
+        return base_port + slot
+    port = free_port()
+    while port in taken:
+        port = free_port()
+    return port
 
 
 def _print_plan(deployment: DeploymentConfig, specs: list[WorkerSpec]) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from pdserve.fleet import FLEET_SECRET_ENV
 from pdserve.kv_store.config import KV_STORE_NAMESPACE_SECRET_ENV, KV_STORE_PASSWORD_ENV
+from pdserve.launch import local
 from pdserve.launch.cli import deployment_config_from_args
 from pdserve.launch.deployment import kv_store_secrets, worker_secrets
 from pdserve.launch.local import assign_cores, plan_workers
@@ -152,6 +153,15 @@ def test_plan_pins_prefill_then_decode_workers(tmp_path):
     if len(os.sched_getaffinity(0)) >= 2:
         assert not set(prefill.cores) & set(decode.cores)
     assert decode.log_path == tmp_path / "decode-0.log"
+
+
+def test_a_plan_never_gives_two_workers_one_port(tmp_path, monkeypatch):
+    # A free port's check closes it, so the next draw may return it again.
+    draws = iter([41001, 41001, 41003])
+    monkeypatch.setattr(local, "free_port", lambda: next(draws))
+    args = serve_parser().parse_args(["--mode", "disagg", "--worker-log-dir", str(tmp_path)])
+    prefill, decode = plan_workers(deployment_config_from_args(args))
+    assert (prefill.port, decode.port) == (41001, 41003)
 
 
 def test_role_worker_args_reach_only_that_role_and_win_over_worker_args(tmp_path):
