@@ -87,7 +87,7 @@ def test_the_server_freezes_its_start_up_heap_before_it_serves(monkeypatch):
     monkeypatch.setattr(llm_engine, "LLMEngine", lambda config: SimpleNamespace(model_name="m"))
     monkeypatch.setattr(app, "create_app", lambda engine, settings: SimpleNamespace())
 
-    def run(server):
+    def run(server, sockets=None):
         frozen_at_run.append((gc.get_freeze_count(), gc.isenabled()))
         server.started = True
 
