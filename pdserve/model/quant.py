@@ -5,7 +5,8 @@ without dequantizing (`cpu_ops.c`, W_*): GGUF's Q8_0, Q4_0 and Q4_1 (blocks of 3
 a row, each with an fp16 scale and, for Q4_1, an fp16 minimum; multiplied by integer dot
 products with the activations quantized per block, as llama.cpp does) and INT8, weight-only
 (symmetric int8 with a scale per output channel and block of 32 inputs, computed at load from
-any checkpoint; activations stay in floats). It converts to the kernels' packed layout
+any checkpoint; activations keep their precision: floats, or 16-bit integers per block in AMX
+tiles, below). It converts to the kernels' packed layout
 (`pack`) and back to floats (`dequantize`: the reference, and the fallback where the kernels
 do not run, e.g. on CUDA).
 
@@ -13,10 +14,12 @@ Why not one scale per output channel: on the default model (whose weights come f
 blocks, with scales that vary along each row) that agrees with float32 on 95.5% of greedy
 tokens over a 2,048-token text, against 97.7% with a scale per 32 inputs; quantizing the
 activations too costs another ~4 points, so INT8 keeps them in floats. Where the CPU has AMX
-tiles (the `amx` kernels) inputs of 3 rows or more are multiplied there instead, x and each
-dequantized weight rounded to bfloat16 (97.9% agreement on that text, perplexity +0.2%): a
-32-row decode step or a prefill chunk then costs what the weights' bytes do, not 32 rows of
-float FMAs.
+tiles (the `amx` kernels), up to 16 rows multiply the int8 weights as they are in integer tiles,
+x quantized to 16 bits per block of 32 (`SPLIT_X_LEVELS`, two int8 tiles; its error far below
+bfloat16's rounding), so a decode step reads each weight byte once without converting it; more
+rows multiply there with x and each dequantized weight rounded to bfloat16 (97.9% agreement on
+that text, perplexity +0.2%): a prefill chunk then costs what the weights' bytes do, not rows
+of float FMAs.
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ class QuantType(enum.Enum):
 
     @property
     def quantizes_activations(self) -> bool:
-        """Whether the kernels quantize x per block (`quantize_activations`) to multiply
-        integers; INT8 is weight-only."""
+        """Whether the kernels quantize x per block to int8 (`quantize_activations`) to
+        multiply integers; INT8 is weight-only (x to 16 bits at most: `SPLIT_X_LEVELS`)."""
         return self is not QuantType.INT8
 
 
@@ -188,12 +191,16 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     )
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+# INT8 weights meet x quantized to these levels in AMX integer tiles (`CpuOps.split_x_max_rows`).
+SPLIT_X_LEVELS = 32767
+
+
+def quantize_activations(x: torch.Tensor, levels: int = 127) -> torch.Tensor:
     """What the kernels do to x [rows, cols] before the integer dot products: per block of 32,
-    q = round(x * 127 / amax), then x' = q * amax / 127 (the reference for tests)."""
+    q = round(x * levels / amax), then x' = q * amax / levels (the reference for tests)."""
     rows, cols = x.shape
     blocks = x.float().reshape(rows, cols // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inverse = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
     q = torch.round(blocks * inverse)
-    return (q * (amax / 127.0)).reshape(rows, cols)
+    return (q * (amax / levels)).reshape(rows, cols)

@@ -33,7 +33,13 @@ from pdserve.model.layers import (
     bf16_linear_choice,
     measure_linear_choices,
 )
-from pdserve.model.quant import QuantizedWeight, QuantType, quantize_activations, quantize_int8
+from pdserve.model.quant import (
+    SPLIT_X_LEVELS,
+    QuantizedWeight,
+    QuantType,
+    quantize_activations,
+    quantize_int8,
+)
 from tests.model.helpers import kernel_variants, require_kernels
 
 HEADS = [(9, 3, 64), (4, 4, 128), (8, 1, 32)]  # (query heads, KV heads, head_dim)
@@ -368,10 +374,13 @@ def _quantized(qtype: QuantType, weight: torch.Tensor) -> QuantizedWeight:
 
 def _expected_quantized(ops, quantized: QuantizedWeight, x: torch.Tensor, bias) -> torch.Tensor:
     """Float math on the dequantized weights and, for the integer dot products, the
-    activations quantized per block of 32 (what the kernels do to x); from the rows where
+    activations quantized per block of 32 (what the kernels do to x: to 16 bits where int8
+    weights meet them in AMX integer tiles); from the rows where
     the kernels dequantize to bfloat16 (AMX tiles, bf16 dot products), x and the dequantized
     weights rounded to bfloat16."""
     x_used = quantize_activations(x) if quantized.qtype.quantizes_activations else x.float()
+    if len(x) <= (ops.split_x_max_rows(quantized.qtype.kernel_format) or 0):
+        x_used = quantize_activations(x, SPLIT_X_LEVELS)
     weight_used = quantized.dequantize()
     if len(x) >= (ops.bf16_min_rows(quantized.qtype.kernel_format) or len(x) + 1):
         x_used, weight_used = (t.to(torch.bfloat16).float() for t in (x.float(), weight_used))

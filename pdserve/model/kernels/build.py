@@ -57,8 +57,18 @@ _AVX512_BF16_CFLAGS = (
 VARIANTS = (
     IsaVariant(
         "amx",
-        frozenset((*_AVX512, "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")),
-        (*_AVX512_BF16_CFLAGS, "-mamx-tile", "-mamx-bf16"),
+        frozenset(
+            (
+                *_AVX512,
+                "avx512_bf16",
+                "avx512_vnni",
+                "avx512vbmi",
+                "amx_tile",
+                "amx_bf16",
+                "amx_int8",
+            )
+        ),
+        (*_AVX512_BF16_CFLAGS, "-mavx512vbmi", "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
         _X86,
     ),
     IsaVariant(

@@ -48,6 +48,7 @@ _SIGNATURES = {
     "linear_threads": ([_C, _I, _I, _I, _I], _I),
     "linear_has_amx": ([], _C),
     "linear_bf16_min_rows": ([_C], _I),
+    "linear_split_x_max_rows": ([_C], _I),
     "linear_silu_mul": ([_C, _C, *[_P] * 3, _I, _I, _I, _P, _I], None),
     "linear_silu_mul_min_rows": ([_C], _I),
     "set_linear_dpbf16_max_rows": ([_I], _C),
@@ -154,6 +155,12 @@ class CpuOps:
         multiplied in bfloat16, in AMX tiles or bf16 dot products (x and each dequantized
         weight rounded to bfloat16 first, sums in float32), None: never."""
         return self._lib.linear_bf16_min_rows(weight_format) or None
+
+    def split_x_max_rows(self, weight_format: int) -> int | None:
+        """Rows up to which int8 weights are multiplied as they are, in AMX integer tiles, by x
+        quantized to 16 bits per block of 32 (`quantize_activations(x, SPLIT_X_LEVELS)`),
+        None: never."""
+        return self._lib.linear_split_x_max_rows(weight_format) or None
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:

@@ -340,6 +340,14 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
+/* ldtilecfg of `config`. GCC's _tile_loadconfig tells the compiler it reads 8 bytes, so without
+ * the barrier the stores of the rest of the struct may be dropped as dead (seen: a #GP on a
+ * config whose rows and columns were never written). */
+ALWAYS_INLINE void amx_load_config(const TileConfig* config) {
+    __asm__ volatile("" ::: "memory");
+    _tile_loadconfig(config);
+}
+
 /* Linux hands out AMX state only to processes that ask for it (once per process). */
 static int pf_amx_permitted(void) {
     static int state = 0; /* 0: not asked yet, 1: granted, -1: refused */
@@ -362,7 +370,7 @@ static void pf_amx_configure(void) {
         config.rows[i] = 16;
         config.colsb[i] = 64;
     }
-    _tile_loadconfig(&config);
+    amx_load_config(&config);
 }
 
 ALWAYS_INLINE int pf_amx_applies(const PrefillArgs* a) {
