@@ -1341,7 +1341,7 @@ ALWAYS_INLINE void gguf_block_to_bf16(int wfmt, const uint8_t* block, uint16_t* 
 /* One group (W_INT8 or GGUF) dequantized into W_BF16's layout: group [in / 2][16][2] bf16. */
 ALWAYS_INLINE void group_to_bf16(int wfmt, const uint8_t* wg, int64_t in, uint16_t* group) {
     for (int64_t b = 0; b < in / 32; b++) {
-        /* Asked ahead as the dot products do: -14% at 8 and 32 rows of int8, weights from memory. */
+        /* Asked ahead as the dot products do: int8 -14% at 8 and 32 rows, from memory. */
         prefetch_weights(MAX_ROW_TILE, wfmt, wg + b * block_bytes(wfmt), block_bytes(wfmt));
         if (wfmt == W_INT8)
             int8_block_to_bf16(wg + b * block_bytes(wfmt), group + 512 * b);
@@ -1523,7 +1523,8 @@ typedef struct {
 /* In the first linear_scratch(W_INT8, rows, in) bytes, before dequantized_area. */
 ALWAYS_INLINE SplitRows split_rows_area(uint8_t* scratch, int64_t rows, int64_t in) {
     const int64_t plane = rows * in;
-    return (SplitRows){(int8_t*)scratch, scratch + plane, (float*)(scratch + round_up_64(2 * plane))};
+    return (SplitRows){(int8_t*)scratch, scratch + plane,
+                       (float*)(scratch + round_up_64(2 * plane))};
 }
 
 ALWAYS_INLINE void split_rows(int xdt, const void* x, SplitRows s, int64_t rows, int64_t in) {
@@ -1545,9 +1546,9 @@ ALWAYS_INLINE void split_rows(int xdt, const void* x, SplitRows s, int64_t rows,
         }
 }
 
-/* Tiles 0, 1: x's high and low bytes of m rows x 32 inputs (m <= 16); 2 and 7: a block's weights as
- * AMX's B (8 quads of 4 inputs x 16 outputs); 3, 4 and 5, 6: the products of the high and low
- * bytes, alternate blocks taking (2, 3, 4) and (7, 5, 6). */
+/* Tiles 0, 1: x's high and low bytes of m <= 16 rows x 32 inputs; 2 and 7: a block's weights
+ * as AMX's B (8 quads of 4 inputs x 16 outputs); 3, 4 and 5, 6: the products of the high and
+ * low bytes, alternate blocks taking (2, 3, 4) and (7, 5, 6). */
 static void amx_int8_configure(int64_t m) {
     TileConfig config;
     memset(&config, 0, sizeof config);
@@ -1573,10 +1574,10 @@ ALWAYS_INLINE void int8_block_as_quads(const uint8_t* q, uint8_t* quads) {
                            _mm512_permutexvar_epi8(order, _mm512_loadu_si512(q + 64 * k)));
 }
 
-/* Block b's integer products of x's two bytes by its weights (`quads`)
- * into high and low [16][16]; meanwhile the next group's block b is asked for into L2, so
- * that memory streams while the tiles work (a group's weights are read up front, and asked
- * for there they come in one burst: 8 rows +25%). */
+/* Block b's integer products of x's two bytes by its weights (`quads`) into high and low
+ * [16][16]; meanwhile the next group's block b is asked for into L2, so that memory streams
+ * while the tiles work (a group's weights are read up front, and asked for there they come
+ * in one burst: 8 rows +25%). */
 #define AMX_INT8_BLOCK(B, H, L)                                                                 \
     do {                                                                                        \
         for (int64_t o = 0; o < block_bytes(W_INT8); o += 64)                                   \
@@ -1771,7 +1772,7 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
         _tile_release();
         return;
     }
-    if (wfmt == W_INT8 && rows <= AMX_INT8_TILES_MAX_ROWS && pf_amx_permitted()) {
+    if (wfmt == W_INT8 && rows > 0 && rows <= AMX_INT8_TILES_MAX_ROWS && pf_amx_permitted()) {
         amx_int8_linear((const uint8_t*)w, xdt, x, bias, y, rows, out, in, scratch, group_begin,
                         group_end);
         return;
