@@ -191,7 +191,8 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     )
 
 
-# INT8 weights meet x quantized to these levels in AMX integer tiles (`CpuOps.split_x_max_rows`).
+# INT8 weights meet x quantized to these levels in AMX integer tiles (`CpuOps.split_x_max_rows`;
+# cpu_ops.c's SPLIT_X_LEVELS).
 SPLIT_X_LEVELS = 32767
 
 

@@ -1514,6 +1514,7 @@ static void amx_dequantized_linear(int wfmt, const uint8_t* w, const uint16_t* x
  * its high byte (signed) and low byte (unsigned), q = 256 high + low, and scale = amax /
  * 32767. Its error, under amax / 65534, is below bfloat16's rounding for all but values 100x
  * smaller than their block's largest: int8 weights stay weight-only in effect. */
+#define SPLIT_X_LEVELS 32767.0f /* quant.py's SPLIT_X_LEVELS, the tests' reference */
 typedef struct {
     int8_t* high;    /* [rows][in] */
     uint8_t* low;    /* [rows][in] */
@@ -1534,7 +1535,7 @@ ALWAYS_INLINE void split_rows(int xdt, const void* x, SplitRows s, int64_t rows,
             const int64_t at = r * in + 32 * b;
             const V16 lo = load_dt(x, at, xdt), hi = load_dt(x, at + 16, xdt);
             const float amax = v_hmax(v_max(v_abs(lo), v_abs(hi)));
-            const V16 inverse = v_set1(amax > 0.0f ? 32767.0f / amax : 0.0f);
+            const V16 inverse = v_set1(amax > 0.0f ? SPLIT_X_LEVELS / amax : 0.0f);
             const __m512i q[2] = {_mm512_cvtps_epi32(v_mul(lo, inverse)), /* nearest even */
                                   _mm512_cvtps_epi32(v_mul(hi, inverse))};
             for (int h = 0; h < 2; h++) {
@@ -1542,7 +1543,7 @@ ALWAYS_INLINE void split_rows(int xdt, const void* x, SplitRows s, int64_t rows,
                 _mm_storeu_si128((__m128i*)(s.high + at + 16 * h),
                                  _mm512_cvtepi32_epi8(_mm512_srai_epi32(q[h], 8)));
             }
-            s.scale[r * nb + b] = amax / 32767.0f;
+            s.scale[r * nb + b] = amax / SPLIT_X_LEVELS;
         }
 }
 
@@ -1603,7 +1604,8 @@ ALWAYS_INLINE void amx_int8_block(const uint8_t* block, const uint8_t* quads, Sp
 
 /* Rows [0, n) (n <= R <= 16) of group g's outputs from its blocks in quads
  * (int8_block_as_quads): per block the exact integer products (amx_int8_block), scaled by the
- * weights' and x's scales in float, once the next block's tile work is issued. */
+ * weights' and x's scales in float, once the next block's tile work is issued (each block
+ * scaled as soon as stored, on one set of tiles: 8 rows +10-15%). */
 ALWAYS_INLINE void amx_int8_group_rows(const int64_t R, const uint8_t* wg, const uint8_t* quads,
                                        SplitRows s, const void* bias, void* y, int ydt,
                                        int64_t n, int64_t out, int64_t in, int64_t g) {
