@@ -1576,12 +1576,13 @@ ALWAYS_INLINE void int8_block_as_quads(const uint8_t* q, uint8_t* quads) {
 }
 
 /* Block b's integer products of x's two bytes by its weights (`quads`) into high and low
- * [16][16]; meanwhile the next group's block b is asked for into L2, so that memory streams
+ * [16][16]; meanwhile the rest of the next group's block b (its first line was asked for as
+ * this group was permuted, see amx_int8_linear) is asked for into L2, so that memory streams
  * while the tiles work (a group's weights are read up front, and asked for there they come
  * in one burst: 8 rows +25%). */
 #define AMX_INT8_BLOCK(B, H, L)                                                                 \
     do {                                                                                        \
-        for (int64_t o = 0; o < block_bytes(W_INT8); o += 64)                                   \
+        for (int64_t o = 64; o < block_bytes(W_INT8); o += 64)                                  \
             __builtin_prefetch(block + group_bytes(W_INT8, in) + o, 0, 2);                      \
         _tile_loadd(B, quads, 64);                                                              \
         _tile_loadd(0, s.high + 32 * b, in);                                                    \
@@ -1647,8 +1648,15 @@ static void amx_int8_linear(const uint8_t* w, int xdt, const void* x, const void
     amx_int8_configure(rows);
     for (int64_t g = group_begin; g < group_end; g++) {
         const uint8_t* wg = w + g * group_bytes(W_INT8, in);
-        for (int64_t b = 0; b < in / 32; b++)
-            int8_block_as_quads(wg + b * block_bytes(W_INT8) + 32, quads + 512 * b);
+        for (int64_t b = 0; b < in / 32; b++) {
+            /* One line of the next group's block while permuting keeps memory busy between
+             * groups (Sapphire Rapids, one thread, 30 layers' linears + LM head alternating
+             * in one process: 1 row -6 to -9%, 4 rows -3%, 8 and 16 unchanged); all of it
+             * here: +12%. */
+            const uint8_t* block = wg + b * block_bytes(W_INT8);
+            __builtin_prefetch(block + group_bytes(W_INT8, in), 0, 2);
+            int8_block_as_quads(block + 32, quads + 512 * b);
+        }
         if (rows <= 4)
             amx_int8_group_rows(4, wg, quads, s, bias, y, xdt, rows, out, in, g);
         else if (rows <= 8)

