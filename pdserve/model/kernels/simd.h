@@ -70,12 +70,25 @@ ALWAYS_INLINE V16 v_load_bf16(const uint16_t* p) {
     const __m256i raw = _mm256_loadu_si256((const __m256i*)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-/* float32 -> bfloat16, round to nearest even (values are finite). */
-ALWAYS_INLINE void v_store_bf16(uint16_t* p, V16 v) {
+/* float32 -> bfloat16 bits, round to nearest even (values are finite). With AVX-512 BF16 one
+ * conversion instead of six integer steps (which float denormals, below 1.2e-38, alone tell
+ * apart: it flushes them to zero); every bf16 store and rounding goes through it. */
+ALWAYS_INLINE __m256i v_bf16_bits(V16 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
     __m512i bits = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+#endif
+}
+ALWAYS_INLINE void v_store_bf16(uint16_t* p, V16 v) {
+    _mm256_storeu_si256((__m256i*)p, v_bf16_bits(v));
+}
+/* What a value reads back as once stored as bfloat16. */
+ALWAYS_INLINE V16 v_round_bf16(V16 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v_bf16_bits(v)), 16));
 }
 /* 32 bfloat16 laid out [16 lanes][2]: the first and second element of every pair. */
 ALWAYS_INLINE void v_load_bf16_pairs(const uint16_t* p, V16* first, V16* second) {
@@ -353,12 +366,14 @@ ALWAYS_INLINE void v_store_bf16_n(uint16_t* p, int64_t n, V16 v) {
     memcpy(p, buffer, (size_t)n * sizeof(uint16_t));
 }
 
+#if !defined(PDSERVE_ISA_AVX512)
 /* What a value reads back as once stored as bfloat16. */
 ALWAYS_INLINE V16 v_round_bf16(V16 v) {
     uint16_t buffer[16];
     v_store_bf16(buffer, v);
     return v_load_bf16(buffer);
 }
+#endif
 
 /* e^x: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, degree-6 Taylor series of 2^f
  * (relative error ~1e-7). Inputs below -87 give ~0, above 88 are clamped. */
