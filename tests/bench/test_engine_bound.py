@@ -89,3 +89,22 @@ def test_bfloat16_activations_take_the_better_float_roof(engine_bench):
     limits.apply(row)
     assert row["decode"][8]["compute_ms"] == pytest.approx(2.0)
     assert row["roof_gflop_s"] == pytest.approx(2.0)
+
+
+def test_working_set_floor_is_the_steps_bytes_at_its_own_streaming_rate(engine_bench):
+    limits = _limits(engine_bench, f32=1e9, bf16=2e9, int8=4e9, bandwidth=1e9)
+    phases = {"linears": {"bytes": 3e6, "flop": 0}, "attention": {"bytes": 1e6, "flop": 0}}
+    row = _row("bfloat16", "none", phases, step_ms=5.0)
+    # The working set streams at twice memory's rate (a cache holds it): its floor halves.
+    row["decode"][8]["working_set_bandwidth"] = 2e9
+    limits.apply(row)
+    d = row["decode"][8]
+    assert d["floor_ms"] == pytest.approx(4.0)
+    assert d["working_set_floor_ms"] == pytest.approx(2.0)
+    assert d["x_working_set_floor"] == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bandwidth_of_a_buffer_of_about_the_bytes_asked_for(engine_bench, threads):
+    # 1,000 bytes round up to whole shares of 64 floats per thread.
+    assert engine_bench.measure_bandwidth(threads, repeats=2, nbytes=1000) > 0
