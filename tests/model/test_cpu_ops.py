@@ -409,7 +409,8 @@ def test_quantized_linear_multiplies_the_blocks(ops, qtype, dtype, rows):
 @pytest.mark.parametrize("qtype", [QuantType.Q8_0, QuantType.Q4_1, QuantType.INT8])
 def test_quantized_linear_of_many_rows_crosses_chunks_of_groups(ops, qtype):
     """A prompt's rows against weights of several L2 chunks (AMX dequantizes one chunk of
-    groups at a time, and every pass of rows crosses it): the same float math."""
+    groups at a time, and every pass of rows crosses it, each pass's products stored during
+    the next pass's tiles): the same float math."""
     generator = torch.Generator().manual_seed(7)
     weight = torch.randn(600, 1536, generator=generator)  # 38 groups, 5 per chunk in AMX
     x = torch.randn(70, 1536, generator=generator)
@@ -417,6 +418,18 @@ def test_quantized_linear_of_many_rows_crosses_chunks_of_groups(ops, qtype):
     expected = _expected_quantized(ops, quantized, x, None)
     got = ops.linear(x, quantized.pack(), None)
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
+
+
+def test_bf16_linear_of_many_rows_crosses_chunks_of_groups(ops):
+    """bfloat16 weights of several L2 chunks (AMX: 21 groups a chunk of 1,536 inputs) against
+    rows of three passes, with a bias: every output stored once, the float math."""
+    generator = torch.Generator().manual_seed(8)
+    weight = torch.randn(1000, 1536, generator=generator).bfloat16()
+    bias = torch.randn(1000, generator=generator).bfloat16()
+    x = torch.randn(70, 1536, generator=generator).bfloat16()
+    expected = F.linear(x.float(), weight.float(), bias.float())
+    got = ops.linear(x, ops.pack_dense(weight), bias)
+    torch.testing.assert_close(got.float(), expected, atol=0.5, rtol=0.01)
 
 
 @pytest.mark.parametrize("rows", [5, 70])  # AMX tiles: INT8 and bf16 from 3 rows, GGUF 32
