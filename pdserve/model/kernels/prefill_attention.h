@@ -404,6 +404,57 @@ ALWAYS_INLINE __m512 pf_masked_scores(const float* scores, __m512i pos, int64_t 
     return _mm512_mask_mov_ps(s, later, _mm512_set1_ps(PF_MASKED));
 }
 
+/* m[c] <- column c of the 16 x 16 matrix of 32-bit elements whose rows are m[0..15]: 32-, then
+ * 64-bit interleaves of row pairs, then two rounds of 128-bit lane shuffles (64 shuffles,
+ * where element by element it took 256 loads and stores). */
+ALWAYS_INLINE void pf_transpose16(__m512i m[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(m[i], m[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(m[i], m[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* m[i + c]: column 4L + c of rows i..i + 3, lane L */
+        m[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        m[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        m[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        m[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int c = 0; c < 4; c++) {
+            t[i + c] = _mm512_shuffle_i32x4(m[i + c], m[i + 4 + c], 0x88);
+            t[i + 4 + c] = _mm512_shuffle_i32x4(m[i + c], m[i + 4 + c], 0xdd);
+        }
+    for (int c = 0; c < 4; c++) {
+        m[c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0x88);
+        m[4 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], 0x88);
+        m[8 + c] = _mm512_shuffle_i32x4(t[c], t[8 + c], 0xdd);
+        m[12 + c] = _mm512_shuffle_i32x4(t[4 + c], t[12 + c], 0xdd);
+    }
+}
+
+/* vt[d * lpad + t] <- rows[t][d], t < PF_AMX_UNIT, d < D: each two positions' values of a dim
+ * paired as one 32-bit element, then 16 x 16 transposes of those (scalar copies of the
+ * 2,048 values took ~a tenth of a 512-token prompt's attention). */
+ALWAYS_INLINE void pf_transpose_values(int64_t D, uint16_t rows[PF_AMX_UNIT][PF_AMX_MAX_HEAD_DIM],
+                                       uint16_t* vt, int64_t lpad) {
+    /* dims 16h.. of rows a and b as (a, b) pairs: a[16h + k] and b[16h + k] for k < 16. */
+    uint16_t index[2][32];
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 16; k++) {
+            index[h][2 * k] = (uint16_t)(16 * h + k);
+            index[h][2 * k + 1] = (uint16_t)(32 + 16 * h + k);
+        }
+    for (int64_t b = 0; b < D / 16; b++) {
+        const __m512i pairs = _mm512_loadu_si512(index[b % 2]);
+        __m512i m[16];
+        for (int p = 0; p < 16; p++)
+            m[p] = _mm512_permutex2var_epi16(_mm512_loadu_si512(rows[2 * p] + 32 * (b / 2)), pairs,
+                                             _mm512_loadu_si512(rows[2 * p + 1] + 32 * (b / 2)));
+        pf_transpose16(m);
+        for (int d = 0; d < 16; d++) _mm512_storeu_si512(vt + (16 * b + d) * lpad, m[d]);
+    }
+}
+
 /* KV head kv_head's context, packed once per call for tile loads: K [lpad][D] and V
  * transposed [D][lpad], bfloat16, zero past seq_len. */
 static void pf_amx_pack(const PrefillArgs* a, int64_t kv_head, int64_t seq_len, int64_t lpad,
@@ -423,8 +474,7 @@ static void pf_amx_pack(const PrefillArgs* a, int64_t kv_head, int64_t seq_len, 
                 memset(v_rows[t], 0, D * 2);
             }
         }
-        for (int64_t d = 0; d < D; d++)
-            for (int64_t t = 0; t < PF_AMX_UNIT; t++) v_transposed[d * lpad + c + t] = v_rows[t][d];
+        pf_transpose_values(D, v_rows, v_transposed + c, lpad);
     }
 }
 
@@ -463,13 +513,17 @@ static void pf_amx_tile(const PrefillArgs* a, int64_t kv_head, int64_t row0, int
     uint32_t* pt = (uint32_t*)(score_units + 2 * PF_AMX_UNIT * 16); /* [16][16] position pairs */
     float* o = (float*)(pt + 16 * 16);                 /* [D][16] */
     int32_t qpos[16];
+    __m512i q_rows[PF_AMX_MAX_HEAD_DIM / 32][16]; /* the lanes' queries, 16 pairs of dims at a time */
     for (int64_t lane = 0; lane < 16; lane++) {
         const int64_t r = row0 + (lane < num_rows ? lane : num_rows - 1);
         const int64_t token = r / group, head = kv_head * group + r % group;
-        const uint32_t* q_pairs =
-            (const uint32_t*)((const uint16_t*)a->q + token * a->q_stride + head * D);
-        for (int64_t i = 0; i < D / 2; i++) qt[i * 16 + lane] = q_pairs[i];
+        const uint16_t* q = (const uint16_t*)a->q + token * a->q_stride + head * D;
+        for (int64_t b = 0; b < D / 32; b++) q_rows[b][lane] = _mm512_loadu_si512(q + 32 * b);
         qpos[lane] = (int32_t)(a->num_computed + token);
+    }
+    for (int64_t b = 0; b < D / 32; b++) {
+        pf_transpose16(q_rows[b]);
+        for (int64_t i = 0; i < 16; i++) _mm512_storeu_si512(qt + (16 * b + i) * 16, q_rows[b][i]);
     }
     const __m512i pos = _mm512_loadu_si512(qpos);
     const __m512 log2_scale = _mm512_set1_ps(a->scale * 1.44269504f);
@@ -536,14 +590,16 @@ static void pf_amx_tile(const PrefillArgs* a, int64_t kv_head, int64_t row0, int
     }
     PF_AMX_O_TILES(PF_STORE_O)
     const __m512 inverse = _mm512_div_ps(_mm512_set1_ps(1.0f), total);
-    for (int64_t d = 0; d < D; d++)
-        _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * d), inverse));
-    for (int64_t lane = 0; lane < num_rows; lane++) {
-        const int64_t r = row0 + lane, token = r / group, head = kv_head * group + r % group;
-        float row[PF_AMX_MAX_HEAD_DIM];
-        for (int64_t d = 0; d < D; d++) row[d] = o[16 * d + lane];
-        for (int64_t j = 0; j < D; j += 16)
-            store_dt(a->out, token * a->num_heads * D + head * D + j, v_load(row + j), DT_BF16);
+    for (int64_t j = 0; j < D; j += 16) { /* O^T's dims j.. -> each row's */
+        __m512i m[16];
+        for (int64_t d = 0; d < 16; d++)
+            m[d] = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(o + 16 * (j + d)), inverse));
+        pf_transpose16(m);
+        for (int64_t lane = 0; lane < num_rows; lane++) {
+            const int64_t r = row0 + lane, token = r / group, head = kv_head * group + r % group;
+            store_dt(a->out, token * a->num_heads * D + head * D + j, _mm512_castsi512_ps(m[lane]),
+                     DT_BF16);
+        }
     }
 #undef PF_ZERO_O
 #undef PF_STORE_O
