@@ -174,9 +174,9 @@ def bf16_linear_case(out_features: int, in_features: int, rows: int) -> tuple:
 def bf16_linear_choice(ops: CpuOps) -> MeasuredChoice:
     """Whether `CpuOps.linear` (A) beats oneDNN (B) on bfloat16 weights past the kernels' own
     rows, per `bf16_linear_case`, measured on this machine (`measure_linear_choices`) and
-    cached next to the compiled kernels. On 2 Sapphire Rapids vCPUs the AMX kernels won 37
-    of 42 cases (1 and 2 threads, 128 to 8,192 rows; oneDNN: q/k/v's 960x576 at 4,096 rows
-    and more): they split ~500-row steps better over 2 threads and run a step's exact rows."""
+    cached next to the compiled kernels. On one Sapphire Rapids core, weights from memory
+    (`_bf16_linear_paths`), the AMX kernels won SmolLM2's 576 x 576 at 128 and 256 rows and
+    576 x 1,536 at 128 (they run a step's exact rows where oneDNN pads), oneDNN the rest."""
     return MeasuredChoice(
         f"linear-bf16-cold-{ops.isa}",  # "cold": measured as COLD_WEIGHTS says
         ops.build_id,
@@ -192,7 +192,7 @@ def _bf16_linear_paths(ops: CpuOps, case: tuple) -> tuple[Callable[[], object], 
     that oneDNN pads (as a step's total mostly is), not the bucket's own. Each run takes the
     next of `COLD_WEIGHTS` weights, as a model's successive layers read weights that are not
     in the core's caches: with one weight read again, the kernels won cases (2 Sapphire
-    Rapids vCPUs: 960 x 576 at 128 and 256 rows) that oneDNN won by 12-20% on weights from
+    Rapids vCPUs: 960 x 576 at 128 and 256 rows) that oneDNN won by 16-22% on weights from
     memory."""
     out_features, in_features, threads, bucket = case
     rows = bucket * 3 // 4 + 1

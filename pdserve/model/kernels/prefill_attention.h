@@ -437,13 +437,12 @@ ALWAYS_INLINE void pf_transpose16(__m512i m[16]) {
  * 2,048 values took ~a tenth of a 512-token prompt's attention). */
 ALWAYS_INLINE void pf_transpose_values(int64_t D, uint16_t rows[PF_AMX_UNIT][PF_AMX_MAX_HEAD_DIM],
                                        uint16_t* vt, int64_t lpad) {
-    /* dims 16h.. of rows a and b as (a, b) pairs: a[16h + k] and b[16h + k] for k < 16. */
-    uint16_t index[2][32];
-    for (int h = 0; h < 2; h++)
-        for (int k = 0; k < 16; k++) {
-            index[h][2 * k] = (uint16_t)(16 * h + k);
-            index[h][2 * k + 1] = (uint16_t)(32 + 16 * h + k);
-        }
+    /* dims 16h.. of rows a and b as (a, b) pairs: element 2k is a[16h + k], 2k + 1 b[16h + k]. */
+    static const uint16_t index[2][32] = {
+        {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+        {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
     for (int64_t b = 0; b < D / 16; b++) {
         const __m512i pairs = _mm512_loadu_si512(index[b % 2]);
         __m512i m[16];
@@ -513,7 +512,8 @@ static void pf_amx_tile(const PrefillArgs* a, int64_t kv_head, int64_t row0, int
     uint32_t* pt = (uint32_t*)(score_units + 2 * PF_AMX_UNIT * 16); /* [16][16] position pairs */
     float* o = (float*)(pt + 16 * 16);                 /* [D][16] */
     int32_t qpos[16];
-    __m512i q_rows[PF_AMX_MAX_HEAD_DIM / 32][16]; /* the lanes' queries, 16 pairs of dims at a time */
+    /* The lanes' queries, 16 pairs of dims at a time. */
+    __m512i q_rows[PF_AMX_MAX_HEAD_DIM / 32][16];
     for (int64_t lane = 0; lane < 16; lane++) {
         const int64_t r = row0 + (lane < num_rows ? lane : num_rows - 1);
         const int64_t token = r / group, head = kv_head * group + r % group;
