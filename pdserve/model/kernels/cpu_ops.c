@@ -1453,19 +1453,34 @@ ALWAYS_INLINE void amx_products_finish(AmxProducts* p, int64_t upto) {
     p->done = upto;
 }
 
+/* A tile multiplies as soon as its weights arrive, and a tile load waits for every line it
+ * brings, so weights streamed from memory (a chunk's first pass) ask for the lines
+ * AMX_WEIGHT_AHEAD bytes ahead of each weight tile into L2 (Sapphire Rapids, one thread, 30
+ * layers' bf16 linears and the LM head at 32 rows, three alternating pairs: 25.3-26.5 ->
+ * 23.0-24.2 ms; 8 rows -1 to -3%; 4 and 8 KiB ahead no better). */
+#define AMX_WEIGHT_AHEAD 2048
+ALWAYS_INLINE void amx_weights_ahead(int num_groups, const uint16_t* w0, const uint16_t* w1) {
+    for (int64_t line = 0; line < 16; line++) {
+        __builtin_prefetch((const char*)w0 + AMX_WEIGHT_AHEAD + 64 * line, 0, 2);
+        if (num_groups == 2)
+            __builtin_prefetch((const char*)w1 + AMX_WEIGHT_AHEAD + 64 * line, 0, 2);
+    }
+}
+
 /* Tiles 0-3 <- rows [first, first + n) (n <= AMX_LINEAR_ROWS, as configured) of bf16 x
  * [rows][in] times group i's weights w[i] (16 * in bf16, in W_BF16's layout: AMX's B operand),
  * i < num_groups (1 or 2), fp32 sums of exact bf16 products, in % 32 == 0: tile 2i + (r >= 16)
  * holds group i's rows. Two groups make 2 x 2 tiles: each x and weight tile loaded feeds two
- * products, where one group's pass loads three tiles for two. `pending` (or NULL): the
- * previous pass's products, finished in step with these. Weights load with the non-temporal
- * hint: a pass reads each weight line once (the next pass again from L2), and without it they
- * pushed the pass's x (32 rows, 36 KiB at 576 inputs) out of L1, so every tile came from L2 at
- * its bandwidth (Sapphire Rapids, one thread, gate/up 3,072 x 576 with SiLU at 512 rows: one
- * weight 1.31 -> 1.07 ms, 30 weights from memory 1.70 -> 1.36 ms). */
+ * products, where one group's pass loads three tiles for two. is_from_memory: the weights
+ * come from memory (amx_weights_ahead). `pending` (or NULL): the previous pass's products,
+ * finished in step with these. Weights load with the non-temporal hint: a pass reads each
+ * weight line once (the next pass again from L2), and without it they pushed the pass's x (32
+ * rows, 36 KiB at 576 inputs) out of L1, so every tile came from L2 at its bandwidth
+ * (Sapphire Rapids, one thread, gate/up 3,072 x 576 with SiLU at 512 rows: one weight 1.31 ->
+ * 1.07 ms, 30 weights from memory 1.70 -> 1.36 ms). */
 ALWAYS_INLINE void amx_tiles_multiply(int num_groups, const uint16_t* w0, const uint16_t* w1,
                                       const uint16_t* x, int64_t first, int64_t n, int64_t in,
-                                      AmxProducts* pending) {
+                                      int is_from_memory, AmxProducts* pending) {
     const int64_t m1 = n > 16 ? n - 16 : 0, stride = in * 2;
     const uint16_t* x0 = x + first * in;
     const uint16_t* x1 = x0 + 16 * in;
@@ -1476,6 +1491,7 @@ ALWAYS_INLINE void amx_tiles_multiply(int num_groups, const uint16_t* w0, const 
         if (m1) _tile_zero(3);
     }
     for (int64_t k = 0; k < in; k += 32) {
+        if (is_from_memory) amx_weights_ahead(num_groups, w0 + 16 * k, w1 + 16 * k);
         _tile_stream_loadd(6, w0 + 16 * k, 64);
         _tile_loadd(4, x0 + k, stride);
         _tile_dpbf16ps(0, 4, 6);
@@ -1504,11 +1520,12 @@ ALWAYS_INLINE void amx_tiles_store(int num_groups, int64_t n, float c[2][AMX_LIN
 }
 
 /* Multiply one pass (amx_tiles_multiply) while finishing *pending (if any), then make the
- * pass pending: its products go to `buffers`' half the previous pass did not use. */
+ * pass pending: its products go to `buffers`' half the previous pass did not use.
+ * is_from_memory: as amx_tiles_multiply's. */
 ALWAYS_INLINE void amx_pass(AmxProducts* pending, float buffers[2][2][AMX_LINEAR_ROWS][16],
                             AmxProducts next, const uint16_t* w0, const uint16_t* w1,
-                            const uint16_t* x, int64_t in) {
-    amx_tiles_multiply(next.num_groups, w0, w1, x, next.first, next.n, in,
+                            const uint16_t* x, int64_t in, int is_from_memory) {
+    amx_tiles_multiply(next.num_groups, w0, w1, x, next.first, next.n, in, is_from_memory,
                        pending->c ? pending : NULL);
     next.c = buffers[pending->c == buffers[0]];
     amx_tiles_store(next.num_groups, next.n, next.c);
@@ -1516,19 +1533,19 @@ ALWAYS_INLINE void amx_pass(AmxProducts* pending, float buffers[2][2][AMX_LINEAR
 }
 
 /* Rows [first, first + n) of y = x W^T (+ bias) for groups [g0, g1), two at a time; wg: group
- * g0's weights. Each pass is finished as soon as stored: its few vector operations a row
- * overlap the next pass's tiles in the core's reorder window already, and finishing them in
- * step with the next pass (amx_pass) was slower in the model (Sapphire Rapids, a 512-token
- * prompt's down projections: 18.5 -> 21.3 ms). */
+ * g0's weights; is_from_memory as amx_tiles_multiply's. Each pass is finished as soon as
+ * stored: its few vector operations a row overlap the next pass's tiles in the core's reorder
+ * window already, and finishing them in step with the next pass (amx_pass) was slower in the
+ * model (Sapphire Rapids, a 512-token prompt's down projections: 18.5 -> 21.3 ms). */
 ALWAYS_INLINE void amx_groups_passes(const uint16_t* wg, const uint16_t* x, const void* bias,
                                      void* y, int ydt, int64_t first, int64_t n, int64_t out,
-                                     int64_t in, int64_t g0, int64_t g1) {
+                                     int64_t in, int64_t g0, int64_t g1, int is_from_memory) {
     float c[2][AMX_LINEAR_ROWS][16];
     for (int64_t g = g0; g < g1; g += 2) {
         const int num_groups = g + 2 <= g1 ? 2 : 1;
         const uint16_t* w = wg + (g - g0) * 16 * in;
         AmxProducts products = {c, y, bias, ydt, num_groups, 0, first, n, out, g, 0};
-        amx_tiles_multiply(num_groups, w, w + 16 * in, x, first, n, in, NULL);
+        amx_tiles_multiply(num_groups, w, w + 16 * in, x, first, n, in, is_from_memory, NULL);
         amx_tiles_store(num_groups, n, c);
         amx_products_finish(&products, n);
     }
@@ -1557,7 +1574,7 @@ static void amx_dequantized_linear(int wfmt, const uint8_t* w, const uint16_t* x
         for (int64_t first = 0; first < rows; first += AMX_LINEAR_ROWS) {
             const int64_t n = rows - first < AMX_LINEAR_ROWS ? rows - first : AMX_LINEAR_ROWS;
             amx_configure_rows(n, &configured);
-            amx_groups_passes(groups, x, bias, y, ydt, first, n, out, in, g0, g1);
+            amx_groups_passes(groups, x, bias, y, ydt, first, n, out, in, g0, g1, 0);
         }
     }
     _tile_release();
@@ -1752,7 +1769,7 @@ static void amx_silu_mul(int wfmt, const uint8_t* w, const uint16_t* x, void* y,
             for (int64_t g = g0; g < g1; g++) {
                 const AmxProducts next = {NULL, y, NULL, ydt, 2, 1, first, n, width, g, 0};
                 amx_pass(&pending, buffers, next, gate + (g - g0) * 16 * in,
-                         up + (g - g0) * 16 * in, x, in);
+                         up + (g - g0) * 16 * in, x, in, wfmt == W_BF16 && first == 0);
             }
         }
     }
@@ -1819,7 +1836,7 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
                 const int64_t n = rows - first < AMX_LINEAR_ROWS ? rows - first : AMX_LINEAR_ROWS;
                 amx_configure_rows(n, &configured);
                 amx_groups_passes((const uint16_t*)w + g0 * 16 * in, (const uint16_t*)x, bias,
-                                  y, xdt, first, n, out, in, g0, g1);
+                                  y, xdt, first, n, out, in, g0, g1, first == 0);
             }
         }
         _tile_release();
