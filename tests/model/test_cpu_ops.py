@@ -432,7 +432,8 @@ def test_bf16_linear_of_many_rows_crosses_chunks_of_groups(ops):
     torch.testing.assert_close(got.float(), expected, atol=0.5, rtol=0.01)
 
 
-@pytest.mark.parametrize("rows", [5, 70])  # AMX tiles: INT8 and bf16 from 3 rows, GGUF 32
+# AMX tiles: bf16 from 3 rows, dequantized INT8 from 17 and GGUF from 32 (one pass up to 32)
+@pytest.mark.parametrize("rows", [5, 32, 70])
 @pytest.mark.parametrize("num_threads", [1, 3])
 @pytest.mark.parametrize("weights", ["bfloat16", "int8", "q4_1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
