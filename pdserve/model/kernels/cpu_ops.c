@@ -1489,15 +1489,16 @@ ALWAYS_INLINE void amx_weights_ahead(int num_groups, const uint16_t* w0, const u
  * holds group i's rows. Two groups make 2 x 2 tiles: each x and weight tile loaded feeds two
  * products, where one group's pass loads three tiles for two. is_from_memory: the weights
  * come from memory (amx_weights_ahead). `pending` (or NULL): the previous pass's products,
- * finished in step with these; `next` (or NULL): groups dequantized in step with them. Weights load with the non-temporal hint: a pass reads each
- * weight line once (the next pass again from L2), and without it they pushed the pass's x (32
- * rows, 36 KiB at 576 inputs) out of L1, so every tile came from L2 at its bandwidth
- * (Sapphire Rapids, one thread, gate/up 3,072 x 576 with SiLU at 512 rows: one weight 1.31 ->
- * 1.07 ms, 30 weights from memory 1.70 -> 1.36 ms). */
+ * finished in step with these; `dequantizing` (or NULL): groups dequantized in step with
+ * them. Weights load with the non-temporal hint: a pass reads each weight line once (the next
+ * pass again from L2), and without it they pushed the pass's x (32 rows, 36 KiB at 576
+ * inputs) out of L1, so every tile came from L2 at its bandwidth (Sapphire Rapids, one
+ * thread, gate/up 3,072 x 576 with SiLU at 512 rows: one weight 1.31 -> 1.07 ms, 30 weights
+ * from memory 1.70 -> 1.36 ms). */
 ALWAYS_INLINE void amx_tiles_multiply(int num_groups, const uint16_t* w0, const uint16_t* w1,
                                       const uint16_t* x, int64_t first, int64_t n, int64_t in,
                                       int is_from_memory, AmxProducts* pending,
-                                      const AmxDequantizing* next) {
+                                      const AmxDequantizing* dequantizing) {
     const int64_t m1 = n > 16 ? n - 16 : 0, stride = in * 2;
     const uint16_t* x0 = x + first * in;
     const uint16_t* x1 = x0 + 16 * in;
@@ -1522,8 +1523,8 @@ ALWAYS_INLINE void amx_tiles_multiply(int num_groups, const uint16_t* w0, const 
             if (num_groups == 2) _tile_dpbf16ps(3, 5, 7);
         }
         if (pending) amx_products_finish(pending, pending->n * (k + 32) / in);
-        for (int i = 0; next && i < next->num_groups; i++)
-            block_to_bf16(next->wfmt, next->w[i], k / 32, next->group[i]);
+        for (int i = 0; dequantizing && i < dequantizing->num_groups; i++)
+            block_to_bf16(dequantizing->wfmt, dequantizing->w[i], k / 32, dequantizing->group[i]);
     }
     if (pending) amx_products_finish(pending, pending->n);
 }
@@ -1592,10 +1593,10 @@ static void amx_dequantized_pass(int wfmt, const uint8_t* w, const uint16_t* x,
     group_to_bf16(wfmt, w + group_begin * bytes, in, groups);
     for (int64_t g = group_begin; g < group_end; g++) {
         const int64_t half = (g - group_begin) % 2;
-        const AmxDequantizing next = {
+        const AmxDequantizing dequantizing = {
             wfmt, 1, {w + (g + 1) * bytes, NULL}, {groups + 16 * in * (1 - half), NULL}};
         amx_tiles_multiply(1, groups + 16 * in * half, NULL, x, 0, rows, in, 0, NULL,
-                           g + 1 < group_end ? &next : NULL);
+                           g + 1 < group_end ? &dequantizing : NULL);
         AmxProducts products = {c, y, bias, ydt, 1, 0, 0, rows, out, g, 0};
         amx_tiles_store(1, rows, c);
         amx_products_finish(&products, rows);
@@ -1807,7 +1808,7 @@ static void amx_silu_mul(int wfmt, const uint8_t* w, const uint16_t* x, void* y,
         group_to_bf16(wfmt, w + group_begin * bytes, in, groups);
         group_to_bf16(wfmt, w + (group_begin + up_groups) * bytes, in, groups + 16 * in);
         for (int64_t g = group_begin; g < group_end; g++) {
-            uint16_t* current = groups + 32 * in * ((g - group_begin) % 2);
+            const uint16_t* current = groups + 32 * in * ((g - group_begin) % 2);
             uint16_t* other = groups + 32 * in * ((g - group_begin + 1) % 2);
             const AmxDequantizing dequantizing = {
                 wfmt, 2, {w + (g + 1) * bytes, w + (g + 1 + up_groups) * bytes},
