@@ -420,6 +420,16 @@ def test_quantized_linear_of_many_rows_crosses_chunks_of_groups(ops, qtype):
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
 
 
+def test_linear_silu_mul_refuses_weights_it_cannot_take(ops):
+    """Weights `fuses_silu_mul` declines (float32, on every CPU) raise ValueError naming them
+    instead of being read as if in AMX's layout."""
+    weight = ops.pack_dense(torch.randn(64, 64))
+    x = torch.randn(40, 64)
+    assert not ops.fuses_silu_mul(weight, 40, torch.float32)
+    with pytest.raises(ValueError, match=r"does not take weights of format 0 \[64, 64\] at 40"):
+        ops.linear_silu_mul(x, weight)
+
+
 def test_bf16_linear_of_many_rows_crosses_chunks_of_groups(ops):
     """bfloat16 weights of several L2 chunks (AMX: 21 groups a chunk of 1,536 inputs) against
     rows of three passes, with a bias: every output stored once, the float math."""

@@ -2078,12 +2078,16 @@ static void linear_silu_mul_member(void* arg, const Team* team) {
 
 /* y [rows, width] (type xdt, like x) = silu(x G^T) * (x U^T) for W = [G; U] [2 * width, in]
  * of format wfmt: linear and silu_mul in one pass, on the threads and scratch linear takes for
- * W. Requires rows >= linear_silu_mul_min_rows(wfmt) > 0 and width % 16 == 0. */
-void linear_silu_mul(int wfmt, int xdt, const void* w, const void* x, void* y, int64_t rows,
-                     int64_t width, int64_t in, uint8_t* scratch, int64_t num_threads) {
+ * W. Returns 0, or 1 having computed nothing unless rows >= linear_silu_mul_min_rows(wfmt)
+ * > 0, width % 16 == 0 and in % 32 == 0 (other weights would be read as if in AMX's layout). */
+int linear_silu_mul(int wfmt, int xdt, const void* w, const void* x, void* y, int64_t rows,
+                    int64_t width, int64_t in, uint8_t* scratch, int64_t num_threads) {
+    const int64_t min_rows = linear_silu_mul_min_rows(wfmt);
+    if (min_rows == 0 || rows < min_rows || width % 16 || in % 32) return 1;
     SiluMulLinearCall call = {wfmt, xdt, w, x, y, rows, width, in, scratch};
     run_team(linear_threads(wfmt, rows, 2 * width, in, num_threads), linear_silu_mul_member,
              &call);
+    return 0;
 }
 
 /* ---- memory bandwidth probe ------------------------------------------------------------- */

@@ -49,7 +49,7 @@ _SIGNATURES = {
     "linear_has_amx": ([], _C),
     "linear_bf16_min_rows": ([_C], _I),
     "linear_split_x_max_rows": ([_C], _I),
-    "linear_silu_mul": ([_C, _C, *[_P] * 3, _I, _I, _I, _P, _I], None),
+    "linear_silu_mul": ([_C, _C, *[_P] * 3, _I, _I, _I, _P, _I], _C),
     "linear_silu_mul_min_rows": ([_C], _I),
     "set_linear_dpbf16_max_rows": ([_I], _C),
     "stream_sum": ([_P, _I, _I], _F),
@@ -237,12 +237,12 @@ class CpuOps:
     def linear_silu_mul(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
         """silu(x G^T) * (x U^T) for W = [G; U] (`weight`, [2 * width, in]) -> [rows, width]
         in x's dtype: `silu_mul(linear(x, weight, None))` without the [rows, 2 * width]
-        product in memory. Only where `fuses_silu_mul`."""
+        product in memory. Only where `fuses_silu_mul` (elsewhere ValueError)."""
         x = x.contiguous()
         width = weight.out_features // 2
         y = x.new_empty(x.shape[0], width)
         num_threads, scratch = self._linear_team(x, weight)
-        self._lib.linear_silu_mul(
+        is_refused = self._lib.linear_silu_mul(
             weight.format,
             _DTYPE_CODES[x.dtype],
             weight.data.data_ptr(),
@@ -254,6 +254,11 @@ class CpuOps:
             scratch.data_ptr(),
             num_threads,
         )
+        if is_refused:
+            raise ValueError(
+                f"linear_silu_mul does not take weights of format {weight.format} "
+                f"[{weight.out_features}, {weight.in_features}] at {x.shape[0]} rows here"
+            )
         return y
 
     def _linear_team(self, x: torch.Tensor, weight: PackedWeight) -> tuple[int, torch.Tensor]:
