@@ -1589,6 +1589,7 @@ static void amx_dequantized_pass(int wfmt, const uint8_t* w, const uint16_t* x,
     const int64_t bytes = group_bytes(wfmt, in);
     float c[2][AMX_LINEAR_ROWS][16];
     int64_t configured = 0;
+    if (group_begin >= group_end) return; /* an empty share: no first group to dequantize */
     amx_configure_rows(rows, &configured);
     group_to_bf16(wfmt, w + group_begin * bytes, in, groups);
     for (int64_t g = group_begin; g < group_end; g++) {
@@ -1804,6 +1805,7 @@ static void amx_silu_mul(int wfmt, const uint8_t* w, const uint16_t* x, void* y,
     if (wfmt != W_BF16 && rows <= AMX_LINEAR_ROWS) {
         /* One pass takes every row: group g's gate and up multiply from one half of `groups`
          * while g + 1's are dequantized into the other (AmxDequantizing). */
+        if (group_begin >= group_end) return; /* an empty share */
         amx_configure_rows(rows, &configured);
         group_to_bf16(wfmt, w + group_begin * bytes, in, groups);
         group_to_bf16(wfmt, w + (group_begin + up_groups) * bytes, in, groups + 16 * in);
