@@ -43,6 +43,7 @@ import numpy as np
 
 from pdserve.bench.client import make_http_client, send_request
 from pdserve.fleet import FLEET_SECRET_ENV
+from pdserve.ports import free_port
 from pdserve.workload.base import BenchRequest
 from pdserve.workload.endpoint import EndpointConfig
 from pdserve.workload.metrics import Distribution
@@ -86,7 +87,7 @@ def main() -> int:
 def serve(log_dir: Path, *flags: str, env: dict[str, str] | None = None) -> tuple[Any, str]:
     """`pdserve serve --mode disagg` with `flags`, healthy; (process, url)."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     command = [
         *(sys.executable, "-m", "pdserve.cli", "serve", "--mode", "disagg"),
         *("--port", str(port), "--worker-auth", "--worker-log-dir", str(log_dir / "workers")),
@@ -281,14 +282,6 @@ def _is_up(url: str) -> bool:
         return httpx.get(f"{url}/health", trust_env=False, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,18 +39,13 @@ import httpx
 import numpy as np
 
 from pdserve.core.block_manager import extend_block_hashes
+from pdserve.ports import free_port
 
 BLOCK_SIZE = 16
 QUESTION_TOKENS = 24
 TARGET_ERROR = 0.02
 WORKER_FLAGS = ("--role", "decode", "--kv-transport", "tcp", "--device", "cpu")
 WORKER_FLAGS += ("--dtype", "float32", "--max-num-seqs", "4", "--num-threads", "1")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Process:
@@ -97,14 +91,14 @@ def fleet(log_dir: Path, num_kv_blocks: int) -> Iterator[tuple[list[_Process], l
     workers: list[_Process] = []
     routers: list[_Process] = []
     try:
-        workers += [_worker(log_dir, f"w{i}", _free_port(), num_kv_blocks) for i in range(2)]
+        workers += [_worker(log_dir, f"w{i}", free_port(), num_kv_blocks) for i in range(2)]
         for worker in workers:
             worker.wait_healthy()
         router_flags = ("--decode", *(w.url for w in workers), "--decode-policy", "prefix_aware")
         router_flags += ("--local-prefill-threshold", str(1 << 20))
         router_flags += ("--health-check-interval", "0.2")
         routers += [
-            _Process(log_dir, f"r{i}", _free_port(), "router", *router_flags) for i in range(2)
+            _Process(log_dir, f"r{i}", free_port(), "router", *router_flags) for i in range(2)
         ]
         for router in routers:
             router.wait_healthy()

@@ -38,7 +38,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from pathlib import Path
 import httpx
 
 from pdserve.model.auto_dtype import measured_cpu_dtype
+from pdserve.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_VENV, VLLM_VENV = ROOT / ".venv-llama-cpp", ROOT / ".venv-vllm"
@@ -71,12 +71,6 @@ class Server:
     command: list[str]
     model: str  # the name requests carry
     env: dict[str, str]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def install(peer: str) -> None:

@@ -19,7 +19,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,8 @@ import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.ports import free_port
 
 STEP_METRIC = "pdserve:engine_step_time_seconds"
 
@@ -75,9 +76,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     extra = [a for a in args.server_args if a != "--"]
     command = [
         sys.executable,

@@ -28,7 +28,7 @@ LAYERS = (
     ("pdserve.kv_store",),
     ("pdserve.kv_transfer",),
     ("pdserve.model", "pdserve.core"),
-    ("pdserve.flags", "pdserve.fleet", "pdserve.redaction"),
+    ("pdserve.flags", "pdserve.fleet", "pdserve.ports", "pdserve.redaction"),
 )
 
 

@@ -6,7 +6,6 @@ import contextlib
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.ports import free_port
 from pdserve.redaction import redact_argv
 from pdserve.workload.errors import BenchError
 
@@ -132,13 +132,6 @@ def launch_server(
             yield server
         finally:
             server.exit_code = stop_process(process, config.stop_grace_s)
-
-
-def free_port(host: str) -> int:
-    """A TCP port nobody is listening on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def stop_process(process: subprocess.Popen, grace_s: float) -> int:

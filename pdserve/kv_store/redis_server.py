@@ -13,17 +13,13 @@ import subprocess
 import time
 from pathlib import Path
 
+from pdserve.ports import free_port
+
 START_TIMEOUT_S = 10.0
 
 
 def find_redis_server() -> str | None:
     return shutil.which("redis-server")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RedisServer:

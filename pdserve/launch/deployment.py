@@ -13,7 +13,6 @@ import concurrent.futures
 import contextlib
 import logging
 import signal
-import socket
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -200,12 +199,6 @@ def step_log_flags(path: str | None, worker_name: str) -> list[str]:
         return []
     path = Path(path)
     return ["--step-log", str(path.with_name(f"{path.stem}.{worker_name}{path.suffix}"))]
-
-
-def free_port(host: str = WORKER_HOST) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _load_tokenizer_while(wait: Callable[[], None], model: str | None) -> PromptTokenizer | None:

@@ -37,13 +37,13 @@ from pdserve.launch.config import DeploymentConfig
 from pdserve.launch.deployment import (
     WORKER_HOST,
     fleet_membership,
-    free_port,
     kv_store_secrets,
     run_deployment,
     worker_command,
     worker_process,
 )
 from pdserve.launch.worker_group import WorkerGroup, WorkerSpec, WorkerStartupError
+from pdserve.ports import free_port
 from pdserve.router.provision import WorkerHandle
 
 logger = logging.getLogger("pdserve.launch")

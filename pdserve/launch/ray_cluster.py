@@ -51,13 +51,13 @@ from pdserve.fleet import FleetCA, FleetTLS
 from pdserve.launch.config import DeploymentConfig
 from pdserve.launch.deployment import (
     fleet_membership,
-    free_port,
     kv_store_secrets,
     run_deployment,
     worker_command,
     worker_process,
 )
 from pdserve.launch.worker_group import PortTakenError, WorkerSpec, WorkerStartupError
+from pdserve.ports import free_port
 from pdserve.router.provision import WorkerHandle
 
 logger = logging.getLogger("pdserve.launch")

@@ -17,8 +17,9 @@ from pdserve.core.block_manager import extend_block_hashes
 from pdserve.kv_store import KVStoreConfig
 from pdserve.kv_store.codec import value_nbytes
 from pdserve.model.loader import default_model_path, open_checkpoint
+from pdserve.ports import free_port_block
 from tests.kv_store.conftest import REDIS_SERVER, RedisServer
-from tests.router.harness import free_port_block, wait_until
+from tests.router.harness import wait_until
 from tests.server.conftest import NUM_KV_BLOCKS, ServerProcess, start_server
 
 pytestmark = pytest.mark.slow

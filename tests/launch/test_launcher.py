@@ -29,7 +29,8 @@ from pdserve.launch.worker_group import (
     WorkerSpec,
     WorkerStartupError,
 )
-from tests.router.harness import REPO_ROOT, free_port, wait_until
+from pdserve.ports import free_port
+from tests.router.harness import REPO_ROOT, wait_until
 
 
 def test_two_cores_two_workers_get_one_core_each():

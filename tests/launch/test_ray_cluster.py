@@ -32,7 +32,8 @@ from pdserve.bench.processes import num_held_blocks
 from pdserve.kv_transfer import KVAuthError, KVTransferParams
 from pdserve.kv_transfer.client import KVClient, release_lease
 from pdserve.kv_transfer.wire import MessageType, encode_frame, read_frame
-from tests.router.harness import ManagedProcess, free_port, iter_sse, stream_text, wait_until
+from pdserve.ports import free_port
+from tests.router.harness import ManagedProcess, iter_sse, stream_text, wait_until
 from tests.router.real_workers import (
     STARTUP_TIMEOUT_S,
     Reference,

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import random
 import signal
 import socket
 import ssl
@@ -20,38 +18,11 @@ from typing import Any
 import httpx
 import uvicorn
 
+from pdserve.ports import free_port
 from pdserve.router.app import build_app
 from pdserve.router.config import RouterConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    """A port nobody listens on now, below the ephemeral range (`free_port_block`): one the
-    kernel picks (bind to 0) is in it, and a server bound there later lost it to a connection's
-    source port (a CI run: a disaggregated cluster's worker, EADDRINUSE, ten tests erred)."""
-    return free_port_block(1)
-
-
-def free_port_block(count: int) -> int:
-    """A base port whose `count` consecutive ports nobody listens on now (`--worker-base-port`).
-
-    Drawn below the kernel's ephemeral range: a port in it is also some outgoing connection's
-    source port at any moment (Linux hands `connect()` the even ones, so a free odd port's
-    successor is exactly such a port), and a server binding it later fails with EADDRINUSE.
-    """
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(10_000, low - count)
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in range(base, base + count):
-                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports below {low}")
 
 
 def wait_until(

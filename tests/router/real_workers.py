@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 
 from pdserve.bench.processes import num_held_blocks, worker_pid
-from tests.router.harness import ManagedProcess, free_port, http, read_sse, stream_text, wait_until
+from pdserve.ports import free_port
+from tests.router.harness import ManagedProcess, http, read_sse, stream_text, wait_until
 from tests.router.netns import TwoHosts
 
 # float32 so that comparisons are about the hand-off, not bf16 kernel batch invariance.

@@ -33,16 +33,9 @@ import pytest
 from pdserve.bench.processes import metric_values
 from pdserve.kv_transfer.shm import remove_stale_segments
 from pdserve.kv_transfer.wire import HEADER, MAGIC, MessageType, encode_frame, read_frame
+from pdserve.ports import free_port
 from pdserve.router.config import RouterConfig
-from tests.router.harness import (
-    ManagedProcess,
-    RouterThread,
-    free_port,
-    http,
-    iter_sse,
-    read_sse,
-    wait_until,
-)
+from tests.router.harness import ManagedProcess, RouterThread, http, iter_sse, read_sse, wait_until
 from tests.router.netns import TwoHosts, netns_unavailable_reason, two_hosts
 from tests.router.real_workers import (
     CHAT,

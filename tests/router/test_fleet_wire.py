@@ -27,9 +27,10 @@ from pdserve.kv_transfer import KVAuthError
 from pdserve.kv_transfer.client import KVClient
 from pdserve.kv_transfer.protocol import KV_TRANSFER_PROTOCOL_VERSION
 from pdserve.kv_transfer.wire import HEADER, MAGIC
+from pdserve.ports import free_port
 from pdserve.router.config import RouterConfig
 from tests.relay import FlipDataPayloads, TcpRelay
-from tests.router.harness import ManagedProcess, RouterThread, free_port
+from tests.router.harness import ManagedProcess, RouterThread
 from tests.router.real_workers import STARTUP_TIMEOUT_S, assert_no_blocks_held, serve_argv
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,9 @@ import pytest
 
 from pdserve.api.signing import FleetAuth
 from pdserve.fleet import FLEET_SECRET_ENV
+from pdserve.ports import free_port
 from pdserve.router.config import RouterConfig
-from tests.router.harness import ManagedProcess, RouterThread, free_port, wait_until
+from tests.router.harness import ManagedProcess, RouterThread, wait_until
 
 pytestmark = pytest.mark.slow
 

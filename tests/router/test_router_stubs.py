@@ -14,11 +14,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.core.block_manager import extend_block_hashes
+from pdserve.ports import free_port
 from pdserve.router.config import RouterConfig
 from tests.router.harness import (
     ManagedProcess,
     RouterThread,
-    free_port,
     http,
     read_sse,
     router_config,

@@ -27,7 +27,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.gguf_file import GGUFModelFile
 from pdserve.model.llama import hf_weight_shapes
 from pdserve.model.loader import default_model_path
-from tests.router.harness import free_port
+from pdserve.ports import free_port
 
 API_KEY = "test-key"
 STARTUP_TIMEOUT_S = 180.0
