@@ -406,6 +406,29 @@ def test_quantized_linear_multiplies_the_blocks(ops, qtype, dtype, rows):
     torch.testing.assert_close(got.float(), expected, atol=tolerance[0], rtol=tolerance[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_row_is_the_same_however_many_rows_share_the_call(ops, dtype):
+    """A row's products are its own: alone, beside one other row, or among 8. Where int8
+    weights meet x split into two bytes (AMX machines), 1-2 rows run in vpdpbusd and 3-16 in
+    integer tiles, the same integers and float epilogue: bit for bit. Elsewhere the float
+    FMAs (or bf16 dot products) sum in another order at 1-2 rows: equal within rounding."""
+    generator = torch.Generator().manual_seed(13)
+    weight = torch.randn(200, 576, generator=generator)  # 13 groups, the last padded
+    bias = torch.randn(200, generator=generator).to(dtype)
+    packed = quantize_int8(weight).pack()
+    x = torch.randn(8, 576, generator=generator).to(dtype)
+    x[1, 32:64] = 0.0  # a block of zeros: a zero scale
+    x[0, 5] = 300.0  # a block whose high bytes sum far from zero
+    among_8 = ops.linear(x, packed, bias)
+    is_split = (ops.split_x_max_rows(packed.format) or 0) >= 8
+    for rows in (1, 2):
+        got = ops.linear(x[:rows], packed, bias)
+        if is_split:
+            torch.testing.assert_close(got, among_8[:rows], atol=0, rtol=0)
+        else:
+            torch.testing.assert_close(got.float(), among_8[:rows].float(), atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("qtype", [QuantType.Q8_0, QuantType.Q4_1, QuantType.INT8])
 def test_quantized_linear_of_many_rows_crosses_chunks_of_groups(ops, qtype):
     """A prompt's rows against weights of several L2 chunks (AMX dequantizes one chunk of
