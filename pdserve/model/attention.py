@@ -259,15 +259,16 @@ class TorchAttentionBackend(AttentionBackend):
             raise ValueError(
                 f"block id {meta.max_block_id} is outside the KV cache ({kv_layer.shape[1]} blocks)"
             )
-        slots = kv_layer.view(2, -1, k.shape[1], head_dim)  # [2, num_slots, kv_heads, D]
-        slots[0].index_copy_(0, meta.slot_mapping, k.to(kv_layer.dtype))
-        slots[1].index_copy_(0, meta.slot_mapping, v.to(kv_layer.dtype))
-        decode = meta.decode
         kernel = (
             self.cpu_ops
             if kernel_attends(self.cpu_ops, q.device, q.dtype, kv_layer.dtype, head_dim)
             else None
         )
+        if kernel is None or not kernel.write_kv(k, v, kv_layer, meta.slot_mapping):
+            slots = kv_layer.view(2, -1, k.shape[1], head_dim)  # [2, num_slots, kv_heads, D]
+            slots[0].index_copy_(0, meta.slot_mapping, k.to(kv_layer.dtype))
+            slots[1].index_copy_(0, meta.slot_mapping, v.to(kv_layer.dtype))
+        decode = meta.decode
         if decode is not None and decode.num_seqs == num_tokens:
             return self._decode(q, kv_layer, decode, kernel)
         if len(meta.prefills) == 1 and decode is None:

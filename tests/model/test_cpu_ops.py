@@ -671,3 +671,28 @@ def test_bfloat16_linear_past_the_kernels_rows_takes_the_path_measured_faster(
     assert bool(calls) == (kernel_s < onednn_s)
     expected = F.linear(x.float(), weight.float())
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_puts_each_row_in_its_slot(ops, dtype, kv_dtype):
+    """K and V as the model has them (slices of the qkv product: rows 960 values apart) go to
+    their slots, scattered and out of order, rounded once to the cache's dtype: what
+    index_copy_ writes. Views whose rows are not contiguous are declined, nothing written."""
+    generator = torch.Generator().manual_seed(14)
+    num_tokens, num_kv_heads, head_dim = 37, 3, 64  # 37 rows: not a whole block
+    qkv = torch.randn(num_tokens, 960, generator=generator).to(dtype)
+    k = qkv[:, 576:768].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, 768:].view(num_tokens, num_kv_heads, head_dim)
+    kv_layer = torch.zeros(2, 10, 16, num_kv_heads, head_dim, dtype=kv_dtype)
+    slot_mapping = torch.randperm(160, generator=generator)[:num_tokens]
+    expected = kv_layer.clone()
+    slots = expected.view(2, -1, num_kv_heads, head_dim)
+    slots[0].index_copy_(0, slot_mapping, k.to(kv_dtype))
+    slots[1].index_copy_(0, slot_mapping, v.to(kv_dtype))
+    assert ops.write_kv(k, v, kv_layer, slot_mapping)
+    torch.testing.assert_close(kv_layer, expected, atol=0, rtol=0)
+    untouched = torch.zeros_like(kv_layer)
+    transposed = k.transpose(1, 2).contiguous().transpose(1, 2)  # heads not contiguous
+    assert not ops.write_kv(transposed, transposed, untouched, slot_mapping)
+    assert not untouched.any()

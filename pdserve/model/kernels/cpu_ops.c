@@ -2280,6 +2280,17 @@ ALWAYS_INLINE void write_kv(int dt, int kv_dt, const void* src, int64_t src_stri
         }
 }
 
+/* A step's K and V rows [rows, width] (dt, rows src_stride elements apart: views of the qkv
+ * product) -> their cache slots (kv_dt): what torch's index_copy_ of the strided views does
+ * (Sapphire Rapids, one thread, 512 bf16 rows of 3 x 64: 82 us a layer there, 28 here with
+ * the call: 1.6 ms of a 512-token prompt's prefill). */
+void write_kv_rows(int dt, int kv_dt, const void* k, const void* v, int64_t src_stride,
+                   void* k_cache, void* v_cache, const int64_t* slots, int64_t rows,
+                   int64_t width) {
+    write_kv(dt, kv_dt, k, src_stride, k_cache, slots, rows, width);
+    write_kv(dt, kv_dt, v, src_stride, v_cache, slots, rows, width);
+}
+
 /* Positions a sequence's attention costs beyond its length (per-sequence setup). */
 #define ATTENTION_ROW_COST 64
 

@@ -53,6 +53,7 @@ _SIGNATURES = {
     "linear_silu_mul_min_rows": ([_C], _I),
     "set_linear_dpbf16_max_rows": ([_I], _C),
     "stream_sum": ([_P, _I, _I], _F),
+    "write_kv_rows": ([_C, _C, *[_P] * 2, _I, *[_P] * 3, _I, _I], None),
     "pdserve_isa": ([], ctypes.c_char_p),
     "pdserve_struct_sizes": ([_P], None),
     "decode_scratch_bytes": ([_P, _I, _I], _I),
@@ -466,6 +467,37 @@ class CpuOps:
         """A `FusedDecoder` over these weights (dims: intermediate, num_heads, num_kv_heads,
         head_dim, eps, scale)."""
         return FusedDecoder(self._lib, layers, final_norm, **dims)
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> bool:
+        """k, v [T, num_kv_heads, head_dim] -> their slots of kv_layer [2, num_blocks,
+        block_size, num_kv_heads, head_dim] (slot_mapping [T] int64, valid slots), rounded
+        once to the cache's dtype; False (nothing written) unless k and v are views with
+        each row's values contiguous and rows equally far apart (the qkv product's slices)."""
+        width = k.shape[1] * k.shape[2]
+        if not (
+            kv_layer.is_contiguous()
+            and slot_mapping.is_contiguous()
+            and slot_mapping.dtype == torch.int64
+            and k.dtype == v.dtype
+            and k.stride() == v.stride()
+            and k.stride()[1:] == (k.shape[2], 1)
+        ):
+            return False
+        self._lib.write_kv_rows(
+            _DTYPE_CODES[k.dtype],
+            _DTYPE_CODES[kv_layer.dtype],
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride(0),
+            kv_layer[0].data_ptr(),
+            kv_layer[1].data_ptr(),
+            slot_mapping.data_ptr(),
+            k.shape[0],
+            width,
+        )
+        return True
 
     def stream_sum(self, values: torch.Tensor, num_threads: int = 1) -> float:
         """The sum of a contiguous float32 tensor of a multiple of 64 elements, read as one
