@@ -1395,7 +1395,7 @@ static void int8_dpbf16_linear(const uint8_t* w, const uint16_t* x, const void* 
  * 1 row 14.0 -> 12.2 ms (against float FMAs), 8 rows 22.3 -> 13.3, 16 rows 23.5 -> 16.1; 2
  * passes of 16 rows lost to the dequantized tiles (31 rows: 29.2 against 27.1). */
 #define AMX_INT8_TILES_MAX_ROWS 16
-/* Rows up to which those integers come from vpdpbusd instead (vnni_int8_linear), which
+/* Rows up to which those integers come from vpdpbusd instead (vnni_int8_group_rows), which
  * beyond spends more in dot products than the tiles in storing and reloading theirs.
  * Sapphire Rapids, one thread, 30 layers' linears and the LM head from memory, alternating
  * in one process: 1 row 15.1 -> 13.2-14.0 ms, 2 rows 15.3 -> 14.3, 4 rows 16.2 both, 8
@@ -1734,6 +1734,22 @@ ALWAYS_INLINE void amx_int8_block(const uint8_t* block, const uint8_t* quads, Sp
 }
 #undef AMX_INT8_BLOCK
 
+/* acc + a block's integer products of x's high and low bytes (high * 256 + low, exact),
+ * scaled by the weights' scales d and x's block scale. */
+ALWAYS_INLINE V16 add_split_block(V16 acc, __m512i high, __m512i low, V16 d, float scale) {
+    const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
+    return v_fma(_mm512_cvtepi32_ps(sum), v_mul(d, v_set1(scale)), acc);
+}
+
+/* Rows [0, n) (n <= R) of group g's outputs: acc (+ bias) stored in y's type. */
+ALWAYS_INLINE void store_group_rows(const int64_t R, const V16* acc, const void* bias, void* y,
+                                    int ydt, int64_t n, int64_t out, int64_t g) {
+    const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;
+    const V16 bv = bias ? load_dt_n(bias, 16 * g, width, ydt) : v_zero();
+    for (int64_t r = 0; r < R && r < n; r++)
+        store_dt_n(y, r * out + 16 * g, width, v_add(acc[r], bv), ydt);
+}
+
 /* Rows [0, n) (n <= R <= 16) of group g's outputs from its blocks in quads
  * (int8_block_as_quads): per block the exact integer products (amx_int8_block), scaled by the
  * weights' and x's scales in float, once the next block's tile work is issued (each block
@@ -1752,50 +1768,11 @@ ALWAYS_INLINE void amx_int8_group_rows(const int64_t R, const uint8_t* wg, const
         if (b == 0) continue;
         const int64_t done = b - 1, i = done & 1;
         const V16 d = v_load_f16((const uint16_t*)(wg + done * block_bytes(W_INT8)));
-        for (int64_t r = 0; r < R && r < n; r++) {
-            const __m512i sum = _mm512_add_epi32(
-                _mm512_slli_epi32(_mm512_load_si512(high[i][r]), 8),
-                _mm512_load_si512(low[i][r]));
-            acc[r] = v_fma(_mm512_cvtepi32_ps(sum),
-                           v_mul(d, v_set1(s.scale[r * nb + done])), acc[r]);
-        }
+        for (int64_t r = 0; r < R && r < n; r++)
+            acc[r] = add_split_block(acc[r], _mm512_load_si512(high[i][r]),
+                                     _mm512_load_si512(low[i][r]), d, s.scale[r * nb + done]);
     }
-    const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;
-    const V16 bv = bias ? load_dt_n(bias, 16 * g, width, ydt) : v_zero();
-    for (int64_t r = 0; r < R && r < n; r++)
-        store_dt_n(y, r * out + 16 * g, width, v_add(acc[r], bv), ydt);
-}
-
-/* W_INT8, groups [group_begin, group_end), rows <= AMX_INT8_TILES_MAX_ROWS: x split into two
- * bytes (split_rows), each group's weights permuted into AMX's layout once (a tile load right
- * after the stores that made it waits on them: +60% a block), then multiplied as they are in
- * integer tiles. */
-static void amx_int8_linear(const uint8_t* w, int xdt, const void* x, const void* bias, void* y,
-                            int64_t rows, int64_t out, int64_t in, uint8_t* scratch,
-                            int64_t group_begin, int64_t group_end) {
-    const SplitRows s = split_rows_area(scratch, rows, in);
-    split_rows(xdt, x, s, rows, in);
-    uint8_t* quads = (uint8_t*)dequantized_area(scratch, rows, in); /* 16 x in bytes */
-    amx_int8_configure(rows);
-    for (int64_t g = group_begin; g < group_end; g++) {
-        const uint8_t* wg = w + g * group_bytes(W_INT8, in);
-        for (int64_t b = 0; b < in / 32; b++) {
-            /* One line of the next group's block while permuting keeps memory busy between
-             * groups (Sapphire Rapids, one thread, 30 layers' linears + LM head alternating
-             * in one process: 1 row -6 to -9%, 4 rows -3%, 8 and 16 unchanged); all of it
-             * here: +12%. */
-            const uint8_t* block = wg + b * block_bytes(W_INT8);
-            __builtin_prefetch(block + group_bytes(W_INT8, in), 0, 2);
-            int8_block_as_quads(block + 32, quads + 512 * b);
-        }
-        if (rows <= 4)
-            amx_int8_group_rows(4, wg, quads, s, bias, y, xdt, rows, out, in, g);
-        else if (rows <= 8)
-            amx_int8_group_rows(8, wg, quads, s, bias, y, xdt, rows, out, in, g);
-        else
-            amx_int8_group_rows(16, wg, quads, s, bias, y, xdt, rows, out, in, g);
-    }
-    _tile_release();
+    store_group_rows(R, acc, bias, y, ydt, n, out, g);
 }
 
 /* Rows [0, n) (n <= R) of group g's outputs, the integers of amx_int8_group_rows in AVX-512
@@ -1833,37 +1810,59 @@ ALWAYS_INLINE void vnni_int8_group_rows(const int64_t R, const uint8_t* wg, Spli
         for (int64_t r = 0; r < R && r < n; r++) {
             const __m512i exact_high =
                 _mm512_sub_epi32(high[r], _mm512_set1_epi32(128 * high_sums[r * nb + b]));
-            const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(exact_high, 8), low[r]);
-            acc[r] = v_fma(_mm512_cvtepi32_ps(sum), v_mul(d, v_set1(s.scale[r * nb + b])),
-                           acc[r]);
+            acc[r] = add_split_block(acc[r], exact_high, low[r], d, s.scale[r * nb + b]);
         }
     }
-    const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;
-    const V16 bv = bias ? load_dt_n(bias, 16 * g, width, ydt) : v_zero();
-    for (int64_t r = 0; r < R && r < n; r++)
-        store_dt_n(y, r * out + 16 * g, width, v_add(acc[r], bv), ydt);
+    store_group_rows(R, acc, bias, y, ydt, n, out, g);
 }
 
-/* W_INT8, groups [group_begin, group_end), rows <= INT8_VNNI_MAX_ROWS: amx_int8_linear's
- * result in vpdpbusd (vnni_int8_group_rows). */
-static void vnni_int8_linear(const uint8_t* w, int xdt, const void* x, const void* bias, void* y,
-                             int64_t rows, int64_t out, int64_t in, uint8_t* scratch,
-                             int64_t group_begin, int64_t group_end) {
+/* W_INT8, groups [group_begin, group_end), rows <= AMX_INT8_TILES_MAX_ROWS: x split into two
+ * bytes (split_rows); up to INT8_VNNI_MAX_ROWS rows multiplied in vpdpbusd
+ * (vnni_int8_group_rows), more with each group's weights permuted into AMX's layout once (a
+ * tile load right after the stores that made it waits on them: +60% a block), then
+ * multiplied as they are in integer tiles. */
+static void amx_int8_linear(const uint8_t* w, int xdt, const void* x, const void* bias, void* y,
+                            int64_t rows, int64_t out, int64_t in, uint8_t* scratch,
+                            int64_t group_begin, int64_t group_end) {
     const SplitRows s = split_rows_area(scratch, rows, in);
     split_rows(xdt, x, s, rows, in);
-    int32_t* high_sums = (int32_t*)dequantized_area(scratch, rows, in); /* rows x in / 32 */
-    for (int64_t i = 0; i < rows * in / 32; i++) {
-        int32_t sum = 0;
-        for (int64_t j = 0; j < 32; j++) sum += s.high[32 * i + j];
-        high_sums[i] = sum;
+    if (rows <= INT8_VNNI_MAX_ROWS) {
+        int32_t* high_sums = (int32_t*)dequantized_area(scratch, rows, in); /* rows x in / 32 */
+        for (int64_t i = 0; i < rows * in / 32; i++) {
+            int32_t sum = 0;
+            for (int64_t j = 0; j < 32; j++) sum += s.high[32 * i + j];
+            high_sums[i] = sum;
+        }
+        for (int64_t g = group_begin; g < group_end; g++) {
+            const uint8_t* wg = w + g * group_bytes(W_INT8, in);
+            if (rows == 1)
+                vnni_int8_group_rows(1, wg, s, high_sums, bias, y, xdt, rows, out, in, g);
+            else
+                vnni_int8_group_rows(2, wg, s, high_sums, bias, y, xdt, rows, out, in, g);
+        }
+        return;
     }
+    uint8_t* quads = (uint8_t*)dequantized_area(scratch, rows, in); /* 16 x in bytes */
+    amx_int8_configure(rows);
     for (int64_t g = group_begin; g < group_end; g++) {
         const uint8_t* wg = w + g * group_bytes(W_INT8, in);
-        if (rows == 1)
-            vnni_int8_group_rows(1, wg, s, high_sums, bias, y, xdt, rows, out, in, g);
+        for (int64_t b = 0; b < in / 32; b++) {
+            /* One line of the next group's block while permuting keeps memory busy between
+             * groups (Sapphire Rapids, one thread, 30 layers' linears + LM head alternating
+             * in one process: 1 row -6 to -9%, 4 rows -3%, 8 and 16 unchanged); all of it
+             * here: +12%. */
+            const uint8_t* block = wg + b * block_bytes(W_INT8);
+            __builtin_prefetch(block + group_bytes(W_INT8, in), 0, 2);
+            int8_block_as_quads(block + 32, quads + 512 * b);
+        }
+        if (rows <= 4)
+            amx_int8_group_rows(4, wg, quads, s, bias, y, xdt, rows, out, in, g);
+        else if (rows <= 8)
+            amx_int8_group_rows(8, wg, quads, s, bias, y, xdt, rows, out, in, g);
         else
-            vnni_int8_group_rows(2, wg, s, high_sums, bias, y, xdt, rows, out, in, g);
+            amx_int8_group_rows(16, wg, quads, s, bias, y, xdt, rows, out, in, g);
     }
+    _tile_release();
 }
 
 /* silu_mul_impl of x [gate; up]^T for gate groups [group_begin, group_end) of W_BF16, W_INT8
@@ -1990,11 +1989,6 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
             }
         }
         _tile_release();
-        return;
-    }
-    if (wfmt == W_INT8 && rows > 0 && rows <= INT8_VNNI_MAX_ROWS && pf_amx_permitted()) {
-        vnni_int8_linear((const uint8_t*)w, xdt, x, bias, y, rows, out, in, scratch, group_begin,
-                         group_end);
         return;
     }
     if (wfmt == W_INT8 && rows > 0 && rows <= AMX_INT8_TILES_MAX_ROWS && pf_amx_permitted()) {
