@@ -11,8 +11,9 @@ format + the KV cache) over the read bandwidth measured here (the run's threads 
 1 GiB buffer; the best of a measurement before every run and one after the last, as is the
 roof; "x ws" beside it: against the floor of the step's own working set, streamed as a
 buffer of its size right after the step, which a large cache can hold), and the roof: the
-activations' dtype's best GEMM on these threads (a 2048^3 `torch.mm`,
-oneDNN/MKL: AMX tiles for bfloat16 where the CPU has them; for bfloat16 activations and for
+activations' dtype's best GEMM on these threads (2048^3: the better of `torch.mm`,
+oneDNN/MKL, and oneDNN's linear on a packed weight as the engine's prefill runs it; AMX tiles
+for bfloat16 where the CPU has them; for bfloat16 activations and for
 quantized weights the better of float32's and bfloat16's), against which prefill's rate (the
 linears' and the causal attention's FLOPs per second) is reported. Each decode step also gets
 its compute time (its FLOPs over the roof of the products its kernels take, see
@@ -32,6 +33,7 @@ PDSERVE_CPU_ISA does).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -100,23 +102,30 @@ def measure_bandwidth(num_threads: int, repeats: int = 5, nbytes: int = 2**30) -
 
 def measure_gemm_roof(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
     """FLOP/s (int8: multiply-add ops/s) of the best square matmul in `dtype` here (best of
-    `repeats`): `torch.mm`, or `torch._int_mm` (int8 in, int32 out) for int8."""
+    `repeats`): `torch.mm`, or `torch._int_mm` (int8 in, int32 out) for int8; for float
+    dtypes also oneDNN's linear on a packed weight, the path the engine's prefill takes (on
+    AMD, float32 `torch.mm` runs MKL's generic kernels at about half oneDNN's speed)."""
     generator = torch.Generator().manual_seed(0)
     if dtype == torch.int8:
         a, b = (
             torch.randint(-127, 128, (size, size), generator=generator, dtype=dtype)
             for _ in range(2)
         )
-        matmul = torch._int_mm
+        matmuls = [functools.partial(torch._int_mm, a, b)]
     else:
         a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
-        matmul = torch.mm
-    matmul(a, b)
+        packed = torch.ops.mkldnn._reorder_linear_weight(b, size)
+        matmuls = [
+            functools.partial(torch.mm, a, b),
+            functools.partial(torch.ops.mkldnn._linear_pointwise, a, packed, None, "none", [], ""),
+        ]
     best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        matmul(a, b)
-        best = min(best, time.perf_counter() - start)
+    for matmul in matmuls:
+        matmul()
+        for _ in range(repeats):
+            start = time.perf_counter()
+            matmul()
+            best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
 
 

@@ -1144,20 +1144,15 @@ ALWAYS_INLINE void quantize_rows(int wfmt, int xdt, const void* x, uint8_t* scra
             const V16 lo = load_dt(x, r * in + 32 * b, xdt);
             const V16 hi = load_dt(x, r * in + 32 * b + 16, xdt);
             const float amax = v_hmax(v_max(v_abs(lo), v_abs(hi)));
-            const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-            float values[32];
-            v_store(values, lo);
-            v_store(values + 16, hi);
-            int32_t sum = 0;
-            for (int64_t i = 0; i < 32; i++) {
-                /* Round to nearest even: |value * inverse| <= 127. */
-                const float q = (values[i] * inverse + 12582912.0f) - 12582912.0f;
-                ((int8_t*)row.q)[32 * b + i] = (int8_t)q;
-                sum += (int32_t)q;
-            }
+            const V16 inverse = v_set1(amax > 0.0f ? 127.0f / amax : 0.0f);
+            /* Rounded to nearest even, as quant.py's quantize_activations: |q| <= 127. */
+            const V16 q_lo = v_round(v_mul(lo, inverse)), q_hi = v_round(v_mul(hi, inverse));
+            v_store_i8((int8_t*)row.q + 32 * b, q_lo);
+            v_store_i8((int8_t*)row.q + 32 * b + 16, q_hi);
+            const float sum = v_sum(v_add(q_lo, q_hi)); /* exact: integers below 2^12 */
             const float scale = amax / 127.0f;
             ((float*)row.scale)[b] = scale;
-            ((float*)row.offset)[b] = (wfmt == W_Q4_1 ? scale : zero_point_of(wfmt)) * (float)sum;
+            ((float*)row.offset)[b] = (wfmt == W_Q4_1 ? scale : zero_point_of(wfmt)) * sum;
         }
     }
 }

@@ -103,6 +103,10 @@ ALWAYS_INLINE V16 v_cvt_i32(VI16 v) { return _mm512_cvtepi32_ps(v); }
 ALWAYS_INLINE V16 v_load_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
+/* v's lanes (integers in [-128, 127]) as 16 int8 at p. */
+ALWAYS_INLINE void v_store_i8(int8_t* p, V16 v) {
+    _mm_storeu_si128((__m128i*)p, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+}
 ALWAYS_INLINE VI16 vi_zero(void) { return _mm512_setzero_si512(); }
 
 #elif defined(PDSERVE_ISA_AVX2)
@@ -222,6 +226,14 @@ ALWAYS_INLINE V16 v_load_i8(const int8_t* p) {
     return (V16){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)),
                  _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(raw, raw)))};
 }
+ALWAYS_INLINE void v_store_i8(int8_t* p, V16 v) {
+    /* Packing works per 128-bit lane: the bytes come out as dwords lo 0-3, hi 0-3, lo 4-7,
+     * hi 4-7 of the halves, put back in order by the last shuffle. */
+    const __m256i words = _mm256_packs_epi32(_mm256_cvtps_epi32(v.lo), _mm256_cvtps_epi32(v.hi));
+    const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words),
+                                          _mm256_extracti128_si256(words, 1));
+    _mm_storeu_si128((__m128i*)p, _mm_shuffle_epi32(bytes, _MM_SHUFFLE(3, 1, 2, 0)));
+}
 ALWAYS_INLINE VI16 vi_zero(void) { return (VI16){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 
 #else /* portable */
@@ -336,6 +348,10 @@ ALWAYS_INLINE V16 v_load_i8(const int8_t* p) {
     VB16 b;
     memcpy(&b, p, sizeof b);
     return __builtin_convertvector(b, V16);
+}
+ALWAYS_INLINE void v_store_i8(int8_t* p, V16 v) {
+    const VB16 b = __builtin_convertvector(v, VB16);
+    memcpy(p, &b, sizeof b);
 }
 ALWAYS_INLINE VI16 vi_zero(void) { return (VI16){0}; }
 #endif
