@@ -1042,19 +1042,21 @@ ALWAYS_INLINE void prefetch_dense_line(const int64_t R, const void* p) {
 #if HAS_DPBF16
 /* One group of W_BF16 weights for R rows of bfloat16 x: acc[r] = that group's slice of
  * x_r W^T. Each vdpbf16ps waits on the last one of its chain, so every row runs P chains
- * (interleaved pairs of inputs), 16 in all from 4 rows on: a core with two 512-bit
- * vdpbf16ps a cycle (Zen 5) keeps about 12 in flight, and one chain a row left it waiting.
- * Zen 5, 30 layers' linears and the LM head from memory, against one chain a row from 3
- * rows: 4 rows -5%, 32 rows -7%, 8 rows unchanged (memory-bound there). */
+ * (interleaved pairs of inputs): 4 for one row, 2 for more, 16 in all at a full tile. A core
+ * with two 512-bit vdpbf16ps a cycle (Zen 5) keeps about 12 in flight, and one chain a row
+ * left it waiting where the weights come from cache: Zen 5, 30 layers' linears and the LM
+ * head, against one chain a row from 3 rows: 32 rows (3 of 4 passes over each chunk from
+ * L2) -9%, 4 rows -6%; one and 8 rows (memory-bound) unchanged. */
 ALWAYS_INLINE void dpbf16_group(const int64_t R, const uint16_t* wg, const void* const* x,
                                 int64_t in, V16* acc) {
-    const int64_t P = R >= 8 ? 2 : 4;
+    const int64_t P = R == 1 ? 4 : 2;
     V16 part[MAX_ROW_TILE][4];
     for (int64_t r = 0; r < R; r++)
         for (int64_t p = 0; p < P; p++) part[r][p] = v_zero();
     const int64_t pairs = in / 2;
-    for (int64_t i = 0; i < pairs; i += P)
-        for (int64_t p = 0; p < P && i + p < pairs; p++) {
+    int64_t i = 0;
+    for (; i + P <= pairs; i += P)
+        for (int64_t p = 0; p < P; p++) {
             prefetch_dense_line(R, wg + 32 * (i + p));
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(wg + 32 * (i + p));
             for (int64_t r = 0; r < R; r++)
@@ -1062,6 +1064,12 @@ ALWAYS_INLINE void dpbf16_group(const int64_t R, const uint16_t* wg, const void*
                     part[r][p], wv,
                     (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)x[r])[i + p]));
         }
+    for (; i < pairs; i++) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wg + 32 * i);
+        for (int64_t r = 0; r < R; r++)
+            part[r][0] = _mm512_dpbf16_ps(
+                part[r][0], wv, (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)x[r])[i]));
+    }
     for (int64_t r = 0; r < R; r++) {
         acc[r] = part[r][0];
         for (int64_t p = 1; p < P; p++) acc[r] = v_add(acc[r], part[r][p]);
