@@ -323,8 +323,8 @@ ROWS = [1, 2, 3, 5, 8, 13, 40]  # every row tile, with partial tiles
 @pytest.fixture(params=[cpu_ops.DPBF16_FEW_ROWS, cpu_ops.DPBF16_ALL_ROWS])
 def dpbf16_rows(ops, request):
     """bfloat16 linears of 3 rows or more each way the machine's measurement may set them:
-    weights widened to float for FMAs, or bf16 dot products (two groups a pass from
-    DPBF16_TWO_GROUPS_MIN_ROWS rows); a build without vdpbf16ps ignores it."""
+    weights widened to float for FMAs, or bf16 dot products (several chains a row,
+    `dpbf16_group`); a build without vdpbf16ps ignores it."""
     before = ops.dpbf16_max_rows
     ops.set_dpbf16_max_rows(request.param)
     yield request.param
@@ -465,9 +465,8 @@ def test_linear_silu_mul_refuses_weights_it_cannot_take(ops):
 
 
 def test_bf16_linear_of_many_rows_crosses_chunks_of_groups(ops, dpbf16_rows):
-    """bfloat16 weights of several L2 chunks (AMX: 21 groups a chunk of 1,536 inputs; bf16
-    dot products: 5, so pairs of groups and one alone) against rows of three passes, with a
-    bias: every output stored once, the float math."""
+    """bfloat16 weights of several L2 chunks (AMX: 21 groups a chunk of 1,536 inputs) against
+    rows of three passes, with a bias: every output stored once, the float math."""
     generator = torch.Generator().manual_seed(8)
     weight = torch.randn(1000, 1536, generator=generator).bfloat16()
     bias = torch.randn(1000, generator=generator).bfloat16()
