@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
-from pdserve.core.scheduler import EngineStats
+from pdserve.core.scheduler import EngineStats, Scheduler
 from pdserve.engine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,12 @@ logger = logging.getLogger(__name__)
 # The idle engine thread wakes this often just to refresh its heartbeat.
 HEARTBEAT_INTERVAL_S = 0.5
 DEFAULT_MAX_QUEUE = 256
+# An idle engine handed a request keeps admitting while more arrive less than this far apart
+# (`AsyncLLMEngine._gather_burst`), at most MAX_BURST_GAPS gaps in all. Measured through the
+# server (Zen 5, 2 CPUs): a burst's requests reach the engine ~1 ms apart, but those on new
+# connections come 5-15 ms after those on kept-alive ones.
+DEFAULT_BURST_GAP_S = 0.02
+MAX_BURST_GAPS = 5
 DEFAULT_HEALTH_TIMEOUT_S = 60.0
 
 
@@ -73,6 +79,9 @@ class EngineProtocol(Protocol):
     def get_stats(self) -> EngineStats: ...
 
     def shutdown(self) -> None: ...
+
+    @property
+    def scheduler(self) -> Scheduler: ...
 
 
 @dataclass
@@ -151,13 +160,24 @@ class AsyncLLMEngine:
     """Serves an `LLMEngine` to asyncio code: `add_request()`/`generate()`, `abort()`, stats.
 
     `max_queue` bounds the requests waiting for their first step (admission control).
+    `burst_gap_s` is how long an idle engine waits for a burst's next request (0: it starts
+    at once; see `_gather_burst`).
     """
 
-    def __init__(self, engine: EngineProtocol, *, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+    def __init__(
+        self,
+        engine: EngineProtocol,
+        *,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        burst_gap_s: float = DEFAULT_BURST_GAP_S,
+    ) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
+        if burst_gap_s < 0:
+            raise ValueError(f"burst_gap_s must be >= 0, got {burst_gap_s}")
         self.engine = engine
         self.max_queue = max_queue
+        self.burst_gap_s = burst_gap_s
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._new: list[_Submission] = []
@@ -325,6 +345,7 @@ class AsyncLLMEngine:
         outbox: list[tuple[RequestStream, _StreamItem]] = []
         try:
             while True:
+                self._gather_burst()
                 self._wakeup.clear()
                 self._apply_inbox(outbox)
                 if self._shutdown_due():
@@ -350,6 +371,37 @@ class AsyncLLMEngine:
         finally:
             self._flush(outbox)
             self._close_engine()
+
+    def _gather_burst(self) -> None:
+        """An idle engine handed requests waits while more keep coming, so that a burst's
+        prompts are prefilled in one step: started with the first alone, the next step
+        prefilled all the others while the first one's stream waited (Zen 5, 2 CPUs, 32 short
+        prompts at once: a 600 ms gap between its first two tokens). It waits until no request
+        has come for `burst_gap_s`, MAX_BURST_GAPS gaps in all, or until the prompts fill a
+        step (the scheduler's token budget or seats). A request whose KV another worker
+        computes has no prefill here to share, so it starts at once."""
+        if self.burst_gap_s == 0 or self.engine.has_unfinished_requests():
+            return
+        config = self.engine.scheduler.config
+        deadline = time.monotonic() + MAX_BURST_GAPS * self.burst_gap_s
+        num_seen = 0
+        while True:
+            self._wakeup.clear()
+            with self._lock:
+                if self._idle_call is not None:
+                    return  # new requests wait for it anyway
+                new = list(self._new)
+            if len(new) == num_seen or any(_is_remote_prefill(sub) for sub in new):
+                return  # none came (woken by an abort or shutdown), or one starts at once
+            if (
+                len(new) >= config.max_num_seqs
+                or sum(len(sub.prompt_token_ids) for sub in new) >= config.max_num_batched_tokens
+            ):
+                return
+            num_seen = len(new)
+            wait = min(self.burst_gap_s, deadline - time.monotonic())
+            if wait <= 0 or not self._wakeup.wait(wait):
+                return
 
     def _close_engine(self) -> None:
         # This thread owns the engine, so it releases the engine's resources (KV transport
@@ -489,6 +541,10 @@ class AsyncLLMEngine:
         # A closed event loop raises RuntimeError: nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(_deliver, items)
+
+
+def _is_remote_prefill(sub: _Submission) -> bool:
+    return bool((sub.kv_transfer_params or {}).get("do_remote_prefill"))
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -72,7 +72,9 @@ def create_app(llm_engine, settings: ServerSettings) -> FastAPI:
     for connector in llm_engine.kv_connector.connectors:
         if isinstance(connector, KVStoreConnector):
             connector.store.observer = kv_events.log.store_observer()
-    engine = AsyncLLMEngine(llm_engine, max_queue=settings.max_queue)
+    engine = AsyncLLMEngine(
+        llm_engine, max_queue=settings.max_queue, burst_gap_s=settings.burst_gap_s
+    )
     model = ModelInfo(
         settings.served_model_names,
         llm_engine.tokenizer,

@@ -52,6 +52,13 @@ SERVER_FLAGS = (
         default=ServerSettings.max_queue,
         help="waiting requests beyond which new ones get 429",
     ),
+    flag(
+        "--burst-gap",
+        type=float,
+        default=ServerSettings.burst_gap_s,
+        help="seconds an idle engine waits for a burst's next request, so that the burst's "
+        "prompts share one prefill step (0: start at once)",
+    ),
     flag("--max-body-bytes", type=int, default=ServerSettings.max_body_bytes),
     flag(
         "--shutdown-grace",
@@ -101,6 +108,7 @@ def run_server(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         fleet_secret=fleet_secret,
         max_queue=args.max_queue,
+        burst_gap_s=args.burst_gap,
         max_body_bytes=args.max_body_bytes,
         shutdown_grace_s=args.shutdown_grace,
         health_timeout_s=args.health_timeout,

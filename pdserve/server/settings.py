@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.async_engine import DEFAULT_HEALTH_TIMEOUT_S, DEFAULT_MAX_QUEUE
+from pdserve.engine.async_engine import (
+    DEFAULT_BURST_GAP_S,
+    DEFAULT_HEALTH_TIMEOUT_S,
+    DEFAULT_MAX_QUEUE,
+)
 
 
 @dataclass(frozen=True)
@@ -17,6 +21,8 @@ class ServerSettings:
     api_key: str | None = None
     fleet_secret: str | None = field(default=None, repr=False)
     max_queue: int = DEFAULT_MAX_QUEUE
+    # An idle engine waits this long for a burst's next request before its first step.
+    burst_gap_s: float = DEFAULT_BURST_GAP_S
     max_body_bytes: int = 4 * 2**20
     # On SIGTERM, in-flight requests get this long to finish before they are aborted.
     shutdown_grace_s: float = 5.0
@@ -31,6 +37,8 @@ class ServerSettings:
         for name in ("max_queue", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.burst_gap_s < 0:
+            raise ValueError(f"burst_gap_s must be >= 0, got {self.burst_gap_s}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if self.health_timeout_s <= 0:

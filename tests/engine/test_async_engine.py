@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -14,6 +15,7 @@ from pdserve.engine.async_engine import (
     EngineDeadError,
     EngineOverloadedError,
     RequestFailedError,
+    _Submission,
 )
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -209,6 +211,54 @@ def test_admission_control_bounds_the_waiting_queue(make_engine, chat_token_ids)
 
     outputs = run_async(engine, body, max_queue=1)
     assert sum(o.finished for o in outputs) == 2
+
+
+def test_an_idle_engine_prefills_a_burst_in_one_step(make_engine, chat_token_ids):
+    """A burst's first request does not start alone (the others' prefill would then stall its
+    stream): the idle engine waits for the rest, and stops waiting when they fill a step (here
+    its 3 seats), not on a timer (the gap is ten minutes)."""
+    engine = make_engine(max_num_seqs=3)
+    records = []
+    engine.step_observers.append(records.append)
+
+    async def body(async_engine):
+        first = asyncio.create_task(collect(async_engine, "b0", chat_token_ids[0]))
+        await asyncio.sleep(0.3)  # an engine that did not wait would be prefilling b0 alone
+        rest = [collect(async_engine, f"b{i}", p) for i, p in enumerate(chat_token_ids[1:3], 1)]
+        return await asyncio.wait_for(asyncio.gather(first, *rest), 120)
+
+    results = run_async(engine, body, burst_gap_s=600.0)
+    assert all(tokens for tokens, _, _ in results)
+    first_step = records[0].batch
+    # All three prompts, whole, each sampling its first token.
+    assert [(new, is_sampling) for new, _, is_sampling in first_step] == [
+        (len(p), True) for p in chat_token_ids[:3]
+    ]
+
+
+def test_a_lone_request_waits_one_burst_gap(make_engine, chat_token_ids):
+    """The price of the burst gap: a request alone starts after it."""
+    gap = 0.5
+
+    async def body(async_engine):
+        _, _, final = await collect(async_engine, "lone", chat_token_ids[0])
+        return final.metrics
+
+    metrics = run_async(make_engine(), body, burst_gap_s=gap)
+    assert metrics.first_scheduled_time - metrics.arrival_time >= gap
+
+
+def test_a_request_whose_kv_comes_from_elsewhere_is_not_held_for_a_burst(make_engine):
+    """Its prefill ran on another worker: there is nothing to share, so the idle engine does
+    not wait (a ten-minute gap would otherwise hold the gathering past the join below)."""
+    async_engine = AsyncLLMEngine(make_engine(), burst_gap_s=600.0)
+    async_engine._new.append(
+        _Submission(None, [1, 2, 3], GREEDY, {"do_remote_prefill": True}, time.monotonic())
+    )
+    gathering = threading.Thread(target=async_engine._gather_burst, daemon=True)
+    gathering.start()
+    gathering.join(60)
+    assert not gathering.is_alive()
 
 
 def test_kv_transfer_params_reach_the_engine_and_come_back(loaded_fp32, chat_token_ids):
