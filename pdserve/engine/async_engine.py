@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pdserve.core.config import DEFAULT_BURST_GAP_S, MAX_BURST_GAPS
 from pdserve.core.sampling_params import InvalidParameterError, SamplingParams
 from pdserve.core.scheduler import EngineStats, Scheduler
 from pdserve.engine.outputs import RequestOutput
@@ -28,12 +29,6 @@ logger = logging.getLogger(__name__)
 # The idle engine thread wakes this often just to refresh its heartbeat.
 HEARTBEAT_INTERVAL_S = 0.5
 DEFAULT_MAX_QUEUE = 256
-# An idle engine handed a request keeps admitting while more arrive less than this far apart
-# (`AsyncLLMEngine._gather_burst`), at most MAX_BURST_GAPS gaps in all. Measured through the
-# server (Zen 5, 2 CPUs): a burst's requests reach the engine ~1 ms apart, but those on new
-# connections come 5-15 ms after those on kept-alive ones.
-DEFAULT_BURST_GAP_S = 0.02
-MAX_BURST_GAPS = 5
 DEFAULT_HEALTH_TIMEOUT_S = 60.0
 
 
@@ -393,10 +388,7 @@ class AsyncLLMEngine:
                 new = list(self._new)
             if len(new) == num_seen or any(_is_remote_prefill(sub) for sub in new):
                 return  # none came (woken by an abort or shutdown), or one starts at once
-            if (
-                len(new) >= config.max_num_seqs
-                or sum(len(sub.prompt_token_ids) for sub in new) >= config.max_num_batched_tokens
-            ):
+            if config.is_step_full(len(new), sum(len(sub.prompt_token_ids) for sub in new)):
                 return
             num_seen = len(new)
             wait = min(self.burst_gap_s, deadline - time.monotonic())

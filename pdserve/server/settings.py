@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.async_engine import (
-    DEFAULT_BURST_GAP_S,
-    DEFAULT_HEALTH_TIMEOUT_S,
-    DEFAULT_MAX_QUEUE,
-)
+from pdserve.core.config import DEFAULT_BURST_GAP_S
+from pdserve.engine.async_engine import DEFAULT_HEALTH_TIMEOUT_S, DEFAULT_MAX_QUEUE
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from pdserve.core.config import CacheConfig, Mode, SchedulerConfig
+from pdserve.core.config import DEFAULT_BURST_GAP_S, CacheConfig, Mode, SchedulerConfig
 from pdserve.router.autoscale.config import AutoscaleConfig
 from pdserve.router.autoscale.planner import Decision
 from pdserve.router.config import RouterConfig
@@ -87,6 +87,8 @@ class SimConfig:
     memory_utilization: float = 0.9
     # Client-side cap on requests in flight (the benchmark's --max-concurrency).
     max_concurrency: int | None = None
+    # An idle worker waits this long for a burst's next request (the server's --burst-gap).
+    burst_gap_s: float = DEFAULT_BURST_GAP_S
     # Stop the clock here; requests still in flight are reported incomplete.
     horizon_s: float | None = None
     # Seeds the step-time jitter draws of a calibrated `efficiency`.

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
+from pdserve.core.config import MAX_BURST_GAPS
 from pdserve.core.request import Request, RequestMetrics
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.config import KVHandoff
@@ -99,6 +100,11 @@ class Simulation:
         self._events: list = []
         self._seq = itertools.count()
         self._pending_kicks: set[str] = set()
+        # Idle workers gathering a burst: when their first request came, and a generation
+        # that tells their latest gathering deadline from the ones it replaced.
+        self._gathering: dict[str, float] = {}
+        self._gather_generation = itertools.count()
+        self._gather_deadlines: dict[str, int] = {}
         self._client_queue: deque[SimRequestSpec] = deque()
         self._num_in_flight = 0
         self._num_open = len(self.specs)
@@ -323,13 +329,43 @@ class Simulation:
         )
 
     # ---- workers -----------------------------------------------------------------------
-    def _submit(self, worker: SimWorker, request: Request) -> None:
+    def _submit(self, worker: SimWorker, request: Request, is_remote_prefill: bool = False) -> None:
+        """Hand `request` to `worker`. An idle worker gathers a burst first, as the engine
+        loop does (`AsyncLLMEngine._gather_burst`): it steps once no request has come for
+        `burst_gap_s`, MAX_BURST_GAPS gaps after the first, or when the requests fill a step;
+        a request whose KV another worker computed (`is_remote_prefill`) steps at once."""
         worker.submit(request)
+        gap = self.config.burst_gap_s
+        first = self._gathering.get(worker.worker_id)
+        if (
+            is_remote_prefill
+            or gap == 0
+            or worker.does_inbox_fill_a_step
+            or (first is None and (not worker.is_idle or worker.worker_id in self._pending_kicks))
+        ):
+            self._gathering.pop(worker.worker_id, None)
+            self._gather_deadlines.pop(worker.worker_id, None)
+            self._kick(worker)
+            return
+        if first is None:
+            first = self._gathering[worker.worker_id] = self.now
+        generation = self._gather_deadlines[worker.worker_id] = next(self._gather_generation)
+        deadline = min(self.now + gap, first + MAX_BURST_GAPS * gap)
+        self._push(deadline, self._on_gathered, (worker, generation))
+
+    def _on_gathered(self, arg: tuple[SimWorker, int]) -> None:
+        worker, generation = arg
+        if self._gather_deadlines.get(worker.worker_id) != generation:
+            return  # a later request moved the deadline, or the gathering ended
+        del self._gather_deadlines[worker.worker_id]
+        del self._gathering[worker.worker_id]
         self._kick(worker)
 
     def _kick(self, worker: SimWorker) -> None:
         """Start the worker's next step at the end of this instant (batches simultaneous
         arrivals into one step, as an engine loop would)."""
+        if worker.worker_id in self._gathering:
+            return  # its gathering's end starts the step
         if worker.worker_id not in self._pending_kicks and not worker.is_busy:
             self._pending_kicks.add(worker.worker_id)
             self._push(self.now, self._on_kick, worker)
@@ -399,7 +435,8 @@ class Simulation:
         # The prefill worker's first token leaves as the KV lands (`_on_kv_arrived`): the
         # decode worker computes the rest.
         max_tokens = spec.output_len - 1 if spec.output_len > 1 else 1
-        self._submit(route.decode, self._request(spec, leg.prompt_token_ids, max_tokens))
+        decode_leg = self._request(spec, leg.prompt_token_ids, max_tokens)
+        self._submit(route.decode, decode_leg, is_remote_prefill=True)
 
     def _start_kv_transfer(
         self, destination: SimWorker, request: Request, num_tokens: int, source: SimWorker

@@ -75,6 +75,17 @@ class SimWorker:
     def submit(self, request: Request) -> None:
         self._inbox.append(request)
 
+    @property
+    def is_idle(self) -> bool:
+        """No step runs and the scheduler holds no request."""
+        return not self.is_busy and not self.scheduler.has_unfinished_requests()
+
+    @property
+    def does_inbox_fill_a_step(self) -> bool:
+        """Whether the requests waiting for the next step fill it (`is_step_full`)."""
+        num_tokens = sum(r.num_prompt_tokens for r in self._inbox)
+        return self.scheduler.config.is_step_full(len(self._inbox), num_tokens)
+
     def start_step(self, now: float) -> float | None:
         """Schedule and cost one step; returns when it ends, or None if nothing can run."""
         assert not self.is_busy

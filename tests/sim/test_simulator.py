@@ -205,3 +205,43 @@ def test_the_exposed_part_is_the_last_chunk_or_what_the_link_fell_behind():
     assert exposed_seconds(8e6, 1e6, 1.0, 8, is_streamed=False) == pytest.approx(8)
     ttft = predicted_ttft(1.0, 8e6, 1e9, 8)
     assert ttft["alone"] < ttft["stream"] < ttft["pull"]
+
+
+def test_an_idle_worker_gathers_a_burst_into_one_prefill_step():
+    """As the engine loop does: requests 5 ms apart at an idle worker share its first step
+    (one first token time for all), where without the gap the first started alone and its
+    stream waited for the others' prefill."""
+    specs = [SimRequestSpec(str(i), 0.005 * i, 64, 8) for i in range(4)]
+    gathered = simulate(make_config(), specs)
+    firsts = {r.token_times[0] for r in gathered.records}
+    assert len(firsts) == 1
+    assert min(firsts) >= 0.015 + make_config().burst_gap_s  # the last came at 15 ms
+    alone = simulate(make_config(burst_gap_s=0.0), specs)
+    assert alone.records[0].token_times[0] < min(firsts)
+    # The first stream's second token waited for the other prompts' step.
+    first_gap = alone.records[0].token_times[1] - alone.records[0].token_times[0]
+    gathered_gap = gathered.records[0].token_times[1] - gathered.records[0].token_times[0]
+    assert first_gap > gathered_gap
+
+
+def test_a_gathering_ends_after_five_gaps_or_a_full_step():
+    gap = make_config().burst_gap_s
+    trickle = [SimRequestSpec(str(i), 0.5 * gap * i, 64, 2) for i in range(40)]
+    result = simulate(make_config(), trickle)
+    assert min(r.token_times[0] for r in result.records) < 6 * gap
+    # Seats full: 4 prompts at once fill a worker of 4 seats, which starts at once.
+    seats = make_config(max_num_seqs=4)
+    burst = [SimRequestSpec(str(i), 0.0, 64, 2) for i in range(4)]
+    assert max(r.token_times[0] for r in simulate(seats, burst).records) < gap
+
+
+def test_a_decode_leg_is_not_held_for_a_burst():
+    """Its prompt was prefilled elsewhere: the decode worker steps as its KV lands. (A prompt
+    under the step budget: one that fills a step starts at once.)"""
+    specs = [SimRequestSpec("0", 0.0, 1024, 4)]
+    with_gap = simulate(make_config(Mode.DISAGG, budget=2048), specs).records[0]
+    no_gap = simulate(make_config(Mode.DISAGG, budget=2048, burst_gap_s=0.0), specs).records[0]
+    assert "prefill_ms" in with_gap.server_extra  # it went through the prefill pool
+    # The prefill worker waited one gap; the decode worker none.
+    gap = make_config().burst_gap_s
+    assert with_gap.token_times[-1] - no_gap.token_times[-1] == pytest.approx(gap, abs=1e-9)
