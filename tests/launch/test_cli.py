@@ -167,6 +167,7 @@ def test_workers_take_the_engine_kv_and_server_limit_flags_and_nothing_else():
 # Every worker flag at a value other than its default, and the launcher's own.
 EVERY_WORKER_FLAG = [
     *("--served-model-name", "a", "b", "--max-queue", "3", "--max-body-bytes", "1000"),
+    *("--burst-gap", "0.01"),
     *("--shutdown-grace", "1.5", "--health-timeout", "2.5", "--model", "m.gguf"),
     *("--dtype", "float16", "--device", "cpu", "--max-num-batched-tokens", "256"),
     *("--quantization", "int8", "--kv-cache-dtype", "bfloat16"),
