@@ -19,6 +19,7 @@ from pdserve.flags import Flag, add_flags
 from pdserve.router.autoscale.planner import Decision
 from pdserve.router.cli import AUTOSCALE_FLAGS, ROUTING_FLAGS, autoscale_config_from_args
 from pdserve.router.config import KVHandoff, RouterConfig
+from pdserve.server.cli import SERVER_FLAGS
 from pdserve.sim.config import (
     DEFAULT_STARTUP_S,
     DEFAULT_SWITCH_S,
@@ -86,6 +87,7 @@ ENGINE_FLAGS_SIMULATED = (
     _reused(ROUTING_FLAGS, "--prefill-policy", default=RouterConfig.prefill_policy),
     _reused(ROUTING_FLAGS, "--decode-policy", default=RouterConfig.decode_policy),
     _reused(ROUTING_FLAGS, "--kv-handoff"),
+    _reused(SERVER_FLAGS, "--burst-gap"),
 )
 _BUDGET_HELP = (
     f"chunked token budget (default {DEFAULT_CHUNKED_BUDGET}; colocated: the context length)"
@@ -255,6 +257,7 @@ class Deployment:
     long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold
     max_num_partial_prefills: int = SchedulerConfig.max_num_partial_prefills
     memory_utilization: float = SimConfig.memory_utilization
+    burst_gap_s: float = SimConfig.burst_gap_s
     seed: int = SimConfig.seed
     layout: LayoutOptions | None = None  # `simulate`'s (None: `plan`'s, which has none)
 
@@ -304,6 +307,7 @@ class Deployment:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             max_num_partial_prefills=args.max_num_partial_prefills,
             memory_utilization=args.memory_utilization,
+            burst_gap_s=args.burst_gap,
             seed=args.seed,
             layout=LayoutOptions.from_args(args) if with_layout else None,
         )
@@ -363,6 +367,7 @@ class Deployment:
             dtype=self.dtype,
             kv_dtype=self.kv_dtype,
             memory_utilization=self.memory_utilization,
+            burst_gap_s=self.burst_gap_s,
             seed=self.seed,
         )
         fields.update(overrides)

@@ -194,9 +194,10 @@ def test_simulate_takes_the_engine_and_router_flags_as_they_declare_them():
     """Only a default or help that depends on the simulated device differs."""
     from pdserve.engine.args import ENGINE_FLAGS
     from pdserve.router.cli import ROUTING_FLAGS
+    from pdserve.server.cli import SERVER_FLAGS
     from pdserve.sim.options import ENGINE_FLAGS_SIMULATED
 
-    declared = {option.name: option for option in (*ENGINE_FLAGS, *ROUTING_FLAGS)}
+    declared = {option.name: option for option in (*ENGINE_FLAGS, *ROUTING_FLAGS, *SERVER_FLAGS)}
     for option in ENGINE_FLAGS_SIMULATED:
         own = declared[option.name]
         assert option.dest == own.dest
@@ -212,9 +213,10 @@ def test_simulate_embeds_the_engines_cache_and_the_routers_config_built_from_the
 
     argv = ["simulate", "--mode", "disagg", "--block-size", "32", "--no-prefix-caching"]
     argv += ["--num-kv-blocks", "100", "--decode-policy", "round_robin"]
-    argv += ["--kv-handoff", "stream", "--local-prefill-threshold", "64"]
+    argv += ["--kv-handoff", "stream", "--local-prefill-threshold", "64", "--burst-gap", "0"]
     args = build_parser().parse_args(argv)
     config = layout_config(Deployment.from_args(args, with_layout=True), Mode.DISAGG)
+    assert config.burst_gap_s == 0
     assert config.cache == CacheConfig(block_size=32, num_blocks=100, enable_prefix_caching=False)
     assert config.router == RouterConfig(
         (),
