@@ -26,7 +26,9 @@ from pdserve.model.kernels.cpu_ops import (
     DPBF16_ALL_ROWS,
     DPBF16_FEW_ROWS,
     DPBF16_TILE_ROWS,
+    KV_PREFETCH_SEQS,
     dpbf16_choice,
+    kv_prefetch_choice,
     load_cpu_ops,
 )
 from tests.model.helpers import kernel_variants, require_kernels
@@ -238,3 +240,31 @@ def test_bf16_dot_products_serve_the_rows_they_measured_faster_on(isa, tmp_path,
     finally:
         dpbf16_choice.cache_clear()
         ops.set_dpbf16_max_rows(before)
+
+
+@pytest.mark.parametrize("isa", kernel_variants())
+def test_decode_attention_prefetches_its_kv_where_it_measured_faster(isa, tmp_path, monkeypatch):
+    """Decode attention prefetches its KV into L1 exactly when that timed faster here than
+    into L2, and either way computes the same attention, bit for bit."""
+    ops = require_kernels(load_cpu_ops(isa), isa)
+    before = ops.is_kv_prefetch_into_l1  # from the machine's cache: restored at the end
+    monkeypatch.setattr(kernel_choice, "cache_dir", lambda: tmp_path)
+    generator = torch.Generator().manual_seed(2)
+    cache = torch.randn(2, 12, 16, 3, 64, generator=generator).bfloat16()
+    tables = torch.randperm(12, generator=generator).view(3, 4).contiguous()
+    seq_lens = torch.tensor([64, 40, 9])
+    q = torch.randn(3, 9, 64, generator=generator).bfloat16()
+    try:
+        outputs = []
+        for is_l1 in (True, False):
+            ops.set_kv_prefetch_into_l1(is_l1)
+            outputs.append(ops.paged_decode(q, cache, tables, seq_lens, 0.125))
+        assert torch.equal(*outputs)
+        kv_prefetch_choice.cache_clear()
+        is_l1 = ops.tune_kv_prefetch()
+        l1_s, l2_s = kv_prefetch_choice(ops).timing(("paged-decode-kv-prefetch", KV_PREFETCH_SEQS))
+        assert is_l1 == (l1_s < l2_s) == ops.is_kv_prefetch_into_l1
+        assert list(tmp_path.glob(f"kv-prefetch-{isa}-*.json"))
+    finally:
+        kv_prefetch_choice.cache_clear()
+        ops.set_kv_prefetch_into_l1(before)

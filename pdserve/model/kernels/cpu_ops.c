@@ -461,12 +461,18 @@ ALWAYS_INLINE void load_kv_row(int kvdt, const int64_t NV, const void* cache, in
     for (int64_t j = 0; j < NV; j++) row[j] = load_dt(cache, i + 16 * j, kvdt);
 }
 
-/* K and V blocks are prefetched into L2, DECODE_PREFETCH_BLOCKS blocks ahead of the one being
- * read (across sequences), a few lines with each row read rather than a block at once.
- * Measured on Zen 4 (4 KiB pages, scattered blocks): requests into L1 stream at about half
- * the rate of requests into L2, and a burst of a whole block per block left the kernel with
- * its KV in DRAM about twice as slow as spreading the same requests. */
+/* K and V blocks are prefetched DECODE_PREFETCH_BLOCKS blocks ahead of the one being read
+ * (across sequences), a few lines with each row read rather than a block at once: a burst of a
+ * whole block per block left the kernel with its KV in DRAM about twice as slow as spreading
+ * the same requests (Zen 4, 4 KiB pages, scattered blocks). Into L2 or into L1 as the process
+ * sets it from a measurement (CpuOps.tune_kv_prefetch): on Zen 4 requests into L1 streamed at
+ * about half the rate of requests into L2; on Zen 5 (30 layers' bf16 KV of 8 and 32 sequences
+ * of 530 positions, from DRAM) L1 took 8-11% less time. 6 blocks ahead or 2 were slower there. */
 #define DECODE_PREFETCH_BLOCKS 3
+static int is_kv_prefetch_into_l1 = 0;
+
+void set_kv_prefetch_into_l1(int64_t is_l1) { is_kv_prefetch_into_l1 = (int)is_l1; }
+
 typedef struct {
     const void *k_cache, *v_cache;
     const int64_t *block_tables, *seq_lens;
@@ -479,10 +485,16 @@ typedef struct {
 /* Up to `lines` more cache lines of the K and V of the block being prefetched. */
 ALWAYS_INLINE void prefetch_lines(Prefetcher* p, int64_t lines) {
     const int64_t end = p->end - p->done < 64 * lines ? p->end : p->done + 64 * lines;
-    for (int64_t o = p->done; o < end; o += 64) {
-        __builtin_prefetch(p->k + o, 0, 1);
-        __builtin_prefetch(p->v + o, 0, 1);
-    }
+    if (is_kv_prefetch_into_l1)
+        for (int64_t o = p->done; o < end; o += 64) {
+            __builtin_prefetch(p->k + o, 0, 3);
+            __builtin_prefetch(p->v + o, 0, 3);
+        }
+    else
+        for (int64_t o = p->done; o < end; o += 64) {
+            __builtin_prefetch(p->k + o, 0, 1);
+            __builtin_prefetch(p->v + o, 0, 1);
+        }
     p->done = end;
 }
 

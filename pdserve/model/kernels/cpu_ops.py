@@ -52,6 +52,7 @@ _SIGNATURES = {
     "linear_silu_mul": ([_C, _C, *[_P] * 3, _I, _I, _I, _P, _I], _C),
     "linear_silu_mul_min_rows": ([_C], _I),
     "set_linear_dpbf16_max_rows": ([_I], _C),
+    "set_kv_prefetch_into_l1": ([_I], None),
     "stream_sum": ([_P, _I, _I], _F),
     "write_kv_rows": ([_C, _C, *[_P] * 2, _I, *[_P] * 3, _I, _I], None),
     "pdserve_isa": ([], ctypes.c_char_p),
@@ -71,6 +72,11 @@ BF16_KERNEL_MAX_ROWS = F32_KERNEL_MAX_ROWS = 64
 # bf16 dot products (vdpbf16ps) serve one or two rows of x, or (where they measure faster at
 # a full tile of DPBF16_TILE_ROWS rows, MAX_ROW_TILE in cpu_ops.c) every row count.
 DPBF16_FEW_ROWS, DPBF16_TILE_ROWS, DPBF16_ALL_ROWS = 2, 8, 2**62
+# Decode attention's KV prefetch is timed (`kv_prefetch_choice`) on this many sequences of
+# KV_PREFETCH_CONTEXT positions over KV_PREFETCH_LAYERS layers of bfloat16 KV with SmolLM2's
+# heads: 100 MB, about what a decode step of 8 sequences reads, beyond a Zen core complex's
+# 32 MB of L3.
+KV_PREFETCH_SEQS, KV_PREFETCH_CONTEXT, KV_PREFETCH_LAYERS = 8, 512, 32
 
 
 def onednn_rows(rows: int) -> int:
@@ -134,6 +140,7 @@ class CpuOps:
         self.isa = isa
         self._lib = library
         self.dpbf16_max_rows = DPBF16_FEW_ROWS  # as cpu_ops.c starts; see tune_bf16_dot
+        self.is_kv_prefetch_into_l1 = False  # as cpu_ops.c starts; see tune_kv_prefetch
         # The compiled file's name (variant + hash of source, flags and compiler).
         self.build_id = Path(library._name).name
         for name, (argtypes, restype) in _SIGNATURES.items():
@@ -285,6 +292,20 @@ class CpuOps:
             "every count of" if is_all_faster else f"up to {DPBF16_FEW_ROWS}",
         )
         return rows
+
+    def tune_kv_prefetch(self) -> bool:
+        """Set where decode attention prefetches its KV, L1 or L2, from the choice measured on
+        this machine (`kv_prefetch_choice`); returns whether into L1."""
+        is_l1 = kv_prefetch_choice(self).a_wins(("paged-decode-kv-prefetch", KV_PREFETCH_SEQS))
+        self.set_kv_prefetch_into_l1(is_l1)
+        where = "L1" if is_l1 else "L2"
+        logger.info("decode attention: KV prefetched into %s (measured here)", where)
+        return is_l1
+
+    def set_kv_prefetch_into_l1(self, is_l1: bool) -> None:
+        """Process-wide: decode attention prefetches its next KV blocks into L1 (else L2)."""
+        self._lib.set_kv_prefetch_into_l1(int(is_l1))
+        self.is_kv_prefetch_into_l1 = is_l1
 
     def set_dpbf16_max_rows(self, rows: int) -> None:
         """Process-wide: bfloat16 linears of up to `rows` rows use bf16 dot products."""
@@ -683,6 +704,35 @@ def dpbf16_choice(ops: CpuOps) -> MeasuredChoice:
     return MeasuredChoice(f"linear-dpbf16-{ops.isa}", ops.build_id, prepare, kernels_cache_dir())
 
 
+@functools.cache
+def kv_prefetch_choice(ops: CpuOps) -> MeasuredChoice:
+    """Whether decode attention prefetching its KV into L1 (A) beats into L2 (B), timed over
+    KV_PREFETCH_LAYERS layers' caches of scattered blocks (its KV streamed from memory, as a
+    decode step's is) and cached with the kernels."""
+
+    def prepare(case: tuple) -> tuple:
+        _, num_seqs = case
+        num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+        num_blocks = num_seqs * KV_PREFETCH_CONTEXT // block_size
+        generator = torch.Generator().manual_seed(0)
+        caches = [
+            torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.bfloat16)
+            for _ in range(KV_PREFETCH_LAYERS)
+        ]
+        tables = torch.randperm(num_blocks, generator=generator).view(num_seqs, -1).contiguous()
+        seq_lens = torch.full((num_seqs,), KV_PREFETCH_CONTEXT, dtype=torch.int64)
+        q = torch.randn(num_seqs, num_heads, head_dim, generator=generator).bfloat16()
+
+        def run(is_l1: bool) -> None:
+            ops.set_kv_prefetch_into_l1(is_l1)
+            for cache in caches:
+                ops.paged_decode(q, cache, tables, seq_lens, head_dim**-0.5)
+
+        return functools.partial(run, True), functools.partial(run, False)
+
+    return MeasuredChoice(f"kv-prefetch-{ops.isa}", ops.build_id, prepare, kernels_cache_dir())
+
+
 def requested_isa() -> str | None:
     """The variant `PDSERVE_CPU_ISA` names (None: choose from the CPU's flags)."""
     name = os.environ.get(ISA_ENV, "").strip().lower()
@@ -711,6 +761,7 @@ def load_cpu_ops(isa: str | None = None) -> CpuOps | None:
             logger.debug("CPU kernels: %s", candidate.name)
             ops = CpuOps(library, candidate.name)
             ops.tune_bf16_dot()
+            ops.tune_kv_prefetch()
             return ops
     return None
 
