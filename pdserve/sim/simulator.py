@@ -100,11 +100,10 @@ class Simulation:
         self._events: list = []
         self._seq = itertools.count()
         self._pending_kicks: set[str] = set()
-        # Idle workers gathering a burst: when their first request came, and a generation
-        # that tells their latest gathering deadline from the ones it replaced.
-        self._gathering: dict[str, float] = {}
-        self._gather_generation = itertools.count()
-        self._gather_deadlines: dict[str, int] = {}
+        # Idle workers gathering a burst: when their first request came, and the number of
+        # their latest deadline (a deadline an arrival replaced is stale).
+        self._gathering: dict[str, tuple[float, int]] = {}
+        self._gather_deadline_ids = itertools.count()
         self._client_queue: deque[SimRequestSpec] = deque()
         self._num_in_flight = 0
         self._num_open = len(self.specs)
@@ -336,28 +335,30 @@ class Simulation:
         a request whose KV another worker computed (`is_remote_prefill`) steps at once."""
         worker.submit(request)
         gap = self.config.burst_gap_s
-        first = self._gathering.get(worker.worker_id)
+        gathering = self._gathering.get(worker.worker_id)
         if (
             is_remote_prefill
             or gap == 0
             or worker.does_inbox_fill_a_step
-            or (first is None and (not worker.is_idle or worker.worker_id in self._pending_kicks))
+            or (
+                gathering is None
+                and (not worker.is_idle or worker.worker_id in self._pending_kicks)
+            )
         ):
             self._gathering.pop(worker.worker_id, None)
-            self._gather_deadlines.pop(worker.worker_id, None)
             self._kick(worker)
             return
-        if first is None:
-            first = self._gathering[worker.worker_id] = self.now
-        generation = self._gather_deadlines[worker.worker_id] = next(self._gather_generation)
+        first = self.now if gathering is None else gathering[0]
+        deadline_id = next(self._gather_deadline_ids)
+        self._gathering[worker.worker_id] = (first, deadline_id)
         deadline = min(self.now + gap, first + MAX_BURST_GAPS * gap)
-        self._push(deadline, self._on_gathered, (worker, generation))
+        self._push(deadline, self._on_gathered, (worker, deadline_id))
 
     def _on_gathered(self, arg: tuple[SimWorker, int]) -> None:
-        worker, generation = arg
-        if self._gather_deadlines.get(worker.worker_id) != generation:
+        worker, deadline_id = arg
+        gathering = self._gathering.get(worker.worker_id)
+        if gathering is None or gathering[1] != deadline_id:
             return  # a later request moved the deadline, or the gathering ended
-        del self._gather_deadlines[worker.worker_id]
         del self._gathering[worker.worker_id]
         self._kick(worker)
 
