@@ -1052,52 +1052,66 @@ ALWAYS_INLINE void prefetch_dense_line(const int64_t R, const void* p) {
 }
 
 #if HAS_DPBF16
-/* One group of W_BF16 weights for R rows of bfloat16 x: acc[r] = that group's slice of
- * x_r W^T. Each vdpbf16ps waits on the last one of its chain, so every row runs P chains
- * (interleaved pairs of inputs): 4 for one row, 2 for more, 16 in all at a full tile. A core
- * with two 512-bit vdpbf16ps a cycle (Zen 5) keeps about 12 in flight, and one chain a row
- * left it waiting where the weights come from cache: Zen 5, 30 layers' linears and the LM
- * head, against one chain a row from 3 rows: 32 rows (3 of 4 passes over each chunk from
- * L2) -9%, 4 rows -6%; one and 8 rows (memory-bound) unchanged. */
-ALWAYS_INLINE void dpbf16_group(const int64_t R, const uint16_t* wg, const void* const* x,
-                                int64_t in, V16* acc) {
-    const int64_t P = R == 1 ? 4 : 2;
-    V16 part[MAX_ROW_TILE][4];
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t p = 0; p < P; p++) part[r][p] = v_zero();
+/* Chains a row and group of bf16 dot products take (dpbf16_groups) for R rows, with groups
+ * paired or not: 4 for one row, 2 for up to 4 rows or unpaired, 1 for paired full tiles (16
+ * chains). Pairs halve the loads of x's broadcasts: Zen 5, bfloat16 engine steps against
+ * unpaired groups, 4 sequences -10%, 32 sequences -5%, int8 32 sequences -6%, int8 prefill
+ * of 512 tokens +20% tokens/s, of 3,000 +13%; but one tile of 5-8 rows, its weights from
+ * memory, +4% (6 and 8 sequences): those stay unpaired. */
+ALWAYS_INLINE int64_t dpbf16_chains(const int64_t R, int is_paired) {
+    return R == 1 ? 4 : R <= 4 || !is_paired ? 2 : 1;
+}
+
+/* G groups of W_BF16 weights (wg[h], 1 or 2) for R rows of bfloat16 x in P chains a row and
+ * group (interleaved pairs of inputs): acc[h R + r] = group h's slice of x_r W^T, the same
+ * sums whatever G for one P. Each vdpbf16ps waits on the last one of its chain; a core with
+ * two 512-bit vdpbf16ps a cycle (Zen 5) keeps about 12 in flight, and one chain a row left it
+ * waiting where the weights come from cache: Zen 5, 30 layers' linears and the LM head,
+ * against one chain a row from 3 rows: 32 rows (3 of 4 passes over each chunk from L2) -9%,
+ * 4 rows -6%; one and 8 rows (memory-bound) unchanged. Two groups at once load each row's
+ * broadcast pair of x once for both (dpbf16_chains). */
+ALWAYS_INLINE void dpbf16_groups(const int64_t R, const int64_t G, const int64_t P,
+                                 const uint16_t* const* wg, const void* const* x, int64_t in,
+                                 V16* acc) {
+    V16 part[2][MAX_ROW_TILE][4];
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t p = 0; p < P; p++) part[h][r][p] = v_zero();
     const int64_t pairs = in / 2;
     int64_t i = 0;
     for (; i + P <= pairs; i += P)
         for (int64_t p = 0; p < P; p++) {
-            prefetch_dense_line(R, wg + 32 * (i + p));
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512(wg + 32 * (i + p));
-            for (int64_t r = 0; r < R; r++)
-                part[r][p] = _mm512_dpbf16_ps(
-                    part[r][p], wv,
-                    (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)x[r])[i + p]));
+            __m512bh wv[2];
+            for (int64_t h = 0; h < G; h++) {
+                prefetch_dense_line(R, wg[h] + 32 * (i + p));
+                wv[h] = (__m512bh)_mm512_loadu_si512(wg[h] + 32 * (i + p));
+            }
+            for (int64_t r = 0; r < R; r++) {
+                const __m512bh xv =
+                    (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)x[r])[i + p]);
+                for (int64_t h = 0; h < G; h++)
+                    part[h][r][p] = _mm512_dpbf16_ps(part[h][r][p], wv[h], xv);
+            }
         }
-    for (; i < pairs; i++) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wg + 32 * i);
-        for (int64_t r = 0; r < R; r++)
-            part[r][0] = _mm512_dpbf16_ps(
-                part[r][0], wv, (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)x[r])[i]));
-    }
-    for (int64_t r = 0; r < R; r++) {
-        acc[r] = part[r][0];
-        for (int64_t p = 1; p < P; p++) acc[r] = v_add(acc[r], part[r][p]);
-    }
+    for (; i < pairs; i++)
+        for (int64_t h = 0; h < G; h++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(wg[h] + 32 * i);
+            for (int64_t r = 0; r < R; r++)
+                part[h][r][0] = _mm512_dpbf16_ps(
+                    part[h][r][0], wv,
+                    (__m512bh)_mm512_set1_epi32((int)((const uint32_t*)x[r])[i]));
+        }
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t r = 0; r < R; r++) {
+            acc[h * R + r] = part[h][r][0];
+            for (int64_t p = 1; p < P; p++) acc[h * R + r] = v_add(acc[h * R + r], part[h][r][p]);
+        }
 }
 #endif
 
 /* One group (16 outputs) for R rows: acc[r] = that group's slice of x_r W^T. */
-ALWAYS_INLINE void group_float(const int64_t R, int wfmt, int dpbf16, const void* w,
-                               const void* const* x, int64_t in, V16* acc) {
-#if HAS_DPBF16
-    if (dpbf16) {
-        dpbf16_group(R, (const uint16_t*)w, x, in, acc);
-        return;
-    }
-#endif
+ALWAYS_INLINE void group_float(const int64_t R, int wfmt, const void* w, const void* const* x,
+                               int64_t in, V16* acc) {
     /* R == 1 runs 4 independent chains (interleaved inputs) to hide FMA latency. */
     const int64_t P = R == 1 ? 4 : R == 2 ? 2 : 1;
     V16 part[MAX_ROW_TILE][4];
@@ -1275,11 +1289,20 @@ ALWAYS_INLINE int64_t group_bytes(int wfmt, int64_t in) {
     }
 }
 
+/* Group g's outputs (16, fewer in the last group) of rows [first, first + n) from acc[r]. */
+ALWAYS_INLINE void store_group_rows(const V16* acc, const void* bias, void* y, int ydt,
+                                    int64_t first, int64_t n, int64_t out, int64_t g) {
+    const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;
+    const V16 b = bias ? load_dt_n(bias, 16 * g, width, ydt) : v_zero();
+    for (int64_t r = 0; r < n; r++)
+        store_dt_n(y, (first + r) * out + 16 * g, width, v_add(acc[r], b), ydt);
+}
+
 /* Rows [first, first + n) of the output, n <= R (rows past n repeat the last one). */
-ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int ydt, const uint8_t* w,
-                               const uint8_t* xs, int64_t x_row_bytes, const void* bias, void* y,
-                               int64_t first, int64_t n, int64_t out, int64_t in,
-                               int64_t group_start, int64_t group_end) {
+ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int is_paired, int ydt,
+                               const uint8_t* w, const uint8_t* xs, int64_t x_row_bytes,
+                               const void* bias, void* y, int64_t first, int64_t n, int64_t out,
+                               int64_t in, int64_t group_start, int64_t group_end) {
     const void* xf[MAX_ROW_TILE];
     QuantRow xq[MAX_ROW_TILE];
     for (int64_t r = 0; r < R; r++) {
@@ -1289,21 +1312,37 @@ ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int ydt, c
         else
             xf[r] = xs + row * x_row_bytes;
     }
-    for (int64_t g = group_start; g < group_end; g++) {
+    /* Paired groups (dpbf16_chains) are g and g + half: each of the two streams of weights
+     * runs on through the range. */
+    const int is_bf16_dot = HAS_DPBF16 && wfmt == W_BF16 && dpbf16;
+    const int64_t half = is_bf16_dot && is_paired && R >= 4 ? (group_end - group_start) / 2 : 0;
+#if HAS_DPBF16
+    for (int64_t g = group_start; g < group_start + half; g++) {
+        const uint16_t* wg[2] = {(const uint16_t*)(w + g * group_bytes(wfmt, in)),
+                                 (const uint16_t*)(w + (g + half) * group_bytes(wfmt, in))};
+        V16 acc[2 * MAX_ROW_TILE];
+        dpbf16_groups(R, 2, dpbf16_chains(R, is_paired), wg, xf, in, acc);
+        store_group_rows(acc, bias, y, ydt, first, n, out, g);
+        store_group_rows(acc + R, bias, y, ydt, first, n, out, g + half);
+    }
+#endif
+    for (int64_t g = group_start + 2 * half; g < group_end; g++) {
         const uint8_t* wg = w + g * group_bytes(wfmt, in);
         V16 acc[MAX_ROW_TILE];
-        if (is_quantized(wfmt))
+        if (is_bf16_dot) {
+#if HAS_DPBF16
+            const uint16_t* group = (const uint16_t*)wg;
+            dpbf16_groups(R, 1, dpbf16_chains(R, is_paired), &group, xf, in, acc);
+#endif
+        } else if (is_quantized(wfmt))
             group_quantized(R, wfmt, wg, xq, in, acc);
         else if (wfmt == W_INT8 && dpbf16)
             group_int8(R, HAS_DPBF16, wg, xf, in, acc);
         else if (wfmt == W_INT8)
             group_int8(R, 0, wg, xf, in, acc);
         else
-            group_float(R, wfmt, dpbf16, wg, xf, in, acc);
-        const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;
-        const V16 b = bias ? load_dt_n(bias, 16 * g, width, ydt) : v_zero();
-        for (int64_t r = 0; r < n; r++)
-            store_dt_n(y, (first + r) * out + 16 * g, width, v_add(acc[r], b), ydt);
+            group_float(R, wfmt, wg, xf, in, acc);
+        store_group_rows(acc, bias, y, ydt, first, n, out, g);
     }
 }
 
@@ -1386,33 +1425,40 @@ ALWAYS_INLINE void group_to_bf16(int wfmt, const uint8_t* wg, int64_t in, uint16
     for (int64_t b = 0; b < in / 32; b++) block_to_bf16(wfmt, wg, b, group);
 }
 
-/* One dequantized group (W_BF16's layout) for rows [first, first + n), n <= R: as linear_tile. */
-ALWAYS_INLINE void bf16_group_rows(const int64_t R, const uint16_t* group, const uint16_t* x,
-                                   const void* bias, void* y, int ydt, int64_t first, int64_t n,
-                                   int64_t out, int64_t in, int64_t g) {
+/* G (1 or 2) dequantized groups g.. (W_BF16's layout, `groups` holding one after the
+ * other) for rows [first, first + n), n <= R: as linear_tile. */
+ALWAYS_INLINE void bf16_groups_rows(const int64_t R, const int64_t G, const uint16_t* groups,
+                                    const uint16_t* x, const void* bias, void* y, int ydt,
+                                    int64_t first, int64_t n, int64_t out, int64_t in, int64_t g) {
     const void* rows_x[MAX_ROW_TILE];
     for (int64_t r = 0; r < R; r++) rows_x[r] = x + (first + (r < n ? r : n - 1)) * in;
-    V16 acc[MAX_ROW_TILE];
-    group_float(R, W_BF16, 1, group, rows_x, in, acc);
-    const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;
-    const V16 b = bias ? load_dt_n(bias, 16 * g, width, ydt) : v_zero();
-    for (int64_t r = 0; r < n; r++)
-        store_dt_n(y, (first + r) * out + 16 * g, width, v_add(acc[r], b), ydt);
+    const uint16_t* wg[2] = {groups, groups + 16 * in};
+    V16 acc[2 * MAX_ROW_TILE];
+    dpbf16_groups(R, G, dpbf16_chains(R, 1), wg, rows_x, in, acc);
+    for (int64_t h = 0; h < G; h++) store_group_rows(acc + h * R, bias, y, ydt, first, n, out, g + h);
 }
 
-/* W_INT8 against bf16 x in bf16 dot products, groups [group_begin, group_end); `group` holds
- * one dequantized group (in * 16 bf16). */
+/* W_INT8 against bf16 x in bf16 dot products, groups [group_begin, group_end), two at a time
+ * (dpbf16_groups); `groups` holds two dequantized groups (in * 32 bf16). */
 static void int8_dpbf16_linear(const uint8_t* w, const uint16_t* x, const void* bias, void* y,
-                               int ydt, int64_t rows, int64_t out, int64_t in, uint16_t* group,
+                               int ydt, int64_t rows, int64_t out, int64_t in, uint16_t* groups,
                                int64_t group_begin, int64_t group_end) {
-    for (int64_t g = group_begin; g < group_end; g++) {
-        group_to_bf16(W_INT8, w + g * group_bytes(W_INT8, in), in, group);
+    for (int64_t g = group_begin; g < group_end; g += 2) {
+        const int64_t G = g + 1 < group_end ? 2 : 1;
+        for (int64_t h = 0; h < G; h++)
+            group_to_bf16(W_INT8, w + (g + h) * group_bytes(W_INT8, in), in, groups + h * 16 * in);
         for (int64_t first = 0; first < rows; first += MAX_ROW_TILE) {
             const int64_t n = rows - first < MAX_ROW_TILE ? rows - first : MAX_ROW_TILE;
-            if (n <= 4)
-                bf16_group_rows(4, group, x, bias, y, ydt, first, n, out, in, g);
+#define ROWS(R, G) bf16_groups_rows(R, G, groups, x, bias, y, ydt, first, n, out, in, g)
+            if (n <= 4 && G == 2)
+                ROWS(4, 2);
+            else if (n <= 4)
+                ROWS(4, 1);
+            else if (G == 2)
+                ROWS(MAX_ROW_TILE, 2);
             else
-                bf16_group_rows(MAX_ROW_TILE, group, x, bias, y, ydt, first, n, out, in, g);
+                ROWS(MAX_ROW_TILE, 1);
+#undef ROWS
         }
     }
 }
@@ -2058,6 +2104,7 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
     } else {
         xs = x_as(xdt, DT_F32, x, rows * in, scratch);
     }
+    const int is_paired = rows <= 4 || rows > MAX_ROW_TILE; /* see dpbf16_chains */
     /* A chunk of groups stays in L2 while every tile of rows passes over it: the weights
      * come from memory once per call, however many rows. */
     int64_t chunk = CHUNK_BYTES / group_bytes(wfmt, in);
@@ -2067,7 +2114,8 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
         for (int64_t first = 0; first < rows; first += MAX_ROW_TILE) {
             const int64_t n = rows - first < MAX_ROW_TILE ? rows - first : MAX_ROW_TILE;
 #define TILE(R)                                                                                 \
-    linear_tile(R, wfmt, dpbf16, xdt, w, xs, x_row_bytes, bias, y, first, n, out, in, g0, g1)
+    linear_tile(R, wfmt, dpbf16, is_paired, xdt, w, xs, x_row_bytes, bias, y, first, n, out, in, \
+                g0, g1)
             if (n == 1)
                 TILE(1);
             else if (n == 2)
