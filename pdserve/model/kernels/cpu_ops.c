@@ -1053,11 +1053,8 @@ ALWAYS_INLINE void prefetch_dense_line(const int64_t R, const void* p) {
 
 #if HAS_DPBF16
 /* Chains a row and group of bf16 dot products take (dpbf16_groups) for R rows, with groups
- * paired or not: 4 for one row, 2 for up to 4 rows or unpaired, 1 for paired full tiles (16
- * chains). Pairs halve the loads of x's broadcasts: Zen 5, bfloat16 engine steps against
- * unpaired groups, 4 sequences -10%, 32 sequences -5%, int8 32 sequences -6%, int8 prefill
- * of 512 tokens +20% tokens/s, of 3,000 +13%; but one tile of 5-8 rows, its weights from
- * memory, +4% (6 and 8 sequences): those stay unpaired. */
+ * paired (is_paired_call) or not: 4 for one row, 2 for up to 4 rows or unpaired, 1 for paired
+ * full tiles (16 chains). */
 ALWAYS_INLINE int64_t dpbf16_chains(const int64_t R, int is_paired) {
     return R == 1 ? 4 : R <= 4 || !is_paired ? 2 : 1;
 }
@@ -1109,57 +1106,73 @@ ALWAYS_INLINE void dpbf16_groups(const int64_t R, const int64_t G, const int64_t
 }
 #endif
 
-/* One group (16 outputs) for R rows: acc[r] = that group's slice of x_r W^T. */
-ALWAYS_INLINE void group_float(const int64_t R, int wfmt, const void* w, const void* const* x,
-                               int64_t in, V16* acc) {
+/* G groups (wg[h], 1 or 2; 2 from 4 rows of an AVX-512 tile) for R rows of float x:
+ * acc[h R + r] = group h's slice of x_r W^T, the same sums whatever G. Two groups at once
+ * load each of x's broadcasts once for both. */
+ALWAYS_INLINE void group_float(const int64_t R, const int64_t G, int wfmt,
+                               const void* const* wg, const void* const* x, int64_t in,
+                               V16* acc) {
     /* R == 1 runs 4 independent chains (interleaved inputs) to hide FMA latency. */
     const int64_t P = R == 1 ? 4 : R == 2 ? 2 : 1;
-    V16 part[MAX_ROW_TILE][4];
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t p = 0; p < P; p++) part[r][p] = v_zero();
+    V16 part[2][MAX_ROW_TILE][4];
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t p = 0; p < P; p++) part[h][r][p] = v_zero();
     if (wfmt == W_F32) {
-        const float* wg = (const float*)w;
         int64_t i = 0;
         for (; i + P <= in; i += P)
             for (int64_t p = 0; p < P; p++) {
-                prefetch_dense_line(R, wg + 16 * (i + p));
-                const V16 wv = v_load(wg + 16 * (i + p));
-                for (int64_t r = 0; r < R; r++)
-                    part[r][p] = v_fma(wv, v_set1(((const float*)x[r])[i + p]), part[r][p]);
+                V16 wv[2];
+                for (int64_t h = 0; h < G; h++) {
+                    const float* line = (const float*)wg[h] + 16 * (i + p);
+                    prefetch_dense_line(R, line);
+                    wv[h] = v_load(line);
+                }
+                for (int64_t r = 0; r < R; r++) {
+                    const V16 xv = v_set1(((const float*)x[r])[i + p]);
+                    for (int64_t h = 0; h < G; h++) part[h][r][p] = v_fma(wv[h], xv, part[h][r][p]);
+                }
             }
-        for (; i < in; i++) {
-            const V16 wv = v_load(wg + 16 * i);
-            for (int64_t r = 0; r < R; r++)
-                part[r][0] = v_fma(wv, v_set1(((const float*)x[r])[i]), part[r][0]);
-        }
+        for (; i < in; i++)
+            for (int64_t h = 0; h < G; h++) {
+                const V16 wv = v_load((const float*)wg[h] + 16 * i);
+                for (int64_t r = 0; r < R; r++)
+                    part[h][r][0] = v_fma(wv, v_set1(((const float*)x[r])[i]), part[h][r][0]);
+            }
     } else {
-        const uint16_t* wg = (const uint16_t*)w;
         const int64_t pairs = in / 2;
         int64_t i = 0;
         for (; i + P <= pairs; i += P)
             for (int64_t p = 0; p < P; p++) {
-                V16 first, second;
-                prefetch_dense_line(R, wg + 32 * (i + p));
-                v_load_bf16_pairs(wg + 32 * (i + p), &first, &second);
+                V16 first[2], second[2];
+                for (int64_t h = 0; h < G; h++) {
+                    const uint16_t* line = (const uint16_t*)wg[h] + 32 * (i + p);
+                    prefetch_dense_line(R, line);
+                    v_load_bf16_pairs(line, &first[h], &second[h]);
+                }
                 for (int64_t r = 0; r < R; r++) {
                     const float* xr = (const float*)x[r] + 2 * (i + p);
-                    part[r][p] = v_fma(second, v_set1(xr[1]),
-                                       v_fma(first, v_set1(xr[0]), part[r][p]));
+                    const V16 x0 = v_set1(xr[0]), x1 = v_set1(xr[1]);
+                    for (int64_t h = 0; h < G; h++)
+                        part[h][r][p] = v_fma(second[h], x1, v_fma(first[h], x0, part[h][r][p]));
                 }
             }
-        for (; i < pairs; i++) {
-            V16 first, second;
-            v_load_bf16_pairs(wg + 32 * i, &first, &second);
-            for (int64_t r = 0; r < R; r++) {
-                const float* xr = (const float*)x[r] + 2 * i;
-                part[r][0] = v_fma(second, v_set1(xr[1]), v_fma(first, v_set1(xr[0]), part[r][0]));
+        for (; i < pairs; i++)
+            for (int64_t h = 0; h < G; h++) {
+                V16 first, second;
+                v_load_bf16_pairs((const uint16_t*)wg[h] + 32 * i, &first, &second);
+                for (int64_t r = 0; r < R; r++) {
+                    const float* xr = (const float*)x[r] + 2 * i;
+                    part[h][r][0] =
+                        v_fma(second, v_set1(xr[1]), v_fma(first, v_set1(xr[0]), part[h][r][0]));
+                }
             }
+    }
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t r = 0; r < R; r++) {
+            acc[h * R + r] = part[h][r][0];
+            for (int64_t p = 1; p < P; p++) acc[h * R + r] = v_add(acc[h * R + r], part[h][r][p]);
         }
-    }
-    for (int64_t r = 0; r < R; r++) {
-        acc[r] = part[r][0];
-        for (int64_t p = 1; p < P; p++) acc[r] = v_add(acc[r], part[r][p]);
-    }
 }
 
 /* Stored integers minus zero point = the true ones: Q8_0's carry Q8_BIAS, Q4_0's 8. */
@@ -1289,6 +1302,21 @@ ALWAYS_INLINE int64_t group_bytes(int wfmt, int64_t in) {
     }
 }
 
+/* Whether linear_tile takes a call's dense groups two at a time in its tiles of 4 or more
+ * rows (dpbf16_groups, group_float): each broadcast of x then serves both. Zen 5, one
+ * thread, against one group at a time: engine decode steps, float32 4 sequences -11%, 32
+ * sequences -7%; bfloat16 dot products 4 sequences -2 to -10%, 32 sequences -5%, int8
+ * prefill (int8_dpbf16_linear) +13-20% tokens/s; 30 layers' bfloat16 linears converted to
+ * float (the avx512 variant), 32 rows -13%. Not one tile of 5-8 rows (bfloat16 dot products,
+ * engine steps of 6 and 8 sequences +4%), bfloat16 converted to float at 4 rows (+6 to
+ * +9%), nor AVX2 (its 16 registers hold one group's 4 rows). */
+ALWAYS_INLINE int is_paired_call(int wfmt, int dpbf16, int64_t rows) {
+    const int is_dot = HAS_DPBF16 && dpbf16;
+    if (MAX_ROW_TILE == 4 || !(wfmt == W_F32 || wfmt == W_BF16)) return 0;
+    if (rows > MAX_ROW_TILE) return 1;
+    return rows <= 4 && (wfmt == W_F32 || is_dot);
+}
+
 /* Group g's outputs (16, fewer in the last group) of rows [first, first + n) from acc[r]. */
 ALWAYS_INLINE void store_group_rows(const V16* acc, const void* bias, void* y, int ydt,
                                     int64_t first, int64_t n, int64_t out, int64_t g) {
@@ -1312,20 +1340,24 @@ ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int is_pai
         else
             xf[r] = xs + row * x_row_bytes;
     }
-    /* Paired groups (dpbf16_chains) are g and g + half: each of the two streams of weights
+    /* Paired groups (is_paired_call) are g and g + half: each of the two streams of weights
      * runs on through the range. */
     const int is_bf16_dot = HAS_DPBF16 && wfmt == W_BF16 && dpbf16;
-    const int64_t half = is_bf16_dot && is_paired && R >= 4 ? (group_end - group_start) / 2 : 0;
-#if HAS_DPBF16
+    const int64_t half = is_paired && R >= 4 ? (group_end - group_start) / 2 : 0;
     for (int64_t g = group_start; g < group_start + half; g++) {
-        const uint16_t* wg[2] = {(const uint16_t*)(w + g * group_bytes(wfmt, in)),
-                                 (const uint16_t*)(w + (g + half) * group_bytes(wfmt, in))};
+        const void* wg[2] = {w + g * group_bytes(wfmt, in), w + (g + half) * group_bytes(wfmt, in)};
         V16 acc[2 * MAX_ROW_TILE];
-        dpbf16_groups(R, 2, dpbf16_chains(R, is_paired), wg, xf, in, acc);
+        if (is_bf16_dot) {
+#if HAS_DPBF16
+            const uint16_t* groups[2] = {wg[0], wg[1]};
+            dpbf16_groups(R, 2, dpbf16_chains(R, is_paired), groups, xf, in, acc);
+#endif
+        } else {
+            group_float(R, 2, wfmt, wg, xf, in, acc);
+        }
         store_group_rows(acc, bias, y, ydt, first, n, out, g);
         store_group_rows(acc + R, bias, y, ydt, first, n, out, g + half);
     }
-#endif
     for (int64_t g = group_start + 2 * half; g < group_end; g++) {
         const uint8_t* wg = w + g * group_bytes(wfmt, in);
         V16 acc[MAX_ROW_TILE];
@@ -1334,14 +1366,16 @@ ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int is_pai
             const uint16_t* group = (const uint16_t*)wg;
             dpbf16_groups(R, 1, dpbf16_chains(R, is_paired), &group, xf, in, acc);
 #endif
-        } else if (is_quantized(wfmt))
+        } else if (is_quantized(wfmt)) {
             group_quantized(R, wfmt, wg, xq, in, acc);
-        else if (wfmt == W_INT8 && dpbf16)
+        } else if (wfmt == W_INT8 && dpbf16) {
             group_int8(R, HAS_DPBF16, wg, xf, in, acc);
-        else if (wfmt == W_INT8)
+        } else if (wfmt == W_INT8) {
             group_int8(R, 0, wg, xf, in, acc);
-        else
-            group_float(R, wfmt, wg, xf, in, acc);
+        } else {
+            const void* group = wg;
+            group_float(R, 1, wfmt, &group, xf, in, acc);
+        }
         store_group_rows(acc, bias, y, ydt, first, n, out, g);
     }
 }
@@ -2104,7 +2138,7 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
     } else {
         xs = x_as(xdt, DT_F32, x, rows * in, scratch);
     }
-    const int is_paired = rows <= 4 || rows > MAX_ROW_TILE; /* see dpbf16_chains */
+    const int is_paired = is_paired_call(wfmt, dpbf16, rows);
     /* A chunk of groups stays in L2 while every tile of rows passes over it: the weights
      * come from memory once per call, however many rows. */
     int64_t chunk = CHUNK_BYTES / group_bytes(wfmt, in);
