@@ -110,6 +110,8 @@ class SimConfig:
             )
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise SimConfigError("--max-concurrency must be >= 1")
+        if self.burst_gap_s < 0:
+            raise SimConfigError(f"--burst-gap must be >= 0, got {self.burst_gap_s}")
         if self.autoscale is not None and self.mode is not Mode.DISAGG:
             raise SimConfigError("--autoscale sizes the pools of --mode disagg")
         if self.mode is not Mode.DISAGG:

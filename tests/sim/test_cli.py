@@ -73,6 +73,9 @@ def test_bad_input_is_one_clear_line(capsys):
     assert "--mode" in capsys.readouterr().err
     assert main(["simulate", "--decode-max-num-batched-tokens", "0", *WORKLOAD]) == 2
     assert "--decode-max-num-batched-tokens must be >= 1" in capsys.readouterr().err
+    assert main(["simulate", "--burst-gap", "-1", *WORKLOAD]) == 2
+    err = capsys.readouterr().err
+    assert "--burst-gap must be >= 0" in err and "Traceback" not in err
 
 
 def test_decode_workers_get_their_own_budget(capsys):
