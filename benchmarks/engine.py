@@ -114,11 +114,16 @@ def measure_gemm_roof(dtype: torch.dtype, size: int = 2048, repeats: int = 5) ->
         matmuls = [functools.partial(torch._int_mm, a, b)]
     else:
         a, b = (torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
-        packed = torch.ops.mkldnn._reorder_linear_weight(b, size)
-        matmuls = [
-            functools.partial(torch.mm, a, b),
-            functools.partial(torch.ops.mkldnn._linear_pointwise, a, packed, None, "none", [], ""),
-        ]
+        matmuls = [functools.partial(torch.mm, a, b)]
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(b, size)
+            matmuls.append(
+                functools.partial(
+                    torch.ops.mkldnn._linear_pointwise, a, packed, None, "none", [], ""
+                )
+            )
+        except (AttributeError, RuntimeError):  # a torch build without oneDNN: torch.mm alone
+            pass
     best = float("inf")
     for matmul in matmuls:
         matmul()
