@@ -1317,7 +1317,8 @@ ALWAYS_INLINE int is_paired_call(int wfmt, int dpbf16, int64_t rows) {
     return rows <= 4 && (wfmt == W_F32 || is_dot);
 }
 
-/* Group g's outputs (16, fewer in the last group) of rows [first, first + n) from acc[r]. */
+/* Group g's outputs (16, fewer in the last group) of rows [first, first + n) from acc[r]
+ * (+ bias), stored in y's type. */
 ALWAYS_INLINE void store_group_rows(const V16* acc, const void* bias, void* y, int ydt,
                                     int64_t first, int64_t n, int64_t out, int64_t g) {
     const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;
@@ -1852,14 +1853,6 @@ ALWAYS_INLINE V16 add_split_block(V16 acc, __m512i high, __m512i low, V16 d, flo
     return v_fma(_mm512_cvtepi32_ps(sum), v_mul(d, v_set1(scale)), acc);
 }
 
-/* Rows [0, n) (n <= R) of group g's outputs: acc (+ bias) stored in y's type. */
-ALWAYS_INLINE void store_group_rows(const int64_t R, const V16* acc, const void* bias, void* y,
-                                    int ydt, int64_t n, int64_t out, int64_t g) {
-    const int64_t width = out - 16 * g < 16 ? out - 16 * g : 16;
-    const V16 bv = bias ? load_dt_n(bias, 16 * g, width, ydt) : v_zero();
-    for (int64_t r = 0; r < R && r < n; r++)
-        store_dt_n(y, r * out + 16 * g, width, v_add(acc[r], bv), ydt);
-}
 
 /* Rows [0, n) (n <= R <= 16) of group g's outputs from its blocks in quads
  * (int8_block_as_quads): per block the exact integer products (amx_int8_block), scaled by the
@@ -1883,7 +1876,7 @@ ALWAYS_INLINE void amx_int8_group_rows(const int64_t R, const uint8_t* wg, const
             acc[r] = add_split_block(acc[r], _mm512_load_si512(high[i][r]),
                                      _mm512_load_si512(low[i][r]), d, s.scale[r * nb + done]);
     }
-    store_group_rows(R, acc, bias, y, ydt, n, out, g);
+    store_group_rows(acc, bias, y, ydt, 0, n < R ? n : R, out, g);
 }
 
 /* Rows [0, n) (n <= R) of group g's outputs, the integers of amx_int8_group_rows in AVX-512
@@ -1924,7 +1917,7 @@ ALWAYS_INLINE void vnni_int8_group_rows(const int64_t R, const uint8_t* wg, Spli
             acc[r] = add_split_block(acc[r], exact_high, low[r], d, s.scale[r * nb + b]);
         }
     }
-    store_group_rows(R, acc, bias, y, ydt, n, out, g);
+    store_group_rows(acc, bias, y, ydt, 0, n < R ? n : R, out, g);
 }
 
 /* W_INT8, groups [group_begin, group_end), rows <= AMX_INT8_TILES_MAX_ROWS: x split into two
