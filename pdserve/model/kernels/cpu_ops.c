@@ -1066,7 +1066,7 @@ ALWAYS_INLINE int64_t dpbf16_chains(const int64_t R, int is_paired) {
  * waiting where the weights come from cache: Zen 5, 30 layers' linears and the LM head,
  * against one chain a row from 3 rows: 32 rows (3 of 4 passes over each chunk from L2) -9%,
  * 4 rows -6%; one and 8 rows (memory-bound) unchanged. Two groups at once load each row's
- * broadcast pair of x once for both (dpbf16_chains). */
+ * broadcast pair of x once for both (is_paired_call). */
 ALWAYS_INLINE void dpbf16_groups(const int64_t R, const int64_t G, const int64_t P,
                                  const uint16_t* const* wg, const void* const* x, int64_t in,
                                  V16* acc) {
@@ -1470,7 +1470,8 @@ ALWAYS_INLINE void bf16_groups_rows(const int64_t R, const int64_t G, const uint
     const uint16_t* wg[2] = {groups, groups + 16 * in};
     V16 acc[2 * MAX_ROW_TILE];
     dpbf16_groups(R, G, dpbf16_chains(R, 1), wg, rows_x, in, acc);
-    for (int64_t h = 0; h < G; h++) store_group_rows(acc + h * R, bias, y, ydt, first, n, out, g + h);
+    for (int64_t h = 0; h < G; h++)
+        store_group_rows(acc + h * R, bias, y, ydt, first, n, out, g + h);
 }
 
 /* W_INT8 against bf16 x in bf16 dot products, groups [group_begin, group_end), two at a time
@@ -1852,7 +1853,6 @@ ALWAYS_INLINE V16 add_split_block(V16 acc, __m512i high, __m512i low, V16 d, flo
     const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
     return v_fma(_mm512_cvtepi32_ps(sum), v_mul(d, v_set1(scale)), acc);
 }
-
 
 /* Rows [0, n) (n <= R <= 16) of group g's outputs from its blocks in quads
  * (int8_block_as_quads): per block the exact integer products (amx_int8_block), scaled by the
