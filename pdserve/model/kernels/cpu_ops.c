@@ -1500,6 +1500,183 @@ static void int8_dpbf16_linear(const uint8_t* w, const uint16_t* x, const void* 
 }
 #endif
 
+/* W_INT8 weights against x quantized to 16 bits per block (SPLIT_X_LEVELS) and split into two
+ * bytes, multiplied exactly in integers: in vpdpbusd (vnni_int8_linear) on any AVX-512 VNNI
+ * core, in AMX integer tiles (amx_int8_linear) where it has them. */
+#if defined(PDSERVE_ISA_AVX512) && defined(__AVX512VNNI__) && HAS_DPBF16
+#define HAS_SPLIT_X 1
+#else
+#define HAS_SPLIT_X 0
+#endif
+
+#if HAS_SPLIT_X
+/* Rows up to which W_INT8 is multiplied in vpdpbusd (vnni_int8_linear). With AMX tiles
+ * beyond, which spend less in dot products than vpdpbusd does from 4 rows on (Sapphire
+ * Rapids, one thread, 30 layers' linears and the LM head from memory, alternating in one
+ * process: 1 row 15.1 -> 13.2-14.0 ms, 2 rows 15.3 -> 14.3, 4 rows 16.2 both, 8 rows 17.3 ->
+ * 22.1). */
+#define INT8_VNNI_MAX_ROWS 2
+/* x of vnni_int8_linear and amx_int8_linear: per row and block of 32 inputs, q = round(x *
+ * 32767 / amax) held as its high byte (signed) and low byte (unsigned), q = 256 high + low,
+ * and scale = amax / 32767. Its error, under amax / 65534, is below bfloat16's rounding for
+ * all but values 100x smaller than their block's largest: int8 weights stay weight-only in
+ * effect. */
+#define SPLIT_X_LEVELS 32767.0f /* quant.py's SPLIT_X_LEVELS, the tests' reference */
+typedef struct {
+    int8_t* high;    /* [rows][in] */
+    uint8_t* low;    /* [rows][in] */
+    float* scale;    /* [rows][in / 32] */
+} SplitRows;
+
+/* In the first linear_scratch(W_INT8, rows, in) bytes, before dequantized_area. */
+ALWAYS_INLINE SplitRows split_rows_area(uint8_t* scratch, int64_t rows, int64_t in) {
+    const int64_t plane = rows * in;
+    return (SplitRows){(int8_t*)scratch, scratch + plane,
+                       (float*)(scratch + round_up_64(2 * plane))};
+}
+
+ALWAYS_INLINE void split_rows(int xdt, const void* x, SplitRows s, int64_t rows, int64_t in) {
+    const int64_t nb = in / 32;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t at = r * in + 32 * b;
+            const V16 lo = load_dt(x, at, xdt), hi = load_dt(x, at + 16, xdt);
+            const float amax = v_hmax(v_max(v_abs(lo), v_abs(hi)));
+            const V16 inverse = v_set1(amax > 0.0f ? SPLIT_X_LEVELS / amax : 0.0f);
+            const __m512i q[2] = {_mm512_cvtps_epi32(v_mul(lo, inverse)), /* nearest even */
+                                  _mm512_cvtps_epi32(v_mul(hi, inverse))};
+            for (int h = 0; h < 2; h++) {
+                _mm_storeu_si128((__m128i*)(s.low + at + 16 * h), _mm512_cvtepi32_epi8(q[h]));
+                _mm_storeu_si128((__m128i*)(s.high + at + 16 * h),
+                                 _mm512_cvtepi32_epi8(_mm512_srai_epi32(q[h], 8)));
+            }
+            s.scale[r * nb + b] = amax / SPLIT_X_LEVELS;
+        }
+}
+
+/* Quad k of a W_INT8 block's [32 inputs][16 outputs] bytes q: its 4 input rows as [16
+ * outputs][4 inputs], what AMX's B operand and vpdpbusd take: one byte permutation with
+ * AVX512-VBMI, else a 4 x 4 transpose of dwords (lane j: outputs 4j.. of the 4 inputs) and
+ * a byte shuffle within each lane. */
+ALWAYS_INLINE __m512i int8_quad(const uint8_t* q, int64_t k) {
+    const __m512i stored = _mm512_loadu_si512(q + 64 * k);
+#if defined(__AVX512VBMI__)
+    const __m512i order = _mm512_set_epi8(
+        63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12,
+        59, 43, 27, 11, 58, 42, 26, 10, 57, 41, 25, 9, 56, 40, 24, 8,
+        55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52, 36, 20, 4,
+        51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0);
+    return _mm512_permutexvar_epi8(order, stored);
+#else
+    const __m512i transpose =
+        _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    const __m512i within = _mm512_broadcast_i32x4(
+        _mm_set_epi8(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0));
+    return _mm512_shuffle_epi8(_mm512_permutexvar_epi32(transpose, stored), within);
+#endif
+}
+
+/* acc + a block's integer products of x's high and low bytes (high * 256 + low, exact),
+ * scaled by the weights' scales d and x's block scale. */
+ALWAYS_INLINE V16 add_split_block(V16 acc, __m512i high, __m512i low, V16 d, float scale) {
+    const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
+    return v_fma(_mm512_cvtepi32_ps(sum), v_mul(d, v_set1(scale)), acc);
+}
+
+/* A block's lines 1 KiB ahead into L1 and 4 KiB ahead into L2 on Sapphire Rapids (the amx
+ * build): 1 row -5 to -8% against 2 KiB into L1 alone, groups one at a time. Not on Zen 5,
+ * where they cost (30 layers' linears and the LM head at one row, one group at a time,
+ * against none: these +10%, 4-32 KiB into L2 alone -2 to +2%). */
+ALWAYS_INLINE void prefetch_split_block(const uint8_t* block) {
+#if defined(__AMX_BF16__)
+    for (int64_t o = 0; o < block_bytes(W_INT8); o += 64) {
+        __builtin_prefetch(block + 1024 + o, 0, 3);
+        __builtin_prefetch(block + 4096 + o, 0, 2);
+    }
+#else
+    (void)block;
+#endif
+}
+
+/* Rows [0, n) (n <= R) of G groups' outputs (G 1 or 2: weights wg[h], index g[h]), the
+ * integers of amx_int8_group_rows in AVX-512 VNNI instead of tiles: per block, x's low bytes
+ * (unsigned) . the weights (signed) and its high bytes (signed) . the weights + 128 (w ^
+ * 0x80, unsigned) in vpdpbusd, less 128 times the block's sum of high bytes (high_sums
+ * [rows][in / 32]); then the same float epilogue, so the same result bit for bit. Each quad
+ * is permuted in registers and used at once: no copy of the weights, no tile stored and read
+ * back. Two groups make two streams of weights (vnni_int8_linear). */
+ALWAYS_INLINE void vnni_int8_groups_rows(const int64_t R, const int64_t G,
+                                         const uint8_t* const* wg, const int64_t* g, SplitRows s,
+                                         const int32_t* high_sums, const void* bias, void* y,
+                                         int ydt, int64_t n, int64_t out, int64_t in) {
+    const int64_t nb = in / 32;
+    V16 acc[2][INT8_VNNI_MAX_ROWS];
+    for (int64_t h = 0; h < G; h++)
+        for (int64_t r = 0; r < R; r++) acc[h][r] = v_zero();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i high[2][INT8_VNNI_MAX_ROWS], low[2][INT8_VNNI_MAX_ROWS];
+        for (int64_t h = 0; h < G; h++) {
+            prefetch_split_block(wg[h] + b * block_bytes(W_INT8));
+            for (int64_t r = 0; r < R; r++) high[h][r] = low[h][r] = _mm512_setzero_si512();
+        }
+        for (int64_t k = 0; k < 8; k++)
+            for (int64_t h = 0; h < G; h++) {
+                const __m512i w = int8_quad(wg[h] + b * block_bytes(W_INT8) + 32, k);
+                const __m512i w_plus_128 = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+                for (int64_t r = 0; r < R && r < n; r++) {
+                    const int64_t quad = (r * in + 32 * b + 4 * k) / 4;
+                    const __m512i x_low = quad_of((const int8_t*)s.low, quad);
+                    low[h][r] = _mm512_dpbusd_epi32(low[h][r], x_low, w);
+                    high[h][r] = _mm512_dpbusd_epi32(high[h][r], w_plus_128, quad_of(s.high, quad));
+                }
+            }
+        for (int64_t h = 0; h < G; h++) {
+            const V16 d = v_load_f16((const uint16_t*)(wg[h] + b * block_bytes(W_INT8)));
+            for (int64_t r = 0; r < R && r < n; r++) {
+                const __m512i exact_high =
+                    _mm512_sub_epi32(high[h][r], _mm512_set1_epi32(128 * high_sums[r * nb + b]));
+                acc[h][r] =
+                    add_split_block(acc[h][r], exact_high, low[h][r], d, s.scale[r * nb + b]);
+            }
+        }
+    }
+    for (int64_t h = 0; h < G; h++)
+        store_group_rows(acc[h], bias, y, ydt, 0, n < R ? n : R, out, g[h]);
+}
+
+/* W_INT8, groups [group_begin, group_end), rows <= INT8_VNNI_MAX_ROWS: x split into two bytes
+ * (split_rows), multiplied in vpdpbusd (vnni_int8_groups_rows), group g with g + half of the
+ * range: two streams of weights, which one core's memory requests keep busier than one (Zen
+ * 5, one thread, 30 layers' linears and the LM head from memory, against one group at a
+ * time: 1 row -11 to -17%, 2 rows -8 to -13%). */
+static void vnni_int8_linear(const uint8_t* w, int xdt, const void* x, const void* bias, void* y,
+                             int64_t rows, int64_t out, int64_t in, uint8_t* scratch,
+                             int64_t group_begin, int64_t group_end) {
+    const SplitRows s = split_rows_area(scratch, rows, in);
+    split_rows(xdt, x, s, rows, in);
+    int32_t* high_sums = (int32_t*)dequantized_area(scratch, rows, in); /* rows x in / 32 */
+    for (int64_t i = 0; i < rows * in / 32; i++) {
+        int32_t sum = 0;
+        for (int64_t j = 0; j < 32; j++) sum += s.high[32 * i + j];
+        high_sums[i] = sum;
+    }
+    const int64_t half = (group_end - group_begin) / 2;
+#define GROUPS(G, first, second)                                                                \
+    do {                                                                                        \
+        const int64_t index[2] = {first, second};                                               \
+        const uint8_t* wg[2] = {w + index[0] * group_bytes(W_INT8, in),                         \
+                                w + index[1] * group_bytes(W_INT8, in)};                        \
+        if (rows == 1)                                                                          \
+            vnni_int8_groups_rows(1, G, wg, index, s, high_sums, bias, y, xdt, 1, out, in);     \
+        else                                                                                    \
+            vnni_int8_groups_rows(2, G, wg, index, s, high_sums, bias, y, xdt, rows, out, in);  \
+    } while (0)
+    for (int64_t g = group_begin; g < group_begin + half; g++) GROUPS(2, g, g + half);
+    for (int64_t g = group_begin + 2 * half; g < group_end; g++) GROUPS(1, g, g);
+#undef GROUPS
+}
+#endif
+
 #if defined(__AMX_BF16__)
 #define AMX_LINEAR_ROWS 32 /* rows of x per pass over a weight group: two 16-row tiles */
 /* W_INT8 runs in AMX integer tiles up to this many rows (amx_int8_linear, one tile pass; x
@@ -1508,12 +1685,6 @@ static void int8_dpbf16_linear(const uint8_t* w, const uint16_t* x, const void* 
  * 1 row 14.0 -> 12.2 ms (against float FMAs), 8 rows 22.3 -> 13.3, 16 rows 23.5 -> 16.1; 2
  * passes of 16 rows lost to the dequantized tiles (31 rows: 29.2 against 27.1). */
 #define AMX_INT8_TILES_MAX_ROWS 16
-/* Rows up to which those integers come from vpdpbusd instead (vnni_int8_group_rows), which
- * beyond spends more in dot products than the tiles in storing and reloading theirs.
- * Sapphire Rapids, one thread, 30 layers' linears and the LM head from memory, alternating
- * in one process: 1 row 15.1 -> 13.2-14.0 ms, 2 rows 15.3 -> 14.3, 4 rows 16.2 both, 8
- * rows 17.3 -> 22.1. */
-#define INT8_VNNI_MAX_ROWS 2
 /* GGUF weights run in AMX tiles from this many rows (dequantized to bfloat16, x rounded to
  * bfloat16 instead of quantized to int8); below, in int8 dot products. Dequantizing costs
  * about 100 ns a block (16 outputs x 32 inputs), which more rows repay: 30 layers' Q4_1
@@ -1751,43 +1922,6 @@ static void amx_dequantized_linear(int wfmt, const uint8_t* w, const uint16_t* x
     _tile_release();
 }
 
-/* x of amx_int8_linear: per row and block of 32 inputs, q = round(x * 32767 / amax) held as
- * its high byte (signed) and low byte (unsigned), q = 256 high + low, and scale = amax /
- * 32767. Its error, under amax / 65534, is below bfloat16's rounding for all but values 100x
- * smaller than their block's largest: int8 weights stay weight-only in effect. */
-#define SPLIT_X_LEVELS 32767.0f /* quant.py's SPLIT_X_LEVELS, the tests' reference */
-typedef struct {
-    int8_t* high;    /* [rows][in] */
-    uint8_t* low;    /* [rows][in] */
-    float* scale;    /* [rows][in / 32] */
-} SplitRows;
-
-/* In the first linear_scratch(W_INT8, rows, in) bytes, before dequantized_area. */
-ALWAYS_INLINE SplitRows split_rows_area(uint8_t* scratch, int64_t rows, int64_t in) {
-    const int64_t plane = rows * in;
-    return (SplitRows){(int8_t*)scratch, scratch + plane,
-                       (float*)(scratch + round_up_64(2 * plane))};
-}
-
-ALWAYS_INLINE void split_rows(int xdt, const void* x, SplitRows s, int64_t rows, int64_t in) {
-    const int64_t nb = in / 32;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t at = r * in + 32 * b;
-            const V16 lo = load_dt(x, at, xdt), hi = load_dt(x, at + 16, xdt);
-            const float amax = v_hmax(v_max(v_abs(lo), v_abs(hi)));
-            const V16 inverse = v_set1(amax > 0.0f ? SPLIT_X_LEVELS / amax : 0.0f);
-            const __m512i q[2] = {_mm512_cvtps_epi32(v_mul(lo, inverse)), /* nearest even */
-                                  _mm512_cvtps_epi32(v_mul(hi, inverse))};
-            for (int h = 0; h < 2; h++) {
-                _mm_storeu_si128((__m128i*)(s.low + at + 16 * h), _mm512_cvtepi32_epi8(q[h]));
-                _mm_storeu_si128((__m128i*)(s.high + at + 16 * h),
-                                 _mm512_cvtepi32_epi8(_mm512_srai_epi32(q[h], 8)));
-            }
-            s.scale[r * nb + b] = amax / SPLIT_X_LEVELS;
-        }
-}
-
 /* Tiles 0, 1: x's high and low bytes of m <= 16 rows x 32 inputs; 2 and 7: a block's weights
  * as AMX's B (8 quads of 4 inputs x 16 outputs); 3, 4 and 5, 6: the products of the high and
  * low bytes, alternate blocks taking (2, 3, 4) and (7, 5, 6). */
@@ -1801,17 +1935,6 @@ static void amx_int8_configure(int64_t m) {
         config.colsb[i] = i < 2 ? 32 : 64;
     }
     amx_load_config(&config);
-}
-
-/* Quad k of a W_INT8 block's [32 inputs][16 outputs] bytes q: its 4 input rows as [16
- * outputs][4 inputs], one byte permutation: what AMX's B operand and vpdpbusd take. */
-ALWAYS_INLINE __m512i int8_quad(const uint8_t* q, int64_t k) {
-    const __m512i order = _mm512_set_epi8(
-        63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12,
-        59, 43, 27, 11, 58, 42, 26, 10, 57, 41, 25, 9, 56, 40, 24, 8,
-        55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52, 36, 20, 4,
-        51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0);
-    return _mm512_permutexvar_epi8(order, _mm512_loadu_si512(q + 64 * k));
 }
 
 /* One W_INT8 block as AMX's B operand: [8 quads][16 outputs][4 inputs]. */
@@ -1847,13 +1970,6 @@ ALWAYS_INLINE void amx_int8_block(const uint8_t* block, const uint8_t* quads, Sp
 }
 #undef AMX_INT8_BLOCK
 
-/* acc + a block's integer products of x's high and low bytes (high * 256 + low, exact),
- * scaled by the weights' scales d and x's block scale. */
-ALWAYS_INLINE V16 add_split_block(V16 acc, __m512i high, __m512i low, V16 d, float scale) {
-    const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(high, 8), low);
-    return v_fma(_mm512_cvtepi32_ps(sum), v_mul(d, v_set1(scale)), acc);
-}
-
 /* Rows [0, n) (n <= R <= 16) of group g's outputs from its blocks in quads
  * (int8_block_as_quads): per block the exact integer products (amx_int8_block), scaled by the
  * weights' and x's scales in float, once the next block's tile work is issued (each block
@@ -1879,73 +1995,15 @@ ALWAYS_INLINE void amx_int8_group_rows(const int64_t R, const uint8_t* wg, const
     store_group_rows(acc, bias, y, ydt, 0, n < R ? n : R, out, g);
 }
 
-/* Rows [0, n) (n <= R) of group g's outputs, the integers of amx_int8_group_rows in AVX-512
- * VNNI instead of tiles: per block, x's low bytes (unsigned) . the weights (signed) and its
- * high bytes (signed) . the weights + 128 (w ^ 0x80, unsigned) in vpdpbusd, less 128 times the
- * block's sum of high bytes (high_sums [rows][in / 32]); then the same float epilogue, so the
- * same result bit for bit. Each quad is permuted in registers and used at once: no copy of
- * the weights, no tile stored and read back. */
-ALWAYS_INLINE void vnni_int8_group_rows(const int64_t R, const uint8_t* wg, SplitRows s,
-                                        const int32_t* high_sums, const void* bias, void* y,
-                                        int ydt, int64_t n, int64_t out, int64_t in, int64_t g) {
-    const int64_t nb = in / 32;
-    V16 acc[2];
-    for (int64_t r = 0; r < R; r++) acc[r] = v_zero();
-    for (int64_t b = 0; b < nb; b++) {
-        /* Lines 1 KiB ahead into L1, 4 KiB ahead into L2: -5 to -8% at 1 row against 2 KiB
-         * into L1 alone. */
-        const uint8_t* block = wg + b * block_bytes(W_INT8);
-        for (int64_t o = 0; o < block_bytes(W_INT8); o += 64) {
-            __builtin_prefetch(block + 1024 + o, 0, 3);
-            __builtin_prefetch(block + 4096 + o, 0, 2);
-        }
-        __m512i high[2], low[2];
-        for (int64_t r = 0; r < R; r++) high[r] = low[r] = _mm512_setzero_si512();
-        for (int64_t k = 0; k < 8; k++) {
-            const __m512i w = int8_quad(block + 32, k);
-            const __m512i w_plus_128 = _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
-            for (int64_t r = 0; r < R && r < n; r++) {
-                const int64_t at = r * in + 32 * b + 4 * k;
-                low[r] = _mm512_dpbusd_epi32(low[r], quad_of((const int8_t*)s.low, at / 4), w);
-                high[r] = _mm512_dpbusd_epi32(high[r], w_plus_128, quad_of(s.high, at / 4));
-            }
-        }
-        const V16 d = v_load_f16((const uint16_t*)block);
-        for (int64_t r = 0; r < R && r < n; r++) {
-            const __m512i exact_high =
-                _mm512_sub_epi32(high[r], _mm512_set1_epi32(128 * high_sums[r * nb + b]));
-            acc[r] = add_split_block(acc[r], exact_high, low[r], d, s.scale[r * nb + b]);
-        }
-    }
-    store_group_rows(acc, bias, y, ydt, 0, n < R ? n : R, out, g);
-}
-
-/* W_INT8, groups [group_begin, group_end), rows <= AMX_INT8_TILES_MAX_ROWS: x split into two
- * bytes (split_rows); up to INT8_VNNI_MAX_ROWS rows multiplied in vpdpbusd
- * (vnni_int8_group_rows), more with each group's weights permuted into AMX's layout once (a
- * tile load right after the stores that made it waits on them: +60% a block), then
- * multiplied as they are in integer tiles. */
+/* W_INT8, groups [group_begin, group_end), INT8_VNNI_MAX_ROWS < rows <=
+ * AMX_INT8_TILES_MAX_ROWS: x split into two bytes (split_rows), each group's weights permuted
+ * into AMX's layout once (a tile load right after the stores that made it waits on them: +60%
+ * a block), then multiplied as they are in integer tiles. */
 static void amx_int8_linear(const uint8_t* w, int xdt, const void* x, const void* bias, void* y,
                             int64_t rows, int64_t out, int64_t in, uint8_t* scratch,
                             int64_t group_begin, int64_t group_end) {
     const SplitRows s = split_rows_area(scratch, rows, in);
     split_rows(xdt, x, s, rows, in);
-    if (rows <= INT8_VNNI_MAX_ROWS) {
-        int32_t* high_sums = (int32_t*)dequantized_area(scratch, rows, in); /* rows x in / 32 */
-        for (int64_t i = 0; i < rows * in / 32; i++) {
-            int32_t sum = 0;
-            for (int64_t j = 0; j < 32; j++) sum += s.high[32 * i + j];
-            high_sums[i] = sum;
-        }
-        for (int64_t g = group_begin; g < group_end; g++) {
-            const uint8_t* wg = w + g * group_bytes(W_INT8, in);
-            if (rows == 1)
-                vnni_int8_group_rows(1, wg, s, high_sums, bias, y, xdt, rows, out, in, g);
-            else
-                vnni_int8_group_rows(2, wg, s, high_sums, bias, y, xdt, rows, out, in, g);
-        }
-        return;
-    }
     uint8_t* quads = (uint8_t*)dequantized_area(scratch, rows, in); /* 16 x in bytes */
     amx_int8_configure(rows);
     for (int64_t g = group_begin; g < group_end; g++) {
@@ -2044,11 +2102,15 @@ int linear_has_amx(void) {
 /* Rows up to which `linear` multiplies W_INT8 weights by x split into two bytes per block of
  * 32 (amx_int8_linear, split_rows), or 0: never. */
 int64_t linear_split_x_max_rows(int wfmt) {
+    if (wfmt != W_INT8) return 0;
 #if defined(__AMX_BF16__)
-    if (wfmt == W_INT8 && pf_amx_permitted()) return AMX_INT8_TILES_MAX_ROWS;
+    if (pf_amx_permitted()) return AMX_INT8_TILES_MAX_ROWS;
 #endif
-    (void)wfmt;
+#if HAS_SPLIT_X
+    return INT8_VNNI_MAX_ROWS;
+#else
     return 0;
+#endif
 }
 
 /* Rows from which `linear` multiplies weights of format wfmt (W_INT8 or GGUF) in bfloat16
@@ -2078,6 +2140,13 @@ ALWAYS_INLINE const void* x_as(int xdt, int dt, const void* x, int64_t n, uint8_
 ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, const void* bias,
                                void* y, int64_t rows, int64_t out, int64_t in, uint8_t* scratch,
                                int64_t group_begin, int64_t group_end) {
+#if HAS_SPLIT_X
+    if (wfmt == W_INT8 && rows > 0 && rows <= INT8_VNNI_MAX_ROWS) {
+        vnni_int8_linear((const uint8_t*)w, xdt, x, bias, y, rows, out, in, scratch, group_begin,
+                         group_end);
+        return;
+    }
+#endif
 #if defined(__AMX_BF16__)
     if (wfmt == W_BF16 && xdt == DT_BF16 && rows >= 3 && in % 32 == 0 && pf_amx_permitted()) {
         /* As below, a chunk of groups stays in L2 while every pass of rows crosses it. */
