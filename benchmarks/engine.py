@@ -54,7 +54,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.model.attention import kv_bytes_per_token
 from pdserve.model.auto_dtype import measured_cpu_dtype
 from pdserve.model.config import ModelConfig
-from pdserve.model.cpu_runtime import read_cpu_flags
+from pdserve.model.cpu_runtime import huge_page_buffer, read_cpu_flags
 from pdserve.model.kernels.cpu_ops import ISA_ENV, load_cpu_ops
 from pdserve.model.loader import load_model
 from pdserve.model.quality import reference_token_ids, teacher_force
@@ -83,7 +83,9 @@ def measure_bandwidth(num_threads: int, repeats: int = 5, nbytes: int = 2**30) -
     GiB, far larger than cache), each its share (best of `repeats`, after a first pass)."""
     ops = load_cpu_ops()
     step = 64 * num_threads  # stream_sum's multiple of floats
-    values = torch.ones(max(step, -(-nbytes // 4 // step) * step))
+    # In 2 MiB pages, as the kernels' weights and KV are (huge_page_buffer).
+    num_values = max(step, -(-nbytes // 4 // step) * step)
+    values = huge_page_buffer(4 * num_values).view(torch.float32).fill_(1.0)
     if ops is None:
         reader = values.sum
     else:

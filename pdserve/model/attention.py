@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.model.config import KV_CACHE_DTYPES, ModelConfig
+from pdserve.model.cpu_runtime import huge_page_buffer
 from pdserve.model.kernels.choice import MeasuredChoice, kernels_cache_dir, size_bucket
 from pdserve.model.kernels.cpu_ops import CpuOps, empty_rows
 
@@ -550,21 +552,23 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> torch.Tensor:
-    """A zero-filled cache (zeros so that no read ever meets uninitialised NaNs)."""
+    """A zero-filled cache (zeros so that no read ever meets uninitialised NaNs), on a CPU in
+    2 MiB pages (`huge_page_buffer`: decode streams it)."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError(
             f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}"
         )
-    return torch.zeros(
+    shape = (
         config.num_hidden_layers,
         2,
         num_blocks,
         block_size,
         config.num_key_value_heads,
         config.head_dim,
-        dtype=dtype,
-        device=device,
     )
+    if torch.device(device).type == "cpu":
+        return huge_page_buffer(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from torch import nn
 
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from pdserve.model.config import ModelConfig, Quantization
+from pdserve.model.cpu_runtime import huge_page_buffer
 from pdserve.model.kernels.cpu_ops import (
     MAX_HEAD_DIM,
     CpuOps,
@@ -196,6 +198,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(self.quantization)
+        self._gather_kernel_weights()
         for layer in self.layers:
             proj = layer.gate_up_proj
             if proj.kernel_weight is not None and proj.ops.fuses_silu_mul(
@@ -204,6 +207,23 @@ class LlamaForCausalLM(nn.Module):
                 # linear_silu_mul takes every row count the oneDNN copy would: drop it.
                 proj.kernel_max_rows = proj.onednn_weight = None
         self.fused_decoder, self.fused_decoder_max_rows = self._build_fused_decoder()
+
+    def _gather_kernel_weights(self) -> None:
+        """Move every packed weight into one mapping of 2 MiB pages (`huge_page_buffer`), one
+        after the other, each freed as soon as copied."""
+        linears = [
+            m for m in self.modules() if isinstance(m, Linear) and m.kernel_weight is not None
+        ]
+        if not linears:
+            return
+        sizes = [-(-linear.kernel_weight.nbytes // 64) * 64 for linear in linears]
+        arena, offset = huge_page_buffer(sum(sizes)), 0
+        for linear, size in zip(linears, sizes, strict=True):
+            weight = linear.kernel_weight
+            data = arena[offset : offset + weight.nbytes].view(weight.data.dtype)
+            linear.kernel_weight = replace(weight, data=data.view(weight.data.shape))
+            linear.kernel_weight.data.copy_(weight.data)
+            offset += size
 
     def decoder_linears(self) -> list[Linear]:
         """Every decoder layer's linears (what prefill steps run; not the LM head)."""

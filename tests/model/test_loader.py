@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.model.attention import AttentionMetadata, allocate_kv_cache
 from pdserve.model.config import ModelLoadError
-from pdserve.model.cpu_runtime import read_cpu_flags
+from pdserve.model.cpu_runtime import HUGE_PAGE_BYTES, huge_page_buffer, read_cpu_flags
+from pdserve.model.layers import Linear
 from pdserve.model.loader import default_model_path, load_model, resolve_device, resolve_dtype
 from tests.model.helpers import tiny_hf_model, write_tiny_tokenizer
 
@@ -210,6 +211,55 @@ def test_cpu_flags_from_cpuinfo(tmp_path: Path):
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\nbugs\t: x\n")
     assert read_cpu_flags(cpuinfo) == {"fpu", "avx512f", "avx512_bf16"}
     assert read_cpu_flags(tmp_path / "absent") == frozenset()
+
+
+def mapping_field(address: int, field: str) -> str | None:
+    """`field` of the /proc/self/smaps entry of the mapping holding `address`."""
+    is_holder = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(bound, 16) for bound in head.split("-"))
+            is_holder = low <= address < high
+        elif is_holder and head == f"{field}:":
+            return line.split()[1]
+    return None
+
+
+def asks_for_huge_pages(address: int) -> bool:
+    """Whether the mapping holding `address` may get 2 MiB pages (always, if the kernel has
+    transparent huge pages switched off)."""
+    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not enabled.exists() or "[never]" in enabled.read_text():
+        return True
+    return mapping_field(address, "THPeligible") == "1"
+
+
+def test_huge_page_buffer_is_zero_aligned_and_asks_for_huge_pages():
+    buffer = huge_page_buffer(3 * HUGE_PAGE_BYTES + 100)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 3 * HUGE_PAGE_BYTES + 100
+    assert buffer.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert not buffer.any()
+    buffer.fill_(7)
+    assert asks_for_huge_pages(buffer.data_ptr())
+
+
+def test_packed_weights_and_kv_cache_sit_in_huge_pages(tiny_folder, tiny_model):
+    """Decode streams both: each in a mapping asked for 2 MiB pages, and the weights moved
+    there still give the model's logits."""
+    loaded = load_model(tiny_folder, dtype="float32", device="cpu")
+    weights = [
+        module.kernel_weight.data
+        for module in loaded.model.modules()
+        if isinstance(module, Linear) and module.kernel_weight is not None
+    ]
+    if loaded.model.cpu_ops is None:
+        pytest.skip("no CPU kernels here: no packed weights")
+    assert weights and all(asks_for_huge_pages(weight.data_ptr()) for weight in weights)
+    assert weights[0].data_ptr() % HUGE_PAGE_BYTES == 0
+    cache = allocate_kv_cache(loaded.config, 4, 16, loaded.dtype, loaded.device)
+    assert not cache.any() and asks_for_huge_pages(cache.data_ptr())
+    _assert_matches_hf(loaded, tiny_model)
 
 
 def test_device_resolution():
