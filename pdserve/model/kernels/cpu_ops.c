@@ -1514,8 +1514,13 @@ static void int8_dpbf16_linear(const uint8_t* w, const uint16_t* x, const void* 
  * beyond, which spend less in dot products than vpdpbusd does from 4 rows on (Sapphire
  * Rapids, one thread, 30 layers' linears and the LM head from memory, alternating in one
  * process: 1 row 15.1 -> 13.2-14.0 ms, 2 rows 15.3 -> 14.3, 4 rows 16.2 both, 8 rows 17.3 ->
- * 22.1). */
+ * 22.1); without, against int8 weights converted to bfloat16 pairs in registers (group_int8,
+ * Zen 5, the same measure): 3 rows -10 to -11%, 4 rows -7%, 8 rows +51%. */
+#if defined(__AMX_BF16__)
 #define INT8_VNNI_MAX_ROWS 2
+#else
+#define INT8_VNNI_MAX_ROWS 4
+#endif
 /* x of vnni_int8_linear and amx_int8_linear: per row and block of 32 inputs, q = round(x *
  * 32767 / amax) held as its high byte (signed) and low byte (unsigned), q = 256 high + low,
  * and scale = amax / 32767. Its error, under amax / 65534, is below bfloat16's rounding for
@@ -1610,11 +1615,11 @@ ALWAYS_INLINE void vnni_int8_groups_rows(const int64_t R, const int64_t G,
                                          const int32_t* high_sums, const void* bias, void* y,
                                          int ydt, int64_t n, int64_t out, int64_t in) {
     const int64_t nb = in / 32;
-    V16 acc[2][INT8_VNNI_MAX_ROWS];
+    V16 acc[2][4]; /* G <= 2, R <= 4 */
     for (int64_t h = 0; h < G; h++)
         for (int64_t r = 0; r < R; r++) acc[h][r] = v_zero();
     for (int64_t b = 0; b < nb; b++) {
-        __m512i high[2][INT8_VNNI_MAX_ROWS], low[2][INT8_VNNI_MAX_ROWS];
+        __m512i high[2][4], low[2][4];
         for (int64_t h = 0; h < G; h++) {
             prefetch_split_block(wg[h] + b * block_bytes(W_INT8));
             for (int64_t r = 0; r < R; r++) high[h][r] = low[h][r] = _mm512_setzero_si512();
@@ -1645,10 +1650,10 @@ ALWAYS_INLINE void vnni_int8_groups_rows(const int64_t R, const int64_t G,
 }
 
 /* W_INT8, groups [group_begin, group_end), rows <= INT8_VNNI_MAX_ROWS: x split into two bytes
- * (split_rows), multiplied in vpdpbusd (vnni_int8_groups_rows), group g with g + half of the
- * range: two streams of weights, which one core's memory requests keep busier than one (Zen
- * 5, one thread, 30 layers' linears and the LM head from memory, against one group at a
- * time: 1 row -11 to -17%, 2 rows -8 to -13%). */
+ * (split_rows), multiplied in vpdpbusd (vnni_int8_groups_rows); one or two rows take group g
+ * with g + half of the range: two streams of weights, which one core's memory requests keep
+ * busier than one (Zen 5, one thread, 30 layers' linears and the LM head from memory,
+ * against one group at a time: 1 row -11 to -17%, 2 rows -8 to -13%; 4 rows +4 to +5%). */
 static void vnni_int8_linear(const uint8_t* w, int xdt, const void* x, const void* bias, void* y,
                              int64_t rows, int64_t out, int64_t in, uint8_t* scratch,
                              int64_t group_begin, int64_t group_end) {
@@ -1660,7 +1665,7 @@ static void vnni_int8_linear(const uint8_t* w, int xdt, const void* x, const voi
         for (int64_t j = 0; j < 32; j++) sum += s.high[32 * i + j];
         high_sums[i] = sum;
     }
-    const int64_t half = (group_end - group_begin) / 2;
+    const int64_t half = rows <= 2 ? (group_end - group_begin) / 2 : 0;
 #define GROUPS(G, first, second)                                                                \
     do {                                                                                        \
         const int64_t index[2] = {first, second};                                               \
@@ -1668,8 +1673,10 @@ static void vnni_int8_linear(const uint8_t* w, int xdt, const void* x, const voi
                                 w + index[1] * group_bytes(W_INT8, in)};                        \
         if (rows == 1)                                                                          \
             vnni_int8_groups_rows(1, G, wg, index, s, high_sums, bias, y, xdt, 1, out, in);     \
+        else if (rows == 2)                                                                     \
+            vnni_int8_groups_rows(2, G, wg, index, s, high_sums, bias, y, xdt, 2, out, in);     \
         else                                                                                    \
-            vnni_int8_groups_rows(2, G, wg, index, s, high_sums, bias, y, xdt, rows, out, in);  \
+            vnni_int8_groups_rows(4, 1, wg, index, s, high_sums, bias, y, xdt, rows, out, in);  \
     } while (0)
     for (int64_t g = group_begin; g < group_begin + half; g++) GROUPS(2, g, g + half);
     for (int64_t g = group_begin + 2 * half; g < group_end; g++) GROUPS(1, g, g);
