@@ -235,12 +235,13 @@ def asks_for_huge_pages(address: int) -> bool:
     return mapping_field(address, "THPeligible") == "1"
 
 
-def test_huge_page_buffer_is_zero_aligned_and_asks_for_huge_pages():
+def test_huge_page_buffer_is_zero_aligned_resident_and_asks_for_huge_pages():
+    """Resident: a decode step that first wrote a KV page would clear it mid-step."""
     buffer = huge_page_buffer(3 * HUGE_PAGE_BYTES + 100)
     assert buffer.dtype == torch.uint8 and buffer.numel() == 3 * HUGE_PAGE_BYTES + 100
     assert buffer.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert int(mapping_field(buffer.data_ptr(), "Rss") or 0) * 1024 >= buffer.numel()
     assert not buffer.any()
-    buffer.fill_(7)
     assert asks_for_huge_pages(buffer.data_ptr())
 
 
