@@ -919,15 +919,21 @@ ALWAYS_INLINE __m512i quad_of(const int8_t* x, int64_t k) {
     memcpy(&quad, x + 4 * k, 4);
     return _mm512_set1_epi32(quad);
 }
+/* Two quads' nibbles a pass: their low nibbles (outputs 0-7) and high ones (8-15) in two
+ * 512-bit ands, each quad's halves joined by one lane shuffle (Zen 5, Q4_1 linears of one
+ * row in L2 -12%, 32 rows -4%, against one quad a pass in 256-bit halves). */
 ALWAYS_INLINE void dot_block_4bit(const int64_t R, const uint8_t* qs, const int8_t* const* x,
                                   VI16* isum) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int64_t k = 0; k < 8; k++) {
-        const __m256i packed = _mm256_loadu_si256((const __m256i*)(qs + 32 * k));
-        const __m512i w = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_and_si256(packed, low)),
-            _mm256_and_si256(_mm256_srli_epi16(packed, 4), low), 1);
-        for (int64_t r = 0; r < R; r++) isum[r] = dot4_512(isum[r], w, quad_of(x[r], k));
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t k = 0; k < 8; k += 2) {
+        const __m512i packed = _mm512_loadu_si512(qs + 32 * k);
+        const __m512i lo = _mm512_and_si512(packed, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        const __m512i first = _mm512_shuffle_i64x2(lo, hi, 0x44);   /* quad k */
+        const __m512i second = _mm512_shuffle_i64x2(lo, hi, 0xee);  /* quad k + 1 */
+        for (int64_t r = 0; r < R; r++) isum[r] = dot4_512(isum[r], first, quad_of(x[r], k));
+        for (int64_t r = 0; r < R; r++)
+            isum[r] = dot4_512(isum[r], second, quad_of(x[r], k + 1));
     }
 }
 ALWAYS_INLINE void dot_block_8bit(const int64_t R, const uint8_t* qs, const int8_t* const* x,
