@@ -86,9 +86,9 @@ def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
 
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
-    """`nbytes` zero bytes (uint8, 2 MiB-aligned, resident) of a fresh anonymous mapping whose
-    pages the kernel is asked to make 2 MiB ones (MADV_HUGEPAGE: Linux, transparent huge pages
-    in `madvise` or `always` mode); 4 KiB ones where it declines.
+    """`nbytes` zero bytes (uint8, 2 MiB-aligned) of a fresh anonymous mapping whose pages the
+    kernel is asked to make 2 MiB ones (MADV_HUGEPAGE: Linux, transparent huge pages in
+    `madvise` or `always` mode) as they are first written; 4 KiB ones where it declines.
     Zen 5, one thread, against 4 KiB pages: 30 layers' linears and the LM head streamed from
     memory, one row -5 to -10% (bfloat16, int8, Q4_1), 8 rows of Q4_1 -8%; engine decode
     steps (weights and KV), one sequence -2% (bfloat16), -3% (int8), -6% (Q4_1), 8 -5 to -7%
@@ -100,6 +100,4 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     offset = -whole.data_ptr() % HUGE_PAGE_BYTES
     if length and hasattr(mmap, "MADV_HUGEPAGE"):
         mapping.madvise(mmap.MADV_HUGEPAGE, offset, length)
-    # Faulted in now: a first write in a decode step would clear (and perhaps compact for) a
-    # 2 MiB page mid-step (served ITL p99, 8 streams: x2-3 their own, with the KV so faulted).
-    return whole[offset : offset + nbytes].zero_()
+    return whole[offset : offset + nbytes]

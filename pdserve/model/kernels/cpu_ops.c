@@ -2114,7 +2114,7 @@ int linear_has_amx(void) {
 }
 
 /* Rows up to which `linear` multiplies W_INT8 weights by x split into two bytes per block of
- * 32 (amx_int8_linear, split_rows), or 0: never. */
+ * 32 (split_rows; vnni_int8_linear, amx_int8_linear), or 0: never. */
 int64_t linear_split_x_max_rows(int wfmt) {
     if (wfmt != W_INT8) return 0;
 #if defined(__AMX_BF16__)
