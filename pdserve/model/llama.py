@@ -18,7 +18,7 @@ from torch import nn
 
 from pdserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
 from pdserve.model.config import ModelConfig, Quantization
-from pdserve.model.cpu_runtime import huge_page_buffer
+from pdserve.model.cpu_runtime import huge_page_buffer, release_free_heap
 from pdserve.model.kernels.cpu_ops import (
     MAX_HEAD_DIM,
     CpuOps,
@@ -210,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _gather_kernel_weights(self) -> None:
         """Move every packed weight into one mapping of 2 MiB pages (`huge_page_buffer`), one
-        after the other, each freed as soon as copied."""
+        after the other, each freed as soon as copied and the heap then trimmed."""
         linears = [
             m for m in self.modules() if isinstance(m, Linear) and m.kernel_weight is not None
         ]
@@ -224,6 +224,7 @@ class LlamaForCausalLM(nn.Module):
             linear.kernel_weight = replace(weight, data=data.view(weight.data.shape))
             linear.kernel_weight.data.copy_(weight.data)
             offset += size
+        release_free_heap()
 
     def decoder_linears(self) -> list[Linear]:
         """Every decoder layer's linears (what prefill steps run; not the LM head)."""

@@ -264,6 +264,35 @@ def test_packed_weights_and_kv_cache_sit_in_huge_pages(tiny_folder, tiny_model):
     _assert_matches_hf(loaded, tiny_model)
 
 
+# In a fresh process (glibc's thresholds are process-wide): a 100 MiB buffer comes from the
+# heap once the runtime is tuned, and stays resident after it is freed until trimmed.
+HEAP_TRIM_SCRIPT = """
+import torch
+from pdserve.model import cpu_runtime
+assert cpu_runtime.tune_cpu_runtime(), "glibc is not the allocator"
+def anon_mib():
+    line = next(l for l in open("/proc/self/status") if l.startswith("RssAnon"))
+    return int(line.split()[1]) / 1024
+buffer = torch.ones(100 * 2**20, dtype=torch.uint8)
+held = anon_mib()
+del buffer
+freed = anon_mib()
+cpu_runtime.release_free_heap()
+print(held, freed, anon_mib())
+"""
+
+
+def test_release_free_heap_returns_what_the_tuned_heap_keeps():
+    """The weights' first copies, freed after their gathering, must not stay resident in
+    every worker (the trim threshold would keep them)."""
+    run = subprocess.run(
+        [sys.executable, "-c", HEAP_TRIM_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    held, freed, trimmed = (float(v) for v in run.stdout.split()[-3:])
+    assert freed > held - 20 and trimmed < held - 80, (held, freed, trimmed)
+
+
 def test_device_resolution():
     assert resolve_device("cpu") == CPU
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
