@@ -1044,11 +1044,22 @@ ALWAYS_INLINE void dot_block_8bit(const int64_t R, const uint8_t* qs, const int8
 #else
 #define PREFETCH_MIN_ROWS MAX_ROW_TILE
 #endif
+/* Blocks of int8 and GGUF weights (prefetch_weights) on AVX-512 cores without AMX ask for the
+ * line 8 KiB ahead into L1 at every row count. Zen 5, 30 layers' linears and the LM head from
+ * memory, one thread, against the above: Q4_1 1 row -12%, 8 rows -8%, 16 rows -5% (4 KiB:
+ * -7%, -4%, -3%; 12 KiB as 8); int8 8 rows -18%, 12 rows -14%; engine steps in the commit. */
+#if defined(PDSERVE_ISA_AVX512) && !defined(__AMX_BF16__)
+#define BLOCK_PREFETCH_BYTES 8192
+#define BLOCK_PREFETCH_MIN_ROWS 1
+#else
+#define BLOCK_PREFETCH_BYTES WEIGHT_PREFETCH_BYTES
+#define BLOCK_PREFETCH_MIN_ROWS PREFETCH_MIN_ROWS
+#endif
 ALWAYS_INLINE void prefetch_weights(const int64_t R, int wfmt, const void* p, int64_t bytes) {
-    if (R < PREFETCH_MIN_ROWS) return;
+    if (R < BLOCK_PREFETCH_MIN_ROWS) return;
     for (int64_t offset = 0; offset < bytes; offset += 64) {
-        __builtin_prefetch((const char*)p + WEIGHT_PREFETCH_BYTES + offset, 0, 3);
-        if (wfmt == W_Q8_0 && R >= MAX_ROW_TILE)
+        __builtin_prefetch((const char*)p + BLOCK_PREFETCH_BYTES + offset, 0, 3);
+        if (wfmt == W_Q8_0 && R >= MAX_ROW_TILE && BLOCK_PREFETCH_BYTES < 4 * WEIGHT_PREFETCH_BYTES)
             __builtin_prefetch((const char*)p + 4 * WEIGHT_PREFETCH_BYTES + offset, 0, 2);
     }
 }
