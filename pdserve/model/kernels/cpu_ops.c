@@ -1622,9 +1622,7 @@ ALWAYS_INLINE void prefetch_split_block(const int64_t R, const uint8_t* block) {
         __builtin_prefetch(block + 4096 + o, 0, 2);
     }
 #else
-    if (R < 4) return;
-    for (int64_t o = 0; o < block_bytes(W_INT8); o += 64)
-        __builtin_prefetch(block + BLOCK_PREFETCH_BYTES + o, 0, 3);
+    if (R >= 4) prefetch_weights(R, W_INT8, block, block_bytes(W_INT8));
 #endif
 }
 
