@@ -1065,10 +1065,14 @@ ALWAYS_INLINE void prefetch_weights(const int64_t R, int wfmt, const void* p, in
             __builtin_prefetch((const char*)p + 4 * WEIGHT_PREFETCH_BYTES + offset, 0, 2);
     }
 }
-ALWAYS_INLINE void prefetch_dense_line(const int64_t R, const void* p) {
+/* `next_chunk`: 0, or the bytes from this chunk to the next, whose line at p's place is asked
+ * into L2 instead (linear_impl). */
+ALWAYS_INLINE void prefetch_dense_line(const int64_t R, const void* p, int64_t next_chunk) {
     if (R < PREFETCH_MIN_ROWS) return;
+    const int64_t l2_ahead =
+        next_chunk ? next_chunk : (R >= MAX_ROW_TILE ? 4 : 8) * WEIGHT_PREFETCH_BYTES;
     __builtin_prefetch((const char*)p + WEIGHT_PREFETCH_BYTES, 0, 3);
-    __builtin_prefetch((const char*)p + (R >= MAX_ROW_TILE ? 4 : 8) * WEIGHT_PREFETCH_BYTES, 0, 2);
+    __builtin_prefetch((const char*)p + l2_ahead, 0, 2);
 }
 
 #if HAS_DPBF16
@@ -1089,7 +1093,7 @@ ALWAYS_INLINE int64_t dpbf16_chains(const int64_t R, int is_paired) {
  * broadcast pair of x once for both (is_paired_call). */
 ALWAYS_INLINE void dpbf16_groups(const int64_t R, const int64_t G, const int64_t P,
                                  const uint16_t* const* wg, const void* const* x, int64_t in,
-                                 V16* acc) {
+                                 int64_t next_chunk, V16* acc) {
     V16 part[2][MAX_ROW_TILE][4];
     for (int64_t h = 0; h < G; h++)
         for (int64_t r = 0; r < R; r++)
@@ -1100,7 +1104,7 @@ ALWAYS_INLINE void dpbf16_groups(const int64_t R, const int64_t G, const int64_t
         for (int64_t p = 0; p < P; p++) {
             __m512bh wv[2];
             for (int64_t h = 0; h < G; h++) {
-                prefetch_dense_line(R, wg[h] + 32 * (i + p));
+                prefetch_dense_line(R, wg[h] + 32 * (i + p), next_chunk);
                 wv[h] = (__m512bh)_mm512_loadu_si512(wg[h] + 32 * (i + p));
             }
             for (int64_t r = 0; r < R; r++) {
@@ -1131,7 +1135,7 @@ ALWAYS_INLINE void dpbf16_groups(const int64_t R, const int64_t G, const int64_t
  * load each of x's broadcasts once for both. */
 ALWAYS_INLINE void group_float(const int64_t R, const int64_t G, int wfmt,
                                const void* const* wg, const void* const* x, int64_t in,
-                               V16* acc) {
+                               int64_t next_chunk, V16* acc) {
     /* R == 1 runs 4 independent chains (interleaved inputs) to hide FMA latency. */
     const int64_t P = R == 1 ? 4 : R == 2 ? 2 : 1;
     V16 part[2][MAX_ROW_TILE][4];
@@ -1145,7 +1149,7 @@ ALWAYS_INLINE void group_float(const int64_t R, const int64_t G, int wfmt,
                 V16 wv[2];
                 for (int64_t h = 0; h < G; h++) {
                     const float* line = (const float*)wg[h] + 16 * (i + p);
-                    prefetch_dense_line(R, line);
+                    prefetch_dense_line(R, line, next_chunk);
                     wv[h] = v_load(line);
                 }
                 for (int64_t r = 0; r < R; r++) {
@@ -1167,7 +1171,7 @@ ALWAYS_INLINE void group_float(const int64_t R, const int64_t G, int wfmt,
                 V16 first[2], second[2];
                 for (int64_t h = 0; h < G; h++) {
                     const uint16_t* line = (const uint16_t*)wg[h] + 32 * (i + p);
-                    prefetch_dense_line(R, line);
+                    prefetch_dense_line(R, line, next_chunk);
                     v_load_bf16_pairs(line, &first[h], &second[h]);
                 }
                 for (int64_t r = 0; r < R; r++) {
@@ -1347,11 +1351,13 @@ ALWAYS_INLINE void store_group_rows(const V16* acc, const void* bias, void* y, i
         store_dt_n(y, (first + r) * out + 16 * g, width, v_add(acc[r], b), ydt);
 }
 
-/* Rows [first, first + n) of the output, n <= R (rows past n repeat the last one). */
+/* Rows [first, first + n) of the output, n <= R (rows past n repeat the last one);
+ * `next_chunk` as prefetch_dense_line's. */
 ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int is_paired, int ydt,
                                const uint8_t* w, const uint8_t* xs, int64_t x_row_bytes,
                                const void* bias, void* y, int64_t first, int64_t n, int64_t out,
-                               int64_t in, int64_t group_start, int64_t group_end) {
+                               int64_t in, int64_t group_start, int64_t group_end,
+                               int64_t next_chunk) {
     const void* xf[MAX_ROW_TILE];
     QuantRow xq[MAX_ROW_TILE];
     for (int64_t r = 0; r < R; r++) {
@@ -1371,10 +1377,10 @@ ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int is_pai
         if (is_bf16_dot) {
 #if HAS_DPBF16
             const uint16_t* groups[2] = {wg[0], wg[1]};
-            dpbf16_groups(R, 2, dpbf16_chains(R, is_paired), groups, xf, in, acc);
+            dpbf16_groups(R, 2, dpbf16_chains(R, is_paired), groups, xf, in, next_chunk, acc);
 #endif
         } else {
-            group_float(R, 2, wfmt, wg, xf, in, acc);
+            group_float(R, 2, wfmt, wg, xf, in, next_chunk, acc);
         }
         store_group_rows(acc, bias, y, ydt, first, n, out, g);
         store_group_rows(acc + R, bias, y, ydt, first, n, out, g + half);
@@ -1385,7 +1391,8 @@ ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int is_pai
         if (is_bf16_dot) {
 #if HAS_DPBF16
             const uint16_t* group = (const uint16_t*)wg;
-            dpbf16_groups(R, 1, dpbf16_chains(R, is_paired), &group, xf, in, acc);
+            dpbf16_groups(R, 1, dpbf16_chains(R, is_paired), &group, xf, in, next_chunk,
+                          acc);
 #endif
         } else if (is_quantized(wfmt)) {
             group_quantized(R, wfmt, wg, xq, in, acc);
@@ -1395,7 +1402,7 @@ ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int is_pai
             group_int8(R, 0, wg, xf, in, acc);
         } else {
             const void* group = wg;
-            group_float(R, 1, wfmt, &group, xf, in, acc);
+            group_float(R, 1, wfmt, &group, xf, in, next_chunk, acc);
         }
         store_group_rows(acc, bias, y, ydt, first, n, out, g);
     }
@@ -1489,7 +1496,7 @@ ALWAYS_INLINE void bf16_groups_rows(const int64_t R, const int64_t G, const uint
     for (int64_t r = 0; r < R; r++) rows_x[r] = x + (first + (r < n ? r : n - 1)) * in;
     const uint16_t* wg[2] = {groups, groups + 16 * in};
     V16 acc[2 * MAX_ROW_TILE];
-    dpbf16_groups(R, G, dpbf16_chains(R, 1), wg, rows_x, in, acc);
+    dpbf16_groups(R, G, dpbf16_chains(R, 1), wg, rows_x, in, 0, acc);
     for (int64_t h = 0; h < G; h++)
         store_group_rows(acc + h * R, bias, y, ydt, first, n, out, g + h);
 }
@@ -2232,16 +2239,24 @@ ALWAYS_INLINE void linear_impl(int wfmt, int xdt, const void* w, const void* x, 
     }
     const int is_paired = is_paired_call(wfmt, dpbf16, rows);
     /* A chunk of groups stays in L2 while every tile of rows passes over it: the weights
-     * come from memory once per call, however many rows. */
+     * come from memory once per call, however many rows. The second tile's pass over a chunk
+     * of dense weights asks for the next chunk into L2 (at each line, the line a chunk on), so
+     * that the next chunk's first pass finds its weights there: memory then streams while the
+     * passes compute. Zen 5, one thread, 30 layers' linears and the LM head from memory,
+     * against the first pass reading from memory (its prefetch 8 KiB ahead): bfloat16 (dot
+     * products) 16 rows -15%, 24 rows -12%, 32 rows -8%; float32 32 rows -6%; every pass
+     * after the first asking for it (the same lines again) no better. */
     int64_t chunk = CHUNK_BYTES / group_bytes(wfmt, in);
     chunk = chunk < 1 ? 1 : chunk;
     for (int64_t g0 = group_begin; g0 < group_end; g0 += chunk) {
         const int64_t g1 = g0 + chunk < group_end ? g0 + chunk : group_end;
         for (int64_t first = 0; first < rows; first += MAX_ROW_TILE) {
             const int64_t n = rows - first < MAX_ROW_TILE ? rows - first : MAX_ROW_TILE;
+            const int64_t next_chunk =
+                first == MAX_ROW_TILE && g1 < group_end ? (g1 - g0) * group_bytes(wfmt, in) : 0;
 #define TILE(R)                                                                                 \
     linear_tile(R, wfmt, dpbf16, is_paired, xdt, w, xs, x_row_bytes, bias, y, first, n, out, in, \
-                g0, g1)
+                g0, g1, next_chunk)
             if (n == 1)
                 TILE(1);
             else if (n == 2)
