@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import gc
 import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from pdserve.bench import cli
+from pdserve.bench.client import make_http_client
+from pdserve.bench.runner import heap_frozen, run_requests
 from pdserve.workload import load_trace
+from pdserve.workload.base import BenchRequest
+from pdserve.workload.endpoint import EndpointConfig
 from tests.bench.conftest import REPO_ROOT, running_stub
 from tests.bench.test_trace_file import AZURE_ROWS
 
@@ -165,3 +172,44 @@ def test_module_entry_point():
         timeout=60,
     )
     assert done.returncode == 0 and "--external NAME=URL" in done.stdout
+
+
+def test_a_timed_run_keeps_the_clients_heap_from_the_collector_then_hands_it_back(stub_url):
+    """A full collection pauses the client (and the records blame the server): the objects
+    alive before a run are frozen while it runs and thawed after; a freeze that was there
+    before (a server's start-up heap) is left alone."""
+    held = [[i] for i in range(50_000)]  # container objects the collector tracks
+    endpoint = EndpointConfig(base_url=stub_url, model="stub-model")
+    requests = [BenchRequest("one two three", 3, 4) for _ in range(3)]
+    frozen_during: list[int] = []
+
+    def watch(records, now) -> bool:
+        frozen_during.append(gc.get_freeze_count())
+        return False
+
+    async def run() -> list:
+        async with make_http_client(endpoint) as http:
+            arrivals = np.array([0.0, 0.15, 0.3])
+            records, _ = await run_requests(
+                http,
+                endpoint,
+                "stub-model",
+                requests,
+                arrivals,
+                show_progress=False,
+                stop_when=watch,
+            )
+            return records
+
+    assert gc.get_freeze_count() == 0
+    assert all(r.success for r in asyncio.run(run()))
+    assert frozen_during and min(frozen_during) >= len(held)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # a process that froze its own heap for good
+    try:
+        before = gc.get_freeze_count()
+        with heap_frozen():
+            assert gc.get_freeze_count() == before
+        assert gc.get_freeze_count() == before
+    finally:
+        gc.unfreeze()
