@@ -45,10 +45,11 @@ def heap_frozen() -> Iterator[None]:
     """While timing a server, keeps the objects this process held before out of the garbage
     collector's reach: a full collection holds the GIL for as long as it scans, and the
     records charge that pause to the server (late sends, late reads). In a big process (a
-    test session's: one collection of 4M objects took 0.7 s on Zen 5) one pause put 3 of 12
-    first tokens past a 500 ms SLO. What the run allocates is still collected; on exit the
-    held objects return to the collector. A process that froze its own heap already (as
-    `pdserve serve` does) keeps its freeze: nothing is frozen or thawed then."""
+    test session's) one collection of 4M objects took 0.7 s on Zen 5, the size of the delay
+    that once put 3 of 12 first tokens past a 500 ms SLO in CI. What the run allocates is
+    still collected; on exit the held objects return to the collector. A process that froze
+    its own heap already (as `pdserve serve` does) keeps its freeze: nothing is frozen or
+    thawed then."""
     if gc.get_freeze_count():
         yield
         return

@@ -701,9 +701,11 @@ ALWAYS_INLINE void decode_tiles(int kvdt, const int64_t NV, const int QK, int st
  * on 3 KV heads of 64), 4 sequences of 512 positions in cache, 410 ns a unit of 16 positions
  * (28 GB/s; 8 sequences from DRAM, blocks in order, 527 ns). A unit took, with one part left
  * out: the scoring 220 ns (its horizontal sums: 45 shuffles and adds for each head's 16 rows
- * against 32 vdpbf16ps), the V rows 283, the softmax 350, the prefetch requests 335. So K laid
- * out with positions in lanes would spare the sums; V's pairs of rows in vdpbf16ps (half the
- * instructions, weights rounded to bf16) and q held in registers did not help (417, 404 ns). */
+ * against 32 vdpbf16ps), the V rows 283, the softmax 350, the prefetch requests 335. A probe
+ * with K laid out with positions in lanes (each block's K transposed per KV head, q's pairs
+ * broadcast: no sums) took 374-379 ns against 406-415 in cache and -5% to +3% from DRAM, so the
+ * sums alone are not the bound; V's pairs of rows in vdpbf16ps (half the instructions, weights
+ * rounded to bf16) and q held in registers did not help either (417, 404 ns). */
 ALWAYS_INLINE void paged_decode_impl(int qdt, int kvdt, const int64_t NV, const int QK,
                                      const void* q,
                                      const void* k_cache, const void* v_cache,
