@@ -1342,14 +1342,19 @@ ALWAYS_INLINE int64_t group_bytes(int wfmt, int64_t in) {
  * thread, against one group at a time: engine decode steps, float32 4 sequences -11%, 32
  * sequences -7%; bfloat16 dot products 4 sequences -2 to -10%, 32 sequences -5%, int8
  * prefill (int8_dpbf16_linear) +13-20% tokens/s; 30 layers' bfloat16 linears converted to
- * float (the avx512 variant), 32 rows -13%. Not one tile of 5-8 rows (bfloat16 dot products,
- * engine steps of 6 and 8 sequences +4%), bfloat16 converted to float at 4 rows (+6 to
- * +9%), nor AVX2 (its 16 registers hold one group's 4 rows). */
+ * float (the avx512 variant), 32 rows -13%. One tile of 5-8 rows in bfloat16 dot products
+ * too, where an unpaired tile's broadcast per vdpbf16ps held it to half the roof with its
+ * weights in cache (3072 x 576 at 8 rows, 108 -> 75 us): 30 layers' linears and the LM head
+ * from memory at 8 rows -12 to -17%, engine decode steps of 5, 6 and 8 sequences -7%
+ * (builds alternating in one process; the measure when pairing came in had +4% at 6 and 8,
+ * on kernels changed since). Not
+ * float32 at 5-8 rows (+9% at 8), bfloat16 converted to float at 4 rows (+6 to +9%), nor
+ * AVX2 (its 16 registers hold one group's 4 rows). */
 ALWAYS_INLINE int is_paired_call(int wfmt, int dpbf16, int64_t rows) {
     const int is_dot = HAS_DPBF16 && dpbf16;
     if (MAX_ROW_TILE == 4 || !(wfmt == W_F32 || wfmt == W_BF16)) return 0;
     if (rows > MAX_ROW_TILE) return 1;
-    return rows <= 4 && (wfmt == W_F32 || is_dot);
+    return is_dot || (rows <= 4 && wfmt == W_F32);
 }
 
 /* Group g's outputs (16, fewer in the last group) of rows [first, first + n) from acc[r]
