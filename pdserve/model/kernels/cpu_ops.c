@@ -1087,12 +1087,10 @@ ALWAYS_INLINE void prefetch_dense_line(const int64_t R, const void* p, int64_t n
 }
 
 #if HAS_DPBF16
-/* Chains a row and group of bf16 dot products take (dpbf16_groups) for R rows, with groups
- * paired (is_paired_call) or not: 4 for one row, 2 for up to 4 rows or unpaired, 1 for paired
- * full tiles (16 chains). */
-ALWAYS_INLINE int64_t dpbf16_chains(const int64_t R, int is_paired) {
-    return R == 1 ? 4 : R <= 4 || !is_paired ? 2 : 1;
-}
+/* Chains a row and group of bf16 dot products take (dpbf16_groups) for R rows, their groups
+ * paired from 3 rows (is_paired_call): 4 for one row, 2 for up to 4 rows, 1 for 5-8 rows (16
+ * chains over the two groups). */
+ALWAYS_INLINE int64_t dpbf16_chains(const int64_t R) { return R == 1 ? 4 : R <= 4 ? 2 : 1; }
 
 /* G groups of W_BF16 weights (wg[h], 1 or 2) for R rows of bfloat16 x in P chains a row and
  * group (interleaved pairs of inputs): acc[h R + r] = group h's slice of x_r W^T, the same
@@ -1413,7 +1411,7 @@ ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int is_pai
         if (is_bf16_dot) {
 #if HAS_DPBF16
             const uint16_t* groups[2] = {wg[0], wg[1]};
-            dpbf16_groups(R, 2, dpbf16_chains(R, is_paired), groups, xf, in, next_chunk, acc);
+            dpbf16_groups(R, 2, dpbf16_chains(R), groups, xf, in, next_chunk, acc);
 #endif
         } else if (wfmt == W_INT8) {
             const uint8_t* groups[2] = {wg[0], wg[1]};
@@ -1430,8 +1428,7 @@ ALWAYS_INLINE void linear_tile(const int64_t R, int wfmt, int dpbf16, int is_pai
         if (is_bf16_dot) {
 #if HAS_DPBF16
             const uint16_t* group = (const uint16_t*)wg;
-            dpbf16_groups(R, 1, dpbf16_chains(R, is_paired), &group, xf, in, next_chunk,
-                          acc);
+            dpbf16_groups(R, 1, dpbf16_chains(R), &group, xf, in, next_chunk, acc);
 #endif
         } else if (is_quantized(wfmt)) {
             group_quantized(R, wfmt, wg, xq, in, acc);
@@ -1533,7 +1530,7 @@ ALWAYS_INLINE void bf16_groups_rows(const int64_t R, const int64_t G, const uint
     for (int64_t r = 0; r < R; r++) rows_x[r] = x + (first + (r < n ? r : n - 1)) * in;
     const uint16_t* wg[2] = {groups, groups + 16 * in};
     V16 acc[2 * MAX_ROW_TILE];
-    dpbf16_groups(R, G, dpbf16_chains(R, 1), wg, rows_x, in, 0, acc);
+    dpbf16_groups(R, G, dpbf16_chains(R), wg, rows_x, in, 0, acc);
     for (int64_t h = 0; h < G; h++)
         store_group_rows(acc + h * R, bias, y, ydt, first, n, out, g + h);
 }
