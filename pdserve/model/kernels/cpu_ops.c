@@ -1078,14 +1078,17 @@ ALWAYS_INLINE void prefetch_weights(const int64_t R, int wfmt, const void* p, in
  * into L2 instead (linear_impl), by tiles of any row count: Zen 5, 30 layers' linears and the
  * LM head from memory, a second tile of 1-4 rows asking it against none, bfloat16 at 9, 10 and
  * 12 rows -8 to -11%, float32 at 12 rows -10%. */
-/* `is_one_pass`: this pass is the call's only one over the weights (one tile of rows). A full
- * tile's further line is then asked, on the AVX-512 build (Zen 4 and 5, no AMX), 3x ahead
- * with the non-temporal hint, not 4x ahead into L2, which only later passes need: Zen 5, one
- * thread, 30 layers' linears and the LM head at 8 bfloat16 rows from memory -8 to -11% (2x
- * ahead -8 to -13%, 1.5x -6%, 4x -5%, 8x -6%; t0 at 2x -10%; t1 at 8x +7%), float32 0%;
- * engine decode steps of 8 bfloat16 sequences -7 to -10% (builds alternating in one process).
- * For tiles of a longer call the same cost 3 to 13% (12 to 32 rows). Without either request
- * an 8-row call takes a third longer: the hardware prefetcher alone leaves memory idle. */
+/* `is_one_pass`: this pass is the call's only one over the weights (one tile of rows). On the
+ * AVX-512 build (Zen 4 and 5, no AMX) such a pass of 2 rows or more asks for the line 3x
+ * ahead with the non-temporal hint (a full tile also for the line ahead into L1), not 4x
+ * ahead into L2, which only later passes need: Zen 5, one thread, 30 layers' linears and the
+ * LM head at 8 bfloat16 rows from memory -8 to -11% (2x ahead -8 to -13%, 1.5x -6%, 4x -5%,
+ * 8x -6%; t0 at 2x -10%; t1 at 8x +7%), at 6 rows -9%, float32 at 8 rows -2 to 0%; engine
+ * decode steps of 8 bfloat16 sequences -5 to -10%, 6 -8%, 2 -6%, 3 -3%, 4 0% (builds
+ * alternating in one process). One row, no faster (float32 +3.5%, bfloat16 -2.5%), keeps
+ * the hardware's prefetch alone. Tiles of a longer call asking the same took 3 to 13% longer
+ * (12 to 32 rows). With no request at all, an 8-row call takes a third longer: the hardware
+ * prefetcher alone leaves memory idle at that many dot products a line. */
 #if defined(PDSERVE_ISA_AVX512) && !defined(__AMX_BF16__)
 #define IS_ONE_PASS_NTA 1
 #else
@@ -1094,14 +1097,15 @@ ALWAYS_INLINE void prefetch_weights(const int64_t R, int wfmt, const void* p, in
 ALWAYS_INLINE void prefetch_dense_line(const int64_t R, const void* p, int64_t next_chunk,
                                        int is_one_pass) {
     if (next_chunk) __builtin_prefetch((const char*)p + next_chunk, 0, 2);
+    if (IS_ONE_PASS_NTA && is_one_pass && R > 1) {
+        if (R >= MAX_ROW_TILE) __builtin_prefetch((const char*)p + WEIGHT_PREFETCH_BYTES, 0, 3);
+        __builtin_prefetch((const char*)p + 3 * WEIGHT_PREFETCH_BYTES, 0, 0);
+        return;
+    }
     if (R < PREFETCH_MIN_ROWS) return;
     __builtin_prefetch((const char*)p + WEIGHT_PREFETCH_BYTES, 0, 3);
-    if (next_chunk) return;
-    if (IS_ONE_PASS_NTA && is_one_pass && R >= MAX_ROW_TILE)
-        __builtin_prefetch((const char*)p + 3 * WEIGHT_PREFETCH_BYTES, 0, 0);
-    else
-        __builtin_prefetch((const char*)p + (R >= MAX_ROW_TILE ? 4 : 8) * WEIGHT_PREFETCH_BYTES,
-                           0, 2);
+    const int64_t l2_ahead = (R >= MAX_ROW_TILE ? 4 : 8) * WEIGHT_PREFETCH_BYTES;
+    if (!next_chunk) __builtin_prefetch((const char*)p + l2_ahead, 0, 2);
 }
 
 #if HAS_DPBF16
