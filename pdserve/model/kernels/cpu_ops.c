@@ -1082,7 +1082,7 @@ ALWAYS_INLINE void prefetch_weights(const int64_t R, int wfmt, const void* p, in
  * AVX-512 build (Zen 4 and 5, no AMX) such a pass of 2 rows or more asks for the line 3x
  * ahead with the non-temporal hint (a full tile also for the line ahead into L1), not 4x
  * ahead into L2, which only later passes need: Zen 5, one thread, 30 layers' linears and the
- * LM head at 8 bfloat16 rows from memory -8 to -11% (2x ahead -8 to -13%, 1.5x -6%, 4x -5%,
+ * LM head at 8 bfloat16 rows from memory -10 to -11% (2x ahead -8 to -13%, 1.5x -6%, 4x -5%,
  * 8x -6%; t0 at 2x -10%; t1 at 8x +7%), at 6 rows -9%, float32 at 8 rows -2 to 0%; engine
  * decode steps of 8 bfloat16 sequences -5 to -10%, 6 -8%, 2 -6%, 3 -3%, 4 0% (builds
  * alternating in one process). One row, no faster (float32 +3.5%, bfloat16 -2.5%), keeps
